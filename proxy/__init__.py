@@ -1,0 +1,20 @@
+"""threadkeeper: a short-term-memory proxy for the OpenAI API.
+
+An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each request goes:
+
+    auth (bearer -> tenant policy)            proxy/server/auth.py, proxy/policy.py
+    parse + validate                          proxy/server/chat.py, proxy/server/responses.py
+    items view of the history                 proxy/core/items.py
+    budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
+    projection under the budget               proxy/core/projection.py (blocks, compress)
+    invariant check (never send a broken one) proxy/core/invariants.py
+    forward upstream, retries                 proxy/upstream.py
+    relay (streams decoded on the side)       proxy/sse.py
+    log the budget breakdown, metrics         proxy/logs.py, proxy/metrics.py
+
+proxy/core/ is pure Python (no network, database, web framework, environment or clock),
+enforced by the banned-import rule in proxy/core/ruff.toml. Everything with I/O sits at
+the edges: the aiohttp handlers, the upstream client and the store.
+"""
+
+__version__ = "0.1.0"

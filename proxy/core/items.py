@@ -1,0 +1,235 @@
+"""One internal view over Chat Completions messages and Responses input items.
+
+The raw JSON dict of each item is the source of truth: it is kept as given and sent
+upstream byte for byte. The core only reads a small frozen view of the fields it acts
+on (STYLE.md, "openai-python"): kind, role, id, call ids, status, name. Unknown item
+types become opaque items that keep their place in the history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Api = Literal["chat", "responses"]
+JsonDict = dict[str, Any]
+
+# Responses item types that answer a call made by an earlier item, keyed by the type of
+# the call they answer. The provider rejects a request where either half is missing.
+OUTPUT_TO_CALL_TYPE: Mapping[str, str] = {
+    "function_call_output": "function_call",
+    "custom_tool_call_output": "custom_tool_call",
+    "computer_call_output": "computer_call",
+    "local_shell_call_output": "local_shell_call",
+    "shell_call_output": "shell_call",
+    "apply_patch_call_output": "apply_patch_call",
+}
+CALL_TYPES = frozenset(OUTPUT_TO_CALL_TYPE.values())
+
+# Roles whose text is instructions rather than conversation (SPEC section 5: pinned).
+INSTRUCTION_ROLES = frozenset({"system", "developer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """A history entry: the raw dict plus the few fields the core reasons about.
+
+    `kind` is normalized across APIs: "message", "tool_calls" (a Chat assistant message
+    carrying tool_calls / function_call), "tool_output", "reasoning", "compaction",
+    "item_reference" or "other". `call_ids` are the calls this item makes; `output_for`
+    is the call this item answers.
+    """
+
+    raw: JsonDict = field(compare=False)
+    api: Api
+    kind: str
+    type: str | None
+    role: str | None = None
+    id: str | None = None
+    status: str | None = None
+    name: str | None = None
+    call_ids: tuple[str, ...] = ()
+    output_for: str | None = None
+    digest: str = ""
+
+    @property
+    def is_instruction(self) -> bool:
+        return self.kind == "message" and self.role in INSTRUCTION_ROLES
+
+    @property
+    def is_user_message(self) -> bool:
+        return self.kind == "message" and self.role == "user" and self.output_for is None
+
+    def text(self) -> str:
+        """The plain text of a message item (content string or its text parts)."""
+        return message_text(self.raw.get("content"))
+
+
+def message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, Mapping):
+                text = part.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+            elif isinstance(part, str):
+                parts.append(part)
+        return "\n".join(parts)
+    return ""
+
+
+def canonical_json(value: Any) -> str:
+    """Stable serialization used for hashing and for idempotency fingerprints."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_digest(raw: Any) -> str:
+    return hashlib.sha256(canonical_json(raw).encode("utf-8")).hexdigest()
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def chat_item(message: JsonDict) -> Item:
+    """View of one Chat Completions message."""
+    role = _str_or_none(message.get("role"))
+    digest = content_digest(message)
+    name = _str_or_none(message.get("name"))
+    if role == "assistant":
+        tool_calls = message.get("tool_calls")
+        call_ids: list[str] = []
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                if isinstance(call, Mapping) and isinstance(call.get("id"), str):
+                    call_ids.append(call["id"])
+        legacy = message.get("function_call")
+        if isinstance(legacy, Mapping) and isinstance(legacy.get("name"), str):
+            # Legacy function calls carry no id; the name pairs call and result.
+            call_ids.append(legacy_call_id(legacy["name"]))
+        if call_ids:
+            return Item(
+                message,
+                "chat",
+                "tool_calls",
+                None,
+                role,
+                None,
+                None,
+                name,
+                tuple(call_ids),
+                None,
+                digest,
+            )
+    if role == "tool":
+        call_id = _str_or_none(message.get("tool_call_id"))
+        return Item(
+            message, "chat", "tool_output", None, role, None, None, name, (), call_id, digest
+        )
+    if role == "function":
+        return Item(
+            message,
+            "chat",
+            "tool_output",
+            None,
+            role,
+            None,
+            None,
+            name,
+            (),
+            legacy_call_id(name or ""),
+            digest,
+        )
+    return Item(message, "chat", "message", None, role, None, None, name, (), None, digest)
+
+
+def legacy_call_id(function_name: str) -> str:
+    return f"legacy-function:{function_name}"
+
+
+def responses_item(raw: JsonDict) -> Item:
+    """View of one Responses input or output item."""
+    item_type = _str_or_none(raw.get("type"))
+    role = _str_or_none(raw.get("role"))
+    item_id = _str_or_none(raw.get("id"))
+    status = _str_or_none(raw.get("status"))
+    name = _str_or_none(raw.get("name"))
+    digest = content_digest(raw)
+    if item_type in (None, "message") and role is not None:
+        return Item(
+            raw, "responses", "message", "message", role, item_id, status, name, (), None, digest
+        )
+    if item_type in CALL_TYPES:
+        call_id = _str_or_none(raw.get("call_id")) or item_id
+        call_ids = (call_id,) if call_id else ()
+        return Item(
+            raw,
+            "responses",
+            "tool_calls",
+            item_type,
+            None,
+            item_id,
+            status,
+            name,
+            call_ids,
+            None,
+            digest,
+        )
+    if item_type in OUTPUT_TO_CALL_TYPE:
+        # local_shell_call_output names its call by `id` (OpenAI spec).
+        call_id = _str_or_none(raw.get("call_id")) or item_id
+        return Item(
+            raw,
+            "responses",
+            "tool_output",
+            item_type,
+            None,
+            item_id,
+            status,
+            name,
+            (),
+            call_id,
+            digest,
+        )
+    if item_type in ("reasoning", "compaction", "item_reference"):
+        return Item(
+            raw, "responses", item_type, item_type, None, item_id, status, name, (), None, digest
+        )
+    return Item(raw, "responses", "other", item_type, role, item_id, status, name, (), None, digest)
+
+
+def items_from_chat(messages: Iterable[JsonDict]) -> list[Item]:
+    return [chat_item(m) for m in messages]
+
+
+def chat_from_items(items: Iterable[Item]) -> list[JsonDict]:
+    return [item.raw for item in items]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesInput:
+    """A Responses `input` as items, remembering whether it was a bare string."""
+
+    items: tuple[Item, ...]
+    was_string: bool = False
+
+
+def items_from_responses_input(value: str | Sequence[JsonDict]) -> ResponsesInput:
+    if isinstance(value, str):
+        # OpenAI treats a string input as one user message with that text.
+        return ResponsesInput((responses_item({"role": "user", "content": value}),), True)
+    return ResponsesInput(tuple(responses_item(raw) for raw in value))
+
+
+def responses_input_from_items(value: ResponsesInput | Sequence[Item]) -> str | list[JsonDict]:
+    if isinstance(value, ResponsesInput):
+        if value.was_string and len(value.items) == 1:
+            return str(value.items[0].raw["content"])
+        return [item.raw for item in value.items]
+    return [item.raw for item in value]

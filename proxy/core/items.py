@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 Api = Literal["chat", "responses"]
@@ -69,6 +69,7 @@ class Item:
 
 
 def message_text(content: Any) -> str:
+    """Text of a message's content: the string, or its text parts joined by newlines."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -90,6 +91,7 @@ def canonical_json(value: Any) -> str:
 
 
 def content_digest(raw: Any) -> str:
+    """Key order does not change the digest: it names the content, not the bytes."""
     return hashlib.sha256(canonical_json(raw).encode("utf-8")).hexdigest()
 
 
@@ -98,55 +100,39 @@ def _str_or_none(value: Any) -> str | None:
 
 
 def chat_item(message: JsonDict) -> Item:
-    """View of one Chat Completions message."""
+    """View of one Chat Completions message.
+
+    An assistant message with `tool_calls` (or a legacy `function_call`) is a
+    "tool_calls" item; a `tool` or legacy `function` message is a "tool_output".
+    """
     role = _str_or_none(message.get("role"))
-    digest = content_digest(message)
     name = _str_or_none(message.get("name"))
-    if role == "assistant":
-        tool_calls = message.get("tool_calls")
-        call_ids: list[str] = []
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                if isinstance(call, Mapping) and isinstance(call.get("id"), str):
-                    call_ids.append(call["id"])
-        legacy = message.get("function_call")
-        if isinstance(legacy, Mapping) and isinstance(legacy.get("name"), str):
-            # Legacy function calls carry no id; the name pairs call and result.
-            call_ids.append(legacy_call_id(legacy["name"]))
-        if call_ids:
-            return Item(
-                message,
-                "chat",
-                "tool_calls",
-                None,
-                role,
-                None,
-                None,
-                name,
-                tuple(call_ids),
-                None,
-                digest,
-            )
+    view = Item(
+        message, "chat", "message", None, role=role, name=name, digest=content_digest(message)
+    )
+    if role == "assistant" and (call_ids := chat_call_ids(message)):
+        return replace(view, kind="tool_calls", call_ids=call_ids)
     if role == "tool":
-        call_id = _str_or_none(message.get("tool_call_id"))
-        return Item(
-            message, "chat", "tool_output", None, role, None, None, name, (), call_id, digest
-        )
+        answers = _str_or_none(message.get("tool_call_id"))
+        return replace(view, kind="tool_output", output_for=answers)
     if role == "function":
-        return Item(
-            message,
-            "chat",
-            "tool_output",
-            None,
-            role,
-            None,
-            None,
-            name,
-            (),
-            legacy_call_id(name or ""),
-            digest,
-        )
-    return Item(message, "chat", "message", None, role, None, None, name, (), None, digest)
+        return replace(view, kind="tool_output", output_for=legacy_call_id(name or ""))
+    return view
+
+
+def chat_call_ids(message: Mapping[str, Any]) -> tuple[str, ...]:
+    """Ids of the calls an assistant message makes, in order."""
+    call_ids: list[str] = []
+    tool_calls = message.get("tool_calls")
+    if isinstance(tool_calls, list):
+        for call in tool_calls:
+            if isinstance(call, Mapping) and isinstance(call.get("id"), str):
+                call_ids.append(call["id"])
+    legacy = message.get("function_call")
+    if isinstance(legacy, Mapping) and isinstance(legacy.get("name"), str):
+        # Legacy function calls carry no id; the name pairs call and result.
+        call_ids.append(legacy_call_id(legacy["name"]))
+    return tuple(call_ids)
 
 
 def legacy_call_id(function_name: str) -> str:
@@ -154,54 +140,37 @@ def legacy_call_id(function_name: str) -> str:
 
 
 def responses_item(raw: JsonDict) -> Item:
-    """View of one Responses input or output item."""
+    """View of one Responses input or output item.
+
+    A message may omit `type` (EasyInputMessage). Calls and their outputs pair by
+    `call_id`; local_shell_call_output names its call by `id` (OpenAI spec), so `id`
+    is the fallback. reasoning, compaction and item_reference keep their type as kind;
+    any other type is "other" and keeps its place untouched.
+    """
     item_type = _str_or_none(raw.get("type"))
-    role = _str_or_none(raw.get("role"))
     item_id = _str_or_none(raw.get("id"))
-    status = _str_or_none(raw.get("status"))
-    name = _str_or_none(raw.get("name"))
-    digest = content_digest(raw)
+    role = _str_or_none(raw.get("role"))
+    view = Item(
+        raw,
+        "responses",
+        "other",
+        item_type,
+        role=role,
+        id=item_id,
+        status=_str_or_none(raw.get("status")),
+        name=_str_or_none(raw.get("name")),
+        digest=content_digest(raw),
+    )
+    call_id = _str_or_none(raw.get("call_id")) or item_id
     if item_type in (None, "message") and role is not None:
-        return Item(
-            raw, "responses", "message", "message", role, item_id, status, name, (), None, digest
-        )
+        return replace(view, kind="message", type="message")
     if item_type in CALL_TYPES:
-        call_id = _str_or_none(raw.get("call_id")) or item_id
-        call_ids = (call_id,) if call_id else ()
-        return Item(
-            raw,
-            "responses",
-            "tool_calls",
-            item_type,
-            None,
-            item_id,
-            status,
-            name,
-            call_ids,
-            None,
-            digest,
-        )
+        return replace(view, kind="tool_calls", call_ids=(call_id,) if call_id else ())
     if item_type in OUTPUT_TO_CALL_TYPE:
-        # local_shell_call_output names its call by `id` (OpenAI spec).
-        call_id = _str_or_none(raw.get("call_id")) or item_id
-        return Item(
-            raw,
-            "responses",
-            "tool_output",
-            item_type,
-            None,
-            item_id,
-            status,
-            name,
-            (),
-            call_id,
-            digest,
-        )
+        return replace(view, kind="tool_output", output_for=call_id)
     if item_type in ("reasoning", "compaction", "item_reference"):
-        return Item(
-            raw, "responses", item_type, item_type, None, item_id, status, name, (), None, digest
-        )
-    return Item(raw, "responses", "other", item_type, role, item_id, status, name, (), None, digest)
+        return replace(view, kind=item_type)
+    return view
 
 
 def items_from_chat(messages: Iterable[JsonDict]) -> list[Item]:
@@ -221,6 +190,7 @@ class ResponsesInput:
 
 
 def items_from_responses_input(value: str | Sequence[JsonDict]) -> ResponsesInput:
+    """Items of a Responses `input`; `responses_input_from_items` gives it back as sent."""
     if isinstance(value, str):
         # OpenAI treats a string input as one user message with that text.
         return ResponsesInput((responses_item({"role": "user", "content": value}),), True)

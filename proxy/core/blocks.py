@@ -1,0 +1,141 @@
+"""Segmentation of a history into the blocks the projection keeps or replaces whole.
+
+SPEC section 5, seed section 6.2: trimming works on logical blocks, never on single
+messages, so a tool call is never separated from its result. The blocks are
+
+- pinned: one system/developer message, or a user message matching a pin pattern;
+  it stays at its log position and is never dropped;
+- turn: a closed turn, i.e. a user message and everything up to the next user message,
+  minus pinned items (items before the first user message form a leading turn);
+- current: the last user message and everything after it, always sent verbatim.
+
+A tool trajectory (the call, every output answering it, the reasoning item before it)
+lives inside one turn. When an output arrives late, after the next user message, the
+turns in between are merged so no cut can fall between the call and its output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from proxy.core.items import Item
+
+BlockKind = Literal["pinned", "turn", "current"]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Items that are kept, compressed or summarized together; positions are absolute."""
+
+    kind: BlockKind
+    positions: tuple[int, ...]
+    items: tuple[Item, ...]
+
+    @property
+    def first(self) -> int:
+        return self.positions[0]
+
+    @property
+    def last(self) -> int:
+        return self.positions[-1]
+
+
+@lru_cache(maxsize=64)
+def compile_pins(pin_patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...] | None:
+    """The pin patterns, compiled once per distinct policy. Kept apart rather than joined
+    into one alternation: a pattern may carry its own global flags, e.g. "(?i)..."."""
+    if not pin_patterns:
+        return None
+    return tuple(re.compile(p) for p in pin_patterns)
+
+
+def is_pinned(item: Item, pins: tuple[re.Pattern[str], ...] | None) -> bool:
+    if item.is_instruction:
+        return True
+    if pins is None or not item.is_user_message:
+        return False
+    text = item.text()
+    return any(pin.search(text) is not None for pin in pins)
+
+
+def segment(
+    items: Sequence[Item], pin_patterns: Iterable[str] = (), first_position: int = 0
+) -> list[Block]:
+    """Blocks in log order (a pinned block sorts by its position among turns)."""
+    pins = compile_pins(tuple(pin_patterns))
+    turn_of = _merged_turn_ids(items)
+    current_start = _current_start(items, turn_of, pins)
+    blocks: list[Block] = []
+    pending: list[int] = []
+    pending_turn: int | None = None
+    for index in range(current_start):
+        item = items[index]
+        if is_pinned(item, pins):
+            blocks.append(_block("pinned", [index], items, first_position))
+            continue
+        if pending and turn_of[index] != pending_turn:
+            blocks.append(_block("turn", pending, items, first_position))
+            pending = []
+        pending.append(index)
+        pending_turn = turn_of[index]
+    if pending:
+        blocks.append(_block("turn", pending, items, first_position))
+    blocks.sort(key=lambda block: block.first)
+    current = list(range(current_start, len(items)))
+    blocks.append(_block("current", current, items, first_position))
+    return blocks
+
+
+def _block(kind: BlockKind, indices: list[int], items: Sequence[Item], offset: int) -> Block:
+    return Block(kind, tuple(i + offset for i in indices), tuple(items[i] for i in indices))
+
+
+def _turn_ids(items: Sequence[Item]) -> list[int]:
+    """Turn number of each item: how many user messages came before or at it."""
+    turn = 0
+    ids = []
+    for item in items:
+        if item.is_user_message:
+            turn += 1
+        ids.append(turn)
+    return ids
+
+
+def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
+    """Turn ids where every turn between a call and its late output is merged into one."""
+    ids = _turn_ids(items)
+    reach = list(range(ids[-1] + 1)) if ids else []
+    call_turn: dict[str, int] = {}
+    for index, item in enumerate(items):
+        for call_id in item.call_ids:
+            call_turn[call_id] = ids[index]
+        if item.output_for is not None and item.output_for in call_turn:
+            start = call_turn[item.output_for]
+            reach[start] = max(reach[start], ids[index])
+    merged_to: list[int] = []
+    group, group_end = 0, -1
+    for turn, end in enumerate(reach):
+        if turn > group_end:
+            group = turn
+        group_end = max(group_end, end)
+        merged_to.append(group)
+    return [merged_to[t] for t in ids]
+
+
+def _current_start(
+    items: Sequence[Item], turn_of: list[int], pins: tuple[re.Pattern[str], ...] | None
+) -> int:
+    """Index where the current turn begins (len(items) when there is none).
+
+    It is the first item of the (merged) turn holding the last user message; a history
+    without user messages is all current except its leading pinned items.
+    """
+    last_user = next((i for i in range(len(items) - 1, -1, -1) if items[i].is_user_message), None)
+    if last_user is None:
+        return next((i for i, it in enumerate(items) if not is_pinned(it, pins)), len(items))
+    turn = turn_of[last_user]
+    return next(i for i in range(len(items)) if turn_of[i] == turn)

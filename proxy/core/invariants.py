@@ -1,0 +1,132 @@
+"""The invariants every projected context must keep (SPEC section 5, seed section 6.1).
+
+A violation is a bug in the projection: it is raised, never sent. Positions are indices
+into `original`, the history the projection was given.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+
+from proxy.core.items import Item
+
+
+class InvariantViolation(AssertionError):
+    """The projected context breaks an invariant of SPEC section 5."""
+
+
+def check_invariants(
+    original: Sequence[Item],
+    sent: Sequence[Item],
+    pinned_positions: Iterable[int],
+    current_positions: Iterable[int],
+) -> None:
+    _check_one_api(sent)
+    _check_pinned_kept(original, sent, pinned_positions)
+    _check_current_verbatim(original, sent, current_positions)
+    _check_calls_closed(original, sent)
+    _check_causal_order(original, sent)
+    _check_serializable(sent)
+
+
+def _check_one_api(sent: Sequence[Item]) -> None:
+    apis = {item.api for item in sent}
+    if len(apis) > 1:
+        raise InvariantViolation(f"context mixes item shapes of {sorted(apis)}")
+
+
+def _check_pinned_kept(
+    original: Sequence[Item], sent: Sequence[Item], pinned_positions: Iterable[int]
+) -> None:
+    available = Counter(item.digest for item in sent)
+    for position in pinned_positions:
+        digest = original[position].digest
+        if available[digest] <= 0:
+            raise InvariantViolation(f"pinned item at position {position} was dropped")
+        available[digest] -= 1
+
+
+def _check_current_verbatim(
+    original: Sequence[Item], sent: Sequence[Item], current_positions: Iterable[int]
+) -> None:
+    current = [original[p] for p in current_positions]
+    if not current:
+        return
+    tail = sent[-len(current) :]
+    if len(tail) != len(current) or any(
+        a.digest != b.digest or a.raw != b.raw for a, b in zip(tail, current, strict=True)
+    ):
+        raise InvariantViolation("the current turn is not sent whole and verbatim at the end")
+
+
+def _check_calls_closed(original: Sequence[Item], sent: Sequence[Item]) -> None:
+    """No new orphans: a call answered in the log is sent with its output or not at all."""
+    answered = _call_ids(original) & _output_ids(original)
+    sent_calls, sent_outputs = _call_ids(sent), _output_ids(sent)
+    for call_id in sorted(answered):
+        if (call_id in sent_calls) != (call_id in sent_outputs):
+            half = "call" if call_id in sent_calls else "output"
+            raise InvariantViolation(f"call {call_id!r}: its {half} is sent without the other")
+
+
+def _call_ids(items: Iterable[Item]) -> set[str]:
+    return {call_id for item in items for call_id in item.call_ids}
+
+
+def _output_ids(items: Iterable[Item]) -> set[str]:
+    return {item.output_for for item in items if item.output_for is not None}
+
+
+def _check_causal_order(original: Sequence[Item], sent: Sequence[Item]) -> None:
+    """Items taken from the log keep the log's order; an output never precedes its call.
+
+    A compressed output stands at its original's position (matched by call id); summary
+    items are new and have no position.
+    """
+    by_digest: dict[str, list[int]] = defaultdict(list)
+    output_position: dict[str, int] = {}
+    for position, item in enumerate(original):
+        by_digest[item.digest].append(position)
+        if item.output_for is not None:
+            output_position.setdefault(item.output_for, position)
+    last = -1
+    for item in sent:
+        found = _next_position(item, by_digest, output_position, last)
+        if found is None:
+            continue
+        if found <= last:
+            raise InvariantViolation(f"item from log position {found} sent out of order")
+        last = found
+    _check_calls_before_outputs(sent)
+
+
+def _next_position(
+    item: Item, by_digest: dict[str, list[int]], output_position: dict[str, int], last: int
+) -> int | None:
+    positions = by_digest.get(item.digest)
+    if positions:
+        index = bisect_right(positions, last)
+        return positions[index] if index < len(positions) else positions[-1]
+    if item.output_for is not None:
+        return output_position.get(item.output_for)
+    return None
+
+
+def _check_calls_before_outputs(sent: Sequence[Item]) -> None:
+    called: set[str] = set()
+    all_calls = _call_ids(sent)
+    for item in sent:
+        called.update(item.call_ids)
+        if item.output_for in all_calls and item.output_for not in called:
+            raise InvariantViolation(f"output for {item.output_for!r} is sent before its call")
+
+
+def _check_serializable(sent: Sequence[Item]) -> None:
+    for index, item in enumerate(sent):
+        try:
+            json.dumps(item.raw, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvariantViolation(f"item {index} does not serialize to JSON: {exc}") from exc

@@ -1,0 +1,606 @@
+"""A scripted OpenAI-compatible provider on loopback (aiohttp's examples/fake_server.py idea).
+
+Used by the end-to-end tests, `threadkeeper demo` and the benchmarks: it speaks the real
+wire format (JSON bodies, SSE event sequences, error envelopes, `x-request-id`), records
+every request it receives, and answers model requests from a FIFO script of `Reply`s,
+falling back to a short echo when the script is empty.
+
+>>> provider = FakeProvider()
+>>> base_url = await provider.start()          # "http://127.0.0.1:<port>/v1"
+>>> provider.script.append(Reply(tool_calls=[("refund_order", '{"order_id": 7}')]))
+>>> ...                                          # point the proxy's upstream at base_url
+>>> provider.requests[-1].json["messages"]
+>>> await provider.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import re
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.core.items import items_from_responses_input, message_text
+from proxy.core.tokens import TokenCounter
+from proxy.sse import DONE, encode_event, encode_json_event
+
+log = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+DEFAULT_MODEL = "gpt-4o-mini"
+MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
+ECHO_CHARS = 40
+EMBEDDING = (0.125, -0.25, 0.5, 0.0625)  # exactly representable in float32
+FINGERPRINT = "fp_threadkeeper_fake"
+
+
+# (request body, reply) -> the answer; (request body, answer) -> its SSE frames.
+AnswerBuilder = Callable[[JsonDict, "Reply"], JsonDict]
+FrameBuilder = Callable[[JsonDict, JsonDict], list[bytes]]
+
+
+@dataclass
+class Reply:
+    """One scripted answer to a model request (POST /v1/chat/completions or /v1/responses).
+
+    `text` and `tool_calls` shape a normal answer; `body` replaces it with exact JSON;
+    `status >= 400` gives OpenAI's error envelope (message = `text` when set).
+    """
+
+    status: int = 200
+    body: JsonDict | None = None
+    text: str | None = None
+    tool_calls: list[tuple[str, str]] | None = None  # (name, arguments JSON)
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0  # before the response headers
+    stream_chunk_delay: float = 0.0  # between stream events
+    disconnect_after: int | None = None  # streams: drop the connection after N events
+    retry_after: str | None = None  # value of the Retry-After header
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    method: str
+    path: str
+    query: str
+    headers: CIMultiDictProxy[str]  # case-insensitive: headers["Authorization"] works
+    json: Any  # the parsed body, None when it is not JSON
+    raw: bytes
+
+
+class FakeProvider:
+    """An OpenAI-compatible server on loopback with scripted answers."""
+
+    def __init__(self, models: Sequence[str] = MODELS) -> None:
+        self.models = tuple(models)
+        self.requests: list[RecordedRequest] = []
+        self.script: list[Reply] = []
+        self.base_url: str | None = None
+        self._app = self._build_app()
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def app(self) -> web.Application:
+        return self._app
+
+    @property
+    def model_requests(self) -> list[RecordedRequest]:
+        """The requests that consumed (or would have consumed) a scripted reply."""
+        return [r for r in self.requests if r.method == "POST" and r.path in MODEL_PATHS]
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._runner = web.AppRunner(self._app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound_port = self._runner.addresses[0][1]
+        self.base_url = f"http://{host}:{bound_port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeProvider:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # --- routing ----------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application()
+        app.on_response_prepare.append(_add_request_id)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_route("*", "/{tail:.*}", self._echo)
+        return app
+
+    async def _record(self, request: web.Request) -> RecordedRequest:
+        raw = await request.read()
+        recorded = RecordedRequest(
+            method=request.method,
+            path=request.path,
+            query=request.rel_url.raw_query_string,
+            headers=CIMultiDictProxy(CIMultiDict(request.headers)),
+            json=_parse_json(raw),
+            raw=raw,
+        )
+        self.requests.append(recorded)
+        return recorded
+
+    def _next_reply(self) -> Reply:
+        return self.script.pop(0) if self.script else Reply()
+
+    # --- model endpoints --------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._model_request(request, chat_completion, chat_stream_frames)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._model_request(request, response_object, response_stream_frames)
+
+    async def _model_request(
+        self, request: web.Request, build: AnswerBuilder, frames: FrameBuilder
+    ) -> web.StreamResponse:
+        body = (await self._record(request)).json
+        if not isinstance(body, dict):
+            return error_response(400, "We could not parse the JSON body of your request.")
+        reply = self._next_reply()
+        if reply.delay:
+            await asyncio.sleep(reply.delay)
+        headers = reply_headers(reply)
+        if reply.status >= 400:
+            return error_response(reply.status, reply.text, headers, reply.body)
+        if reply.body is not None:
+            return web.json_response(reply.body, status=reply.status, headers=headers)
+        result = build(body, reply)
+        if not body.get("stream"):
+            return web.json_response(result, status=reply.status, headers=headers)
+        return await self._stream(request, reply, headers, frames(body, result))
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, headers: dict[str, str], frames: list[bytes]
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=reply.status,
+            headers={"content-type": "text/event-stream; charset=utf-8", **headers},
+        )
+        response.headers.setdefault("cache-control", "no-cache")
+        await response.prepare(request)
+        for sent, frame in enumerate(frames):
+            if reply.disconnect_after is not None and sent >= reply.disconnect_after:
+                return _drop_connection(request, response)
+            if sent and reply.stream_chunk_delay:
+                await asyncio.sleep(reply.stream_chunk_delay)
+            # One write per event: each reaches the socket as its own chunk.
+            await response.write(frame)
+        await response.write_eof()
+        return response
+
+    # --- other endpoints --------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        data = [
+            {"id": model, "object": "model", "created": 1700000000, "owned_by": "threadkeeper"}
+            for model in self.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = (await self._record(request)).json
+        if not isinstance(body, dict) or "input" not in body:
+            return error_response(400, "Missing required parameter: 'input'.", param="input")
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        if inputs and isinstance(inputs[0], int):
+            inputs = [inputs]  # one input given as a token array
+        as_base64 = body.get("encoding_format") == "base64"
+        data = [
+            {"object": "embedding", "index": i, "embedding": _embedding(as_base64)}
+            for i in range(len(inputs))
+        ]
+        model = str(body.get("model") or "text-embedding-3-small")
+        tokens = sum(_embedding_input_tokens(model, value) for value in inputs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+
+    async def _echo(self, request: web.Request) -> web.Response:
+        recorded = await self._record(request)
+        body: Any = recorded.json
+        if body is None and recorded.raw:
+            body = recorded.raw.decode("utf-8", "replace")
+        echo = {
+            "method": recorded.method,
+            "path": recorded.path,
+            "query": recorded.query,
+            "body": body,
+        }
+        return web.json_response(echo)
+
+
+MODEL_PATHS = frozenset({"/v1/chat/completions", "/v1/responses"})
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.setdefault("x-request-id", new_id("req_"))
+
+
+def _drop_connection(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """Close the socket mid-body: the client sees a chunked body that never ends."""
+    if request.transport is not None:
+        request.transport.close()
+    response.force_close()
+    return response
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+def reply_headers(reply: Reply) -> dict[str, str]:
+    headers = dict(reply.headers)
+    if reply.retry_after is not None:
+        headers["retry-after"] = reply.retry_after
+    return headers
+
+
+def _parse_json(raw: bytes) -> Any | None:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+# --- errors -------------------------------------------------------------------------------
+
+_ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("permission_error", None),
+    404: ("invalid_request_error", "not_found"),
+    409: ("invalid_request_error", "conflict"),
+    422: ("invalid_request_error", None),
+    429: ("requests", "rate_limit_exceeded"),
+}
+
+
+def error_envelope(status: int, message: str | None = None, param: str | None = None) -> JsonDict:
+    kind, code = _ERROR_KINDS.get(status, ("server_error", None))
+    text = message or f"Scripted error {status} from the fake provider."
+    return {"error": {"message": text, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str | None = None,
+    headers: dict[str, str] | None = None,
+    body: JsonDict | None = None,
+    param: str | None = None,
+) -> web.Response:
+    payload = body if body is not None else error_envelope(status, message, param)
+    return web.json_response(payload, status=status, headers=headers)
+
+
+# --- token counts -----------------------------------------------------------------------
+
+
+def _counter(model: str) -> TokenCounter:
+    return TokenCounter.for_model(model)
+
+
+def chat_prompt_tokens(body: JsonDict) -> int:
+    counter = _counter(str(body.get("model") or DEFAULT_MODEL))
+    try:
+        return counter.chat_prompt(body.get("messages") or [], body.get("tools") or ())
+    except (TypeError, ValueError, AttributeError, AssertionError):
+        # A malformed request still gets an answer: the fake is not a validator.
+        return counter.text(json.dumps(body.get("messages")))
+
+
+def responses_prompt_tokens(body: JsonDict) -> int:
+    counter = _counter(str(body.get("model") or DEFAULT_MODEL))
+    try:
+        items = items_from_responses_input(body.get("input") or []).items
+        return counter.responses_prompt(items, body.get("instructions"), body.get("tools") or ())
+    except (TypeError, ValueError, AttributeError, AssertionError, KeyError):
+        return counter.text(json.dumps(body.get("input")))
+
+
+def reply_tokens(model: str, text: str | None, calls: Iterable[tuple[str, str]]) -> int:
+    counter = _counter(model)
+    total = counter.text(text) if text else 0
+    return total + sum(counter.text(name) + counter.text(args) for name, args in calls)
+
+
+def _embedding_input_tokens(model: str, value: Any) -> int:
+    if isinstance(value, list):
+        return len(value)
+    return _counter(model).text(str(value))
+
+
+def _embedding(as_base64: bool) -> list[float] | str:
+    if not as_base64:
+        return list(EMBEDDING)
+    return base64.b64encode(struct.pack(f"<{len(EMBEDDING)}f", *EMBEDDING)).decode("ascii")
+
+
+# --- answers ------------------------------------------------------------------------------
+
+
+def echo_text(last_user_text: str) -> str:
+    text = " ".join(last_user_text.split())
+    if len(text) > ECHO_CHARS:
+        text = text[:ECHO_CHARS] + "..."
+    return f"ok: {text}"
+
+
+def reply_text(reply: Reply, last_user_text: str) -> str | None:
+    """The assistant text: scripted, none when only tool calls are scripted, else an echo."""
+    if reply.text is not None:
+        return reply.text
+    if reply.tool_calls:
+        return None
+    return echo_text(last_user_text)
+
+
+def last_chat_user_text(messages: Any) -> str:
+    for message in reversed(messages if isinstance(messages, list) else []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return message_text(message.get("content"))
+    return ""
+
+
+def last_responses_user_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    for item in reversed(value if isinstance(value, list) else []):
+        if isinstance(item, dict) and item.get("role") == "user":
+            return message_text(item.get("content"))
+    return ""
+
+
+def chat_completion(body: JsonDict, reply: Reply) -> JsonDict:
+    """The non-streaming `chat.completion`; the stream is derived from it."""
+    model = str(body.get("model") or DEFAULT_MODEL)
+    text = reply_text(reply, last_chat_user_text(body.get("messages")))
+    calls = reply.tool_calls or []
+    message: JsonDict = {"role": "assistant", "content": text, "refusal": None}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": new_id("call_"),
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+            for name, args in calls
+        ]
+    prompt = chat_prompt_tokens(body)
+    completion = reply_tokens(model, text, calls)
+    return {
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if calls else "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 0,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 0,
+                "rejected_prediction_tokens": 0,
+            },
+        },
+        "service_tier": "default",
+        "system_fingerprint": FINGERPRINT,
+    }
+
+
+def text_pieces(text: str) -> list[str]:
+    """Word-sized deltas, as a model streams them."""
+    return re.findall(r"\s*\S+|\s+$", text) or [text]
+
+
+def argument_pieces(arguments: str, parts: int = 3) -> list[str]:
+    """Arguments split into a few deltas, so accumulation is exercised."""
+    size = max(1, -(-len(arguments) // parts))
+    return [arguments[i : i + size] for i in range(0, len(arguments), size)] or [""]
+
+
+def chat_stream_chunks(body: JsonDict, completion: JsonDict) -> list[JsonDict]:
+    """The `chat.completion.chunk` objects OpenAI would stream for this completion."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    choice = completion["choices"][0]
+    message = choice["message"]
+    base = {
+        "id": completion["id"],
+        "object": "chat.completion.chunk",
+        "created": completion["created"],
+        "model": completion["model"],
+        "service_tier": completion["service_tier"],
+        "system_fingerprint": completion["system_fingerprint"],
+    }
+
+    def chunk(delta: JsonDict, finish: str | None = None) -> JsonDict:
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        extra = {"usage": None} if include_usage else {}
+        return {**base, "choices": choices, **extra}
+
+    first_content = "" if message["content"] is not None else None
+    chunks = [chunk({"role": "assistant", "content": first_content, "refusal": None})]
+    if message["content"]:
+        chunks.extend(chunk({"content": piece}) for piece in text_pieces(message["content"]))
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        function = call["function"]
+        opening = {
+            "index": index,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": function["name"], "arguments": ""},
+        }
+        chunks.append(chunk({"tool_calls": [opening]}))
+        for piece in argument_pieces(function["arguments"]):
+            delta = {"index": index, "function": {"arguments": piece}}
+            chunks.append(chunk({"tool_calls": [delta]}))
+    chunks.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        chunks.append({**base, "choices": [], "usage": completion["usage"]})
+    return chunks
+
+
+def chat_stream_frames(body: JsonDict, completion: JsonDict) -> list[bytes]:
+    frames = [encode_json_event(chunk) for chunk in chat_stream_chunks(body, completion)]
+    return [*frames, encode_event(DONE)]
+
+
+def response_object(body: JsonDict, reply: Reply) -> JsonDict:
+    """The completed Response; the event stream is derived from it."""
+    model = str(body.get("model") or DEFAULT_MODEL)
+    text = reply_text(reply, last_responses_user_text(body.get("input")))
+    calls = reply.tool_calls or []
+    output: list[JsonDict] = []
+    if text is not None:
+        output.append(output_message(text))
+    output.extend(function_call_item(name, args) for name, args in calls)
+    prompt = responses_prompt_tokens(body)
+    completion = reply_tokens(model, text, calls)
+    now = int(time.time())
+    return {
+        "id": new_id("resp_"),
+        "object": "response",
+        "created_at": now,
+        "status": "completed",
+        "completed_at": now,
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": body.get("previous_response_id"),
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "service_tier": "default",
+        "store": body.get("store", True),
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}, "verbosity": "medium"},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0),
+        "truncation": body.get("truncation", "disabled"),
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        },
+        "user": body.get("user"),
+    }
+
+
+def output_message(text: str) -> JsonDict:
+    return {
+        "id": new_id("msg_"),
+        "type": "message",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def function_call_item(name: str, arguments: str) -> JsonDict:
+    return {
+        "id": new_id("fc_"),
+        "type": "function_call",
+        "status": "completed",
+        "call_id": new_id("call_"),
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def response_stream_events(response: JsonDict) -> list[JsonDict]:
+    """OpenAI's event sequence for this Response, numbered by `sequence_number`."""
+    started = {**response, "status": "in_progress", "completed_at": None, "output": []}
+    started["usage"] = None
+    events: list[tuple[str, JsonDict]] = [
+        ("response.created", {"response": started}),
+        ("response.in_progress", {"response": started}),
+    ]
+    for index, item in enumerate(response["output"]):
+        events.extend(_item_events(index, item))
+    events.append(("response.completed", {"response": response}))
+    return [
+        {"type": kind, **data, "sequence_number": number}
+        for number, (kind, data) in enumerate(events)
+    ]
+
+
+def _item_events(index: int, item: JsonDict) -> list[tuple[str, JsonDict]]:
+    if item["type"] == "function_call":
+        added = {**item, "status": "in_progress", "arguments": ""}
+        where = {"item_id": item["id"], "output_index": index}
+        events = [("response.output_item.added", {"output_index": index, "item": added})]
+        events.extend(
+            ("response.function_call_arguments.delta", {**where, "delta": piece})
+            for piece in argument_pieces(item["arguments"])
+        )
+        done = {**where, "name": item["name"], "arguments": item["arguments"]}
+        events.append(("response.function_call_arguments.done", done))
+    else:
+        added = {**item, "status": "in_progress", "content": []}
+        events = [("response.output_item.added", {"output_index": index, "item": added})]
+        for part_index, part in enumerate(item.get("content") or ()):
+            events.extend(_text_part_events(item["id"], index, part_index, part))
+    events.append(("response.output_item.done", {"output_index": index, "item": item}))
+    return events
+
+
+def _text_part_events(
+    item_id: str, index: int, part_index: int, part: JsonDict
+) -> list[tuple[str, JsonDict]]:
+    where = {"item_id": item_id, "output_index": index, "content_index": part_index}
+    events = [("response.content_part.added", {**where, "part": {**part, "text": ""}})]
+    events.extend(
+        ("response.output_text.delta", {**where, "delta": piece, "logprobs": []})
+        for piece in text_pieces(part["text"])
+    )
+    events.append(("response.output_text.done", {**where, "text": part["text"], "logprobs": []}))
+    events.append(("response.content_part.done", {**where, "part": part}))
+    return events
+
+
+def response_stream_frames(body: JsonDict, response: JsonDict) -> list[bytes]:
+    events = response_stream_events(response)
+    return [encode_json_event(event, event=event["type"]) for event in events]

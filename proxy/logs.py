@@ -1,0 +1,238 @@
+"""Structured logs: one JSON object per line, secrets never written.
+
+    configure_logging("info")                  # once, at start
+    register_secret(os.environ["ACME_OPENAI_KEY"])
+    structlog.get_logger(__name__).info("upstream request", route="/v1/responses")
+
+structlog events and stdlib `logging` records (aiohttp, proxy.core.tokens' warnings) go
+through the same formatter, so both come out as JSON and both pass the redactor.
+
+Redaction is by key and by value. A key named like a credential (authorization, api_key,
+token, secret, password, cookie...) has its whole value replaced unless the value is a
+number (so `context_tokens=1234` is still logged). Any string anywhere, nested dicts and
+lists included, has bearer/basic credentials, OpenAI-style keys (sk-..., sk-proj-...),
+`api_key=...`-style pairs and every registered secret replaced by "[redacted]".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import EventDict, WrappedLogger
+
+REDACTED = "[redacted]"
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+# Key names (lowercased, "-" and "." read as "_") whose values are credentials: the name
+# ends in one of these words, so "x_api_key" is a secret and "api_key_env" is not.
+SECRET_KEY = re.compile(
+    r"(^|_)(authorization|api_?key|apikey|token|secret|secret_key|private_key|password|"
+    r"passwd|cookie|credentials?)$"
+)
+# Credential-looking parts of any string.
+SECRET_TEXT = (
+    # "Bearer xyz" (headers, curl lines, exception messages)
+    (re.compile(r"(?i)\b(bearer)(\s+)[A-Za-z0-9._~+/=-]+"), rf"\1\2{REDACTED}"),
+    # "Basic dXNlcjpwYXNz": base64 has a lowercase letter followed by an uppercase letter or
+    # digit somewhere, an English word after "basic" does not
+    (
+        re.compile(r"(?i:\b(basic)(\s+))(?=[A-Za-z0-9+/]*[a-z][A-Z0-9+/])[A-Za-z0-9+/]{8,}=*"),
+        rf"\1\2{REDACTED}",
+    ),
+    # OpenAI-style keys: sk-..., sk-proj-..., sk-svcacct-..., proxy keys like sk-tk-...
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{6,}"), REDACTED),
+    # api_key=..., "api-key": "...", password: ... inside a dumped body, URL or header list
+    (
+        re.compile(
+            r"(?i)(\b(?:authorization|cookie|api[_-]?key|apikey|access[_-]?token|token|secret|"
+            r"password|passwd)"
+            r"[\"']?\s*[:=]\s*[\"']?)(?!(?:bearer|basic)\s)([^\"'\s,&;}]+)"
+        ),
+        rf"\1{REDACTED}",
+    ),
+)
+# Registered secrets shorter than this are ignored: they would blank out ordinary text.
+MIN_SECRET_LENGTH = 6
+# Past this many, new secrets are not registered (the first ones, provider keys registered
+# at start, are never pushed out); bearer tokens and sk- keys are still caught by shape.
+MAX_REGISTERED_SECRETS = 1024
+# The combined pattern is rebuilt at most this often; newer secrets are matched one by one
+# until then, so a stream of new tokens cannot make every log line recompile it.
+RECOMPILE_SECONDS = 1.0
+
+
+class Redactor:
+    """A structlog processor that removes credentials; holds the registered secrets."""
+
+    def __init__(self) -> None:
+        self._secrets: set[str] = set()
+        self._compiled: re.Pattern[str] | None = None
+        self._compiled_secrets: frozenset[str] = frozenset()
+        self._compiled_at = -math.inf
+        self._pending: tuple[str, ...] = ()  # registered since the last compile, longest first
+        self._lock = threading.Lock()
+
+    def register(self, value: str) -> None:
+        """Never log `value` (a provider key read from env, a proxy key seen on a request)."""
+        if not isinstance(value, str) or len(value) < MIN_SECRET_LENGTH:
+            return
+        if value in self._secrets or len(self._secrets) >= MAX_REGISTERED_SECRETS:
+            return
+        with self._lock:
+            self._secrets.add(value)
+            self._pending = _longest_first(self._secrets - self._compiled_secrets)
+
+    def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+        return {key: self.value(key, value) for key, value in event_dict.items()}
+
+    def value(self, key: Any, value: Any) -> Any:
+        """`value` with credentials removed; `key` is the name it is logged under."""
+        if isinstance(value, bool | int | float) or value is None:
+            return value
+        if isinstance(key, str) and is_secret_key(key):
+            return REDACTED
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, bytes | bytearray):
+            return self.text(bytes(value).decode("utf-8", errors="replace"))
+        if isinstance(value, Mapping):
+            return {self.text(str(k)): self.value(k, v) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self.value(None, item) for item in value]
+        return self.text(str(value))
+
+    def text(self, text: str) -> str:
+        compiled, pending = self._registered()
+        if compiled is not None:
+            text = compiled.sub(REDACTED, text)
+        for secret in pending:
+            text = text.replace(secret, REDACTED)
+        for regex, replacement in SECRET_TEXT:
+            text = regex.sub(replacement, text)
+        return text
+
+    def _registered(self) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
+        """The compiled pattern and the secrets it does not cover yet."""
+        if self._pending and time.monotonic() - self._compiled_at >= RECOMPILE_SECONDS:
+            with self._lock:
+                secrets = frozenset(self._secrets)
+                self._compiled = _secrets_pattern(secrets)
+                self._compiled_secrets = secrets
+                self._compiled_at = time.monotonic()
+                self._pending = ()
+        return self._compiled, self._pending
+
+
+def _longest_first(secrets: Iterable[str]) -> tuple[str, ...]:
+    return tuple(sorted(secrets, key=len, reverse=True))
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """One regex for many literals, shared prefixes merged, so matching is not O(words)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}
+    return _trie_node_pattern(trie)
+
+
+def _trie_node_pattern(node: dict[str, Any]) -> str:
+    branches = []
+    for char, child in node.items():
+        if not char:
+            continue
+        run = char
+        while len(child) == 1 and "" not in child:  # a chain: no recursion per character
+            ((char, child),) = child.items()
+            run += char
+        branches.append(re.escape(run) + _trie_node_pattern(child))
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+    return f"(?:{body})?" if "" in node else body
+
+
+def _secrets_pattern(secrets: Iterable[str]) -> re.Pattern[str]:
+    try:
+        return re.compile(_trie_pattern(secrets))
+    except (RecursionError, re.error):  # pathological nesting: plain alternation instead
+        return re.compile("|".join(map(re.escape, _longest_first(secrets))))
+
+
+def is_secret_key(key: str) -> bool:
+    return SECRET_KEY.search(key.lower().replace("-", "_").replace(".", "_")) is not None
+
+
+# The process's redactor. Logging itself is process-wide (structlog's configuration and
+# the root logger), so this one object is shared by it; tests may build their own.
+DEFAULT_REDACTOR = Redactor()
+
+
+def redact_secrets(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """structlog processor using the process's redactor."""
+    return DEFAULT_REDACTOR(logger, method_name, event_dict)
+
+
+def register_secret(value: str) -> None:
+    DEFAULT_REDACTOR.register(value)
+
+
+class _JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Marks the handler configure_logging installed, so calling it again replaces it."""
+
+
+def configure_logging(
+    level: str = "info", stream: TextIO | None = None, redactor: Redactor | None = None
+) -> Redactor:
+    """Send structlog and stdlib logging to `stream` (default stdout) as redacted JSON lines."""
+    redactor = redactor or DEFAULT_REDACTOR
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            redactor,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+    handler = _JsonLinesHandler(stream or sys.stdout)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _JsonLinesHandler)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(LEVELS.get(level.lower(), logging.INFO))
+    return redactor

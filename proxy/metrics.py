@@ -1,0 +1,78 @@
+"""Prometheus metrics, one registry per app (no process-global state).
+
+metrics = Metrics()
+metrics.requests.labels(route="/v1/responses", status="200", tenant="acme").inc()
+body, content_type = metrics.render()      # GET /metrics
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# What a rebuild removed from the context (SPEC section 5, in relief order).
+TRIM_KINDS = ("dropped", "compressed", "summarized")
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TOKEN_BUCKETS = (
+    256, 1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 64_000,
+    128_000, 200_000, 400_000, 1_000_000,
+)  # fmt: skip
+REBUILD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """The proxy's metrics, registered on their own CollectorRegistry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "threadkeeper_requests",
+            "Requests answered, by route, HTTP status and tenant.",
+            ("route", "status", "tenant"),
+            registry=self.registry,
+        )
+        self.upstream_latency = Histogram(
+            "threadkeeper_upstream_latency_seconds",
+            "Time from sending a request upstream to its response headers.",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.context_tokens = Histogram(
+            "threadkeeper_context_tokens",
+            "Prompt tokens sent upstream per rebuilt request.",
+            ("route",),
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.trimmed = Counter(
+            "threadkeeper_tokens_trimmed",
+            "Tokens removed from rebuilt contexts, by how (dropped, compressed, summarized).",
+            ("kind",),
+            registry=self.registry,
+        )
+        self.upstream_retries = Counter(
+            "threadkeeper_upstream_retries",
+            "Upstream attempts after the first.",
+            ("route",),
+            registry=self.registry,
+        )
+        self.rebuild_seconds = Histogram(
+            "threadkeeper_rebuild_seconds",
+            "Time to rebuild one request's context (load, budget, projection, checks).",
+            buckets=REBUILD_BUCKETS,
+            registry=self.registry,
+        )
+        self.ledger_unknown_outcome = Counter(
+            "threadkeeper_ledger_unknown_outcome",
+            "Side-effecting calls repeated while their first outcome is unknown (SPEC 6).",
+            ("tenant", "tool"),
+            registry=self.registry,
+        )
+        for kind in TRIM_KINDS:  # export zeros so dashboards see every kind from the start
+            self.trimmed.labels(kind=kind)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

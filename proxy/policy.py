@@ -1,0 +1,597 @@
+"""Tenant policies: one YAML file per tenant, validated at load (SPEC section 1).
+
+    registry = PolicyRegistry.load(Path("policies"))   # refuses to start on any bad file
+    policy = registry.resolve(bearer_token)              # None -> 401
+    limits = policy.limits_for("gpt-4o-2024-08-06")
+
+Every error names the file, the field and the problem (`PolicyError`). On reload a bad
+file keeps its last good policy in force and the error is logged; the server never goes
+down for a policy edit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import hashlib
+import re
+import string
+import threading
+import time
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import structlog
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_TENANT = "default"
+POLICY_SUFFIXES = (".yaml", ".yml")
+BUILTIN_CONTEXT_WINDOW = 128_000
+BUILTIN_MAX_OUTPUT_TOKENS = 16_384
+
+
+class PolicyError(ValueError):
+    """A policy file is invalid: str() is "file: field: problem"."""
+
+    def __init__(self, file: str | Path, field: str, problem: str) -> None:
+        self.file = str(file)
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{self.file}: {field}: {problem}")
+
+
+def hash_key(token: str) -> str:
+    """The sha256 hex that policy files list instead of the proxy key itself."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+# -- field checks --------------------------------------------------------------------------
+
+
+def _key_hash(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError(
+            "expected the sha256 hex (64 characters 0-9a-f) of a proxy key, not the key itself"
+        )
+    return value
+
+
+def _lowercase(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"invalid regex {value!r}: {exc}") from None
+    return value
+
+
+def _env_var_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        raise ValueError(
+            "expected the name of an environment variable that holds the provider key"
+            " (e.g. ACME_OPENAI_KEY), never the key itself"
+        )
+    return value
+
+
+def _http_url(value: str) -> str:
+    if not re.match(r"https?://[^/\s]+", value):
+        raise ValueError(f"expected an http(s) URL, got {value!r}")
+    return value.rstrip("/")
+
+
+def _key_template(value: str) -> str:
+    """Idempotency keys are rendered with str.format from the call's JSON arguments."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"invalid template {value!r}: {exc}") from None
+    if any(name == "" or name.isdigit() for name in fields):
+        raise ValueError(f"invalid template {value!r}: placeholders must name an argument")
+    return value
+
+
+KeyHash = Annotated[str, BeforeValidator(_lowercase), AfterValidator(_key_hash)]
+Regex = Annotated[str, AfterValidator(_regex)]
+Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+# -- the schema (SPEC section 1) -----------------------------------------------------------
+
+
+class ModelLimits(_Frozen):
+    context_window: int = Field(gt=0)
+    max_output_tokens: int | None = Field(default=None, gt=0)
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _output_fits_window(cls, value: int | None, info: ValidationInfo) -> int | None:
+        window = info.data.get("context_window")
+        if value is not None and window is not None and value > window:
+            raise ValueError(f"{value} exceeds context_window ({window})")
+        return value
+
+
+BUILTIN_LIMITS = ModelLimits(
+    context_window=BUILTIN_CONTEXT_WINDOW, max_output_tokens=BUILTIN_MAX_OUTPUT_TOKENS
+)
+
+
+class UpstreamPolicy(_Frozen):
+    base_url: Annotated[str, AfterValidator(_http_url)] | None = None
+    api_key_env: Annotated[str, AfterValidator(_env_var_name)] | None = None
+
+
+class BudgetPolicy(_Frozen):
+    reserve_output_tokens: int = Field(default=2000, ge=0)
+    safety_margin_tokens: int = Field(default=500, ge=0)
+    # share of the budget a sticky cut trims down to (SPEC section 5, cache-aware trimming)
+    target_fill: float = Field(default=0.65, gt=0, le=1)
+
+
+class SummarizerPolicy(_Frozen):
+    enabled: bool = False
+    model: str = Field(default="gpt-4o-mini", min_length=1)
+
+
+class MemoryPolicy(_Frozen):
+    keep_recent_turns: int = Field(default=3, ge=0)
+    tool_result_max_tokens: int = Field(default=800, gt=0)
+    pin_patterns: list[Regex] = Field(default_factory=list)
+    summarizer: SummarizerPolicy = Field(default_factory=SummarizerPolicy)
+
+
+class ToolPolicy(_Frozen):
+    side_effect: bool = False
+    idempotency_key: Annotated[str, AfterValidator(_key_template)] | None = None
+    scope: Literal["tenant", "thread"] = "tenant"
+    on_duplicate: Literal["replay", "block"] = "replay"
+
+
+class RetryPolicy(_Frozen):
+    max_attempts: int = Field(default=3, ge=1)  # total tries, the first included
+    max_seconds: float = Field(default=30.0, gt=0)
+    initial_backoff: float = Field(default=0.5, ge=0)
+    max_backoff: float = Field(default=8.0, ge=0)
+
+    @field_validator("max_backoff")
+    @classmethod
+    def _backoff_ordered(cls, value: float, info: ValidationInfo) -> float:
+        initial = info.data.get("initial_backoff")
+        if initial is not None and value < initial:
+            raise ValueError(f"{value:g} is below initial_backoff ({initial:g})")
+        return value
+
+
+class IdempotencyPolicy(_Frozen):
+    retention_seconds: int = Field(default=86_400, gt=0)
+    max_replays: int = Field(default=3, ge=0)
+
+
+def _default_models() -> dict[str, ModelLimits]:
+    return {"*": BUILTIN_LIMITS}
+
+
+class Policy(_Frozen):
+    tenant: Tenant
+    api_keys: list[KeyHash] = Field(default_factory=list)
+    allow_unknown_keys: bool = False
+    upstream: UpstreamPolicy = Field(default_factory=UpstreamPolicy)
+    models: dict[str, ModelLimits] = Field(default_factory=_default_models)
+    budget: BudgetPolicy = Field(default_factory=BudgetPolicy)
+    memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
+    tools: dict[str, ToolPolicy] = Field(default_factory=dict)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    idempotency: IdempotencyPolicy = Field(default_factory=IdempotencyPolicy)
+
+    _source: str = PrivateAttr(default="")
+
+    @field_validator("allow_unknown_keys")
+    @classmethod
+    def _unknown_keys_only_on_default(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("tenant", DEFAULT_TENANT) != DEFAULT_TENANT:
+            raise ValueError(
+                f"only has an effect in {DEFAULT_TENANT}.yaml"
+                " (the tenant for tokens that match no file)"
+            )
+        return value
+
+    @property
+    def source(self) -> str:
+        """The file this policy was read from (for error messages)."""
+        return self._source or f"{self.tenant}.yaml"
+
+    def limits_for(self, model: str) -> ModelLimits:
+        """Exact name, then the longest key that prefixes it, then "*", then built-in.
+
+        A fine-tuned model ("ft:gpt-4o-mini:org::id") or one with a provider prefix
+        ("openai/gpt-4o") falls back to the entry of the plain model name.
+        """
+        for name in _model_names(model):
+            if name in self.models:
+                return self.models[name]
+            prefixes = [key for key in self.models if key != "*" and name.startswith(key)]
+            if prefixes:
+                return self.models[max(prefixes, key=len)]
+        return self.models.get("*", BUILTIN_LIMITS)
+
+    def upstream_key(self, env: Mapping[str, str]) -> str | None:
+        """The provider key from the configured env var; None = forward the client's own."""
+        name = self.upstream.api_key_env
+        if name is None:
+            return None
+        key = env.get(name, "").strip()
+        if not key:
+            raise PolicyError(
+                self.source, "upstream.api_key_env", f"environment variable {name} is not set"
+            )
+        return key
+
+
+def _model_names(model: str) -> list[str]:
+    names = [model]
+    if model.startswith("ft:") and model.count(":") >= 2:
+        names.append(model.split(":")[1])
+    if "/" in model:
+        names.append(model.rsplit("/", 1)[-1])
+    return names
+
+
+# -- loading one file ------------------------------------------------------------------------
+
+
+def load_policy_file(path: Path) -> Policy:
+    """The validated policy in `path`; any problem -> PolicyError(file, field, problem)."""
+    return policy_from_text(path, _read_text(path))
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError(path, "(file)", f"cannot read: {exc}") from None
+
+
+def policy_from_text(path: Path, text: str) -> Policy:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(path, "(yaml)", f"invalid YAML: {_one_line(str(exc))}") from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else type(data).__name__
+        raise PolicyError(path, "(top level)", f"expected a mapping with tenant:, got {got}")
+    if "tenant" not in data:
+        raise PolicyError(path, "tenant", f"required field is missing (tenant: {path.stem})")
+    if data["tenant"] != path.stem:
+        raise PolicyError(
+            path, "tenant", f"must equal the file name {path.stem!r}, got {data['tenant']!r}"
+        )
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(path, exc) from None
+    policy._source = str(path)
+    return policy
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _first_error(path: Path, exc: ValidationError) -> PolicyError:
+    error = exc.errors(include_url=False)[0]
+    loc = error["loc"]
+    return PolicyError(path, _dotted(loc) or "(top level)", _problem(error, loc))
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    """("memory", "pin_patterns", 0) -> "memory.pin_patterns[0]"."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part != "[key]":
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _problem(error: Any, loc: tuple[int | str, ...]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return _unknown_field_problem(loc)
+    if kind == "missing":
+        return "required field is missing"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if kind in ("value_error", "assertion_error"):
+        return message
+    return f"{message} (got {error.get('input')!r})"
+
+
+def _unknown_field_problem(loc: tuple[int | str, ...]) -> str:
+    allowed = _allowed_fields(loc[:-1])
+    problem = "unknown field"
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    if close:
+        problem += f"; did you mean {close[0]!r}?"
+    return f"{problem} (allowed: {', '.join(allowed)})" if allowed else problem
+
+
+def _allowed_fields(loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model found by walking `loc` down from Policy."""
+    annotation: Any = Policy
+    for part in loc:
+        annotation = _child_annotation(annotation, part)
+    model = _model_in(annotation)
+    return list(model.model_fields) if model else []
+
+
+def _child_annotation(annotation: Any, part: int | str) -> Any:
+    model = _model_in(annotation)
+    if model is not None:
+        info = model.model_fields.get(str(part))
+        return info.annotation if info else None
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is dict and len(args) == 2:
+        return args[1]
+    if origin is list and args:
+        return args[0]
+    return None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found:
+                return found
+    return None
+
+
+# -- the registry ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """One file's last good policy and what it looked like when read."""
+
+    policy: Policy
+    mtime_ns: int
+    size: int
+    digest: str
+    read_at: float  # wall clock of the read, for the racy-stat check
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """Everything a request reads, swapped as one object so it never sees half a reload."""
+
+    files: dict[Path, _Loaded] = field(default_factory=dict)
+    by_tenant: dict[str, Policy] = field(default_factory=dict)
+    by_key: dict[str, Policy] = field(default_factory=dict)
+    # digests of contents that failed, so an unchanged bad file is not reported every pass
+    failed: dict[Path, str] = field(default_factory=dict)
+
+
+# A file whose mtime is this close to when it was read may have been rewritten within the
+# same filesystem timestamp tick, so its unchanged stat proves nothing (git's "racy" rule).
+RACY_SECONDS = 2.0
+
+
+class PolicyRegistry:
+    """All tenant policies of one directory, hot-reloaded."""
+
+    def __init__(self, directory: Path, snapshot: _Snapshot) -> None:
+        self.directory = directory
+        self._snapshot = snapshot
+        self._reloading = threading.Lock()  # reload() may run in a worker thread
+
+    @classmethod
+    def load(cls, directory: Path) -> PolicyRegistry:
+        """Every *.yaml / *.yml in `directory`; the first problem raises PolicyError."""
+        files: dict[Path, _Loaded] = {}
+        for path in _policy_paths(directory):
+            loaded, error, _ = _reloaded(path, None, None)
+            if error is not None:
+                raise error
+            if loaded is not None:
+                files[path] = loaded
+        snapshot, conflicts = _snapshot_of(files, {})
+        if conflicts:
+            raise conflicts[0]
+        return cls(directory, snapshot)
+
+    def resolve(self, token: str | None) -> Policy | None:
+        """The tenant listing sha256(token); else default.yaml if it allows unknown keys."""
+        snapshot = self._snapshot
+        if token:
+            policy = snapshot.by_key.get(hash_key(token))
+            if policy is not None:
+                return policy
+        default = snapshot.by_tenant.get(DEFAULT_TENANT)
+        return default if default is not None and default.allow_unknown_keys else None
+
+    def get(self, tenant: str) -> Policy | None:
+        return self._snapshot.by_tenant.get(tenant)
+
+    def tenants(self) -> list[str]:
+        return sorted(self._snapshot.by_tenant)
+
+    def reload(self) -> list[PolicyError]:
+        """Re-read changed, new and removed files; errors are logged and returned, never raised.
+
+        A file that fails keeps its last good policy; the same bad content is reported once.
+        """
+        with self._reloading:
+            return self._reload()
+
+    def _reload(self) -> list[PolicyError]:
+        old = self._snapshot
+        try:
+            paths = _policy_paths(self.directory)
+        except PolicyError as exc:
+            _log_errors([exc])
+            return [exc]
+        files: dict[Path, _Loaded] = {}
+        failed: dict[Path, str] = {}
+        errors: list[PolicyError] = []
+        for path in paths:
+            loaded, error, digest = _reloaded(path, old.files.get(path), old.failed.get(path))
+            if loaded is not None:
+                files[path] = loaded
+            if digest is not None:
+                failed[path] = digest
+            if error is not None:
+                errors.append(error)
+        snapshot, conflicts = _snapshot_of(files, old.files)
+        for conflict in conflicts:  # report a clash once, like a parse error
+            failed[Path(conflict.file)] = files[Path(conflict.file)].digest
+        self._snapshot = _Snapshot(snapshot.files, snapshot.by_tenant, snapshot.by_key, failed)
+        errors += conflicts
+        _log_changes(old, self._snapshot)
+        _log_errors(errors)
+        return errors
+
+    async def watch(self, interval: float) -> None:
+        """Reload every `interval` seconds until cancelled (a task in the app's cleanup_ctx)."""
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.to_thread(self.reload)
+
+
+def _policy_paths(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise PolicyError(directory, "(directory)", "policies directory does not exist")
+    return sorted(
+        path
+        for path in directory.iterdir()
+        if path.suffix in POLICY_SUFFIXES and not path.name.startswith(".") and path.is_file()
+    )
+
+
+def _reloaded(
+    path: Path, previous: _Loaded | None, failed_digest: str | None
+) -> tuple[_Loaded | None, PolicyError | None, str | None]:
+    """(policy to keep, new error to report, digest of still-failing content) for one file."""
+    try:
+        stat = path.stat()
+        if previous is not None and failed_digest is None and _unchanged(previous, stat):
+            return previous, None, None
+        raw = _read_text(path)
+    except FileNotFoundError:  # removed since the directory was listed
+        return None, None, None
+    except PolicyError as exc:
+        return previous, exc, None
+    digest = hashlib.sha256(raw.encode("utf-8")).hexdigest()
+    if previous is not None and digest == previous.digest:
+        return _restamped(previous.policy, stat, digest), None, None
+    if digest == failed_digest:
+        return previous, None, digest
+    try:
+        policy = policy_from_text(path, raw)
+    except PolicyError as exc:
+        return previous, exc, digest
+    return _restamped(policy, stat, digest), None, None
+
+
+def _restamped(policy: Policy, stat: Any, digest: str) -> _Loaded:
+    return _Loaded(policy, stat.st_mtime_ns, stat.st_size, digest, time.time())
+
+
+def _unchanged(previous: _Loaded, stat: Any) -> bool:
+    racy = stat.st_mtime_ns / 1e9 >= previous.read_at - RACY_SECONDS
+    return not racy and (stat.st_mtime_ns, stat.st_size) == (previous.mtime_ns, previous.size)
+
+
+def _snapshot_of(
+    files: dict[Path, _Loaded], last_good: Mapping[Path, _Loaded]
+) -> tuple[_Snapshot, list[PolicyError]]:
+    """Index the files by tenant and key hash.
+
+    Files that kept their last good policy go first, so a changed file that claims a key
+    (or tenant name) someone else already holds is the one rejected.
+    """
+    kept = [path for path in files if _same_policy(files[path], last_good.get(path))]
+    ordered = kept + [path for path in files if path not in kept]
+    accepted: dict[Path, _Loaded] = {}
+    by_tenant: dict[str, Policy] = {}
+    by_key: dict[str, Policy] = {}
+    errors: list[PolicyError] = []
+    for path in ordered:
+        for candidate in _candidates(files[path], last_good.get(path)):
+            error = _conflict(path, candidate.policy, by_tenant, by_key)
+            if error is None:
+                accepted[path] = candidate
+                by_tenant[candidate.policy.tenant] = candidate.policy
+                by_key.update(dict.fromkeys(candidate.policy.api_keys, candidate.policy))
+                break
+            if candidate is files[path]:
+                errors.append(error)
+    return _Snapshot(accepted, by_tenant, by_key), errors
+
+
+def _same_policy(loaded: _Loaded, previous: _Loaded | None) -> bool:
+    return previous is not None and previous.policy is loaded.policy
+
+
+def _candidates(new: _Loaded, previous: _Loaded | None) -> list[_Loaded]:
+    return [new] if previous is None or _same_policy(new, previous) else [new, previous]
+
+
+def _conflict(
+    path: Path, policy: Policy, by_tenant: Mapping[str, Policy], by_key: Mapping[str, Policy]
+) -> PolicyError | None:
+    if policy.tenant in by_tenant:
+        other = by_tenant[policy.tenant].source
+        return PolicyError(path, "tenant", f"tenant {policy.tenant!r} is also defined by {other}")
+    for index, key in enumerate(policy.api_keys):
+        if key in by_key and by_key[key].tenant != policy.tenant:
+            owner = by_key[key].tenant
+            return PolicyError(
+                path, f"api_keys[{index}]", f"key already belongs to tenant {owner!r}"
+            )
+    return None
+
+
+def _log_changes(old: _Snapshot, new: _Snapshot) -> None:
+    for tenant, policy in new.by_tenant.items():
+        if old.by_tenant.get(tenant) is not policy:
+            log.info("policy loaded", tenant=tenant, file=policy.source)
+    for tenant in old.by_tenant.keys() - new.by_tenant.keys():
+        log.info("policy removed", tenant=tenant)
+
+
+def _log_errors(errors: list[PolicyError]) -> None:
+    for error in errors:
+        log.error(
+            "policy rejected; last good policy stays in force",
+            file=error.file,
+            field=error.field,
+            problem=error.problem,
+        )

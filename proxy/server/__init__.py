@@ -1,0 +1,1 @@
+"""The HTTP edge: aiohttp handlers per API family, built by `create_app(settings)`."""

@@ -1,0 +1,159 @@
+"""The application: `create_app(settings)` builds everything; nothing lives at module level.
+
+Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
+error envelope -> tenant auth. Resources (upstream pool, policy watcher) open and close in
+cleanup_ctx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import structlog
+from aiohttp import web
+
+from proxy.metrics import Metrics
+from proxy.policy import PolicyRegistry
+from proxy.server import chat, ops, passthrough, responses
+from proxy.server.auth import auth_middleware
+from proxy.server.errors import Handler, error_middleware
+from proxy.server.state import ENV, LOG_FIELDS, METRICS, POLICIES, REQUEST_ID, SETTINGS, UPSTREAM
+from proxy.settings import Settings
+from proxy.upstream import Upstream
+
+log = structlog.get_logger("threadkeeper.request")
+
+
+def route_name(request: web.Request) -> str:
+    """A low-cardinality label for metrics: the route's name, not the raw path."""
+    resource = request.match_info.route.resource
+    name = resource.name if resource is not None else None
+    return name or "unmatched"
+
+
+@web.middleware
+async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = "req_" + secrets.token_hex(12)
+    request[REQUEST_ID] = request_id
+    request[LOG_FIELDS] = {}
+    started = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        if not response.prepared:
+            response.headers["x-threadkeeper-request-id"] = request_id
+        return response
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    finally:
+        route = route_name(request)
+        fields = request[LOG_FIELDS]
+        tenant = fields.get("tenant", "-")
+        request.app[METRICS].requests.labels(route, str(status), tenant).inc()
+        if route not in ("healthz", "readyz", "metrics"):
+            log.info(
+                "request",
+                request_id=request_id,
+                method=request.method,
+                route=route,
+                path=request.path,
+                status=status,
+                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                **fields,
+            )
+
+
+def create_app(
+    settings: Settings,
+    *,
+    policies: PolicyRegistry | None = None,
+    upstream: Upstream | None = None,
+    env: Mapping[str, str] | None = None,
+) -> web.Application:
+    app = web.Application(
+        middlewares=[context_middleware, error_middleware, auth_middleware],
+        client_max_size=settings.max_body_bytes,
+    )
+    app[SETTINGS] = settings
+    app[POLICIES] = policies if policies is not None else PolicyRegistry.load(settings.policies_dir)
+    app[METRICS] = Metrics()
+    app[ENV] = dict(env if env is not None else os.environ)
+    app.cleanup_ctx.append(_upstream_ctx(upstream))
+    app.cleanup_ctx.append(_policy_watch_ctx)
+
+    app.router.add_get("/healthz", ops.healthz, name="healthz")
+    app.router.add_get("/readyz", ops.readyz, name="readyz")
+    app.router.add_get("/metrics", ops.metrics, name="metrics")
+    app.router.add_post("/v1/chat/completions", chat.chat_completions, name="chat.completions")
+    app.router.add_post("/v1/responses", responses.create_response, name="responses")
+    app.router.add_post(
+        "/v1/responses/input_tokens", responses.input_tokens, name="responses.input_tokens"
+    )
+    app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
+    return app
+
+
+def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        upstream = given or Upstream.create(
+            connect_timeout=settings.upstream_connect_timeout,
+            read_timeout=settings.upstream_read_timeout,
+            pool_size=settings.upstream_pool_size,
+        )
+        app[UPSTREAM] = upstream
+        yield
+        await upstream.aclose()
+
+    return ctx
+
+
+async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    interval = app[SETTINGS].policy_reload_interval
+    task = asyncio.create_task(app[POLICIES].watch(interval)) if interval > 0 else None
+    yield
+    if task is not None:
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+
+async def start(settings: Settings, app: web.Application | None = None) -> web.AppRunner:
+    """Start serving; the caller owns the runner (tests, `demo`, `serve`)."""
+    app = app or create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    await site.start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    for site in runner.sites:
+        server = site._server  # aiohttp keeps the asyncio server here
+        if server is not None and server.sockets:  # type: ignore[union-attr]
+            return int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    raise RuntimeError("the server is not listening")
+
+
+def run(settings: Settings) -> None:
+    async def main() -> None:
+        runner = await start(settings)
+        log.info("listening", host=settings.host, port=bound_port(runner))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,113 @@
+"""OpenAI's error envelope, and the middleware that puts every failure into it.
+
+Every error leaves the proxy as `{"error": {"message", "type", "param", "code"}}` with the
+matching status (SPEC section 1). Bad input is a 4xx naming the problem; an unexpected
+exception is a logged 500 carrying the request id, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from proxy.server.state import REQUEST_ID
+
+log = structlog.get_logger("threadkeeper.http")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An error the client should see, already in OpenAI's terms."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(error: ApiError, request_id: str | None = None) -> web.Response:
+    headers = dict(error.headers)
+    if request_id:
+        headers["x-threadkeeper-request-id"] = request_id
+    return web.Response(
+        status=error.status,
+        body=json.dumps(error.body()).encode(),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+_HTTP_ERRORS: dict[int, tuple[str, str | None]] = {
+    404: ("invalid_request_error", "unknown_url"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+}
+
+
+def from_http_exception(exc: web.HTTPException, request: web.Request) -> ApiError:
+    kind, code = _HTTP_ERRORS.get(exc.status, ("invalid_request_error", None))
+    if exc.status == 404:
+        message = f"Invalid URL ({request.method} {request.path})"
+    elif exc.status == 405:
+        message = f"Method {request.method} is not allowed on {request.path}"
+    elif exc.status == 413:
+        message = f"Request body too large: {exc.text or 'the limit is exceeded'}"
+    else:
+        message = exc.reason
+    if exc.status >= 500:
+        kind = "server_error"
+    return ApiError(exc.status, message, type=kind, code=code)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = request.get(REQUEST_ID)
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc, request_id)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(from_http_exception(exc, request), request_id)
+    except (ConnectionResetError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unhandled_error", request_id=request_id, path=request.path)
+        error = ApiError(
+            500,
+            f"The server had an error while processing your request (request id {request_id}).",
+            type="server_error",
+        )
+        return error_response(error, request_id)

@@ -1,0 +1,118 @@
+"""Budgeted rebuild of one request's history: policy + counts -> projection (SPEC 4-5).
+
+The pure projection lives in proxy/core; this module only gathers its inputs from the
+tenant policy and the request, and turns an overflow into OpenAI's 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.core.budget import output_reserve
+from proxy.core.items import Item
+from proxy.core.projection import (
+    ContextLengthExceeded,
+    Projection,
+    ProjectionPolicy,
+    ProjectionRequest,
+    project_context,
+)
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+from proxy.server.errors import ApiError
+
+# Below this many items a projection costs well under a millisecond: not worth a thread.
+INLINE_ITEMS = 64
+
+
+def projection_policy(policy: Policy) -> ProjectionPolicy:
+    return ProjectionPolicy(
+        keep_recent_turns=policy.memory.keep_recent_turns,
+        tool_result_max_tokens=policy.memory.tool_result_max_tokens,
+        pin_patterns=tuple(policy.memory.pin_patterns),
+        target_fill=policy.budget.target_fill,
+    )
+
+
+async def rebuild(
+    policy: Policy,
+    model: str,
+    items: Sequence[Item],
+    *,
+    tools: Sequence[dict[str, Any]] = (),
+    requested_output: int | None = None,
+    instructions: str | None = None,
+    now: str = "",
+    param: str = "messages",
+    metrics: Metrics | None = None,
+    route: str = "",
+) -> tuple[Projection, TokenCounter]:
+    counter = TokenCounter.for_model(model)
+    limits = policy.limits_for(model)
+
+    def run() -> Projection:
+        instructions_tokens = 0
+        if instructions:
+            instructions_tokens = counter.text(instructions) + 3
+        request = ProjectionRequest(
+            items=items,
+            window=limits.context_window,
+            output=output_reserve(
+                requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
+            ),
+            epsilon=policy.budget.safety_margin_tokens,
+            tools_tokens=counter.tools(tools),
+            instructions_tokens=instructions_tokens,
+            now=now,
+        )
+        return project_context(request, counter, projection_policy(policy))
+
+    started = time.perf_counter()
+    try:
+        if len(items) <= INLINE_ITEMS:
+            projection = run()
+        else:
+            projection = await asyncio.to_thread(run)
+    except ContextLengthExceeded as exc:
+        raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
+    if metrics is not None:
+        observe_projection(metrics, route, projection, time.perf_counter() - started)
+    return projection, counter
+
+
+def observe_projection(
+    metrics: Metrics, route: str, projection: Projection, seconds: float
+) -> None:
+    metrics.rebuild_seconds.observe(seconds)
+    metrics.context_tokens.labels(route).observe(projection.report.prompt_tokens)
+    removed: dict[str, int] = {}
+    for block in projection.report.blocks:
+        if block.action in ("dropped", "compressed", "summarized"):
+            saved = max(0, block.tokens_before - block.tokens_after)
+            removed[block.action] = removed.get(block.action, 0) + saved
+    for kind, tokens in removed.items():
+        if tokens:
+            metrics.trimmed.labels(kind).inc(tokens)
+
+
+def trimmed_header(projection: Projection) -> str:
+    report = projection.report
+    return (
+        f"dropped={report.dropped}, compressed={report.compressed}, summarized={report.summarized}"
+    )
+
+
+def budget_log_fields(projection: Projection) -> dict[str, Any]:
+    """The breakdown for the request's log line: totals, and only the blocks that changed
+    (a long thread would otherwise log thousands of kept blocks)."""
+    report = projection.report.as_dict()
+    blocks = report.pop("blocks", ())
+    return {
+        "budget": report,
+        "trimmed_blocks": [b for b in blocks if b["action"] != "kept"],
+        "rebuilt": projection.changed,
+    }

@@ -1,0 +1,251 @@
+"""Forwarding to the provider and relaying its answer back, streamed or not.
+
+Streams are relayed chunk by chunk as they arrive (never buffered to the end) and decoded
+on the side (proxy/sse.py) so the log line can carry the final usage. A client that goes
+away cancels the handler (handler_cancellation) and with it the upstream request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterable, Mapping
+from typing import Any, Literal
+
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.logs import register_secret
+from proxy.policy import Policy, PolicyError
+from proxy.server.errors import ApiError, error_body
+from proxy.server.state import ENV, LOG_FIELDS, METRICS, SETTINGS, UPSTREAM
+from proxy.sse import ChatStreamAccumulator, ResponsesStreamAccumulator, SSEDecoder, encode_event
+from proxy.upstream import RetrySettings, UpstreamRequest, UpstreamResponse, UpstreamUnavailable
+
+log = structlog.get_logger("threadkeeper.relay")
+
+Family = Literal["chat", "responses"]
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+        "accept-encoding",
+    }
+)
+# Headers meant for the proxy itself, never forwarded.
+PROXY_ONLY = frozenset({"x-thread-id", "idempotency-key"})
+
+
+def upstream_base(request: web.Request, policy: Policy) -> str:
+    return (policy.upstream.base_url or request.app[SETTINGS].upstream_url).rstrip("/")
+
+
+def upstream_headers(request: web.Request, policy: Policy) -> dict[str, str]:
+    """Client headers minus hop-by-hop ones; the tenant's provider key when it has one."""
+    headers = {
+        name: value
+        for name, value in request.headers.items()
+        if name.lower() not in HOP_BY_HOP and name.lower() not in PROXY_ONLY
+    }
+    try:
+        key = policy.upstream_key(request.app[ENV])
+    except PolicyError as exc:
+        log.error("provider_key_missing", tenant=policy.tenant, problem=str(exc))
+        raise ApiError(
+            500,
+            f"The proxy has no provider key for tenant '{policy.tenant}' "
+            "(its upstream.api_key_env is not set).",
+            type="server_error",
+            code="upstream_key_missing",
+        ) from None
+    if key is not None:
+        register_secret(key)
+        for name in [n for n in headers if n.lower() == "authorization"]:
+            del headers[name]
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def relay_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers:
+        if name.lower() not in HOP_BY_HOP:
+            headers.add(name, value)
+    for name, value in extra.items():
+        headers[name] = value
+    return headers
+
+
+def retry_settings(policy: Policy) -> RetrySettings:
+    retry = policy.retry
+    return RetrySettings(
+        max_attempts=retry.max_attempts,
+        max_seconds=retry.max_seconds,
+        initial_backoff=retry.initial_backoff,
+        max_backoff=retry.max_backoff,
+    )
+
+
+async def send_upstream(
+    request: web.Request,
+    policy: Policy,
+    *,
+    path: str,
+    body: bytes | AsyncIterable[bytes] | None,
+    stream: bool,
+    route: str,
+    retry: bool = True,
+) -> UpstreamResponse:
+    up_request = UpstreamRequest(
+        method=request.method,
+        url=upstream_base(request, policy) + path,
+        headers=upstream_headers(request, policy),
+        body=body,
+        stream=stream,
+        params=request.rel_url.raw_query_string or None,
+    )
+    settings = retry_settings(policy) if retry else RetrySettings(max_attempts=1)
+    started = time.perf_counter()
+    try:
+        response = await request.app[UPSTREAM].send(up_request, settings)
+    except UpstreamUnavailable as exc:
+        request[LOG_FIELDS]["upstream_error"] = exc.message
+        raise ApiError(
+            exc.status, exc.message, type="server_error", code="upstream_unavailable"
+        ) from None
+    metrics = request.app[METRICS]
+    metrics.upstream_latency.labels(route).observe(time.perf_counter() - started)
+    if response.retries:
+        metrics.upstream_retries.labels(route).inc(response.retries)
+    request[LOG_FIELDS].update(upstream_status=response.status, retries=response.retries)
+    return response
+
+
+async def relay_response(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    *,
+    family: Family | None,
+    extra_headers: Mapping[str, str],
+) -> web.StreamResponse:
+    headers = relay_headers(upstream, extra_headers)
+    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+    if "text/event-stream" not in content_type:
+        try:
+            body = await upstream.aread()
+        except UpstreamUnavailable as exc:
+            raise ApiError(
+                exc.status, exc.message, type="server_error", code="upstream_unavailable"
+            ) from None
+        if family is not None and upstream.status < 400:
+            _log_usage(request, family, _json_or_none(body))
+        return web.Response(status=upstream.status, body=body, headers=headers)
+    return await _relay_stream(request, upstream, family, headers)
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    family: Family | None,
+    headers: CIMultiDict[str],
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    await response.prepare(request)
+    decoder = SSEDecoder()
+    accumulator = _accumulator(family)
+    try:
+        async for chunk in upstream.aiter_bytes():
+            await response.write(chunk)
+            if accumulator is not None:
+                for event in decoder.feed(chunk):
+                    _feed(accumulator, event.event, event.data)
+    except (ConnectionError, ApiError):
+        raise
+    except Exception as exc:  # the provider cut the stream after we started relaying
+        log.warning("upstream_stream_broken", error=repr(exc))
+        request[LOG_FIELDS]["stream_error"] = repr(exc)
+        await response.write(
+            stream_error_event(family, f"The upstream stream was interrupted: {exc!r}")
+        )
+    finally:
+        await upstream.aclose()
+    if accumulator is not None and family is not None:
+        _log_usage(request, family, _accumulated(accumulator))
+    await response.write_eof()
+    return response
+
+
+def stream_error_event(family: Family | None, message: str) -> bytes:
+    """An error event in the shape each API's clients parse."""
+    error = error_body(message, "server_error", None, "upstream_stream_error")["error"]
+    if family == "responses":
+        # The spec's flat fields, plus the nested object the SDKs read.
+        payload: dict[str, Any] = {
+            "type": "error",
+            "code": error["code"],
+            "message": error["message"],
+            "param": error["param"],
+            "error": error,
+        }
+        return encode_event(json.dumps(payload), event="error")
+    return encode_event(json.dumps({"error": error}))
+
+
+def _accumulator(
+    family: Family | None,
+) -> ChatStreamAccumulator | ResponsesStreamAccumulator | None:
+    if family == "chat":
+        return ChatStreamAccumulator()
+    if family == "responses":
+        return ResponsesStreamAccumulator()
+    return None
+
+
+def _feed(
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: str | None, data: str
+) -> None:
+    if not data or data == "[DONE]":
+        return
+    payload = _json_or_none(data.encode())
+    if not isinstance(payload, dict):
+        return
+    if isinstance(accumulator, ChatStreamAccumulator):
+        accumulator.feed(payload)
+    else:
+        accumulator.feed(event or str(payload.get("type", "")), payload)
+
+
+def _accumulated(accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator) -> Any:
+    if isinstance(accumulator, ChatStreamAccumulator):
+        return accumulator.result()
+    return {"usage": accumulator.usage()}
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _log_usage(request: web.Request, family: Family, payload: Any) -> None:
+    if not isinstance(payload, dict):
+        return
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return
+    key = "prompt_tokens" if family == "chat" else "input_tokens"
+    if isinstance(usage.get(key), int):
+        request[LOG_FIELDS]["usage_input_tokens"] = usage[key]

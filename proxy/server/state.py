@@ -1,0 +1,21 @@
+"""Typed keys for what the application shares between requests (aiohttp AppKey)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from proxy.metrics import Metrics
+from proxy.policy import Policy, PolicyRegistry
+from proxy.settings import Settings
+from proxy.upstream import Upstream
+
+SETTINGS = web.AppKey("settings", Settings)
+POLICIES = web.AppKey("policies", PolicyRegistry)
+UPSTREAM = web.AppKey("upstream", Upstream)
+METRICS = web.AppKey("metrics", Metrics)
+ENV = web.AppKey("env", dict)  # the process environment, read once at start (policy keys)
+
+# Per-request values set by the middlewares.
+REQUEST_ID = web.RequestKey("request_id", str)
+LOG_FIELDS = web.RequestKey("log_fields", dict)  # extra fields of the request's log line
+TENANT_POLICY = web.RequestKey("tenant_policy", Policy)

@@ -1,0 +1,242 @@
+"""Process settings, read once at the edge (SPEC section 1).
+
+Each setting comes from the first source that gives it: CLI flag > environment variable >
+config file > built-in default. The config file is `--config` / `THREADKEEPER_CONFIG`, else
+`./config/threadkeeper.yaml` when it exists. Relative paths (policies directory, SQLite
+file) are relative to the working directory, whichever source names them.
+
+    settings = load_settings({"port": 9000}, os.environ)
+
+A bad value raises `SettingsError` naming where it came from, e.g.
+`THREADKEEPER_PORT: expected an integer, got 'abc'`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+DEFAULT_CONFIG_FILE = Path("config/threadkeeper.yaml")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+STORE_SCHEMES = ("sqlite", "postgresql", "postgres")
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message starts with the flag, env var or file it came from."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policies_dir: Path = Path("./policies")
+    store_url: str = "sqlite:///./threadkeeper.db"
+    upstream_url: str = "https://api.openai.com/v1"
+    config_file: Path | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    upstream_connect_timeout: float = 10.0
+    upstream_read_timeout: float = 600.0
+    upstream_pool_size: int = 100
+    policy_reload_interval: float = 2.0
+    log_level: str = "info"
+
+
+# -- value parsers: each returns the typed value or raises ValueError(problem) -----------
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip().replace("_", ""))
+        except ValueError:
+            pass
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+def _port(value: Any) -> int:
+    port = _integer(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"expected a port between 0 and 65535, got {port}")
+    return port
+
+
+def _positive_int(value: Any) -> int:
+    number = _integer(value)
+    if number <= 0:
+        raise ValueError(f"expected an integer > 0, got {number}")
+    return number
+
+
+def _positive_number(value: Any) -> float:
+    number = _number(value)
+    if number <= 0:
+        raise ValueError(f"expected a number > 0, got {number:g}")
+    return number
+
+
+def _directory(value: Any) -> Path:
+    return Path(_text(value) if not isinstance(value, Path) else str(value))
+
+
+def _store_url(value: Any) -> str:
+    url = _text(value)
+    scheme = urlsplit(url).scheme
+    if scheme not in STORE_SCHEMES:
+        raise ValueError(f"expected sqlite:///path or postgresql://user@host:port/db, got {url!r}")
+    return url
+
+
+def _http_url(value: Any) -> str:
+    url = _text(value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"expected an http(s) URL, got {url!r}")
+    return url.rstrip("/")
+
+
+def _log_level(value: Any) -> str:
+    level = _text(value).lower()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return level
+
+
+@dataclass(frozen=True)
+class _Field:
+    """Where one setting can come from, and how its raw value is checked."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    file_key: str  # dotted path in the config file
+    env: str | None = None
+    cli: str | None = None
+
+
+FIELDS: tuple[_Field, ...] = (
+    _Field("host", _text, "host", "THREADKEEPER_HOST", "host"),
+    _Field("port", _port, "port", "THREADKEEPER_PORT", "port"),
+    _Field("policies_dir", _directory, "policies", "THREADKEEPER_POLICIES", "policies"),
+    _Field("store_url", _store_url, "store", "THREADKEEPER_STORE", "store"),
+    _Field("upstream_url", _http_url, "upstream_url", "THREADKEEPER_UPSTREAM_URL", "upstream"),
+    _Field("max_body_bytes", _positive_int, "max_body_bytes", "THREADKEEPER_MAX_BODY_BYTES"),
+    _Field("log_level", _log_level, "log_level", "THREADKEEPER_LOG_LEVEL"),
+    _Field("upstream_connect_timeout", _positive_number, "upstream.connect_timeout"),
+    _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),
+    _Field("upstream_pool_size", _positive_int, "upstream.pool_size"),
+    _Field("policy_reload_interval", _positive_number, "policy_reload_interval"),
+)
+FILE_KEYS = {field.file_key for field in FIELDS}
+
+
+def load_settings(cli: Mapping[str, Any], env: Mapping[str, str]) -> Settings:
+    """Settings from CLI flags (None = not given), the environment and the config file."""
+    config_file = config_file_path(cli, env)
+    file_values = read_config_file(config_file) if config_file else {}
+    values: dict[str, Any] = {"config_file": config_file}
+    for field in FIELDS:
+        found = _raw_value(field, cli, env, file_values, config_file)
+        if found is not None:
+            source, raw = found
+            values[field.name] = _parsed(field, source, raw)
+    return Settings(**values)
+
+
+def config_file_path(cli: Mapping[str, Any], env: Mapping[str, str]) -> Path | None:
+    """The config file to read: named by flag or env (must exist), else the default if present."""
+    for source, raw in (
+        ("--config", cli.get("config")),
+        ("THREADKEEPER_CONFIG", env.get("THREADKEEPER_CONFIG")),
+    ):
+        if raw is None or raw == "":
+            continue
+        path = Path(raw)
+        if not path.is_file():
+            raise SettingsError(f"{source}: config file {str(path)!r} does not exist")
+        return path
+    return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The file's settings flattened to dotted keys; unknown keys are errors (typos)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{path}: cannot read config file: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise SettingsError(f"{path}: invalid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    flat = _flattened(path, data)
+    unknown = sorted(set(flat) - FILE_KEYS)
+    if unknown:
+        allowed = ", ".join(sorted(FILE_KEYS))
+        raise SettingsError(f"{path}: {unknown[0]}: unknown setting (allowed: {allowed})")
+    return flat
+
+
+def _flattened(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    flat = {key: value for key, value in data.items() if key != "upstream"}
+    upstream = data.get("upstream")
+    if upstream is None:
+        return flat
+    if not isinstance(upstream, dict):
+        raise SettingsError(
+            f"{path}: upstream: expected a mapping (connect_timeout, read_timeout, pool_size);"
+            " the provider URL is upstream_url"
+        )
+    flat.update({f"upstream.{key}": value for key, value in upstream.items()})
+    return flat
+
+
+def _raw_value(
+    field: _Field,
+    cli: Mapping[str, Any],
+    env: Mapping[str, str],
+    file_values: Mapping[str, Any],
+    config_file: Path | None,
+) -> tuple[str, Any] | None:
+    """(source label, raw value) from the first source that sets this field."""
+    if field.cli is not None and cli.get(field.cli) is not None:
+        return f"--{field.cli}", cli[field.cli]
+    if field.env is not None and env.get(field.env, "") != "":
+        return field.env, env[field.env]
+    if field.file_key in file_values and file_values[field.file_key] is not None:
+        return f"{config_file}: {field.file_key}", file_values[field.file_key]
+    return None
+
+
+def _parsed(field: _Field, source: str, raw: Any) -> Any:
+    try:
+        return field.parse(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{source}: {exc}") from None

@@ -1,0 +1,376 @@
+"""Server-sent events: a pure decoder, an encoder, and stream accumulators (SPEC section 1).
+
+The proxy relays provider bytes to the client untouched and, on the side, feeds the same
+bytes to an `SSEDecoder`; the decoded events go to an accumulator that rebuilds the final
+object the non-streaming API would have returned, so a streamed turn is stored exactly
+like a non-streamed one. Nothing here does I/O.
+
+>>> decoder = SSEDecoder()
+>>> decoder.feed(b'data: {"a": 1}\\n\\nda')
+[SSEEvent(event=None, data='{"a": 1}', id=None, retry=None)]
+>>> decoder.feed(b"ta: [DONE]\\n\\n")
+[SSEEvent(event=None, data='[DONE]', id=None, retry=None)]
+"""
+
+from __future__ import annotations
+
+import codecs
+import copy
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+DONE = "[DONE]"
+
+JsonDict = dict[str, Any]
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    event: str | None
+    data: str
+    id: str | None = None
+    retry: int | None = None
+
+    def json(self) -> Any:
+        """The data parsed as JSON, or None for the `[DONE]` sentinel."""
+        return None if self.data == DONE else json.loads(self.data)
+
+
+class SSEDecoder:
+    """Incremental decoder following the WHATWG "event stream interpretation" rules.
+
+    Lines may end in LF, CRLF or CR, even with the CR and LF in different chunks, and a
+    UTF-8 sequence may be split across chunks. One deliberate leniency: `flush()`
+    dispatches an event whose final blank line never came, because some
+    OpenAI-compatible servers end the stream right after `data: [DONE]\\n`.
+    """
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._line = ""  # text of the current, unterminated line
+        self._after_cr = False  # last char seen was CR: a following LF is the same break
+        self._at_start = True  # a leading BOM is dropped once
+        self._event: str | None = None
+        self._data: list[str] = []
+        self._last_id: str | None = None  # persists across events, per the spec
+        self._retry: int | None = None
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        return self._feed_text(self._utf8.decode(chunk))
+
+    def flush(self) -> list[SSEEvent]:
+        events = self._feed_text(self._utf8.decode(b"", final=True))
+        if self._line:
+            events.extend(self._process_line(self._line))
+            self._line = ""
+        events.extend(self._process_line(""))
+        return events
+
+    def _feed_text(self, text: str) -> list[SSEEvent]:
+        if self._at_start and text:
+            self._at_start = False
+            text = text.removeprefix("\ufeff")
+        if self._after_cr and text:
+            self._after_cr = False
+            text = text.removeprefix("\n")
+        if not text:
+            return []
+        self._after_cr = text.endswith("\r")
+        *complete, self._line = _LINE_BREAK.split(self._line + text)
+        events: list[SSEEvent] = []
+        for line in complete:
+            events.extend(self._process_line(line))
+        return events
+
+    def _process_line(self, line: str) -> list[SSEEvent]:
+        if not line:
+            event = self._dispatch()
+            return [event] if event is not None else []
+        if line.startswith(":"):
+            return []
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        self._apply_field(name, value)
+        return []
+
+    def _apply_field(self, name: str, value: str) -> None:
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id":
+            if "\0" not in value:
+                self._last_id = value
+        elif name == "retry":
+            if value.isascii() and value.isdigit():
+                self._retry = int(value)
+        # Any other field name is ignored, as the spec says.
+
+    def _dispatch(self) -> SSEEvent | None:
+        event, data, retry = self._event, self._data, self._retry
+        self._event, self._data, self._retry = None, [], None
+        if not data:
+            return None
+        return SSEEvent(event=event or None, data="\n".join(data), id=self._last_id, retry=retry)
+
+
+def encode_event(data: str, event: str | None = None) -> bytes:
+    """One SSE frame; multi-line data becomes several `data:` lines."""
+    lines = [f"event: {event}"] if event is not None else []
+    lines.extend(f"data: {line}" for line in _LINE_BREAK.split(data))
+    return ("\n".join(lines) + "\n\n").encode("utf-8")
+
+
+def encode_json_event(payload: Any, event: str | None = None) -> bytes:
+    return encode_event(json.dumps(payload, ensure_ascii=False, separators=(",", ":")), event)
+
+
+# --- Chat Completions ---------------------------------------------------------------------
+
+
+class _ChoiceState:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.role: str | None = None
+        self.content: list[str] = []
+        self.refusal: list[str] = []
+        self.has_content = False
+        self.has_refusal = False
+        self.tool_calls: dict[int, JsonDict] = {}
+        self.function_call: JsonDict | None = None  # legacy single-function shape
+        self.logprobs: JsonDict | None = None
+        self.finish_reason: str | None = None
+
+    def feed(self, choice: JsonDict) -> None:
+        delta = choice.get("delta") or {}
+        if delta.get("role"):
+            self.role = delta["role"]
+        if isinstance(delta.get("content"), str):
+            self.has_content = True
+            self.content.append(delta["content"])
+        if isinstance(delta.get("refusal"), str):
+            self.has_refusal = True
+            self.refusal.append(delta["refusal"])
+        for call in delta.get("tool_calls") or ():
+            self._feed_tool_call(call)
+        if isinstance(delta.get("function_call"), dict):
+            self._feed_function_call(delta["function_call"])
+        if choice.get("logprobs"):
+            self._feed_logprobs(choice["logprobs"])
+        if choice.get("finish_reason"):
+            self.finish_reason = choice["finish_reason"]
+
+    def _feed_tool_call(self, delta: JsonDict) -> None:
+        index = int(delta.get("index", len(self.tool_calls)))
+        call = self.tool_calls.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        if delta.get("type"):
+            call["type"] = delta["type"]
+        function = delta.get("function") or {}
+        if function.get("name"):
+            call["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            call["function"]["arguments"] += function["arguments"]
+
+    def _feed_function_call(self, delta: JsonDict) -> None:
+        if self.function_call is None:
+            self.function_call = {"name": "", "arguments": ""}
+        self.function_call["name"] += delta.get("name") or ""
+        self.function_call["arguments"] += delta.get("arguments") or ""
+
+    def _feed_logprobs(self, logprobs: JsonDict) -> None:
+        if self.logprobs is None:
+            self.logprobs = {}
+        for key in ("content", "refusal"):
+            if logprobs.get(key):
+                self.logprobs.setdefault(key, []).extend(logprobs[key])
+
+    def tool_call_list(self) -> list[JsonDict]:
+        return [copy.deepcopy(self.tool_calls[i]) for i in sorted(self.tool_calls)]
+
+    def message(self) -> JsonDict:
+        message: JsonDict = {
+            "role": self.role or "assistant",
+            "content": "".join(self.content) if self.has_content else None,
+            "refusal": "".join(self.refusal) if self.has_refusal else None,
+        }
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_call_list()
+        if self.function_call is not None:
+            message["function_call"] = dict(self.function_call)
+        return message
+
+    def result(self) -> JsonDict:
+        return {
+            "index": self.index,
+            "message": self.message(),
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class ChatStreamAccumulator:
+    """Rebuilds the `chat.completion` a non-streaming call would have returned.
+
+    >>> acc = ChatStreamAccumulator()
+    >>> acc.feed({"id": "c1", "model": "m", "created": 1,
+    ...           "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]})
+    >>> acc.result()["choices"][0]["message"]["content"]
+    'Hi'
+    """
+
+    def __init__(self) -> None:
+        self._meta: JsonDict = {}
+        self._choices: dict[int, _ChoiceState] = {}
+        self.usage: JsonDict | None = None
+
+    def feed(self, chunk: JsonDict) -> None:
+        for key in ("id", "model", "created", "system_fingerprint", "service_tier"):
+            if chunk.get(key) is not None:
+                self._meta[key] = chunk[key]
+        for choice in chunk.get("choices") or ():
+            index = int(choice.get("index", 0))
+            self._choices.setdefault(index, _ChoiceState(index)).feed(choice)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+    def tool_calls(self, choice_index: int = 0) -> list[JsonDict]:
+        choice = self._choices.get(choice_index)
+        return choice.tool_call_list() if choice else []
+
+    def result(self) -> JsonDict:
+        result: JsonDict = {
+            "id": self._meta.get("id"),
+            "object": "chat.completion",
+            "created": self._meta.get("created"),
+            "model": self._meta.get("model"),
+            "choices": [self._choices[i].result() for i in sorted(self._choices)],
+            "usage": self.usage,
+        }
+        for key in ("system_fingerprint", "service_tier"):
+            if key in self._meta:
+                result[key] = self._meta[key]
+        return result
+
+
+# --- Responses ------------------------------------------------------------------------------
+
+_FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_SNAPSHOT_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
+
+
+class ResponsesStreamAccumulator:
+    """Rebuilds the final Response object from a Responses event stream.
+
+    The terminal event (`response.completed` / `.incomplete` / `.failed`) carries the whole
+    Response, which wins. When the stream is cut before it, `result()` assembles one from
+    the last snapshot (`response.created` / `.in_progress`) and the finished output items.
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: JsonDict | None = None
+        self._final: JsonDict | None = None
+        self._error: JsonDict | None = None
+        self._items: dict[int, JsonDict] = {}  # in progress, rebuilt from deltas
+        self._done: dict[int, JsonDict] = {}  # from response.output_item.done
+
+    def feed(self, event_type: str, data: JsonDict) -> None:
+        if event_type in _SNAPSHOT_EVENTS:
+            self._snapshot = data.get("response") or self._snapshot
+        elif event_type in _FINAL_EVENTS:
+            self._final = data.get("response")
+            if event_type == "response.failed" and self._final and self._final.get("error"):
+                self._error = self._final["error"]
+        elif event_type == "error":
+            self._error = _error_from_event(data)
+        elif event_type == "response.output_item.added":
+            self._items[int(data["output_index"])] = copy.deepcopy(data["item"])
+        elif event_type == "response.output_item.done":
+            index = int(data["output_index"])
+            self._done[index] = self._items[index] = copy.deepcopy(data["item"])
+        else:
+            self._feed_delta(event_type, data)
+
+    def _feed_delta(self, event_type: str, data: JsonDict) -> None:
+        item = self._items.get(int(data.get("output_index", -1)))
+        if item is None:
+            return
+        if event_type == "response.content_part.added":
+            _set_part(item, int(data["content_index"]), copy.deepcopy(data["part"]))
+        elif event_type == "response.content_part.done":
+            _set_part(item, int(data["content_index"]), copy.deepcopy(data["part"]))
+        elif event_type == "response.output_text.delta":
+            part = _part(item, int(data["content_index"]), "output_text")
+            part["text"] = part.get("text", "") + data.get("delta", "")
+        elif event_type == "response.output_text.done":
+            _part(item, int(data["content_index"]), "output_text")["text"] = data["text"]
+        elif event_type == "response.refusal.delta":
+            part = _part(item, int(data["content_index"]), "refusal")
+            part["refusal"] = part.get("refusal", "") + data.get("delta", "")
+        elif event_type == "response.refusal.done":
+            _part(item, int(data["content_index"]), "refusal")["refusal"] = data["refusal"]
+        elif event_type == "response.function_call_arguments.delta":
+            item["arguments"] = item.get("arguments", "") + data.get("delta", "")
+        elif event_type == "response.function_call_arguments.done":
+            item["arguments"] = data["arguments"]
+        elif event_type == "response.custom_tool_call_input.delta":
+            item["input"] = item.get("input", "") + data.get("delta", "")
+        elif event_type == "response.custom_tool_call_input.done":
+            item["input"] = data["input"]
+
+    def item(self, output_index: int) -> JsonDict | None:
+        """The item at that index as far as the stream has built it (may be partial)."""
+        item = self._items.get(output_index)
+        return copy.deepcopy(item) if item is not None else None
+
+    def output_items(self) -> list[JsonDict]:
+        return [copy.deepcopy(self._done[i]) for i in sorted(self._done)]
+
+    def result(self) -> JsonDict | None:
+        if self._final is not None:
+            return copy.deepcopy(self._final)
+        if self._snapshot is None and not self._done:
+            return None
+        response: JsonDict = copy.deepcopy(self._snapshot or {"object": "response"})
+        response["output"] = self.output_items()
+        return response
+
+    def usage(self) -> JsonDict | None:
+        final = self._final or self._snapshot
+        return final.get("usage") if final else None
+
+    def error(self) -> JsonDict | None:
+        return copy.deepcopy(self._error)
+
+
+def _error_from_event(data: JsonDict) -> JsonDict:
+    # OpenAI sends the fields at top level; some compatible servers nest them in "error".
+    if isinstance(data.get("error"), dict):
+        nested: JsonDict = data["error"]
+        return {k: nested.get(k) for k in ("type", "code", "message", "param") if k in nested}
+    return {k: data.get(k) for k in ("code", "message", "param") if k in data}
+
+
+def _set_part(item: JsonDict, index: int, part: JsonDict) -> None:
+    content = item.setdefault("content", [])
+    while len(content) <= index:
+        content.append({})
+    content[index] = part
+
+
+def _part(item: JsonDict, index: int, kind: str) -> JsonDict:
+    content = item.setdefault("content", [])
+    while len(content) <= index:
+        content.append({})
+    if not content[index]:
+        content[index] = {"type": kind}
+    part: JsonDict = content[index]
+    return part

@@ -1,0 +1,103 @@
+from proxy.core.blocks import Block, segment
+from proxy.core.items import Item, chat_item, responses_item
+
+
+def sys(text: str = "be brief") -> Item:
+    return chat_item({"role": "system", "content": text})
+
+
+def user(text: str) -> Item:
+    return chat_item({"role": "user", "content": text})
+
+
+def assistant(text: str) -> Item:
+    return chat_item({"role": "assistant", "content": text})
+
+
+def call(*ids: str) -> Item:
+    calls = [
+        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids
+    ]
+    return chat_item({"role": "assistant", "content": None, "tool_calls": calls})
+
+
+def out(call_id: str) -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": "ok"})
+
+
+def shape(blocks: list[Block]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(b.kind, b.positions) for b in blocks]
+
+
+def test_turns_pinned_and_current() -> None:
+    items = [sys(), user("a"), assistant("A"), user("b"), call("c1"), out("c1"), user("c")]
+    assert shape(segment(items)) == [
+        ("pinned", (0,)),
+        ("turn", (1, 2)),
+        ("turn", (3, 4, 5)),
+        ("current", (6,)),
+    ]
+
+
+def test_items_before_the_first_user_message_form_a_leading_turn() -> None:
+    items = [assistant("hello"), sys(), user("a"), assistant("A")]
+    assert shape(segment(items)) == [("turn", (0,)), ("pinned", (1,)), ("current", (2, 3))]
+
+
+def test_system_message_mid_turn_is_pinned_in_place() -> None:
+    items = [user("a"), assistant("A"), sys("new rule"), assistant("B"), user("b")]
+    assert shape(segment(items)) == [("turn", (0, 1, 3)), ("pinned", (2,)), ("current", (4,))]
+
+
+def test_pin_patterns_pin_matching_user_messages() -> None:
+    items = [user("All amounts in CNY"), assistant("ok"), user("price?"), assistant("1")]
+    blocks = segment(items, [r"\bCNY\b"])
+    assert shape(blocks) == [("pinned", (0,)), ("turn", (1,)), ("current", (2, 3))]
+
+
+def test_last_user_message_is_current_even_when_pinned() -> None:
+    items = [user("a"), assistant("A"), user("always CNY")]
+    assert shape(segment(items, ["CNY"]))[-1] == ("current", (2,))
+
+
+def test_parallel_calls_stay_in_their_turn() -> None:
+    items = [user("a"), call("c1", "c2"), out("c2"), out("c1"), assistant("A"), user("b")]
+    assert shape(segment(items)) == [("turn", (0, 1, 2, 3, 4)), ("current", (5,))]
+
+
+def test_late_output_merges_the_turns_it_spans() -> None:
+    items = [user("a"), call("c1"), user("b"), assistant("B"), out("c1"), user("c"), user("d")]
+    assert shape(segment(items)) == [
+        ("turn", (0, 1, 2, 3, 4)),
+        ("turn", (5,)),
+        ("current", (6,)),
+    ]
+
+
+def test_late_output_in_the_current_turn_makes_its_call_current() -> None:
+    items = [user("a"), assistant("A"), user("b"), call("c1"), user("c"), out("c1")]
+    assert shape(segment(items)) == [("turn", (0, 1)), ("current", (2, 3, 4, 5))]
+
+
+def test_positions_are_absolute() -> None:
+    items = [user("a"), assistant("A"), user("b")]
+    assert shape(segment(items, first_position=100)) == [
+        ("turn", (100, 101)),
+        ("current", (102,)),
+    ]
+
+
+def test_history_without_user_messages_is_all_current() -> None:
+    items = [sys(), assistant("A"), assistant("B")]
+    assert shape(segment(items)) == [("pinned", (0,)), ("current", (1, 2))]
+
+
+def test_responses_reasoning_travels_with_its_call() -> None:
+    items = [
+        responses_item({"role": "user", "content": "a"}),
+        responses_item({"type": "reasoning", "id": "rs_1", "summary": []}),
+        responses_item({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+        responses_item({"type": "function_call_output", "call_id": "c1", "output": "ok"}),
+        responses_item({"role": "user", "content": "b"}),
+    ]
+    assert shape(segment(items)) == [("turn", (0, 1, 2, 3)), ("current", (4,))]

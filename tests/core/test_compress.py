@@ -1,0 +1,142 @@
+import json
+
+import pytest
+
+from proxy.core.compress import (
+    SUMMARY_MARKER,
+    compress_tool_output,
+    is_summary,
+    summarize_turns,
+)
+from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.tokens import TokenCounter
+
+NOW = "2025-01-02T03:04:05Z"
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.for_model("gpt-4o")
+
+
+def chat_call(call_id: str, name: str = "lookup_order", args: str = '{"order_id":"ORD-1"}') -> Item:
+    function = {"name": name, "arguments": args}
+    return chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+    )
+
+
+def big_result() -> str:
+    rows = [{"sku": f"SKU-{i}", "note": "lorem ipsum dolor " * 20} for i in range(420)]
+    return json.dumps({"status": "shipped", "tracking_no": "YT123456", "rows": rows})
+
+
+def test_json_result_keeps_facts_and_marks_elisions(counter: TokenCounter) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_1", "content": big_result()})
+    small = compress_tool_output(output, chat_call("call_1"), 300, counter, NOW)
+    body = json.loads(small.raw["content"])
+    assert body["threadkeeper_compressed"]["tool"] == "lookup_order"
+    assert body["threadkeeper_compressed"]["call_id"] == "call_1"
+    assert body["threadkeeper_compressed"]["time"] == NOW
+    assert body["verified_facts"] == {"status": "shipped", "tracking_no": "YT123456"}
+    assert "more items elided by threadkeeper" in small.raw["content"]
+    assert counter.item(small) <= 300
+
+
+def test_compressed_chat_output_keeps_its_keys_and_call(counter: TokenCounter) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_1", "content": big_result()})
+    small = compress_tool_output(output, chat_call("call_1"), 200, counter, NOW)
+    assert set(small.raw) == {"role", "tool_call_id", "content"}
+    assert small.output_for == "call_1" and small.kind == "tool_output"
+
+
+def test_compressed_responses_output_keeps_its_keys(counter: TokenCounter) -> None:
+    raw = {"type": "function_call_output", "call_id": "c9", "output": big_result(), "id": "fco_1"}
+    call = responses_item(
+        {"type": "function_call", "call_id": "c9", "name": "search", "arguments": "{}"}
+    )
+    small = compress_tool_output(responses_item(raw), call, 250, counter, NOW)
+    assert set(small.raw) == set(raw)
+    assert small.output_for == "c9"
+    assert json.loads(small.raw["output"])["threadkeeper_compressed"]["tool"] == "search"
+    assert counter.item(small) <= 250
+
+
+def test_plain_text_keeps_head_and_tail(counter: TokenCounter) -> None:
+    text = "HEAD " + "filler words here " * 2000 + " TAIL"
+    output = chat_item({"role": "tool", "tool_call_id": "call_1", "content": text})
+    small = compress_tool_output(output, chat_call("call_1"), 200, counter, NOW)
+    excerpt = json.loads(small.raw["content"])["excerpt"]
+    assert excerpt.startswith("HEAD") and excerpt.endswith("TAIL")
+    assert "more characters elided by threadkeeper" in excerpt
+    assert counter.item(small) <= 200
+
+
+@pytest.mark.parametrize("limit", [40, 60, 100, 800])
+def test_compressed_output_never_exceeds_the_limit(counter: TokenCounter, limit: int) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_1", "content": big_result()})
+    assert counter.item(compress_tool_output(output, None, limit, counter, NOW)) <= limit
+
+
+def test_compression_is_deterministic(counter: TokenCounter) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_1", "content": big_result()})
+    first = compress_tool_output(output, chat_call("call_1"), 300, counter, NOW)
+    second = compress_tool_output(output, chat_call("call_1"), 300, counter, NOW)
+    assert first.raw == second.raw
+
+
+def dropped_turns() -> list[Item]:
+    return [
+        chat_item({"role": "user", "content": "所有金额都用人民币，默认含税。查一下订单 ORD-1。"}),
+        chat_call("call_1"),
+        chat_item({"role": "tool", "tool_call_id": "call_1", "content": big_result()}),
+        chat_item({"role": "assistant", "content": "ORD-1 has shipped."}),
+        chat_item({"role": "user", "content": "Refund it. Never refund twice."}),
+        chat_call("call_2", "refund_order"),
+    ]
+
+
+def test_summary_keeps_constraints_facts_and_pending_calls(counter: TokenCounter) -> None:
+    summary = summarize_turns(dropped_turns(), counter, 400, None)
+    text = summary.text()
+    assert summary.raw["role"] == "system" and text.startswith(SUMMARY_MARKER)
+    assert "所有金额都用人民币，默认含税。" in text
+    assert "Never refund twice." in text
+    assert 'lookup_order call_1: {"status": "shipped", "tracking_no": "YT123456"}' in text
+    assert "refund_order call_2" in text
+    assert text.index("Verified facts") < text.index("not verified")
+    assert counter.item(summary) <= 400
+    assert is_summary(summary)
+
+
+def test_responses_summary_is_a_developer_message(counter: TokenCounter) -> None:
+    items = [responses_item({"role": "user", "content": "always answer in French"})]
+    summary = summarize_turns(items, counter, 200, None)
+    assert summary.raw["type"] == "message" and summary.raw["role"] == "developer"
+    assert "always answer in French" in summary.text()
+
+
+def test_summary_shrinks_to_fit_keeping_constraints_first(counter: TokenCounter) -> None:
+    items = dropped_turns() * 30
+    summary = summarize_turns(items, counter, 120, None)
+    assert counter.item(summary) <= 120
+    assert "Never refund twice." in summary.text()
+
+
+def test_summary_carries_the_previous_summary_forward(counter: TokenCounter) -> None:
+    first = summarize_turns(dropped_turns()[:4], counter, 400, None)
+    later = [chat_item({"role": "user", "content": "What about ORD-2?"})]
+    second = summarize_turns(later, counter, 400, first)
+    text = second.text()
+    assert "Stands for 5 earlier items" in text
+    assert "所有金额都用人民币，默认含税。" in text and "What about ORD-2?" in text
+
+
+def test_summary_is_deterministic(counter: TokenCounter) -> None:
+    a = summarize_turns(dropped_turns(), counter, 300, None)
+    b = summarize_turns(dropped_turns(), counter, 300, None)
+    assert a.raw == b.raw

@@ -1,0 +1,90 @@
+import math
+
+import pytest
+
+from proxy.core.invariants import InvariantViolation, check_invariants
+from proxy.core.items import Item, chat_item, responses_item
+
+
+def call(call_id: str) -> Item:
+    function = {"name": "f", "arguments": "{}"}
+    return chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+    )
+
+
+def out(call_id: str, text: str = "ok") -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": text})
+
+
+SYSTEM = chat_item({"role": "system", "content": "rules"})
+U1 = chat_item({"role": "user", "content": "one"})
+U2 = chat_item({"role": "user", "content": "two"})
+HISTORY = [SYSTEM, U1, call("c1"), out("c1"), U2]
+PINNED = [0]
+CURRENT = [4]
+
+
+def test_unchanged_history_passes() -> None:
+    check_invariants(HISTORY, HISTORY, PINNED, CURRENT)
+
+
+def test_dropping_a_whole_trajectory_passes() -> None:
+    check_invariants(HISTORY, [SYSTEM, U2], PINNED, CURRENT)
+
+
+def test_compressed_output_in_place_passes() -> None:
+    check_invariants(HISTORY, [SYSTEM, U1, call("c1"), out("c1", "short"), U2], PINNED, CURRENT)
+
+
+def test_missing_pinned_item_is_a_violation() -> None:
+    with pytest.raises(InvariantViolation, match="pinned"):
+        check_invariants(HISTORY, [U1, call("c1"), out("c1"), U2], PINNED, CURRENT)
+
+
+def test_altered_current_turn_is_a_violation() -> None:
+    altered = chat_item({"role": "user", "content": "two!"})
+    with pytest.raises(InvariantViolation, match="current turn"):
+        check_invariants(HISTORY, [SYSTEM, altered], PINNED, CURRENT)
+
+
+def test_call_without_its_output_is_a_violation() -> None:
+    with pytest.raises(InvariantViolation, match="c1"):
+        check_invariants(HISTORY, [SYSTEM, U1, call("c1"), U2], PINNED, CURRENT)
+
+
+def test_output_without_its_call_is_a_violation() -> None:
+    with pytest.raises(InvariantViolation, match="c1"):
+        check_invariants(HISTORY, [SYSTEM, out("c1"), U2], PINNED, CURRENT)
+
+
+def test_unanswered_call_of_the_log_may_be_sent() -> None:
+    history = [U1, call("c7"), U2]
+    check_invariants(history, history, [], [2])
+
+
+def test_reordered_items_are_a_violation() -> None:
+    with pytest.raises(InvariantViolation, match="order"):
+        check_invariants(HISTORY, [SYSTEM, call("c1"), U1, out("c1"), U2], PINNED, CURRENT)
+
+
+def test_output_before_its_call_is_a_violation() -> None:
+    with pytest.raises(InvariantViolation):
+        check_invariants(HISTORY, [SYSTEM, U1, out("c1"), call("c1"), U2], PINNED, CURRENT)
+
+
+def test_unserializable_item_is_a_violation() -> None:
+    bad = chat_item({"role": "user", "content": "x"})
+    object.__setattr__(bad, "raw", {"role": "user", "content": math.nan})
+    with pytest.raises(InvariantViolation, match="serialize"):
+        check_invariants([U1, bad], [U1, bad], [], [1])
+
+
+def test_mixed_api_shapes_are_a_violation() -> None:
+    other = responses_item({"role": "user", "content": "two"})
+    with pytest.raises(InvariantViolation, match="mixes"):
+        check_invariants(HISTORY, [SYSTEM, other, U2], PINNED, CURRENT)

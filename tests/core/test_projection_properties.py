@@ -1,0 +1,221 @@
+"""Property tests of the projection (SPEC section 5): random Chat and Responses histories
+with parallel calls, huge tool results, reasoning items, system messages mid-history,
+pinned messages and random windows. Run with --hypothesis-show-statistics to see the
+number of examples."""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from proxy.core.blocks import segment
+from proxy.core.invariants import check_invariants
+from proxy.core.items import Api, Item, chat_item, responses_item
+from proxy.core.projection import (
+    ContextLengthExceeded,
+    Projection,
+    ProjectionPolicy,
+    ProjectionRequest,
+    project_context,
+)
+from proxy.core.tokens import REPLY_PRIMING, TokenCounter
+
+COUNTER = TokenCounter.for_model("gpt-4o")
+PROPERTY_SETTINGS = settings(
+    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+WORDS = ("order", "refund", "CNY", "shipped", "must", "never", "数据", "状态", "lorem", "ipsum")
+
+
+class Builder:
+    """Makes items of one API with unique text, so every item has its own digest."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.serial = 0
+
+    def _next(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def message(self, role: str, text: str) -> Item:
+        text = f"{text} #{self._next()}"
+        if self.api == "chat":
+            return chat_item({"role": role, "content": text})
+        return responses_item({"type": "message", "role": role, "content": text})
+
+    def calls(self, count: int) -> list[Item]:
+        ids = [f"call_{self._next()}" for _ in range(count)]
+        if self.api == "chat":
+            tool_calls = [
+                {"id": i, "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+                for i in ids
+            ]
+            return [chat_item({"role": "assistant", "content": None, "tool_calls": tool_calls})]
+        return [
+            responses_item(
+                {"type": "function_call", "call_id": i, "name": "lookup", "arguments": "{}"}
+            )
+            for i in ids
+        ]
+
+    def reasoning(self) -> Item:
+        n = self._next()
+        return responses_item(
+            {"type": "reasoning", "id": f"rs_{n}", "summary": [], "encrypted_content": "e" * 200}
+        )
+
+    def output(self, call_id: str, words: int, as_json: bool) -> Item:
+        body = " ".join(WORDS[(i * 7 + self._next()) % len(WORDS)] for i in range(words))
+        text = json.dumps({"status": "ok", "n": words, "rows": body.split()}) if as_json else body
+        if self.api == "chat":
+            return chat_item({"role": "tool", "tool_call_id": call_id, "content": text})
+        return responses_item({"type": "function_call_output", "call_id": call_id, "output": text})
+
+
+@st.composite
+def tool_round(draw: st.DrawFn, builder: Builder) -> list[Item]:
+    """Parallel calls (reasoning first on Responses), then their outputs in any order."""
+    calls = builder.calls(draw(st.integers(1, 3)))
+    call_ids = [call_id for item in calls for call_id in item.call_ids]
+    order = draw(st.permutations(call_ids))
+    huge = st.sampled_from([5, 20, 60, 1500])
+    outputs = [builder.output(i, draw(huge), draw(st.booleans())) for i in order]
+    prefix = [builder.reasoning()] if builder.api == "responses" and draw(st.booleans()) else []
+    return [*prefix, *calls, *outputs]
+
+
+@st.composite
+def turn(draw: st.DrawFn, builder: Builder, closed: bool) -> list[Item]:
+    pinned = draw(st.integers(0, 9)) == 0
+    text = "PIN: all amounts in CNY" if pinned else "please check the order"
+    items = [builder.message("user", text)]
+    for _ in range(draw(st.integers(0, 3))):
+        step = draw(st.sampled_from(["say", "tools", "tools", "system"]))
+        if step == "say":
+            items.append(builder.message("assistant", "done " * draw(st.integers(1, 40))))
+        elif step == "tools":
+            items += draw(tool_round(builder))
+        else:
+            items.append(builder.message("system", "a new rule"))
+    if closed and draw(st.booleans()):
+        items.append(builder.message("assistant", "anything else?"))
+    return items
+
+
+@dataclass(frozen=True)
+class Case:
+    items: list[Item]
+    next_turn: list[Item]
+    window_share: float
+    api: Api
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    api: Api = draw(st.sampled_from(["chat", "responses"]))
+    builder = Builder(api)
+    items = [builder.message("system", "You are a careful agent.")]
+    for _ in range(draw(st.integers(0, 12))):
+        items += draw(turn(builder, closed=True))
+    items += draw(turn(builder, closed=False))
+    next_turn = draw(turn(builder, closed=False))
+    return Case(items, next_turn, draw(st.integers(-5, 120)) / 100, api)
+
+
+POLICY = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300, pin_patterns=("^PIN",))
+OUTPUT, EPSILON, TOOLS = 300, 50, 20
+
+
+def window_for(case: Case) -> int:
+    """From 'the fixed parts do not fit' (share < 0) to 'everything fits' (share >= 1)."""
+    blocks = segment(case.items, POLICY.pin_patterns)
+    fixed = sum(COUNTER.items(b.items) for b in blocks if b.kind != "turn") + REPLY_PRIMING
+    history = sum(COUNTER.items(b.items) for b in blocks if b.kind == "turn")
+    return fixed + TOOLS + OUTPUT + EPSILON + int(case.window_share * history)
+
+
+def project(items: Sequence[Item], window: int, cut: object = None) -> Projection:
+    request = ProjectionRequest(
+        items,
+        window,
+        OUTPUT,
+        EPSILON,
+        tools_tokens=TOOLS,
+        cut=cut,
+        now="2025-01-01T00:00:00Z",  # type: ignore[arg-type]
+    )
+    return project_context(request, COUNTER, POLICY)
+
+
+def outcome(projection: Projection) -> str:
+    report = projection.report
+    if not projection.changed:
+        return "unchanged"
+    done = [k for k in ("compressed", "summarized", "dropped") if getattr(report, k)]
+    return "+".join(done) or "sticky cut only"
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
+    window = window_for(case)
+    try:
+        projection = project(case.items, window)
+    except ContextLengthExceeded as exc:
+        event("outcome: context_length_exceeded")
+        assert exc.report.history_budget < 0
+        return
+    sent = projection.items
+    report = projection.report
+    event(f"outcome: {outcome(projection)}")
+    assert report.prompt_tokens == COUNTER.items(sent) + TOOLS + REPLY_PRIMING
+    assert report.prompt_tokens <= window - OUTPUT - EPSILON
+    blocks = segment(case.items, POLICY.pin_patterns)
+    pinned = [p for b in blocks if b.kind == "pinned" for p in b.positions]
+    current = [p for b in blocks if b.kind == "current" for p in b.positions]
+    check_invariants(case.items, sent, pinned, current)
+    assert list(sent[len(sent) - len(current) :]) == [case.items[p] for p in current]
+    assert projection.changed == (sent != tuple(case.items))
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_recent_turns_are_verbatim_whenever_they_fit(case: Case) -> None:
+    window = window_for(case)
+    blocks = segment(case.items, POLICY.pin_patterns)
+    turns = [b for b in blocks if b.kind == "turn"][-POLICY.keep_recent_turns :]
+    fixed = sum(COUNTER.items(b.items) for b in blocks if b.kind != "turn") + REPLY_PRIMING
+    recent = sum(COUNTER.items(b.items) for b in turns)
+    if fixed + TOOLS + recent + OUTPUT + EPSILON > window:
+        return
+    sent = {id(item) for item in project(case.items, window).items}
+    assert all(id(item) in sent for b in turns for item in b.items)
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_projection_is_deterministic(case: Case) -> None:
+    window = window_for(case)
+    try:
+        first, second = project(case.items, window), project(case.items, window)
+    except ContextLengthExceeded:
+        return
+    assert [i.raw for i in first.items] == [i.raw for i in second.items]
+    assert first.cut == second.cut
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_kept_cut_leaves_the_prefix_unchanged_until_the_budget_is_hit(case: Case) -> None:
+    window = window_for(case)
+    try:
+        first = project(case.items, window)
+        second = project([*case.items, *case.next_turn], window, first.cut)
+    except ContextLengthExceeded:
+        return
+    event("prefix kept" if second.cut == first.cut else "budget hit again: new cut")
+    if second.cut == first.cut:
+        assert second.items[: len(first.items)] == first.items

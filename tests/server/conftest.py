@@ -1,0 +1,118 @@
+"""End-to-end fixtures: a fake provider on loopback, the proxy on a real socket, and the
+real openai SDK as the client."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from proxy.fake_provider import FakeProvider
+from proxy.server.app import bound_port, create_app, start
+from proxy.settings import Settings
+
+TENANT_KEY = "sk-tk-acme-test-key"
+PROVIDER_KEY = "sk-provider-secret-acme-0123456789"
+
+DEFAULT_POLICY = """\
+tenant: default
+allow_unknown_keys: {allow}
+models:
+  "*": {{context_window: 128000, max_output_tokens: 16384}}
+retry: {{max_attempts: 3, max_seconds: 10, initial_backoff: 0.01, max_backoff: 0.05}}
+"""
+
+ACME_POLICY = """\
+tenant: acme
+api_keys: ["{key_hash}"]
+upstream: {{api_key_env: ACME_OPENAI_KEY}}
+models:
+  "*": {{context_window: {window}, max_output_tokens: 4096}}
+budget: {{reserve_output_tokens: 1000, safety_margin_tokens: 200}}
+memory: {{keep_recent_turns: 2, tool_result_max_tokens: 300, pin_patterns: ["(?i)all prices in"]}}
+retry: {{max_attempts: 3, max_seconds: 10, initial_backoff: 0.01, max_backoff: 0.05}}
+"""
+
+
+def write_policies(directory: Path, *, allow_unknown: bool = True, window: int = 16000) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "default.yaml").write_text(DEFAULT_POLICY.format(allow=str(allow_unknown).lower()))
+    key_hash = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
+    (directory / "acme.yaml").write_text(ACME_POLICY.format(key_hash=key_hash, window=window))
+
+
+@dataclass
+class Proxy:
+    base_url: str
+    provider: FakeProvider
+    policies_dir: Path
+    app: object
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    def client(self, api_key: str = TENANT_KEY, **kwargs: object) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=api_key, max_retries=0, **kwargs
+        )  # type: ignore[arg-type]
+        self.clients.append(client)
+        return client
+
+    def http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url.removesuffix("/v1"), timeout=30)
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[FakeProvider]:
+    fake = FakeProvider()
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+ProxyFactory = Callable[..., "AsyncIterator[Proxy]"]
+
+
+@pytest.fixture
+async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
+    runners = []
+    proxies: list[Proxy] = []
+
+    async def factory(
+        *,
+        allow_unknown: bool = True,
+        window: int = 16000,
+        upstream_url: str | None = None,
+        reload_interval: float = 0,
+        max_body_bytes: int = 1024 * 1024,
+    ) -> Proxy:
+        policies = tmp_path / f"policies{len(proxies)}"
+        write_policies(policies, allow_unknown=allow_unknown, window=window)
+        settings = Settings(
+            port=0,
+            policies_dir=policies,
+            upstream_url=upstream_url or provider.base_url,
+            policy_reload_interval=reload_interval,
+            max_body_bytes=max_body_bytes,
+        )
+        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
+        runner = await start(settings, app)
+        runners.append(runner)
+        proxy = Proxy(f"http://127.0.0.1:{bound_port(runner)}/v1", provider, policies, app)
+        proxies.append(proxy)
+        return proxy
+
+    yield factory
+    for proxy in proxies:
+        for client in proxy.clients:
+            await client.close()
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(make_proxy) -> Proxy:  # type: ignore[no-untyped-def]
+    return await make_proxy()

@@ -1,0 +1,82 @@
+"""The command line: serve refuses bad policies; count and project on JSON files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from proxy.cli import main
+
+COOKBOOK_MESSAGES = [
+    {
+        "role": "system",
+        "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English.",
+    },
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "New synergies will help drive top-line growth.",
+    },
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Things working well together will increase revenue.",
+    },
+    {
+        "role": "system",
+        "name": "example_user",
+        "content": "Let's circle back when we have more bandwidth to touch base on opportunities for increased leverage.",
+    },
+    {
+        "role": "system",
+        "name": "example_assistant",
+        "content": "Let's talk later when we're less busy about how to do better.",
+    },
+    {
+        "role": "user",
+        "content": "This late pivot means we don't have time to boil the ocean for the client deliverable.",
+    },
+]
+
+
+def test_serve_refuses_to_start_on_a_bad_policy(tmp_path: Path) -> None:
+    (tmp_path / "acme.yaml").write_text("tenant: acme\nmemory: {keep_recent_turns: many}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--policies", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "acme.yaml" in result.stderr
+    assert "memory.keep_recent_turns" in result.stderr
+
+
+def test_count_reproduces_the_cookbook(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "messages.json"
+    path.write_text(json.dumps(COOKBOOK_MESSAGES))
+    assert main(["count", str(path), "--model", "gpt-4o"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 124
+    assert main(["count", str(path), "--model", "gpt-4"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 129
+
+
+def test_project_prints_the_budget_breakdown(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "system", "content": "Be brief."}]
+    for turn in range(30):
+        messages += [
+            {"role": "user", "content": f"question {turn} " + "detail " * 50},
+            {"role": "assistant", "content": f"answer {turn} " + "words " * 50},
+        ]
+    messages.append({"role": "user", "content": "final question"})
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(messages))
+    assert (
+        main(["project", str(path), "--window", "2500", "--output", "300", "--margin", "50"]) == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["window"] == 2500
+    assert report["history_before"] > report["history_after"]
+    assert report["prompt_tokens"] <= 2500 - 300 - 50

@@ -1,0 +1,338 @@
+"""Tenant policies: validation messages, model limits, key resolution, hot reload."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from proxy.policy import (
+    BUILTIN_LIMITS,
+    ModelLimits,
+    Policy,
+    PolicyError,
+    PolicyRegistry,
+    hash_key,
+    load_policy_file,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+ACME_KEY = "sk-tk-acme-0123456789"
+BETA_KEY = "sk-tk-beta-0123456789"
+
+
+def write(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def tenant_file(tenant: str, *keys: str, extra: str = "") -> str:
+    lines = [f"tenant: {tenant}", "api_keys:", *[f"  - {hash_key(k)}" for k in keys]]
+    return "\n".join(lines) + "\n" + extra if keys else f"tenant: {tenant}\n{extra}"
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def test_minimal_file_gets_spec_defaults(tmp_path: Path) -> None:
+    policy = load_policy_file(write(tmp_path, "acme.yaml", "tenant: acme\n"))
+    assert policy.tenant == "acme"
+    assert policy.api_keys == []
+    assert policy.upstream.api_key_env is None
+    assert policy.budget.reserve_output_tokens == 2000
+    assert policy.budget.safety_margin_tokens == 500
+    assert policy.memory.keep_recent_turns == 3
+    assert policy.memory.tool_result_max_tokens == 800
+    assert policy.memory.summarizer.enabled is False
+    assert policy.retry.max_attempts == 3
+    assert policy.limits_for("anything") == BUILTIN_LIMITS
+
+
+def test_shipped_policy_files_are_valid(tmp_path: Path) -> None:
+    default = load_policy_file(REPO / "policies" / "default.yaml")
+    assert default.allow_unknown_keys and default.upstream.api_key_env is None
+    example = shutil.copy(REPO / "policies" / "acme.yaml.example", tmp_path / "acme.yaml")
+    acme = load_policy_file(Path(example))
+    assert acme.tools["refund_order"].side_effect
+    assert acme.tools["refund_order"].idempotency_key == "refund:{order_id}"
+    assert acme.upstream.api_key_env == "ACME_OPENAI_KEY"
+    assert acme.api_keys == [hash_key("sk-tk-acme-example-key-change-me")]
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "problem"),
+    [
+        ("tenant: acme\nmodels: {gpt-4o: [1\n", "(yaml)", "invalid YAML"),
+        ("", "(top level)", "expected a mapping with tenant:, got an empty file"),
+        ("tenant: other\n", "tenant", "must equal the file name 'acme', got 'other'"),
+        ("api_keys: []\n", "tenant", "required field is missing"),
+        (
+            "tenant: acme\nmemory:\n  keep_recnt_turns: 2\n",
+            "memory.keep_recnt_turns",
+            "unknown field; did you mean 'keep_recent_turns'?",
+        ),
+        ("tenant: acme\nbudgett: {}\n", "budgett", "unknown field; did you mean 'budget'?"),
+        (
+            "tenant: acme\nmodels:\n  gpt-4o: {context_window: -5}\n",
+            "models.gpt-4o.context_window",
+            "Input should be greater than 0 (got -5)",
+        ),
+        (
+            "tenant: acme\nmodels:\n  gpt-4o: {context_window: 1000, max_output_tokens: 2000}\n",
+            "models.gpt-4o.max_output_tokens",
+            "2000 exceeds context_window (1000)",
+        ),
+        (
+            "tenant: acme\nmemory:\n  pin_patterns: ['ok', '(unclosed']\n",
+            "memory.pin_patterns[1]",
+            "invalid regex '(unclosed'",
+        ),
+        (
+            "tenant: acme\napi_keys: [sk-tk-acme-plaintext]\n",
+            "api_keys[0]",
+            "expected the sha256 hex (64 characters 0-9a-f) of a proxy key, not the key itself",
+        ),
+        (
+            "tenant: acme\ntools:\n  refund_order: {side_effect: true, scope: global}\n",
+            "tools.refund_order.scope",
+            "Input should be 'tenant' or 'thread' (got 'global')",
+        ),
+        (
+            "tenant: acme\ntools:\n  refund_order: {on_duplicate: ignore}\n",
+            "tools.refund_order.on_duplicate",
+            "Input should be 'replay' or 'block'",
+        ),
+        (
+            "tenant: acme\ntools:\n  refund_order: {idempotency_key: 'refund:{order_id'}\n",
+            "tools.refund_order.idempotency_key",
+            "invalid template",
+        ),
+        (
+            "tenant: acme\nupstream: {api_key_env: sk-live-123}\n",
+            "upstream.api_key_env",
+            "expected the name of an environment variable",
+        ),
+        ("tenant: acme\nbudget: {target_fill: 1.5}\n", "budget.target_fill", "less than or equal"),
+        ("tenant: acme\nretry: {max_attempts: 0}\n", "retry.max_attempts", "greater than or equal"),
+        ("tenant: acme\nretry: {max_attempts: '3'}\n", "retry.max_attempts", "valid integer"),
+        ("tenant: acme\nallow_unknown_keys: true\n", "allow_unknown_keys", "only has an effect in"),
+        (
+            "tenant: acme\nretry: {initial_backoff: 2, max_backoff: 1}\n",
+            "retry.max_backoff",
+            "1 is below initial_backoff (2)",
+        ),
+    ],
+)
+def test_invalid_file_names_file_field_and_problem(
+    tmp_path: Path, text: str, field: str, problem: str
+) -> None:
+    path = write(tmp_path, "acme.yaml", text)
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(path)
+    error = raised.value
+    assert (error.file, error.field) == (str(path), field)
+    assert problem in error.problem
+    assert str(error) == f"{path}: {field}: {error.problem}"
+
+
+def test_key_hashes_are_normalised_to_lowercase(tmp_path: Path) -> None:
+    text = f"tenant: acme\napi_keys: [{hash_key(ACME_KEY).upper()}]\n"
+    assert load_policy_file(write(tmp_path, "acme.yaml", text)).api_keys == [hash_key(ACME_KEY)]
+
+
+def test_policy_is_frozen(tmp_path: Path) -> None:
+    policy = load_policy_file(write(tmp_path, "acme.yaml", "tenant: acme\n"))
+    with pytest.raises(ValueError):
+        policy.allow_unknown_keys = True  # type: ignore[misc]
+
+
+# -- model limits and upstream key -----------------------------------------------------------
+
+
+def limits(window: int) -> ModelLimits:
+    return ModelLimits(context_window=window)
+
+
+def test_limits_for_exact_then_longest_prefix_then_star() -> None:
+    policy = Policy(
+        tenant="acme",
+        models={
+            "*": limits(50_000),
+            "gpt-4": limits(8_192),
+            "gpt-4o": limits(128_000),
+            "gpt-4o-mini": limits(16_000),
+        },
+    )
+    assert policy.limits_for("gpt-4o-mini").context_window == 16_000  # exact
+    assert policy.limits_for("gpt-4o-2024-08-06").context_window == 128_000  # longest prefix
+    assert policy.limits_for("gpt-4o-mini-2024-07-18").context_window == 16_000
+    assert policy.limits_for("gpt-4-0613").context_window == 8_192
+    assert policy.limits_for("o3").context_window == 50_000  # "*"
+    assert policy.limits_for("ft:gpt-4o-mini:acme::abc").context_window == 16_000  # base model
+    assert policy.limits_for("openai/gpt-4o-mini").context_window == 16_000  # provider prefix
+
+
+def test_limits_for_falls_back_to_built_in_without_star() -> None:
+    policy = Policy(tenant="acme", models={"gpt-4o": limits(1000)})
+    assert policy.limits_for("llama-3") == BUILTIN_LIMITS
+    assert BUILTIN_LIMITS == ModelLimits(context_window=128_000, max_output_tokens=16_384)
+
+
+def test_upstream_key_reads_the_named_env_var(tmp_path: Path) -> None:
+    text = "tenant: acme\nupstream: {api_key_env: ACME_OPENAI_KEY}\n"
+    policy = load_policy_file(write(tmp_path, "acme.yaml", text))
+    assert policy.upstream_key({"ACME_OPENAI_KEY": "sk-provider"}) == "sk-provider"
+    with pytest.raises(PolicyError) as raised:
+        policy.upstream_key({"ACME_OPENAI_KEY": ""})
+    assert raised.value.field == "upstream.api_key_env"
+    assert raised.value.file.endswith("acme.yaml")
+    assert "ACME_OPENAI_KEY is not set" in raised.value.problem
+    assert Policy(tenant="beta").upstream_key({"ACME_OPENAI_KEY": "sk-provider"}) is None
+
+
+# -- registry --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def policies(tmp_path: Path) -> Path:
+    directory = tmp_path / "policies"
+    directory.mkdir()
+    write(directory, "acme.yaml", tenant_file("acme", ACME_KEY))
+    write(directory, "beta.yml", tenant_file("beta", BETA_KEY))
+    return directory
+
+
+def test_resolve_by_key_hash(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    assert registry.tenants() == ["acme", "beta"]
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+    assert registry.resolve(BETA_KEY).tenant == "beta"  # type: ignore[union-attr]
+    assert registry.get("beta") is registry.resolve(BETA_KEY)
+    assert registry.get("gamma") is None
+
+
+def test_unknown_key_is_refused_without_a_passthrough_default(policies: Path) -> None:
+    write(policies, "default.yaml", "tenant: default\nallow_unknown_keys: false\n")
+    registry = PolicyRegistry.load(policies)
+    assert registry.resolve("sk-someone-else") is None
+    assert registry.resolve(None) is None
+
+
+def test_unknown_key_goes_to_default_when_it_allows_unknown_keys(policies: Path) -> None:
+    write(policies, "default.yaml", "tenant: default\nallow_unknown_keys: true\n")
+    registry = PolicyRegistry.load(policies)
+    assert registry.resolve("sk-someone-else").tenant == "default"  # type: ignore[union-attr]
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+
+
+def test_shipped_policies_directory_loads() -> None:
+    registry = PolicyRegistry.load(REPO / "policies")
+    assert "default" in registry.tenants()
+    assert registry.resolve("sk-any-client-key").tenant == "default"  # type: ignore[union-attr]
+
+
+def test_load_refuses_a_bad_file(policies: Path) -> None:
+    write(policies, "gamma.yaml", "tenant: gamma\nmemory: {pin_patterns: ['[']}\n")
+    with pytest.raises(PolicyError) as raised:
+        PolicyRegistry.load(policies)
+    assert raised.value.file == str(policies / "gamma.yaml")
+    assert raised.value.field == "memory.pin_patterns[0]"
+
+
+def test_load_refuses_a_key_listed_by_two_tenants(policies: Path) -> None:
+    write(policies, "gamma.yaml", tenant_file("gamma", ACME_KEY))
+    with pytest.raises(PolicyError) as raised:
+        PolicyRegistry.load(policies)
+    assert raised.value.file == str(policies / "gamma.yaml")
+    assert raised.value.field == "api_keys[0]"
+    assert "already belongs to tenant 'acme'" in raised.value.problem
+
+
+def test_load_refuses_a_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as raised:
+        PolicyRegistry.load(tmp_path / "nope")
+    assert "does not exist" in str(raised.value)
+
+
+def test_load_ignores_other_files(policies: Path) -> None:
+    write(policies, "acme.yaml.example", "not: a policy\n")
+    write(policies, ".#acme.yaml", "editor lock file\n")
+    write(policies, "README.md", "# notes\n")
+    assert PolicyRegistry.load(policies).tenants() == ["acme", "beta"]
+
+
+def test_reload_picks_up_an_edit(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    extra = "models:\n  gpt-4o: {context_window: 32000}\n"
+    write(policies, "acme.yaml", tenant_file("acme", ACME_KEY, "sk-tk-acme-second", extra=extra))
+    assert registry.reload() == []
+    assert registry.get("acme").limits_for("gpt-4o").context_window == 32000  # type: ignore[union-attr]
+    assert registry.resolve("sk-tk-acme-second").tenant == "acme"  # type: ignore[union-attr]
+
+
+def test_reload_keeps_last_good_policy_and_reports_a_bad_edit(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    write(policies, "acme.yaml", tenant_file("acme", ACME_KEY, extra="budget: {oops: 1}\n"))
+    with capture_logs() as logs:
+        errors = registry.reload()
+    assert [(e.file, e.field) for e in errors] == [(str(policies / "acme.yaml"), "budget.oops")]
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+    [logged] = [entry for entry in logs if entry["log_level"] == "error"]
+    assert logged["file"] == str(policies / "acme.yaml")
+    assert logged["field"] == "budget.oops"
+    assert registry.reload() == []  # the same bad content is reported once
+    assert registry.resolve(ACME_KEY) is not None
+
+
+def test_reload_after_fixing_a_bad_edit_applies_the_fix(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    write(policies, "acme.yaml", "tenant: acme\nretry: {max_attempts: 0}\n")
+    assert len(registry.reload()) == 1
+    write(policies, "acme.yaml", tenant_file("acme", ACME_KEY, extra="retry: {max_attempts: 5}\n"))
+    assert registry.reload() == []
+    assert registry.get("acme").retry.max_attempts == 5  # type: ignore[union-attr]
+
+
+def test_reload_drops_a_removed_file_and_adds_a_new_one(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    (policies / "beta.yml").unlink()
+    write(policies, "gamma.yaml", tenant_file("gamma", "sk-tk-gamma-0123"))
+    assert registry.reload() == []
+    assert registry.tenants() == ["acme", "gamma"]
+    assert registry.resolve(BETA_KEY) is None
+    assert registry.resolve("sk-tk-gamma-0123").tenant == "gamma"  # type: ignore[union-attr]
+
+
+def test_reload_rejects_a_new_file_that_steals_a_key(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    write(policies, "gamma.yaml", tenant_file("gamma", ACME_KEY))
+    [error] = registry.reload()
+    assert (error.file, error.field) == (str(policies / "gamma.yaml"), "api_keys[0]")
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+    assert registry.tenants() == ["acme", "beta"]
+
+
+def test_reload_survives_the_directory_disappearing(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    shutil.rmtree(policies)
+    [error] = registry.reload()
+    assert "does not exist" in error.problem
+    assert registry.tenants() == ["acme", "beta"]
+
+
+async def test_watch_reloads_until_cancelled(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    task = asyncio.create_task(registry.watch(0.01))
+    write(policies, "gamma.yaml", tenant_file("gamma"))
+    for _ in range(500):
+        if "gamma" in registry.tenants():
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "gamma" in registry.tenants()

@@ -1,0 +1,176 @@
+"""Settings precedence (CLI > env > config file > default) and errors that name the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.settings import Settings, SettingsError, load_settings
+
+NO_FLAGS: dict[str, object] = {
+    "host": None,
+    "port": None,
+    "policies": None,
+    "store": None,
+    "upstream": None,
+    "config": None,
+}
+
+
+@pytest.fixture(autouse=True)
+def _empty_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in an empty directory so the repo's config/threadkeeper.yaml is not picked up."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write_config(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_built_in_defaults_without_any_source() -> None:
+    settings = load_settings(NO_FLAGS, {})
+    assert settings == Settings()
+    assert (settings.host, settings.port) == ("127.0.0.1", 8080)
+    assert settings.store_url == "sqlite:///./threadkeeper.db"
+    assert settings.upstream_url == "https://api.openai.com/v1"
+    assert settings.policies_dir == Path("./policies")
+    assert settings.config_file is None
+
+
+def test_cli_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "tk.yaml",
+        "host: 10.0.0.1\nport: 7000\nstore: sqlite:///file.db\nlog_level: warning\n",
+    )
+    env = {
+        "THREADKEEPER_CONFIG": str(config),
+        "THREADKEEPER_PORT": "7100",
+        "THREADKEEPER_STORE": "postgresql://u@db:5432/tk",
+    }
+    settings = load_settings({**NO_FLAGS, "port": 7200}, env)
+    assert settings.port == 7200  # CLI over env and file
+    assert settings.store_url == "postgresql://u@db:5432/tk"  # env over file
+    assert settings.host == "10.0.0.1"  # file over default
+    assert settings.log_level == "warning"
+    assert settings.upstream_url == Settings().upstream_url  # default
+    assert settings.config_file == config
+
+
+def test_every_flag_and_env_var_is_read(tmp_path: Path) -> None:
+    flags = {
+        "host": "0.0.0.0",
+        "port": "9001",
+        "policies": str(tmp_path / "p"),
+        "store": "sqlite:///x.db",
+        "upstream": "http://localhost:8000/v1/",
+        "config": None,
+    }
+    settings = load_settings(flags, {})
+    assert (settings.host, settings.port) == ("0.0.0.0", 9001)
+    assert settings.policies_dir == tmp_path / "p"
+    assert settings.store_url == "sqlite:///x.db"
+    assert settings.upstream_url == "http://localhost:8000/v1"
+    env = {
+        "THREADKEEPER_HOST": "::1",
+        "THREADKEEPER_PORT": "9002",
+        "THREADKEEPER_POLICIES": "/etc/tk/policies",
+        "THREADKEEPER_STORE": "postgresql://tk@db/tk",
+        "THREADKEEPER_UPSTREAM_URL": "https://example.openai.azure.com/openai/v1",
+        "THREADKEEPER_MAX_BODY_BYTES": "1024",
+        "THREADKEEPER_LOG_LEVEL": "DEBUG",
+    }
+    settings = load_settings(NO_FLAGS, env)
+    assert settings == Settings(
+        host="::1",
+        port=9002,
+        policies_dir=Path("/etc/tk/policies"),
+        store_url="postgresql://tk@db/tk",
+        upstream_url="https://example.openai.azure.com/openai/v1",
+        max_body_bytes=1024,
+        log_level="debug",
+    )
+
+
+def test_default_config_file_is_read_when_present(tmp_path: Path) -> None:
+    write_config(
+        tmp_path / "config" / "threadkeeper.yaml",
+        "upstream:\n  connect_timeout: 3\n  read_timeout: 60.5\n  pool_size: 7\n"
+        "policy_reload_interval: 0.5\nmax_body_bytes: 4096\n",
+    )
+    settings = load_settings(NO_FLAGS, {})
+    assert settings.config_file == Path("config/threadkeeper.yaml")
+    assert settings.upstream_connect_timeout == 3.0
+    assert settings.upstream_read_timeout == 60.5
+    assert settings.upstream_pool_size == 7
+    assert settings.policy_reload_interval == 0.5
+    assert settings.max_body_bytes == 4096
+
+
+def test_cli_config_beats_env_config(tmp_path: Path) -> None:
+    from_cli = write_config(tmp_path / "a.yaml", "port: 1111\n")
+    from_env = write_config(tmp_path / "b.yaml", "port: 2222\n")
+    settings = load_settings({"config": str(from_cli)}, {"THREADKEEPER_CONFIG": str(from_env)})
+    assert settings.port == 1111
+
+
+def test_empty_env_var_counts_as_unset() -> None:
+    assert load_settings(NO_FLAGS, {"THREADKEEPER_PORT": ""}).port == 8080
+
+
+def test_repo_config_file_matches_built_in_defaults() -> None:
+    repo_config = Path(__file__).resolve().parents[1] / "config" / "threadkeeper.yaml"
+    settings = load_settings({"config": str(repo_config)}, {})
+    assert settings == Settings(config_file=repo_config)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({}, {"THREADKEEPER_PORT": "abc"}, "THREADKEEPER_PORT: expected an integer, got 'abc'"),
+        ({"port": "70000"}, {}, "--port: expected a port between 0 and 65535, got 70000"),
+        ({"store": "mysql://db/x"}, {}, "--store: expected sqlite:///path or postgresql://"),
+        ({}, {"THREADKEEPER_UPSTREAM_URL": "api.openai.com"}, "THREADKEEPER_UPSTREAM_URL: "),
+        ({}, {"THREADKEEPER_MAX_BODY_BYTES": "-1"}, "THREADKEEPER_MAX_BODY_BYTES: expected"),
+        ({}, {"THREADKEEPER_LOG_LEVEL": "loud"}, "THREADKEEPER_LOG_LEVEL: expected one of"),
+        ({"config": "missing.yaml"}, {}, "--config: config file 'missing.yaml' does not exist"),
+        ({}, {"THREADKEEPER_CONFIG": "nope.yaml"}, "THREADKEEPER_CONFIG: config file"),
+    ],
+)
+def test_bad_flag_or_env_value_names_its_source(
+    flags: dict[str, object], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(SettingsError) as raised:
+        load_settings({**NO_FLAGS, **flags}, env)
+    assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("port: eighty\n", "tk.yaml: port: expected an integer, got 'eighty'"),
+        (
+            "upstream:\n  read_timeout: -5\n",
+            "tk.yaml: upstream.read_timeout: expected a number > 0",
+        ),
+        ("prot: 80\n", "tk.yaml: prot: unknown setting"),
+        ("upstream:\n  pool: 3\n", "tk.yaml: upstream.pool: unknown setting"),
+        ("upstream: https://x\n", "tk.yaml: upstream: expected a mapping"),
+        ("port: [1\n", "tk.yaml: invalid YAML"),
+        ("- 1\n- 2\n", "tk.yaml: expected a mapping of settings, got list"),
+    ],
+)
+def test_bad_config_file_names_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    config = write_config(tmp_path / "tk.yaml", text)
+    with pytest.raises(SettingsError) as raised:
+        load_settings({"config": str(config)}, {})
+    assert str(raised.value).startswith(f"{tmp_path}/{message}")
+
+
+def test_bad_file_value_is_ignored_when_a_higher_source_overrides_it(tmp_path: Path) -> None:
+    """Only the value actually used is validated: a flag can rescue a broken file entry."""
+    config = write_config(tmp_path / "tk.yaml", "port: eighty\n")
+    assert load_settings({"config": str(config), "port": 81}, {}).port == 81

@@ -1,0 +1,320 @@
+"""The storage contract: one async `Store` protocol, implemented for SQLite and PostgreSQL.
+
+Layers (SPEC section 2): the event log (`items`, append-only per thread, with a sequence
+number), the thread state / checkpoint (`threads.state` with a `version` for optimistic
+concurrency), responses, and the idempotency tables (side-effect ledger, request
+idempotency records). Every row is scoped by tenant: a row of one tenant is invisible
+(None / not found) to every other.
+
+Writes that must not be half-done are single transactions: `commit_turn` appends a
+response's input and output items, advances the thread state and completes the response
+record at once, or does nothing and raises `VersionConflict`.
+
+Example::
+
+    store = await open_store("sqlite:///./threadkeeper.db")
+    await store.migrate()
+    thread = await store.create_thread("acme", "conv_1", kind="conversation", now=now)
+    window = await store.load_window("acme", "conv_1")
+    version = await store.commit_turn(
+        "acme", "conv_1", expected_version=window.thread.version, items=[...],
+        state=new_state, now=now,
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+JsonDict = dict[str, Any]
+ThreadKind = Literal["conversation", "chat", "responses"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
+LedgerStatus = Literal["issued", "completed", "failed"]
+
+
+class StoreError(Exception):
+    """Base class of the store's own errors."""
+
+
+class VersionConflict(StoreError):
+    """The thread changed since it was read: reload, merge, retry (SPEC section 7)."""
+
+
+class NotFound(StoreError):
+    """The thread, item or response does not exist for this tenant."""
+
+
+class AlreadyExists(StoreError):
+    """A row with this key exists (first write wins)."""
+
+
+@dataclass(frozen=True)
+class NewItem:
+    """An item to append. `raw` is the exact JSON the API carried (the source of truth)."""
+
+    item_id: str
+    raw: JsonDict
+    api: Literal["chat", "responses"]
+    tokens: int = 0  # counted once, stored with the item, never recounted on rebuild
+    encoding: str = ""
+    response_id: str | None = None  # the response this item was input to or output of
+    role: Literal["input", "output"] = "input"
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    seq: int  # position in the thread's log, 0-based, strictly increasing
+    item_id: str
+    raw: JsonDict
+    api: Literal["chat", "responses"]
+    tokens: int
+    encoding: str
+    response_id: str | None
+    role: Literal["input", "output"]
+    created_at: str
+
+
+@dataclass(frozen=True)
+class Thread:
+    tenant: str
+    id: str
+    kind: ThreadKind
+    metadata: Mapping[str, str]
+    created_at: str
+    version: int  # bumped by every state write; the OCC token
+    next_seq: int  # seq the next appended item gets
+    state: JsonDict  # checkpoint: window start, summary items, compressed forms (SPEC 2)
+    head_response_id: str | None = None  # last completed response on this thread
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a rebuild reads: the thread and its items from the window start on."""
+
+    thread: Thread
+    items: tuple[StoredItem, ...]
+
+
+@dataclass(frozen=True)
+class ItemPage:
+    items: tuple[StoredItem, ...]
+    has_more: bool
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    tenant: str
+    id: str
+    thread_id: str | None
+    previous_response_id: str | None
+    status: ResponseStatus
+    request: JsonDict  # the client's request body (minus input items, which are in items)
+    response: JsonDict | None  # the final Response object as returned to the client
+    created_at: str
+    owner: str  # process instance that ran it; crash recovery marks orphans incomplete
+    input_first_seq: int | None = None  # seq range of this response's items in its thread
+    output_last_seq: int | None = None
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    tenant: str
+    scope: str  # "tenant" or "thread:<id>"
+    key: str  # rendered idempotency key
+    tool: str
+    call_id: str
+    thread_id: str | None
+    response_id: str | None
+    status: LedgerStatus
+    arguments: str
+    result: str | None
+    attempts: int
+    created_at: str
+    updated_at: str
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    tenant: str
+    key: str
+    fingerprint: str
+    status: Literal["running", "done"]
+    response_status: int | None
+    response_headers: Sequence[tuple[str, str]] = field(default_factory=tuple)
+    response_body: bytes | None = None
+    created_at: str = ""
+    expires_at: str = ""
+
+
+class Store(Protocol):
+    """Async storage contract shared by the SQLite and PostgreSQL backends.
+
+    Times are ISO-8601 strings passed in by the caller (the core has no clock). All
+    methods are tenant-scoped. Methods returning `X | None` return None for a row that
+    does not exist *for this tenant*.
+    """
+
+    # lifecycle ------------------------------------------------------------------------
+    async def migrate(self) -> None:
+        """Apply pending numbered migrations (under an advisory lock on PostgreSQL)."""
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None:
+        """Raise if the database is unreachable (readiness probe)."""
+
+    # threads --------------------------------------------------------------------------
+    async def create_thread(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        kind: ThreadKind,
+        metadata: Mapping[str, str] | None = None,
+        items: Sequence[NewItem] = (),
+        now: str,
+    ) -> Thread:
+        """Create a thread with optional initial items, atomically. AlreadyExists if taken."""
+
+    async def get_thread(self, tenant: str, thread_id: str) -> Thread | None: ...
+
+    async def update_metadata(
+        self, tenant: str, thread_id: str, metadata: Mapping[str, str]
+    ) -> Thread | None: ...
+
+    async def delete_thread(self, tenant: str, thread_id: str) -> bool:
+        """Delete the thread and its items (an explicit DELETE is the only data removal)."""
+
+    async def fork_thread(
+        self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
+    ) -> Thread:
+        """A new thread holding copies of the source's items with seq <= through_seq.
+        Writes to either thread never touch the other. NotFound if the source is absent."""
+
+    # items ----------------------------------------------------------------------------
+    async def append_items(
+        self,
+        tenant: str,
+        thread_id: str,
+        items: Sequence[NewItem],
+        *,
+        expected_version: int | None = None,
+        state: JsonDict | None = None,
+        now: str,
+    ) -> Thread:
+        """Append items (and optionally replace the state) in one transaction, bumping the
+        version. With expected_version, VersionConflict if the thread moved on. NotFound
+        if the thread does not exist. Returns the updated thread."""
+
+    async def load_window(self, tenant: str, thread_id: str) -> Window | None:
+        """The thread plus its items with seq >= state["window_start"] (0 when absent),
+        in seq order. Cost follows the live window, not the whole history."""
+
+    async def list_items(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> ItemPage:
+        """Conversation items paginated like OpenAI's list endpoints. `after` is an item id;
+        NotFound if it is not in the thread."""
+
+    async def items_between(
+        self, tenant: str, thread_id: str, first_seq: int, last_seq: int
+    ) -> tuple[StoredItem, ...]: ...
+
+    async def get_item(self, tenant: str, thread_id: str, item_id: str) -> StoredItem | None: ...
+
+    async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool: ...
+
+    # responses ------------------------------------------------------------------------
+    async def begin_response(self, response: StoredResponse) -> None:
+        """Record a response `in_progress` before the provider is called."""
+
+    async def commit_turn(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        expected_version: int,
+        items: Sequence[NewItem],
+        state: JsonDict,
+        now: str,
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> Thread:
+        """One transaction: append the turn's input + output items, replace the state,
+        bump the version and (when response_id is given) mark that response completed
+        with its final object, seq range and the thread's head. VersionConflict leaves
+        everything untouched."""
+
+    async def finish_response(
+        self,
+        tenant: str,
+        response_id: str,
+        *,
+        status: ResponseStatus,
+        response: JsonDict | None,
+    ) -> None:
+        """Mark a response incomplete/failed/cancelled (no items are added), or completed
+        for responses that touch no thread (store without conversation)."""
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None: ...
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool: ...
+
+    async def abandon_in_progress(self, owner: str | None = None) -> int:
+        """At start-up: responses left `in_progress` (by a dead process, or by `owner`)
+        become `incomplete`. Returns how many."""
+
+    # side-effect ledger (issue: idempotency) -----------------------------------------------
+    async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
+        """Insert the entry unless (tenant, scope, key) exists: first write wins.
+        Returns (the entry now stored, True if this call created it)."""
+
+    async def ledger_get(self, tenant: str, scope: str, key: str) -> LedgerEntry | None: ...
+
+    async def ledger_by_call(self, tenant: str, call_id: str) -> LedgerEntry | None: ...
+
+    async def ledger_resolve(
+        self,
+        tenant: str,
+        scope: str,
+        key: str,
+        *,
+        status: LedgerStatus,
+        result: str | None,
+        now: str,
+        only_if: LedgerStatus = "issued",
+    ) -> bool:
+        """Conditional update: only an entry still in `only_if` changes. True if it did."""
+
+    async def ledger_list(
+        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
+    ) -> tuple[LedgerEntry, ...]: ...
+
+    # request idempotency ------------------------------------------------------------------
+    async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
+        """Insert a `running` record unless one exists for (tenant, key) and is not
+        expired; return the existing one (None when this call inserted)."""
+
+    async def idempotency_finish(
+        self,
+        tenant: str,
+        key: str,
+        *,
+        status: int,
+        headers: Sequence[tuple[str, str]],
+        body: bytes,
+    ) -> None: ...
+
+    async def idempotency_abort(self, tenant: str, key: str) -> None:
+        """Forget a running record (its response is not stored, e.g. a provider 5xx)."""
+
+    async def idempotency_purge(self, now: str) -> int:
+        """Delete expired records. Returns how many."""

@@ -66,9 +66,11 @@ def thread(size: int) -> list[Item]:
     return [*items, chat_item({"role": "user", "content": "And the newest order?"})]
 
 
-def live_window_request(items: list[Item], counter: TokenCounter) -> ProjectionRequest:
+def live_window_request(
+    items: list[Item], counter: TokenCounter, live: int = LIVE_WINDOW
+) -> ProjectionRequest:
     """What a store sends: the items from the cut on, and the cut kept from earlier."""
-    start = max(1, len(items) - LIVE_WINDOW)
+    start = max(1, len(items) - live)
     while start > 1 and not items[start].is_user_message:
         start -= 1
     if start == 1:
@@ -107,9 +109,13 @@ def measure() -> dict[int, dict[str, float]]:
         sizes[size] = float(len(request.items))
         live[str(size)] = partial(project_context, request, counter, POLICY)
         full[str(size)] = partial(project_context, full_history_request(items), counter, POLICY)
+    # The largest thread again with a window as small as the smallest thread, for a
+    # ratio between equal windows.
+    small_window = live_window_request(thread(SIZES[-1]), counter, SIZES[0])
+    live["equal"] = partial(project_context, small_window, counter, POLICY)
     live_ms = interleaved_medians(live, REPEATS)
     full_ms = interleaved_medians(full, FULL_REPEATS)
-    return {
+    results = {
         size: {
             "live_items": sizes[size],
             "live_ms": live_ms[str(size)],
@@ -117,39 +123,42 @@ def measure() -> dict[int, dict[str, float]]:
         }
         for size in SIZES
     }
+    results[0] = {"live_items": float(len(small_window.items)), "live_ms": live_ms["equal"]}
+    return results
 
 
 def section(results: dict[int, dict[str, float]]) -> str:
-    small, middle, large = (results[size] for size in SIZES)
-    ratio = large["live_ms"] / small["live_ms"]
-    per_item = (large["live_ms"] / large["live_items"]) / (small["live_ms"] / small["live_items"])
+    small, middle, large, equal = (results[size] for size in (*SIZES, 0))
     rows = "\n".join(
         f"| {size:,} | {int(r['live_items'])} | {r['live_ms']:.2f} | "
         f"{1000 * r['live_ms'] / r['live_items']:.1f} | {r['full_ms']:.2f} |"
         for size, r in results.items()
+        if size
     )
     return f"""## Projection
 
 `python bench/projection.py` (Python {platform.python_version()}, {platform.machine()}).
 Median of {REPEATS} runs of `project_context` ({FULL_REPEATS} for the full history), the
 cases timed round-robin after one warm-up run each (token counts cached, as a store
-keeps them with its items). "Live window" is what a store
-passes: the items from the sticky cut on plus the CutPoint (window {WINDOW:,} tokens,
-so the live window fits). A 100-item thread is shorter than the ~{LIVE_WINDOW}-item live
-window, so it is passed whole. "Full history" passes every item with no cut under a
-40,000-token window, so the projection must compress and summarize (informational).
+keeps them with its items). "Live window" is what a store passes: the items from the
+sticky cut on plus the CutPoint (window {WINDOW:,} tokens, so the live window fits). The
+100-item thread is shorter than a {LIVE_WINDOW}-item live window and is passed whole.
+"Full history" passes every item with no cut under a 40,000-token window, so the
+projection must compress and summarize (informational).
 
 | thread items | live window items | live window ms | us per live item | full history ms |
 |---:|---:|---:|---:|---:|
 {rows}
 
-- Live-window cost ratio 10,000 / 100 items: **{ratio:.2f}** (target <= 1.5). The
-  10,000-item request carries about twice the items of the 100-item one (the whole
-  100-item thread vs a {int(large["live_items"])}-item window), so this ratio mostly
-  measures window size.
-- Same ratio per live item: **{per_item:.2f}**; 10,000 / 1,000 items with equal live
-  windows: **{large["live_ms"] / middle["live_ms"]:.2f}**. Cost follows the live window,
-  not the thread length.
+| ratio | value |
+|---|---:|
+| 10,000 / 100 items, live windows as above ({int(large["live_items"])} vs {int(small["live_items"])} items) | {large["live_ms"] / small["live_ms"]:.2f} |
+| 10,000 / 100 items, equal live windows ({int(equal["live_items"])} items: {equal["live_ms"]:.2f} ms) | **{equal["live_ms"] / small["live_ms"]:.2f}** |
+| 10,000 / 1,000 items, equal live windows | {large["live_ms"] / middle["live_ms"]:.2f} |
+| full history 10,000 / 1,000 items (linear would be 10) | {large["full_ms"] / middle["full_ms"]:.2f} |
+
+Target: 10,000 / 100 <= 1.5 with equal live windows. The cost follows the live window,
+not the thread; with twice the items in the window it is about twice the cost.
 """
 
 

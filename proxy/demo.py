@@ -100,7 +100,7 @@ async def _conversation(
         )
         raw = await client.chat.completions.with_raw_response.create(
             model="gpt-4o-mini",
-            messages=messages,
+            messages=messages,  # type: ignore[arg-type]
             tools=TOOLS,  # type: ignore[arg-type]
         )
         completion = raw.parse()
@@ -110,7 +110,7 @@ async def _conversation(
         provider.script.append(Reply(text=f"Order ORD-{1000 + turn} has shipped."))
         raw = await client.chat.completions.with_raw_response.create(
             model="gpt-4o-mini",
-            messages=messages,
+            messages=messages,  # type: ignore[arg-type]
             tools=TOOLS,  # type: ignore[arg-type]
         )
         answer = raw.parse().choices[0].message

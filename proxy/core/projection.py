@@ -197,7 +197,8 @@ def _initial_state(
     digest = None
     replaced: dict[int, Item] = {}
     if cut is not None:
-        start = _aligned_start(max(cut.start, start), blocks)
+        end = request.first_position + len(request.items)
+        start = _aligned_start(min(max(cut.start, start), end), blocks)
         given = {
             item.digest
             for block in blocks
@@ -223,6 +224,8 @@ def _aligned_start(start: int, blocks: list[Block]) -> int:
     for block in blocks:
         if block.kind != "pinned" and block.positions and block.first < start <= block.last:
             return block.first
+        if block.kind == "current" and block.positions and block.first < start:
+            return block.first  # a stale cut beyond the current turn's start
     return start
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from proxy.core.budget import output_reserve
@@ -110,9 +111,10 @@ def budget_log_fields(projection: Projection) -> dict[str, Any]:
     """The breakdown for the request's log line: totals, and only the blocks that changed
     (a long thread would otherwise log thousands of kept blocks)."""
     report = projection.report.as_dict()
-    blocks = report.pop("blocks", ())
+    report.pop("blocks", None)
+    changed = [asdict(b) for b in projection.report.blocks if b.action != "kept"]
     return {
         "budget": report,
-        "trimmed_blocks": [b for b in blocks if b["action"] != "kept"],
+        "trimmed_blocks": changed,
         "rebuilt": projection.changed,
     }

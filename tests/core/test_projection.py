@@ -151,6 +151,14 @@ def test_cut_is_moved_back_when_a_late_output_joins_two_turns(counter: TokenCoun
     assert projection.items == tuple(items)
 
 
+def test_stale_cut_beyond_the_history_never_cuts_the_current_turn(counter: TokenCounter) -> None:
+    items = chat_history(2)
+    stale = CutPoint(start=10_000, summary=(items[0],))
+    projection = project_context(request(items, 16000, cut=stale), counter, POLICY)
+    assert projection.items == (items[0], items[-1])
+    assert projection.cut is not None and projection.cut.start == len(items) - 1
+
+
 def test_current_turn_too_large_raises_with_the_breakdown(counter: TokenCounter) -> None:
     items = [*chat_history(2)[:-1], chat_item({"role": "user", "content": "word " * 3000})]
     with pytest.raises(ContextLengthExceeded) as caught:

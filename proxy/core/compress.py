@@ -32,7 +32,7 @@ COMPRESSIBLE_RESPONSES_TYPES = frozenset({"function_call_output", "custom_tool_c
 # Sentences that constrain the rest of the task (seed 7.1: "all amounts in CNY, tax
 # included by default" must survive trimming).
 CONSTRAINT_WORDS = re.compile(
-    r"\b(must|never|always|only|default|don'?t|do not|should|required?|make sure)\b"
+    r"\b(must|never|always|only|default|don'?t|do not|should|required?|make sure|all|every|each|tax(?:es)? included)\b"
     r"|所有|必须|不要|不能|默认|只能|只要|总是|永远|务必|禁止|一律",
     re.IGNORECASE,
 )

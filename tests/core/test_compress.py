@@ -140,3 +140,13 @@ def test_summary_is_deterministic(counter: TokenCounter) -> None:
     a = summarize_turns(dropped_turns(), counter, 300, None)
     b = summarize_turns(dropped_turns(), counter, 300, None)
     assert a.raw == b.raw
+
+
+def test_english_task_constraints_survive_the_summary(counter: TokenCounter) -> None:
+    # Seed 7.1's counterexample: an early "all amounts in CNY, tax included" must not vanish.
+    turns = [
+        chat_item({"role": "user", "content": "All amounts in CNY, tax included. Thanks!"}),
+        chat_item({"role": "assistant", "content": "Noted."}),
+    ]
+    text = summarize_turns(turns, counter, 300, None).text()
+    assert "All amounts in CNY, tax included." in text

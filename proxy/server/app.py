@@ -16,13 +16,25 @@ from collections.abc import AsyncIterator, Mapping
 import structlog
 from aiohttp import web
 
+from proxy.ids import new_id
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRegistry
-from proxy.server import chat, ops, passthrough, responses
+from proxy.server import chat, conversations, ops, passthrough, response_routes, responses
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware
-from proxy.server.state import ENV, LOG_FIELDS, METRICS, POLICIES, REQUEST_ID, SETTINGS, UPSTREAM
+from proxy.server.state import (
+    ENV,
+    LOG_FIELDS,
+    METRICS,
+    OWNER,
+    POLICIES,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+    UPSTREAM,
+)
 from proxy.settings import Settings
+from proxy.store.base import Store
 from proxy.upstream import Upstream
 
 log = structlog.get_logger("threadkeeper.request")
@@ -74,6 +86,7 @@ def create_app(
     *,
     policies: PolicyRegistry | None = None,
     upstream: Upstream | None = None,
+    store: Store | None = None,
     env: Mapping[str, str] | None = None,
 ) -> web.Application:
     app = web.Application(
@@ -84,6 +97,8 @@ def create_app(
     app[POLICIES] = policies if policies is not None else PolicyRegistry.load(settings.policies_dir)
     app[METRICS] = Metrics()
     app[ENV] = dict(env if env is not None else os.environ)
+    app[OWNER] = new_id("proc")
+    app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(_policy_watch_ctx)
 
@@ -95,8 +110,29 @@ def create_app(
     app.router.add_post(
         "/v1/responses/input_tokens", responses.input_tokens, name="responses.input_tokens"
     )
+    response_routes.add_routes(app)
+    conversations.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
+
+
+def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        from proxy.store import open_store
+
+        store = given or await open_store(app[SETTINGS].store_url)
+        await store.migrate()
+        if given is None:
+            # A response left in_progress by a dead process will never complete (SPEC 7).
+            abandoned = await store.abandon_in_progress()
+            if abandoned:
+                log.warning("abandoned_responses_marked_incomplete", count=abandoned)
+        app[STORE] = store
+        yield
+        if given is None:
+            await store.close()
+
+    return ctx
 
 
 def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
@@ -139,8 +175,9 @@ async def start(settings: Settings, app: web.Application | None = None) -> web.A
 def bound_port(runner: web.AppRunner) -> int:
     for site in runner.sites:
         server = site._server  # aiohttp keeps the asyncio server here
-        if server is not None and server.sockets:  # type: ignore[union-attr]
-            return int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        sockets = getattr(server, "sockets", None)
+        if sockets:
+            return int(sockets[0].getsockname()[1])
     raise RuntimeError("the server is not listening")
 
 

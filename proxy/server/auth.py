@@ -19,7 +19,7 @@ def bearer_token(request: web.Request) -> str | None:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if not request.path.startswith("/v1/"):
+    if not request.path.startswith(("/v1/", "/threadkeeper/v1/")):
         return await handler(request)
     token = bearer_token(request)
     if token is not None:

@@ -1,18 +1,28 @@
-"""POST /v1/chat/completions: validate, rebuild under budget, forward, relay."""
+"""POST /v1/chat/completions: validate, rebuild under budget, forward, relay.
+
+Stateless as at OpenAI, unless the request carries `X-Thread-Id`: then the thread (kind
+"chat", created on first use, tenant-scoped) keeps the history. The request's messages
+are reconciled with it (proxy/threads.py, new_chat_messages), the context is rebuilt
+from the thread under the budget, and the new messages commit with the assistant's
+reply in one turn once the reply is complete.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from proxy.core.items import chat_from_items, items_from_chat
-from proxy.server.errors import invalid
+from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
+from proxy.core.projection import Projection
+from proxy.core.tokens import TokenCounter
+from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
-from proxy.server.relay import relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY
+from proxy.server.relay import relay_kept, relay_response, send_upstream
+from proxy.server.state import LOG_FIELDS, METRICS, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -22,7 +32,10 @@ from proxy.server.validate import (
     required_string,
     wrong_type,
 )
+from proxy.threads import Loaded, ThreadService, first_orphan, new_chat_messages, new_items
 
+THREAD_HEADER = "X-Thread-Id"
+MAX_THREAD_ID = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
@@ -109,32 +122,158 @@ def now_iso() -> str:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_chat(body)
-    policy = request[TENANT_POLICY]
-    model: str = body["model"]
-    request[LOG_FIELDS].update(model=model)
-    items = items_from_chat(body["messages"])
-    projection, _ = await rebuild(
-        policy,
-        model,
-        items,
+    request[LOG_FIELDS].update(model=body["model"])
+    thread_id = request.headers.get(THREAD_HEADER)
+    if thread_id is not None:
+        return await _threaded(request, body, thread_id_param(thread_id))
+    projection, _ = await _rebuild(request, body, items_from_chat(body["messages"]))
+    if projection.changed:
+        body["messages"] = chat_from_items(projection.items)
+        raw = json.dumps(body, ensure_ascii=False).encode()
+    return await _forward(request, body, raw, projection, keeper=None)
+
+
+def thread_id_param(value: str) -> str:
+    value = value.strip()
+    if not value or len(value) > MAX_THREAD_ID:
+        raise invalid(
+            f"Invalid '{THREAD_HEADER}' header: expected 1 to {MAX_THREAD_ID} characters.",
+            param=THREAD_HEADER,
+            code="invalid_value",
+        )
+    return value
+
+
+async def _rebuild(
+    request: web.Request,
+    body: JsonDict,
+    items: Sequence[Item],
+    loaded: Loaded | None = None,
+    *,
+    observe: bool = True,
+) -> tuple[Projection, TokenCounter]:
+    history = [*loaded.items, *items] if loaded is not None else list(items)
+    return await rebuild(
+        request[TENANT_POLICY],
+        body["model"],
+        history,
         tools=_tools(body),
         requested_output=body.get("max_completion_tokens") or body.get("max_tokens"),
         now=now_iso(),
         param="messages",
-        metrics=request.app[METRICS],
+        metrics=request.app[METRICS] if observe else None,
+        route="chat.completions",
+        first_position=loaded.first_position if loaded is not None else 0,
+        cut=loaded.cut() if loaded is not None else None,
+    )
+
+
+async def _forward(
+    request: web.Request,
+    body: JsonDict,
+    raw: bytes,
+    projection: Projection,
+    keeper: ChatTurn | None,
+) -> web.StreamResponse:
+    request[LOG_FIELDS].update(budget_log_fields(projection))
+    upstream = await send_upstream(
+        request,
+        request[TENANT_POLICY],
+        path="/chat/completions",
+        body=raw,
+        stream=bool(body.get("stream")),
         route="chat.completions",
     )
-    report = projection.report
-    request[LOG_FIELDS].update(budget_log_fields(projection))
-    if projection.changed:
-        body["messages"] = chat_from_items(projection.items)
-        raw = json.dumps(body, ensure_ascii=False).encode()
-    stream = bool(body.get("stream"))
-    upstream = await send_upstream(
-        request, policy, path="/chat/completions", body=raw, stream=stream, route="chat.completions"
-    )
     extra = {
-        "x-threadkeeper-context-tokens": str(report.prompt_tokens),
+        "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
         "x-threadkeeper-trimmed": trimmed_header(projection),
     }
-    return await relay_response(request, upstream, family="chat", extra_headers=extra)
+    if keeper is None:
+        return await relay_response(request, upstream, family="chat", extra_headers=extra)
+    return await relay_kept(request, upstream, family="chat", extra_headers=extra, keeper=keeper)
+
+
+async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web.StreamResponse:
+    tenant = request[TENANT_POLICY].tenant
+    request[LOG_FIELDS]["thread_id"] = thread_id
+    threads = ThreadService(request.app[STORE], now_iso)
+    loaded = await threads.load_or_new(tenant, thread_id, "chat")
+    if loaded.kind != "chat":
+        raise invalid(
+            f"Thread '{thread_id}' holds Responses items and cannot be continued with "
+            "Chat Completions.",
+            param=THREAD_HEADER,
+            code="invalid_value",
+        )
+    new = items_from_chat(new_chat_messages(loaded, body["messages"]))
+    orphan = first_orphan(loaded.items, new)
+    if orphan is not None:
+        raise invalid(
+            f"No tool call found for tool message with tool_call_id {orphan}.", param="messages"
+        )
+    projection, counter = await _rebuild(request, body, new, loaded)
+    body["messages"] = chat_from_items(projection.items)
+    raw = json.dumps(body, ensure_ascii=False).encode()
+    turn = ChatTurn(request, body, threads, loaded, new, counter, projection)
+    return await _forward(request, body, raw, projection, turn)
+
+
+# Fields of an assistant reply that a later request may carry (the rest is response-only).
+REPLY_FIELDS = ("role", "content", "refusal", "name", "tool_calls", "function_call")
+
+
+def reply_message(message: JsonDict) -> JsonDict:
+    """The assistant reply as history: request fields only, nulls dropped."""
+    kept = {k: message[k] for k in REPLY_FIELDS if message.get(k) is not None}
+    kept.setdefault("role", "assistant")
+    kept.setdefault("content", None)
+    return kept
+
+
+class ChatTurn:
+    """A threaded chat turn (relay.Keeper): the new messages and the reply commit
+    together once the reply is complete; a cut-off reply adds nothing."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        body: JsonDict,
+        threads: ThreadService,
+        loaded: Loaded,
+        new: Sequence[Item],
+        counter: TokenCounter,
+        projection: Projection,
+    ) -> None:
+        self.request = request
+        self.body = body
+        self.threads = threads
+        self.loaded = loaded
+        self.new = tuple(new)
+        self.counter = counter
+        self.projection = projection
+
+    def rewrite(self, response: JsonDict) -> JsonDict:
+        return response
+
+    async def keep(self, result: JsonDict) -> None:
+        choices = result.get("choices") or []
+        if not choices or not isinstance(choices[0].get("message"), dict):
+            return
+        reply = chat_item(reply_message(choices[0]["message"]))
+        items = [
+            *new_items(self.new, self.counter, role="input"),
+            *new_items([reply], self.counter, role="output"),
+        ]
+        await self.threads.commit(
+            self.loaded,
+            items,
+            state=self.loaded.state_after(self.projection.cut),
+            restate=self._restate,
+        )
+
+    async def _restate(self, fresh: Loaded) -> JsonDict:
+        try:
+            projection, _ = await _rebuild(self.request, self.body, self.new, fresh, observe=False)
+        except ApiError:
+            return fresh.state
+        return fresh.state_after(projection.cut)

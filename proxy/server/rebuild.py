@@ -16,6 +16,7 @@ from proxy.core.budget import output_reserve
 from proxy.core.items import Item
 from proxy.core.projection import (
     ContextLengthExceeded,
+    CutPoint,
     Projection,
     ProjectionPolicy,
     ProjectionRequest,
@@ -51,7 +52,11 @@ async def rebuild(
     param: str = "messages",
     metrics: Metrics | None = None,
     route: str = "",
+    first_position: int = 0,
+    cut: CutPoint | None = None,
 ) -> tuple[Projection, TokenCounter]:
+    """`first_position` and `cut` place a stored thread's window in its log and re-apply
+    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
     counter = TokenCounter.for_model(model)
     limits = policy.limits_for(model)
 
@@ -68,6 +73,8 @@ async def rebuild(
             epsilon=policy.budget.safety_margin_tokens,
             tools_tokens=counter.tools(tools),
             instructions_tokens=instructions_tokens,
+            first_position=first_position,
+            cut=cut,
             now=now,
         )
         return project_context(request, counter, projection_policy(policy))

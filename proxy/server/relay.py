@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 from aiohttp import web
@@ -185,6 +185,112 @@ async def _relay_stream(
         _log_usage(request, family, _accumulated(accumulator))
     await response.write_eof()
     return response
+
+
+class Keeper(Protocol):
+    """A stateful turn's hooks into the relay (SPEC 7): the final answer is persisted
+    before its terminal bytes reach the client, so the client's next request finds it."""
+
+    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]:
+        """A provider Response / chat.completion object as the proxy returns it."""
+        ...
+
+    async def keep(self, result: dict[str, Any]) -> None:
+        """Persist the final (rewritten) answer; called at most once."""
+        ...
+
+
+async def relay_kept(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    *,
+    family: Family,
+    extra_headers: Mapping[str, str],
+    keeper: Keeper,
+) -> web.StreamResponse:
+    """relay_response for a stateful turn: response objects are rewritten by the keeper,
+    and the answer is kept before the client sees its end. Streams are relayed event by
+    event as they arrive."""
+    headers = relay_headers(upstream, extra_headers)
+    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+    if "text/event-stream" in content_type:
+        return await _relay_kept_stream(request, upstream, family, headers, keeper)
+    try:
+        body = await upstream.aread()
+    except UpstreamUnavailable as exc:
+        raise ApiError(
+            exc.status, exc.message, type="server_error", code="upstream_unavailable"
+        ) from None
+    payload = _json_or_none(body)
+    if upstream.status < 400 and isinstance(payload, dict):
+        _log_usage(request, family, payload)
+        payload = keeper.rewrite(payload)
+        await keeper.keep(payload)
+        body = json.dumps(payload, ensure_ascii=False).encode()
+    return web.Response(status=upstream.status, body=body, headers=headers)
+
+
+async def _relay_kept_stream(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    family: Family,
+    headers: CIMultiDict[str],
+    keeper: Keeper,
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    await response.prepare(request)
+    decoder = SSEDecoder()
+    accumulator = _accumulator(family)
+    assert accumulator is not None
+    kept = False
+    try:
+        async for chunk in upstream.aiter_bytes():
+            for event in decoder.feed(chunk):
+                final = _final_answer(accumulator, event.event, event.data)
+                if final is not None and not kept:
+                    await keeper.keep(keeper.rewrite(final))
+                    kept = True
+                await response.write(_rewritten_event(family, event.event, event.data, keeper))
+    except (ConnectionError, ApiError):
+        raise
+    except Exception as exc:  # the provider cut the stream, or keeping the answer failed
+        log.warning("upstream_stream_broken", error=repr(exc))
+        request[LOG_FIELDS]["stream_error"] = repr(exc)
+        await response.write(stream_error_event(family, f"The stream was interrupted: {exc!r}"))
+    finally:
+        await upstream.aclose()
+    _log_usage(request, family, _accumulated(accumulator))
+    await response.write_eof()
+    return response
+
+
+def _final_answer(
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: str | None, data: str
+) -> dict[str, Any] | None:
+    """Feeds one event; the whole answer once this event ends it (a chat stream's [DONE]
+    after a finish_reason, a Responses terminal event)."""
+    _feed(accumulator, event, data)
+    if isinstance(accumulator, ChatStreamAccumulator):
+        if data != "[DONE]":
+            return None
+        result = accumulator.result()
+        finished = result["choices"] and all(c["finish_reason"] for c in result["choices"])
+        return result if finished else None
+    payload = _json_or_none(data.encode())
+    kind = event or (payload.get("type") if isinstance(payload, dict) else None)
+    if kind in ("response.completed", "response.incomplete", "response.failed"):
+        return accumulator.result()
+    return None
+
+
+def _rewritten_event(family: Family, event: str | None, data: str, keeper: Keeper) -> bytes:
+    """The event as the client gets it: Responses snapshots carry the proxy's own ids."""
+    if family == "responses" and data.startswith("{"):
+        payload = _json_or_none(data.encode())
+        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+            payload["response"] = keeper.rewrite(payload["response"])
+            data = json.dumps(payload, ensure_ascii=False)
+    return encode_event(data, event=event)
 
 
 def stream_error_event(family: Family | None, message: str) -> bytes:

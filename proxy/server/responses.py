@@ -1,23 +1,46 @@
-"""POST /v1/responses and /v1/responses/input_tokens (stateless mode).
+"""POST /v1/responses and /v1/responses/input_tokens.
 
-Requests with `conversation` or `previous_response_id` are forwarded unchanged until the
-store serves those modes locally.
+Every request is forwarded stateless (SPEC 3): `store: false`, no `conversation` or
+`previous_response_id`, the input rebuilt from the thread under the budget. Stateful
+modes are served from the local store:
+
+- `conversation`: the conversation's thread; the turn is appended to it.
+- `previous_response_id`: each response chain is a thread of kind "responses"; a
+  response that is its thread's head continues it, an older one forks a branch (the
+  fork is written with the turn, so a failed request leaves nothing behind).
+- neither, and `store` not false: a new chain thread holding this turn.
+- `store: false` is honoured: the thread is read, nothing is written.
+
+The response is recorded `in_progress` before the provider is called; input and output
+items commit together when it completes; a response cut off (disconnect, provider error)
+is marked `incomplete` and adds no items (SPEC 7).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from proxy.core.items import ResponsesInput, items_from_responses_input, responses_input_from_items
+from proxy.core.items import (
+    Item,
+    ResponsesInput,
+    items_from_responses_input,
+    responses_input_from_items,
+    responses_item,
+)
+from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
+from proxy.ids import new_id
 from proxy.server.chat import now_iso
-from proxy.server.errors import invalid
+from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
-from proxy.server.relay import relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY
+from proxy.server.relay import relay_kept, relay_response, send_upstream
+from proxy.server.state import LOG_FIELDS, METRICS, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -27,6 +50,11 @@ from proxy.server.validate import (
     required_string,
     wrong_type,
 )
+from proxy.store.base import StoredResponse
+from proxy.threads import Loaded, ThreadService, first_orphan, new_items
+
+REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 def validate_responses(body: JsonDict) -> None:
@@ -89,59 +117,291 @@ def _input(body: JsonDict) -> ResponsesInput:
     return items_from_responses_input(value if value is not None else [])
 
 
+def is_reasoning_model(model: str) -> bool:
+    return model.startswith(REASONING_PREFIXES)
+
+
+def conversation_id(body: JsonDict) -> str | None:
+    value = body.get("conversation")
+    if isinstance(value, dict):
+        inner = value.get("id")
+        if not isinstance(inner, str) or not inner:
+            raise invalid(
+                "Missing required parameter: 'conversation.id'.",
+                param="conversation.id",
+                code="missing_required_parameter",
+            )
+        return inner
+    return value
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_responses(body)
-    policy = request[TENANT_POLICY]
-    model: str = body["model"]
-    request[LOG_FIELDS].update(model=model)
-    stream = bool(body.get("stream"))
-    extra: dict[str, str] = {}
-    if not is_stateful(body):
-        parsed = _input(body)
-        projection, _ = await rebuild(
-            policy,
-            model,
-            parsed.items,
-            tools=list(body.get("tools") or []),
-            requested_output=body.get("max_output_tokens"),
-            instructions=body.get("instructions"),
-            now=now_iso(),
-            param="input",
-            metrics=request.app[METRICS],
-            route="responses",
-        )
-        request[LOG_FIELDS].update(budget_log_fields(projection))
-        if projection.changed:
-            body["input"] = responses_input_from_items(projection.items)
-            raw = json.dumps(body, ensure_ascii=False).encode()
-        extra = {
-            "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
-            "x-threadkeeper-trimmed": trimmed_header(projection),
-        }
+    request[LOG_FIELDS].update(model=body["model"])
+    if body.get("store") is False and not is_stateful(body):
+        return await _stateless(request, body, raw)
+    return await _stateful(request, body)
+
+
+async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
+    parsed = _input(body)
+    projection, _ = await _rebuild(request, body, parsed.items)
+    if projection.changed:
+        body["input"] = responses_input_from_items(projection.items)
+        raw = json.dumps(body, ensure_ascii=False).encode()
     upstream = await send_upstream(
-        request, policy, path="/responses", body=raw, stream=stream, route="responses"
+        request,
+        request[TENANT_POLICY],
+        path="/responses",
+        body=raw,
+        stream=bool(body.get("stream")),
+        route="responses",
     )
+    extra = context_headers(projection)
     return await relay_response(request, upstream, family="responses", extra_headers=extra)
 
 
-async def input_tokens(request: web.Request) -> web.StreamResponse:
-    body, raw = await read_json_object(request)
-    if body.get("model") is not None:
-        optional(body, "model", str)
-    validate_responses({**body, "model": body.get("model") or "gpt-4o"})
-    policy = request[TENANT_POLICY]
-    if is_stateful(body):
+async def _rebuild(
+    request: web.Request,
+    body: JsonDict,
+    new: Sequence[Item],
+    loaded: Loaded | None = None,
+    *,
+    observe: bool = True,
+) -> tuple[Projection, TokenCounter]:
+    """The projection of the thread's window plus the new input (SPEC 3-5)."""
+    history = [*loaded.items, *new] if loaded is not None else list(new)
+    return await rebuild(
+        request[TENANT_POLICY],
+        body["model"],
+        history,
+        tools=list(body.get("tools") or []),
+        requested_output=body.get("max_output_tokens"),
+        instructions=body.get("instructions"),
+        now=now_iso(),
+        param="input",
+        metrics=request.app[METRICS] if observe else None,
+        route="responses",
+        first_position=loaded.first_position if loaded is not None else 0,
+        cut=loaded.cut() if loaded is not None else None,
+    )
+
+
+def context_headers(projection: Projection) -> dict[str, str]:
+    return {
+        "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
+        "x-threadkeeper-trimmed": trimmed_header(projection),
+    }
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Where a stateful request reads and writes: the thread, and the ids it echoes."""
+
+    loaded: Loaded
+    conversation: str | None = None
+    previous_response_id: str | None = None
+
+
+async def resolve_chain(request: web.Request, threads: ThreadService, body: JsonDict) -> Chain:
+    tenant = request[TENANT_POLICY].tenant
+    conversation = conversation_id(body)
+    if conversation is not None:
+        loaded = await threads.load(tenant, conversation)
+        if loaded is None or loaded.kind != "conversation":
+            raise ApiError(
+                404, f"Conversation with id '{conversation}' not found.", param="conversation"
+            )
+        return Chain(loaded, conversation=conversation)
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return Chain(Loaded(tenant, new_id("thread"), "responses", None))
+    return Chain(await _continued(threads, tenant, previous), previous_response_id=previous)
+
+
+async def _continued(threads: ThreadService, tenant: str, previous: str) -> Loaded:
+    """The chain a previous response ends: its own thread while it is the head, else a
+    branch of it (a fork written with the turn) that later responses never see."""
+    stored = await threads.store.get_response(tenant, previous)
+    thread = None
+    if stored is not None and stored.status == "completed" and stored.thread_id is not None:
+        thread = await threads.load(tenant, stored.thread_id)
+    if stored is None or thread is None or thread.thread is None:
+        raise ApiError(
+            400,
+            f"Previous response with id '{previous}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    if thread.kind == "responses" and thread.thread.head_response_id == previous:
+        return thread
+    through = stored.output_last_seq if stored.output_last_seq is not None else -1
+    return await threads.branch(tenant, thread.thread_id, through)
+
+
+def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
+    """The stateless request the provider gets (SPEC 3)."""
+    sent = {k: v for k, v in body.items() if k not in ("conversation", "previous_response_id")}
+    sent["store"] = False
+    sent["input"] = [item.raw for item in items]
+    if is_reasoning_model(body["model"]):
+        # Reasoning items can only be replayed statelessly with their encrypted content.
+        include = list(body.get("include") or [])
+        if ENCRYPTED_REASONING not in include:
+            include.append(ENCRYPTED_REASONING)
+        sent["include"] = include
+    return sent
+
+
+async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
+    threads = ThreadService(request.app[STORE], now_iso)
+    chain = await resolve_chain(request, threads, body)
+    new = _input(body).items
+    orphan = first_orphan(chain.loaded.items, new)
+    if orphan is not None:
+        raise invalid(
+            f"No tool call found for function call output with call_id {orphan}.", param="input"
+        )
+    projection, counter = await _rebuild(request, body, new, chain.loaded)
+    request[LOG_FIELDS].update(budget_log_fields(projection))
+    turn = ResponseTurn(request, body, threads, chain, new, counter, projection)
+    await turn.begin()
+    try:
         upstream = await send_upstream(
             request,
-            policy,
-            path="/responses/input_tokens",
-            body=raw,
-            stream=False,
-            route="responses.input_tokens",
+            request[TENANT_POLICY],
+            path="/responses",
+            body=json.dumps(upstream_body(body, projection.items), ensure_ascii=False).encode(),
+            stream=bool(body.get("stream")),
+            route="responses",
         )
-        return await relay_response(request, upstream, family=None, extra_headers={})
-    counter = TokenCounter.for_model(body.get("model") or "gpt-4o")
-    tools: list[dict[str, Any]] = list(body.get("tools") or [])
-    count = counter.responses_prompt(_input(body).items, body.get("instructions"), tools)
+        return await relay_kept(
+            request,
+            upstream,
+            family="responses",
+            extra_headers=context_headers(projection),
+            keeper=turn,
+        )
+    finally:
+        await turn.abandon_unless_kept()
+
+
+class ResponseTurn:
+    """One stateful response: recorded before forwarding, kept when it completes
+    (relay.Keeper), marked incomplete otherwise."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        body: JsonDict,
+        threads: ThreadService,
+        chain: Chain,
+        new: Sequence[Item],
+        counter: TokenCounter,
+        projection: Projection,
+    ) -> None:
+        self.request = request
+        self.body = body
+        self.threads = threads
+        self.chain = chain
+        self.new = tuple(new)
+        self.counter = counter
+        self.projection = projection
+        self.tenant = request[TENANT_POLICY].tenant
+        self.id = new_id("resp")
+        self.persist = body.get("store") is not False
+        self.kept = False
+
+    async def begin(self) -> None:
+        if not self.persist:
+            return
+        await self.threads.store.begin_response(
+            StoredResponse(
+                tenant=self.tenant,
+                id=self.id,
+                thread_id=self.chain.loaded.thread_id,
+                previous_response_id=self.chain.previous_response_id,
+                status="in_progress",
+                request={k: v for k, v in self.body.items() if k != "input"},
+                response=None,
+                created_at=now_iso(),
+                owner=self.request.app[OWNER],
+            )
+        )
+
+    def rewrite(self, response: JsonDict) -> JsonDict:
+        """The provider's Response as the client sees it: this proxy's id and chain."""
+        conversation = self.chain.conversation
+        return {
+            **response,
+            "id": self.id,
+            "previous_response_id": self.chain.previous_response_id,
+            "conversation": {"id": conversation} if conversation is not None else None,
+            "store": self.persist,
+        }
+
+    async def keep(self, result: JsonDict) -> None:
+        if not self.persist:
+            self.kept = True
+            return
+        status = result.get("status") or "completed"
+        if status != "completed":
+            await self._finish(status, result)
+            return
+        outputs = [responses_item(raw) for raw in result.get("output") or ()]
+        items = [
+            *new_items(self.new, self.counter, role="input", response_id=self.id),
+            *new_items(outputs, self.counter, role="output", response_id=self.id),
+        ]
+        loaded = self.chain.loaded
+        await self.threads.commit(
+            loaded,
+            items,
+            state=loaded.state_after(self.projection.cut),
+            restate=self._restate,
+            response_id=self.id,
+            response=result,
+        )
+        self.kept = True
+
+    async def _restate(self, fresh: Loaded) -> JsonDict:
+        """The state after a lost race: the cut recomputed over the new window."""
+        try:
+            projection, _ = await _rebuild(self.request, self.body, self.new, fresh, observe=False)
+        except ApiError:
+            return fresh.state
+        return fresh.state_after(projection.cut)
+
+    async def abandon_unless_kept(self) -> None:
+        if self.persist and not self.kept:
+            await self._finish("incomplete", None)
+
+    async def _finish(self, status: str, result: JsonDict | None) -> None:
+        finished = self.threads.store.finish_response(
+            self.tenant,
+            self.id,
+            status=status,  # type: ignore[arg-type]
+            response=result,
+        )
+        await asyncio.shield(finished)
+        self.kept = True
+
+
+async def input_tokens(request: web.Request) -> web.StreamResponse:
+    body, _ = await read_json_object(request)
+    if body.get("model") is not None:
+        optional(body, "model", str)
+    body["model"] = body.get("model") or "gpt-4o"
+    validate_responses(body)
+    if is_stateful(body):
+        # The provider does not know our conversations: count what would be sent.
+        threads = ThreadService(request.app[STORE], now_iso)
+        chain = await resolve_chain(request, threads, body)
+        projection, _ = await _rebuild(request, body, _input(body).items, chain.loaded)
+        count = projection.report.prompt_tokens
+    else:
+        counter = TokenCounter.for_model(body["model"])
+        tools: list[dict[str, Any]] = list(body.get("tools") or [])
+        count = counter.responses_prompt(_input(body).items, body.get("instructions"), tools)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from aiohttp import web
 
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
 from proxy.settings import Settings
+from proxy.store.base import Store
 from proxy.upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
 POLICIES = web.AppKey("policies", PolicyRegistry)
 UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
-ENV = web.AppKey("env", dict)  # the process environment, read once at start (policy keys)
+STORE = web.AppKey("store", Store)
+OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
+ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
+    "env"
+)  # the process environment, read once at start (policy keys)
 
 # Per-request values set by the middlewares.
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -97,6 +97,7 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
             upstream_url=upstream_url or provider.base_url,
             policy_reload_interval=reload_interval,
             max_body_bytes=max_body_bytes,
+            store_url=f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
         )
         app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
         runner = await start(settings, app)

@@ -1,0 +1,59 @@
+"""The thread state / checkpoint (SPEC section 2, layer 2) as JSON, and back.
+
+A thread's state holds the sticky cut of its last projection (SPEC section 5): where the
+verbatim window starts (`window_start`, the key the store's `load_window` reads), what
+stands for everything before it (`summary`: carried pinned items and the digest) and the
+compressed forms of tool results (`compressed`). Positions are the thread's log
+positions. Other keys of the state belong to other features and are kept untouched.
+
+>>> cut = CutPoint(4, (chat_item({"role": "system", "content": "Be brief."}),))
+>>> state_to_cut(cut_to_state(cut)) == cut
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.core.items import Item, JsonDict, chat_item, responses_item
+from proxy.core.projection import CutPoint
+
+WINDOW_START = "window_start"
+SUMMARY = "summary"
+COMPRESSED = "compressed"
+CUT_KEYS = (WINDOW_START, SUMMARY, COMPRESSED)
+
+
+def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) -> JsonDict:
+    """`base` with its cut replaced by `cut` (None keeps the base's cut as it is)."""
+    state: JsonDict = dict(base or {})
+    if cut is None:
+        return state
+    state[WINDOW_START] = cut.start
+    state[SUMMARY] = [_item_json(item) for item in cut.summary]
+    state[COMPRESSED] = [
+        {"position": position, **_item_json(item)} for position, item in cut.compressed
+    ]
+    return state
+
+
+def state_to_cut(state: Mapping[str, Any]) -> CutPoint | None:
+    """The cut a state holds; None for a thread that was never trimmed."""
+    start = state.get(WINDOW_START)
+    if not isinstance(start, int):
+        return None
+    summary = tuple(_item(entry) for entry in state.get(SUMMARY) or ())
+    compressed = tuple(
+        (int(entry["position"]), _item(entry)) for entry in state.get(COMPRESSED) or ()
+    )
+    return CutPoint(start, summary, compressed)
+
+
+def _item_json(item: Item) -> JsonDict:
+    return {"api": item.api, "raw": item.raw}
+
+
+def _item(entry: Mapping[str, Any]) -> Item:
+    raw = entry["raw"]
+    return chat_item(raw) if entry.get("api") == "chat" else responses_item(raw)

@@ -1,0 +1,520 @@
+"""The Conversations API served from the local store, plus forks (SPEC sections 1 and 7).
+
+A conversation is a thread of kind "conversation"; its items are the thread's event log.
+Every item is stored exactly as the client sent it (the raw JSON is the source of truth)
+with its id and token count beside it; what the API returns is a view of that raw item in
+OpenAI's shape, built on the way out and never written back.
+
+Routes (all tenant-scoped: another tenant's conversation is a 404):
+    POST   /v1/conversations
+    GET    /v1/conversations/{conversation_id}            POST (metadata), DELETE
+    GET    /v1/conversations/{conversation_id}/items      POST (append 1..20 items)
+    GET    /v1/conversations/{conversation_id}/items/{item_id}    DELETE
+    POST   /threadkeeper/v1/conversations/{conversation_id}/fork  {"item_id"?: "..."}
+
+Bad input is a 400 raised before any write, so it changes nothing in the store.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from aiohttp import web
+
+from proxy.core.items import Item, responses_item
+from proxy.core.tokens import TokenCounter
+from proxy.ids import item_id_for, new_id
+from proxy.server.chat import now_iso
+from proxy.server.errors import ApiError, invalid
+from proxy.server.responses import validate_input_item
+from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
+from proxy.server.validate import JsonDict, list_of_objects, read_json_object, wrong_type
+from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
+
+MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+DEFAULT_LIST_LIMIT = 20
+MAX_LIST_LIMIT = 100
+# Items are counted once at write time with this model's encoding, so rebuilds never
+# re-tokenize (SPEC section 4); a request for another encoding recounts what it needs.
+COUNTING_MODEL = "gpt-4o"
+MESSAGE_ROLES = ("assistant", "system", "developer", "user")
+
+
+def add_routes(app: web.Application) -> None:
+    """Register before the `/v1/{tail}` passthrough, or these paths would be forwarded."""
+    conv = "/v1/conversations/{conversation_id}"
+    router = app.router
+    router.add_post("/v1/conversations", create_conversation, name="conversations.create")
+    router.add_get(conv, retrieve_conversation, name="conversations.retrieve")
+    router.add_post(conv, update_conversation, name="conversations.update")
+    router.add_delete(conv, delete_conversation, name="conversations.delete")
+    router.add_get(f"{conv}/items", list_items, name="conversations.items.list")
+    router.add_post(f"{conv}/items", create_items, name="conversations.items.create")
+    router.add_get(f"{conv}/items/{{item_id}}", retrieve_item, name="conversations.items.retrieve")
+    router.add_delete(f"{conv}/items/{{item_id}}", delete_item, name="conversations.items.delete")
+    router.add_post(
+        "/threadkeeper/v1/conversations/{conversation_id}/fork",
+        fork_conversation,
+        name="conversations.fork",
+    )
+
+
+# --- handlers ---------------------------------------------------------------------------
+
+
+async def create_conversation(request: web.Request) -> web.Response:
+    body, _ = await read_json_object(request)
+    metadata = metadata_param(body.get("metadata"))
+    raws = items_param(body.get("items"), required=False)
+    check_outputs_answer_calls(raws, known_calls=frozenset())
+    check_ids_unique(raws, existing=frozenset())
+    thread_id = new_id("conv")
+    request[LOG_FIELDS]["conversation_id"] = thread_id
+    thread = await request.app[STORE].create_thread(
+        tenant_of(request),
+        thread_id,
+        kind="conversation",
+        metadata=metadata,
+        items=new_items(raws),
+        now=now_iso(),
+    )
+    return web.json_response(conversation_object(thread))
+
+
+async def retrieve_conversation(request: web.Request) -> web.Response:
+    return web.json_response(conversation_object(await conversation(request)))
+
+
+async def update_conversation(request: web.Request) -> web.Response:
+    body, _ = await read_json_object(request)
+    if "metadata" not in body:
+        raise invalid(
+            "Missing required parameter: 'metadata'.",
+            param="metadata",
+            code="missing_required_parameter",
+        )
+    metadata = metadata_param(body["metadata"])
+    thread = await conversation(request)
+    updated = await request.app[STORE].update_metadata(thread.tenant, thread.id, metadata)
+    if updated is None:
+        raise conversation_not_found(thread.id)
+    return web.json_response(conversation_object(updated))
+
+
+async def delete_conversation(request: web.Request) -> web.Response:
+    thread = await conversation(request)
+    if not await request.app[STORE].delete_thread(thread.tenant, thread.id):
+        raise conversation_not_found(thread.id)
+    return web.json_response({"id": thread.id, "object": "conversation.deleted", "deleted": True})
+
+
+async def list_items(request: web.Request) -> web.Response:
+    limit = limit_param(request.query.get("limit"))
+    order = order_param(request.query.get("order"))
+    after = request.query.get("after") or None
+    thread = await conversation(request)
+    try:
+        page = await request.app[STORE].list_items(
+            thread.tenant, thread.id, after=after, limit=limit, order=order
+        )
+    except NotFound:
+        raise item_not_found(after or "", param="after") from None
+    return web.json_response(item_list([item_object(i) for i in page.items], page.has_more))
+
+
+async def create_items(request: web.Request) -> web.Response:
+    body, _ = await read_json_object(request)
+    raws = items_param(body.get("items"), required=True)
+    thread = await conversation(request)
+    store = request.app[STORE]
+    history = await all_items(request, thread) if needs_history(raws) else ()
+    check_outputs_answer_calls(
+        raws, known_calls=call_ids_in(responses_item(i.raw) for i in history)
+    )
+    check_ids_unique(raws, existing=await taken_ids(request, thread, raws))
+    items = new_items(raws)
+    try:
+        await store.append_items(thread.tenant, thread.id, items, now=now_iso())
+    except NotFound:
+        raise conversation_not_found(thread.id) from None
+    except AlreadyExists:
+        raise invalid("An item with one of these ids already exists.", param="items") from None
+    return web.json_response(item_list([created_item_object(i) for i in items], False))
+
+
+async def retrieve_item(request: web.Request) -> web.Response:
+    thread = await conversation(request)
+    item_id = request.match_info["item_id"]
+    stored = await request.app[STORE].get_item(thread.tenant, thread.id, item_id)
+    if stored is None:
+        raise item_not_found(item_id)
+    return web.json_response(item_object(stored))
+
+
+async def delete_item(request: web.Request) -> web.Response:
+    thread = await conversation(request)
+    item_id = request.match_info["item_id"]
+    store = request.app[STORE]
+    if not await store.delete_item(thread.tenant, thread.id, item_id):
+        raise item_not_found(item_id)
+    after = await store.get_thread(thread.tenant, thread.id)
+    return web.json_response(conversation_object(after or thread))
+
+
+async def fork_conversation(request: web.Request) -> web.Response:
+    """Extension (SPEC section 7): a new conversation holding copies of the source's items
+    up to and including `item_id` (the whole log when omitted)."""
+    body = await optional_json_object(request)
+    item_id = body.get("item_id")
+    if item_id is not None and not isinstance(item_id, str):
+        raise wrong_type("item_id", "a string", item_id)
+    thread = await conversation(request)
+    store = request.app[STORE]
+    through_seq = thread.next_seq - 1
+    if item_id:
+        stored = await store.get_item(thread.tenant, thread.id, item_id)
+        if stored is None:
+            raise item_not_found(item_id, param="item_id")
+        through_seq = stored.seq
+    fork_id = new_id("conv")
+    request[LOG_FIELDS]["conversation_id"] = fork_id
+    try:
+        fork = await store.fork_thread(
+            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=now_iso()
+        )
+    except NotFound:
+        raise conversation_not_found(thread.id) from None
+    return web.json_response(conversation_object(fork))
+
+
+# --- lookups ----------------------------------------------------------------------------
+
+
+def tenant_of(request: web.Request) -> str:
+    return request[TENANT_POLICY].tenant
+
+
+async def conversation(request: web.Request) -> Thread:
+    """The path's conversation for this tenant; any other thread kind is not one (404)."""
+    thread_id = request.match_info["conversation_id"]
+    request[LOG_FIELDS]["conversation_id"] = thread_id
+    thread = await request.app[STORE].get_thread(tenant_of(request), thread_id)
+    if thread is None or thread.kind != "conversation":
+        raise conversation_not_found(thread_id)
+    return thread
+
+
+async def all_items(request: web.Request, thread: Thread) -> tuple[StoredItem, ...]:
+    """The whole log, not just the live window: a call trimmed from the window still
+    pairs with a late output."""
+    if thread.next_seq == 0:
+        return ()
+    return await request.app[STORE].items_between(thread.tenant, thread.id, 0, thread.next_seq - 1)
+
+
+async def taken_ids(
+    request: web.Request, thread: Thread, raws: Sequence[JsonDict]
+) -> frozenset[str]:
+    """Client-chosen item ids already used in this conversation."""
+    store = request.app[STORE]
+    taken = set()
+    for raw in raws:
+        given = raw.get("id")
+        if isinstance(given, str) and given:
+            if await store.get_item(thread.tenant, thread.id, given) is not None:
+                taken.add(given)
+    return frozenset(taken)
+
+
+def conversation_not_found(thread_id: str) -> ApiError:
+    return ApiError(404, f"Conversation with id '{thread_id}' not found.")
+
+
+def item_not_found(item_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"Item with id '{item_id}' not found.", param=param)
+
+
+async def optional_json_object(request: web.Request) -> JsonDict:
+    """The fork body may be absent: no body means fork the whole conversation."""
+    if not (await request.read()).strip():
+        return {}
+    body, _ = await read_json_object(request)
+    return body
+
+
+# --- input checks -----------------------------------------------------------------------
+
+
+def metadata_param(value: Any) -> dict[str, str]:
+    """OpenAI's Metadata: up to 16 string pairs, keys <= 64 chars, values <= 512 chars."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise wrong_type("metadata", "an object", value)
+    if len(value) > MAX_METADATA_PAIRS:
+        raise invalid(
+            f"Invalid 'metadata': too many properties. Expected an object with at most "
+            f"{MAX_METADATA_PAIRS} properties, but got an object with {len(value)} properties "
+            "instead.",
+            param="metadata",
+            code="object_above_max_properties",
+        )
+    for key, entry in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise too_long("metadata", MAX_METADATA_KEY, len(key))
+        if not isinstance(entry, str):
+            raise wrong_type(f"metadata.{key}", "a string", entry)
+        if len(entry) > MAX_METADATA_VALUE:
+            raise too_long(f"metadata.{key}", MAX_METADATA_VALUE, len(entry))
+    return dict(value)
+
+
+def too_long(param: str, limit: int, length: int) -> ApiError:
+    return invalid(
+        f"Invalid '{param}': string too long. Expected a string with maximum length {limit}, "
+        f"but got a string with length {length} instead.",
+        param=param,
+        code="string_above_max_length",
+    )
+
+
+def items_param(value: Any, *, required: bool) -> list[JsonDict]:
+    if value is None and not required:
+        return []
+    if value is None:
+        raise invalid(
+            "Missing required parameter: 'items'.", param="items", code="missing_required_parameter"
+        )
+    raws = list_of_objects(value, "items")
+    if not raws and required:
+        raise invalid(
+            "Invalid 'items': empty array. Expected an array with minimum length 1, but got an "
+            "empty array instead.",
+            param="items",
+            code="empty_array",
+        )
+    if len(raws) > MAX_ITEMS_PER_REQUEST:
+        raise invalid(
+            f"Invalid 'items': array too long. Expected an array with maximum length "
+            f"{MAX_ITEMS_PER_REQUEST}, but got an array with length {len(raws)} instead.",
+            param="items",
+            code="array_above_max_length",
+        )
+    for index, raw in enumerate(raws):
+        validate_stored_item(raw, f"items[{index}]")
+    return raws
+
+
+def validate_stored_item(raw: JsonDict, param: str) -> None:
+    """The Responses input checks, plus what an item kept for later turns must carry."""
+    validate_input_item(raw, param)
+    item_type = raw.get("type")
+    if item_type in (None, "message"):
+        validate_message(raw, param)
+    elif item_type == "item_reference":
+        # A reference resolves against OpenAI's storage; a stored copy would dangle.
+        raise invalid(
+            f"Invalid '{param}': item references cannot be added to a conversation; send "
+            "the item itself.",
+            param=f"{param}.type",
+            code="invalid_value",
+        )
+    elif item_type == "function_call":
+        for key in ("name", "arguments"):
+            required_item_string(raw, key, param)
+    elif item_type == "function_call_output" and not isinstance(raw.get("output"), str | list):
+        raise missing(f"{param}.output")
+    given_id = raw.get("id")
+    if given_id is not None and not (isinstance(given_id, str) and given_id):
+        raise wrong_type(f"{param}.id", "a non-empty string", given_id)
+
+
+def validate_message(raw: JsonDict, param: str) -> None:
+    role = raw["role"]
+    if role not in MESSAGE_ROLES:
+        supported = ", ".join(f"'{r}'" for r in MESSAGE_ROLES[:-1])
+        raise invalid(
+            f"Invalid value: '{role}'. Supported values are: {supported}, and "
+            f"'{MESSAGE_ROLES[-1]}'.",
+            param=f"{param}.role",
+            code="invalid_value",
+        )
+    content = raw["content"]
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise wrong_type(f"{param}.content[{index}]", "an object", part)
+            if not isinstance(part.get("type"), str):
+                raise missing(f"{param}.content[{index}].type")
+
+
+def required_item_string(raw: JsonDict, key: str, param: str) -> None:
+    if key not in raw or raw[key] is None:
+        raise missing(f"{param}.{key}")
+    if not isinstance(raw[key], str):
+        raise wrong_type(f"{param}.{key}", "a string", raw[key])
+
+
+def missing(param: str) -> ApiError:
+    return invalid(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def limit_param(value: str | None) -> int:
+    if value is None or value == "":
+        return DEFAULT_LIST_LIMIT
+    try:
+        limit = int(value)
+    except ValueError:
+        raise invalid(
+            f"Invalid 'limit': expected an integer, but got '{value}' instead.",
+            param="limit",
+            code="invalid_type",
+        ) from None
+    if limit < 1:
+        raise invalid(
+            f"Invalid 'limit': integer below minimum value. Expected a value >= 1, but got "
+            f"{limit} instead.",
+            param="limit",
+            code="integer_below_min_value",
+        )
+    if limit > MAX_LIST_LIMIT:
+        raise invalid(
+            f"Invalid 'limit': integer above maximum value. Expected a value <= "
+            f"{MAX_LIST_LIMIT}, but got {limit} instead.",
+            param="limit",
+            code="integer_above_max_value",
+        )
+    return limit
+
+
+def order_param(value: str | None) -> Literal["asc", "desc"]:
+    if value is None or value == "" or value == "desc":
+        return "desc"
+    if value == "asc":
+        return "asc"
+    raise invalid(
+        f"Invalid value: '{value}'. Supported values are: 'asc' and 'desc'.",
+        param="order",
+        code="invalid_value",
+    )
+
+
+def call_ids_in(items: Iterable[Item]) -> frozenset[str]:
+    return frozenset(call_id for item in items for call_id in item.call_ids)
+
+
+def needs_history(raws: Sequence[JsonDict]) -> bool:
+    """Only an output whose call is not in the request itself needs the stored log."""
+    views = [responses_item(raw) for raw in raws]
+    own_calls = call_ids_in(views)
+    return any(v.output_for is not None and v.output_for not in own_calls for v in views)
+
+
+def check_outputs_answer_calls(raws: Sequence[JsonDict], *, known_calls: frozenset[str]) -> None:
+    """An output must answer a call already in the conversation or earlier in the request
+    (SPEC section 6: an output for an unknown call id is a 400)."""
+    calls = set(known_calls)
+    for raw in raws:
+        view = responses_item(raw)
+        calls.update(view.call_ids)
+        if view.kind == "tool_output" and view.output_for not in calls:
+            raise invalid(
+                f"No tool call found for function call output with call_id {view.output_for}.",
+                param="items",
+            )
+
+
+def check_ids_unique(raws: Sequence[JsonDict], *, existing: frozenset[str]) -> None:
+    seen = set(existing)
+    for index, raw in enumerate(raws):
+        given = raw.get("id")
+        if isinstance(given, str) and given:
+            if given in seen:
+                raise invalid(
+                    f"Duplicate item id '{given}': an item with this id is already in the "
+                    "conversation.",
+                    param=f"items[{index}].id",
+                )
+            seen.add(given)
+
+
+# --- writes -----------------------------------------------------------------------------
+
+
+def new_items(raws: Sequence[JsonDict]) -> list[NewItem]:
+    """Items to store as sent, with their ids and token counts (counted once, here)."""
+    counter = TokenCounter.for_model(COUNTING_MODEL)
+    return [
+        NewItem(
+            item_id=item_id_for(raw),
+            raw=raw,
+            api="responses",
+            tokens=counter.item(responses_item(raw)),
+            encoding=counter.encoding.name,
+        )
+        for raw in raws
+    ]
+
+
+# --- views (OpenAI shapes) --------------------------------------------------------------
+
+
+def conversation_object(thread: Thread) -> JsonDict:
+    return {
+        "id": thread.id,
+        "object": "conversation",
+        "created_at": unix_seconds(thread.created_at),
+        "metadata": dict(thread.metadata),
+    }
+
+
+def unix_seconds(timestamp: str) -> int:
+    moment = datetime.fromisoformat(timestamp)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp())
+
+
+def item_list(data: list[JsonDict], has_more: bool) -> JsonDict:
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def item_object(stored: StoredItem) -> JsonDict:
+    return item_view(stored.raw, stored.item_id)
+
+
+def created_item_object(item: NewItem) -> JsonDict:
+    return item_view(item.raw, item.item_id)
+
+
+def item_view(raw: Mapping[str, Any], item_id: str) -> JsonDict:
+    """The item as OpenAI returns it: a copy of the raw item with its id, and messages
+    typed, completed, and with string content as a text part. The stored raw is untouched."""
+    view = copy.deepcopy(dict(raw))  # nothing below may reach the stored raw
+    view["id"] = item_id
+    if view.get("type") in (None, "message") and "role" in view:
+        view.setdefault("type", "message")
+        view.setdefault("status", "completed")
+        if isinstance(view.get("content"), str):
+            view["content"] = [text_part(view["role"], view["content"])]
+    return view
+
+
+def text_part(role: str, text: str) -> JsonDict:
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}

@@ -1,0 +1,133 @@
+"""GET/DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items, from the store.
+
+Served locally and tenant-scoped: a response of another tenant is a 404 (SPEC 1).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from aiohttp import web
+
+from proxy.server.errors import ApiError, invalid
+from proxy.server.state import STORE, TENANT_POLICY
+from proxy.store.base import StoredItem, StoredResponse
+
+JsonDict = dict[str, Any]
+MAX_LIMIT = 100
+
+
+def add_routes(app: web.Application) -> None:
+    """Register before the `/v1/{tail}` passthrough, or these paths would be forwarded."""
+    one = "/v1/responses/{response_id}"
+    app.router.add_get(one, get_response, name="responses.retrieve")
+    app.router.add_delete(one, delete_response, name="responses.delete")
+    app.router.add_get(f"{one}/input_items", list_input_items, name="responses.input_items")
+
+
+async def _stored(request: web.Request) -> StoredResponse:
+    response_id = request.match_info["response_id"]
+    stored = await request.app[STORE].get_response(request[TENANT_POLICY].tenant, response_id)
+    if stored is None:
+        raise ApiError(404, f"Response with id '{response_id}' not found.")
+    return stored
+
+
+def response_object(stored: StoredResponse) -> JsonDict:
+    """The final Response; one still running or cut off before the provider answered is
+    described from its request."""
+    if stored.response is not None:
+        return {**stored.response, "status": stored.status}
+    request = stored.request
+    return {
+        "id": stored.id,
+        "object": "response",
+        "created_at": int(datetime.fromisoformat(stored.created_at).timestamp()),
+        "status": stored.status,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": request.get("instructions"),
+        "model": request.get("model"),
+        "output": [],
+        "previous_response_id": stored.previous_response_id,
+        "metadata": request.get("metadata") or {},
+        "store": True,
+    }
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return web.json_response(response_object(await _stored(request)))
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    stored = await _stored(request)
+    await request.app[STORE].delete_response(stored.tenant, stored.id)
+    return web.json_response({"id": stored.id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    stored = await _stored(request)
+    order, limit, after = page_params(request)
+    items = list(await _input_items(request, stored))
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.item_id for item in items]
+        if after not in ids:
+            raise invalid(f"No item with id '{after}' in this response's input.", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = [item_resource(item) for item in items[:limit]]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
+
+
+async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[StoredItem, ...]:
+    """This response's own input: a cut-off response stored none (SPEC 7)."""
+    first, last = stored.input_first_seq, stored.output_last_seq
+    if stored.thread_id is None or first is None or last is None:
+        return ()
+    items = await request.app[STORE].items_between(stored.tenant, stored.thread_id, first, last)
+    return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
+
+
+def page_params(request: web.Request) -> tuple[str, int, str | None]:
+    query = request.query
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid(
+            f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'.",
+            param="order",
+            code="invalid_value",
+        )
+    raw_limit = query.get("limit", "20")
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise invalid(
+            f"Invalid 'limit': expected an integer between 1 and {MAX_LIMIT}, got '{raw_limit}'.",
+            param="limit",
+            code="invalid_value",
+        )
+    return order, limit, query.get("after") or None
+
+
+def item_resource(item: StoredItem) -> JsonDict:
+    """A stored input item as OpenAI lists it: with its id and type, text as parts."""
+    raw = item.raw
+    resource: JsonDict = {"id": item.item_id, **{k: v for k, v in raw.items() if k != "id"}}
+    if "role" in raw and raw.get("type") in (None, "message"):
+        resource["type"] = "message"
+        if isinstance(raw.get("content"), str):
+            kind = "output_text" if raw.get("role") == "assistant" else "input_text"
+            resource["content"] = [{"type": kind, "text": raw["content"]}]
+    return resource

@@ -1,0 +1,41 @@
+"""Thread storage: one `Store` contract (base.py), backends for SQLite and PostgreSQL.
+
+    base.py       the contract: Store protocol, row dataclasses, errors
+    sql.py        SQL text and pure row <-> dataclass helpers (no I/O)
+    sqlstore.py   SqlStore: the contract's logic over a small connection seam
+    sqlite.py     aiosqlite, WAL, one writer queue per process
+    postgres.py   asyncpg pool; `?schema=NAME` (or schema=) sets the search_path
+    migrate.py    numbered SQL files per dialect, one migrate() for both
+
+Example::
+
+    store = await open_store("sqlite:///./threadkeeper.db")
+    await store.migrate()
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from proxy.store.base import Store
+from proxy.store.postgres import open_postgres_store
+from proxy.store.sqlite import open_sqlite_store
+
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+async def open_store(url: str, *, schema: str | None = None) -> Store:
+    """Open the store a URL names: `sqlite:///rel/path`, `sqlite:////abs/path`,
+    `sqlite:///:memory:`, or `postgresql://...` / `postgres://...` (optionally with
+    `?schema=NAME`, or `schema=`, to use a PostgreSQL schema other than the default)."""
+    scheme = urlsplit(url).scheme
+    if scheme == "sqlite":
+        if schema is not None:
+            raise ValueError("schema= applies to PostgreSQL stores only")
+        return await open_sqlite_store(url)
+    if scheme in POSTGRES_SCHEMES:
+        return await open_postgres_store(url, schema=schema)
+    raise ValueError(
+        f"unsupported store URL scheme {scheme!r} in {url!r}: "
+        "expected sqlite:///path or postgresql://user@host:port/db"
+    )

@@ -1,0 +1,371 @@
+"""SQL text and pure row <-> dataclass conversion shared by the SQLite and PostgreSQL stores.
+
+Nothing here runs a cursor. Statements are written once with PostgreSQL's `$n`
+placeholders; `to_qmark` rewrites them to SQLite's numbered `?n` form, so both backends
+run the same text (both support `ON CONFLICT` and `RETURNING`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.store.base import (
+    IdempotencyRecord,
+    JsonDict,
+    LedgerEntry,
+    NewItem,
+    StoredItem,
+    StoredResponse,
+    Thread,
+)
+
+# sqlite3.Row or asyncpg.Record: both index by column name.
+Row = Any
+
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+def to_qmark(sql: str) -> str:
+    """`$1` -> `?1`: SQLite's numbered parameters bind the same positions as asyncpg's."""
+    return _PLACEHOLDER.sub(r"?\1", sql)
+
+
+def dumps(value: Any) -> str:
+    # Insertion order is kept by json; ASCII escapes keep lone surrogates storable.
+    return json.dumps(value, separators=(",", ":"))
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+# threads -------------------------------------------------------------------------------
+
+THREAD_COLUMNS = (
+    "tenant, id, kind, metadata, created_at, version, next_seq, state, head_response_id"
+)
+
+INSERT_THREAD = f"""
+INSERT INTO threads (tenant, id, kind, metadata, created_at, version, next_seq, state)
+VALUES ($1, $2, $3, $4, $5, 0, $6, $7)
+ON CONFLICT (tenant, id) DO NOTHING
+RETURNING {THREAD_COLUMNS}
+"""
+
+SELECT_THREAD = f"SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 AND id = $2"
+
+UPDATE_METADATA = f"""
+UPDATE threads SET metadata = $3 WHERE tenant = $1 AND id = $2 RETURNING {THREAD_COLUMNS}
+"""
+
+DELETE_THREAD = "DELETE FROM threads WHERE tenant = $1 AND id = $2"
+DELETE_THREAD_ITEMS = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2"
+
+# The OCC write (SPEC section 7): one conditional UPDATE claims a seq range and bumps the
+# version. Without a version guard appends still serialize on the row and commute.
+_ADVANCE_THREAD = f"""
+UPDATE threads
+SET version = version + 1,
+    next_seq = next_seq + $3,
+    state = COALESCE($4, state),
+    head_response_id = COALESCE($5, head_response_id)
+WHERE tenant = $1 AND id = $2{{guard}}
+RETURNING {THREAD_COLUMNS}
+"""
+ADVANCE_THREAD = _ADVANCE_THREAD.format(guard="")
+ADVANCE_THREAD_AT_VERSION = _ADVANCE_THREAD.format(guard=" AND version = $6")
+
+# items ---------------------------------------------------------------------------------
+
+ITEM_COLUMNS = "seq, item_id, raw, api, tokens, encoding, response_id, role, created_at"
+
+INSERT_ITEM = """
+INSERT INTO items
+    (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+"""
+
+COPY_ITEMS = """
+INSERT INTO items
+    (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at)
+SELECT tenant, $3, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at
+FROM items WHERE tenant = $1 AND thread_id = $2 AND seq <= $4
+"""
+
+SELECT_ITEMS_FROM = f"""
+SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND thread_id = $2 AND seq >= $3 ORDER BY seq
+"""
+
+SELECT_ITEMS_BETWEEN = f"""
+SELECT {ITEM_COLUMNS} FROM items
+WHERE tenant = $1 AND thread_id = $2 AND seq >= $3 AND seq <= $4 ORDER BY seq
+"""
+
+SELECT_ITEM = (
+    f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
+)
+
+DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
+
+
+def page_query(order: str, *, after: bool) -> str:
+    """One page of a thread's items; `$3` is the cursor's seq when `after` is set."""
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+    cursor = (" AND seq > $3" if order == "asc" else " AND seq < $3") if after else ""
+    limit = "$4" if after else "$3"
+    return (
+        f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND thread_id = $2{cursor} "
+        f"ORDER BY seq {order.upper()} LIMIT {limit}"
+    )
+
+
+# responses -----------------------------------------------------------------------------
+
+RESPONSE_COLUMNS = (
+    "tenant, id, thread_id, previous_response_id, status, request, response, created_at, "
+    "owner, input_first_seq, output_last_seq"
+)
+
+INSERT_RESPONSE = f"""
+INSERT INTO responses ({RESPONSE_COLUMNS})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+ON CONFLICT (tenant, id) DO NOTHING
+"""
+
+SELECT_RESPONSE = f"SELECT {RESPONSE_COLUMNS} FROM responses WHERE tenant = $1 AND id = $2"
+
+COMPLETE_TURN_RESPONSE = """
+UPDATE responses
+SET status = 'completed', response = COALESCE($3, response),
+    input_first_seq = $4, output_last_seq = $5
+WHERE tenant = $1 AND id = $2
+"""
+
+FINISH_RESPONSE = """
+UPDATE responses SET status = $3, response = COALESCE($4, response)
+WHERE tenant = $1 AND id = $2
+"""
+
+DELETE_RESPONSE = "DELETE FROM responses WHERE tenant = $1 AND id = $2"
+
+# Start-up recovery runs across tenants: it is the process, not a tenant, that died.
+ABANDON_ALL = "UPDATE responses SET status = 'incomplete' WHERE status = 'in_progress'"
+ABANDON_OWNED = ABANDON_ALL + " AND owner = $1"
+
+# ledger --------------------------------------------------------------------------------
+
+LEDGER_COLUMNS = (
+    "tenant, scope, key, tool, call_id, thread_id, response_id, status, arguments, result, "
+    "attempts, created_at, updated_at"
+)
+
+INSERT_LEDGER = f"""
+INSERT INTO ledger ({LEDGER_COLUMNS})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+ON CONFLICT (tenant, scope, key) DO NOTHING
+RETURNING {LEDGER_COLUMNS}
+"""
+
+SELECT_LEDGER = f"SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND scope = $2 AND key = $3"
+
+SELECT_LEDGER_BY_CALL = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND call_id = $2
+ORDER BY created_at DESC, scope DESC, key DESC LIMIT 1
+"""
+
+RESOLVE_LEDGER = """
+UPDATE ledger SET status = $4, result = $5, updated_at = $6
+WHERE tenant = $1 AND scope = $2 AND key = $3 AND status = $7
+"""
+
+LIST_LEDGER = f"SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 ORDER BY created_at, scope, key LIMIT $2"
+
+LIST_LEDGER_BY_STATUS = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND status = $2 ORDER BY created_at, scope, key LIMIT $3
+"""
+
+# request idempotency -------------------------------------------------------------------
+
+IDEMPOTENCY_COLUMNS = (
+    "tenant, key, fingerprint, status, response_status, response_headers, response_body, "
+    "created_at, expires_at"
+)
+
+# First write wins, except over an expired record (ISO-8601 UTC strings order like time).
+BEGIN_IDEMPOTENCY = f"""
+INSERT INTO idempotency ({IDEMPOTENCY_COLUMNS})
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (tenant, key) DO UPDATE SET
+    fingerprint = excluded.fingerprint, status = excluded.status,
+    response_status = excluded.response_status, response_headers = excluded.response_headers,
+    response_body = excluded.response_body, created_at = excluded.created_at,
+    expires_at = excluded.expires_at
+WHERE idempotency.expires_at < excluded.created_at
+RETURNING key
+"""
+
+SELECT_IDEMPOTENCY = f"SELECT {IDEMPOTENCY_COLUMNS} FROM idempotency WHERE tenant = $1 AND key = $2"
+
+FINISH_IDEMPOTENCY = """
+UPDATE idempotency
+SET status = 'done', response_status = $3, response_headers = $4, response_body = $5
+WHERE tenant = $1 AND key = $2
+"""
+
+ABORT_IDEMPOTENCY = "DELETE FROM idempotency WHERE tenant = $1 AND key = $2 AND status = 'running'"
+
+PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
+
+# row -> dataclass ----------------------------------------------------------------------
+
+
+def thread_from_row(row: Row) -> Thread:
+    return Thread(
+        tenant=row["tenant"],
+        id=row["id"],
+        kind=row["kind"],
+        metadata=loads(row["metadata"]),
+        created_at=row["created_at"],
+        version=row["version"],
+        next_seq=row["next_seq"],
+        state=loads(row["state"]),
+        head_response_id=row["head_response_id"],
+    )
+
+
+def item_from_row(row: Row) -> StoredItem:
+    return StoredItem(
+        seq=row["seq"],
+        item_id=row["item_id"],
+        raw=loads(row["raw"]),
+        api=row["api"],
+        tokens=row["tokens"],
+        encoding=row["encoding"],
+        response_id=row["response_id"],
+        role=row["role"],
+        created_at=row["created_at"],
+    )
+
+
+def response_from_row(row: Row) -> StoredResponse:
+    return StoredResponse(
+        tenant=row["tenant"],
+        id=row["id"],
+        thread_id=row["thread_id"],
+        previous_response_id=row["previous_response_id"],
+        status=row["status"],
+        request=loads(row["request"]),
+        response=loads(row["response"]),
+        created_at=row["created_at"],
+        owner=row["owner"],
+        input_first_seq=row["input_first_seq"],
+        output_last_seq=row["output_last_seq"],
+    )
+
+
+def ledger_from_row(row: Row) -> LedgerEntry:
+    return LedgerEntry(**{name: row[name] for name in LEDGER_COLUMNS.split(", ")})
+
+
+def idempotency_from_row(row: Row) -> IdempotencyRecord:
+    body = row["response_body"]
+    return IdempotencyRecord(
+        tenant=row["tenant"],
+        key=row["key"],
+        fingerprint=row["fingerprint"],
+        status=row["status"],
+        response_status=row["response_status"],
+        response_headers=tuple((name, value) for name, value in loads(row["response_headers"])),
+        response_body=None if body is None else bytes(body),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )
+
+
+# dataclass -> parameters ---------------------------------------------------------------
+
+
+def thread_params(
+    tenant: str,
+    thread_id: str,
+    kind: str,
+    metadata: Mapping[str, str] | None,
+    now: str,
+    next_seq: int,
+) -> tuple[Any, ...]:
+    return (tenant, thread_id, kind, dumps(dict(metadata or {})), now, next_seq, dumps({}))
+
+
+def item_params(
+    tenant: str,
+    thread_id: str,
+    first_seq: int,
+    items: Sequence[NewItem],
+    now: str,
+    response_id: str | None = None,
+) -> list[tuple[Any, ...]]:
+    """Rows for INSERT_ITEM; items without a response id inherit the turn's."""
+    return [
+        (
+            tenant,
+            thread_id,
+            first_seq + offset,
+            item.item_id,
+            dumps(item.raw),
+            item.api,
+            item.tokens,
+            item.encoding,
+            item.response_id or response_id,
+            item.role,
+            now,
+        )
+        for offset, item in enumerate(items)
+    ]
+
+
+def response_params(response: StoredResponse) -> tuple[Any, ...]:
+    return (
+        response.tenant,
+        response.id,
+        response.thread_id,
+        response.previous_response_id,
+        response.status,
+        dumps(response.request),
+        None if response.response is None else dumps(response.response),
+        response.created_at,
+        response.owner,
+        response.input_first_seq,
+        response.output_last_seq,
+    )
+
+
+def ledger_params(entry: LedgerEntry) -> tuple[Any, ...]:
+    return tuple(getattr(entry, name) for name in LEDGER_COLUMNS.split(", "))
+
+
+def idempotency_params(record: IdempotencyRecord) -> tuple[Any, ...]:
+    return (
+        record.tenant,
+        record.key,
+        record.fingerprint,
+        record.status,
+        record.response_status,
+        headers_text(record.response_headers),
+        record.response_body,
+        record.created_at,
+        record.expires_at,
+    )
+
+
+def headers_text(headers: Sequence[tuple[str, str]]) -> str:
+    return dumps([[name, value] for name, value in headers])
+
+
+def window_start(state: JsonDict) -> int:
+    """First seq still sent verbatim (SPEC section 2, thread state)."""
+    start = state.get("window_start", 0)
+    return start if isinstance(start, int) and start > 0 else 0

@@ -1,0 +1,377 @@
+"""`SqlStore`: the Store contract over any SQL database that offers a tiny connection seam.
+
+The SQLite and PostgreSQL backends differ in how they open connections, begin
+transactions and lock; they run the same statements (proxy/store/sql.py) with the same
+logic, which lives here once. A backend supplies a `Database`: `read()` yields a
+connection inside a consistent read snapshot, `write()` one inside a write transaction
+that commits on exit and rolls back on any exception, so a raised `VersionConflict`
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Literal, Protocol
+
+from proxy.store import sql
+from proxy.store.base import (
+    AlreadyExists,
+    IdempotencyRecord,
+    ItemPage,
+    JsonDict,
+    LedgerEntry,
+    LedgerStatus,
+    NewItem,
+    NotFound,
+    ResponseStatus,
+    StoredItem,
+    StoredResponse,
+    Thread,
+    ThreadKind,
+    VersionConflict,
+    Window,
+)
+from proxy.store.migrate import migrate
+
+
+class Conn(Protocol):
+    """The statements a backend runs, with `$n` placeholders. Unique-key violations raise
+    `AlreadyExists`."""
+
+    async def execute(self, query: str, *args: Any) -> int:
+        """Run one statement; returns the number of rows it changed."""
+
+    async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None: ...
+
+    async def fetch(self, query: str, *args: Any) -> list[sql.Row]: ...
+
+    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None: ...
+
+
+class Database(Protocol):
+    dialect: str  # "sqlite" | "postgres": names the migrations folder
+
+    def read(self) -> AbstractAsyncContextManager[Conn]: ...
+
+    def write(self) -> AbstractAsyncContextManager[Conn]: ...
+
+    async def close(self) -> None: ...
+
+
+class SqlStore:
+    """Implements proxy.store.base.Store; see that protocol for each method's contract."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # lifecycle ------------------------------------------------------------------------
+    async def migrate(self) -> None:
+        await migrate(self.db)
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    async def ping(self) -> None:
+        async with self.db.read() as conn:
+            await conn.fetchrow("SELECT 1 AS ok")
+
+    # threads --------------------------------------------------------------------------
+    async def create_thread(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        kind: ThreadKind,
+        metadata: Mapping[str, str] | None = None,
+        items: Sequence[NewItem] = (),
+        now: str,
+    ) -> Thread:
+        params = sql.thread_params(tenant, thread_id, kind, metadata, now, len(items))
+        async with self.db.write() as conn:
+            row = await conn.fetchrow(sql.INSERT_THREAD, *params)
+            if row is None:
+                raise AlreadyExists(f"thread {thread_id!r} exists")
+            await _insert_items(conn, sql.item_params(tenant, thread_id, 0, items, now))
+        return sql.thread_from_row(row)
+
+    async def get_thread(self, tenant: str, thread_id: str) -> Thread | None:
+        async with self.db.read() as conn:
+            return await _thread(conn, tenant, thread_id)
+
+    async def update_metadata(
+        self, tenant: str, thread_id: str, metadata: Mapping[str, str]
+    ) -> Thread | None:
+        async with self.db.write() as conn:
+            row = await conn.fetchrow(
+                sql.UPDATE_METADATA, tenant, thread_id, sql.dumps(dict(metadata))
+            )
+        return None if row is None else sql.thread_from_row(row)
+
+    async def delete_thread(self, tenant: str, thread_id: str) -> bool:
+        async with self.db.write() as conn:
+            await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
+            return await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+
+    async def fork_thread(
+        self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
+    ) -> Thread:
+        async with self.db.write() as conn:
+            source = await _thread(conn, tenant, source_id)
+            if source is None:
+                raise NotFound(f"thread {source_id!r} not found")
+            next_seq = max(0, min(source.next_seq, through_seq + 1))
+            params = sql.thread_params(tenant, new_id, source.kind, source.metadata, now, next_seq)
+            row = await conn.fetchrow(sql.INSERT_THREAD, *params)
+            if row is None:
+                raise AlreadyExists(f"thread {new_id!r} exists")
+            await conn.execute(sql.COPY_ITEMS, tenant, source_id, new_id, through_seq)
+        return sql.thread_from_row(row)
+
+    # items ----------------------------------------------------------------------------
+    async def append_items(
+        self,
+        tenant: str,
+        thread_id: str,
+        items: Sequence[NewItem],
+        *,
+        expected_version: int | None = None,
+        state: JsonDict | None = None,
+        now: str,
+    ) -> Thread:
+        async with self.db.write() as conn:
+            thread = await _advance(conn, tenant, thread_id, len(items), expected_version, state)
+            first_seq = thread.next_seq - len(items)
+            await _insert_items(conn, sql.item_params(tenant, thread_id, first_seq, items, now))
+        return thread
+
+    async def load_window(self, tenant: str, thread_id: str) -> Window | None:
+        async with self.db.read() as conn:
+            thread = await _thread(conn, tenant, thread_id)
+            if thread is None:
+                return None
+            start = sql.window_start(thread.state)
+            rows = await conn.fetch(sql.SELECT_ITEMS_FROM, tenant, thread_id, start)
+        return Window(thread=thread, items=tuple(map(sql.item_from_row, rows)))
+
+    async def list_items(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Literal["asc", "desc"] = "desc",
+    ) -> ItemPage:
+        if not 1 <= limit <= 100:
+            raise ValueError(f"limit must be between 1 and 100, got {limit}")
+        async with self.db.read() as conn:
+            if await _thread(conn, tenant, thread_id) is None:
+                raise NotFound(f"thread {thread_id!r} not found")
+            cursor: tuple[int, ...] = ()
+            if after is not None:
+                row = await conn.fetchrow(sql.SELECT_ITEM, tenant, thread_id, after)
+                if row is None:
+                    raise NotFound(f"item {after!r} not found in thread {thread_id!r}")
+                cursor = (row["seq"],)
+            query = sql.page_query(order, after=after is not None)
+            rows = await conn.fetch(query, tenant, thread_id, *cursor, limit + 1)
+        items = tuple(map(sql.item_from_row, rows[:limit]))
+        return ItemPage(items=items, has_more=len(rows) > limit)
+
+    async def items_between(
+        self, tenant: str, thread_id: str, first_seq: int, last_seq: int
+    ) -> tuple[StoredItem, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(
+                sql.SELECT_ITEMS_BETWEEN, tenant, thread_id, first_seq, last_seq
+            )
+        return tuple(map(sql.item_from_row, rows))
+
+    async def get_item(self, tenant: str, thread_id: str, item_id: str) -> StoredItem | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_ITEM, tenant, thread_id, item_id)
+        return None if row is None else sql.item_from_row(row)
+
+    async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) > 0
+
+    # responses ------------------------------------------------------------------------
+    async def begin_response(self, response: StoredResponse) -> None:
+        async with self.db.write() as conn:
+            if await conn.execute(sql.INSERT_RESPONSE, *sql.response_params(response)) == 0:
+                raise AlreadyExists(f"response {response.id!r} exists")
+
+    async def commit_turn(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        expected_version: int,
+        items: Sequence[NewItem],
+        state: JsonDict,
+        now: str,
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> Thread:
+        count = len(items)
+        async with self.db.write() as conn:
+            thread = await _advance(
+                conn, tenant, thread_id, count, expected_version, state, head=response_id
+            )
+            first_seq = thread.next_seq - count
+            rows = sql.item_params(tenant, thread_id, first_seq, items, now, response_id)
+            await _insert_items(conn, rows)
+            if response_id is not None:
+                seqs = (first_seq, thread.next_seq - 1) if count else (None, None)
+                body = None if response is None else sql.dumps(response)
+                args = (tenant, response_id, body, *seqs)
+                if await conn.execute(sql.COMPLETE_TURN_RESPONSE, *args) == 0:
+                    raise NotFound(f"response {response_id!r} not found")
+        return thread
+
+    async def finish_response(
+        self,
+        tenant: str,
+        response_id: str,
+        *,
+        status: ResponseStatus,
+        response: JsonDict | None,
+    ) -> None:
+        body = None if response is None else sql.dumps(response)
+        async with self.db.write() as conn:
+            if await conn.execute(sql.FINISH_RESPONSE, tenant, response_id, status, body) == 0:
+                raise NotFound(f"response {response_id!r} not found")
+
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_RESPONSE, tenant, response_id)
+        return None if row is None else sql.response_from_row(row)
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.DELETE_RESPONSE, tenant, response_id) > 0
+
+    async def abandon_in_progress(self, owner: str | None = None) -> int:
+        async with self.db.write() as conn:
+            if owner is None:
+                return await conn.execute(sql.ABANDON_ALL)
+            return await conn.execute(sql.ABANDON_OWNED, owner)
+
+    # side-effect ledger ---------------------------------------------------------------
+    async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
+        async with self.db.write() as conn:
+            row = await conn.fetchrow(sql.INSERT_LEDGER, *sql.ledger_params(entry))
+            if row is not None:
+                return sql.ledger_from_row(row), True
+            row = await conn.fetchrow(sql.SELECT_LEDGER, entry.tenant, entry.scope, entry.key)
+        if row is None:  # the ledger has no DELETE, so the conflicting row is still there
+            raise RuntimeError(f"ledger entry {entry.key!r} conflicted but cannot be read")
+        return sql.ledger_from_row(row), False
+
+    async def ledger_get(self, tenant: str, scope: str, key: str) -> LedgerEntry | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_LEDGER, tenant, scope, key)
+        return None if row is None else sql.ledger_from_row(row)
+
+    async def ledger_by_call(self, tenant: str, call_id: str) -> LedgerEntry | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_LEDGER_BY_CALL, tenant, call_id)
+        return None if row is None else sql.ledger_from_row(row)
+
+    async def ledger_resolve(
+        self,
+        tenant: str,
+        scope: str,
+        key: str,
+        *,
+        status: LedgerStatus,
+        result: str | None,
+        now: str,
+        only_if: LedgerStatus = "issued",
+    ) -> bool:
+        args = (tenant, scope, key, status, result, now, only_if)
+        async with self.db.write() as conn:
+            return await conn.execute(sql.RESOLVE_LEDGER, *args) > 0
+
+    async def ledger_list(
+        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
+    ) -> tuple[LedgerEntry, ...]:
+        async with self.db.read() as conn:
+            if status is None:
+                rows = await conn.fetch(sql.LIST_LEDGER, tenant, limit)
+            else:
+                rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)
+        return tuple(map(sql.ledger_from_row, rows))
+
+    # request idempotency --------------------------------------------------------------
+    async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
+        async with self.db.write() as conn:
+            if await conn.fetchrow(sql.BEGIN_IDEMPOTENCY, *sql.idempotency_params(record)):
+                return None
+            row = await conn.fetchrow(sql.SELECT_IDEMPOTENCY, record.tenant, record.key)
+        if row is None:  # same transaction as the conflicting insert: cannot vanish
+            raise RuntimeError(f"idempotency record {record.key!r} conflicted but is gone")
+        return sql.idempotency_from_row(row)
+
+    async def idempotency_get(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        """Not in the protocol; lets tests and tools inspect a record."""
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_IDEMPOTENCY, tenant, key)
+        return None if row is None else sql.idempotency_from_row(row)
+
+    async def idempotency_finish(
+        self,
+        tenant: str,
+        key: str,
+        *,
+        status: int,
+        headers: Sequence[tuple[str, str]],
+        body: bytes,
+    ) -> None:
+        args = (tenant, key, status, sql.headers_text(headers), body)
+        async with self.db.write() as conn:
+            await conn.execute(sql.FINISH_IDEMPOTENCY, *args)
+
+    async def idempotency_abort(self, tenant: str, key: str) -> None:
+        async with self.db.write() as conn:
+            await conn.execute(sql.ABORT_IDEMPOTENCY, tenant, key)
+
+    async def idempotency_purge(self, now: str) -> int:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.PURGE_IDEMPOTENCY, now)
+
+
+async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:
+    row = await conn.fetchrow(sql.SELECT_THREAD, tenant, thread_id)
+    return None if row is None else sql.thread_from_row(row)
+
+
+async def _advance(
+    conn: Conn,
+    tenant: str,
+    thread_id: str,
+    count: int,
+    expected_version: int | None,
+    state: JsonDict | None,
+    head: str | None = None,
+) -> Thread:
+    """The OCC write (SPEC section 7): claim `count` seqs, bump the version, maybe replace
+    the state. NotFound / VersionConflict when no row matched."""
+    state_text = None if state is None else sql.dumps(state)
+    args: tuple[Any, ...] = (tenant, thread_id, count, state_text, head)
+    if expected_version is None:
+        row = await conn.fetchrow(sql.ADVANCE_THREAD, *args)
+    else:
+        row = await conn.fetchrow(sql.ADVANCE_THREAD_AT_VERSION, *args, expected_version)
+    if row is not None:
+        return sql.thread_from_row(row)
+    if await _thread(conn, tenant, thread_id) is None:
+        raise NotFound(f"thread {thread_id!r} not found")
+    raise VersionConflict(f"thread {thread_id!r} is past version {expected_version}")
+
+
+async def _insert_items(conn: Conn, rows: list[tuple[Any, ...]]) -> None:
+    if rows:
+        await conn.executemany(sql.INSERT_ITEM, rows)

@@ -1,0 +1,338 @@
+"""The thread service: load a thread's live window, commit a turn under OCC (SPEC 3, 7).
+
+The handlers of both APIs use it the same way:
+
+    loaded = await threads.load(tenant, thread_id)
+    projection = ...rebuild(loaded.items + new, first_position=loaded.first_position,
+                            cut=loaded.cut())...
+    ...forward, relay...
+    await threads.commit(loaded, items, state=loaded.state_after(projection.cut),
+                         restate=recompute_state)
+
+Log positions given to the projection are contiguous from `first_position`; the store's
+seqs may have gaps (a deleted conversation item), so `Loaded` translates the cut between
+the two. A commit that loses the race (VersionConflict) reloads the window, recomputes
+the derived state with `restate` and retries: appends commute, the state is rebuilt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from proxy.core.checkpoint import cut_to_state, state_to_cut
+from proxy.core.items import Item, chat_item, content_digest, message_text, responses_item
+from proxy.core.projection import CutPoint
+from proxy.core.tokens import TokenCounter
+from proxy.ids import item_id_for, new_id
+from proxy.store.base import (
+    AlreadyExists,
+    JsonDict,
+    NewItem,
+    NotFound,
+    Store,
+    StoredItem,
+    Thread,
+    ThreadKind,
+    VersionConflict,
+)
+
+COMMIT_ATTEMPTS = 10
+Restate = Callable[["Loaded"], Awaitable[JsonDict]]
+
+
+def stored_item_view(stored: StoredItem) -> Item:
+    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A thread's live window as the projection reads it. `thread` is None for a thread
+    the first commit creates: a new chat thread or response chain, or a branch forked
+    from `fork_of` (source thread id, last seq copied)."""
+
+    tenant: str
+    thread_id: str
+    kind: ThreadKind
+    thread: Thread | None
+    stored: tuple[StoredItem, ...] = ()
+    items: tuple[Item, ...] = ()
+    fork_of: tuple[str, int] | None = None
+
+    @property
+    def state(self) -> JsonDict:
+        return dict(self.thread.state) if self.thread is not None else {}
+
+    @property
+    def next_seq(self) -> int:
+        if self.thread is not None:
+            return self.thread.next_seq
+        return self.stored[-1].seq + 1 if self.stored else 0
+
+    @property
+    def first_position(self) -> int:
+        return self.stored[0].seq if self.stored else self.next_seq
+
+    def cut(self) -> CutPoint | None:
+        """The stored cut in the projection's positions."""
+        cut = state_to_cut(self.state)
+        if cut is None:
+            return None
+        compressed = tuple(
+            (position, item)
+            for seq, item in cut.compressed
+            if (position := self._position_of(seq, exact=True)) is not None
+        )
+        return CutPoint(self._position_of(cut.start) or 0, cut.summary, compressed)
+
+    def state_after(self, cut: CutPoint | None) -> JsonDict:
+        """The thread state to commit: the projection's cut in store seqs (None keeps
+        the current state)."""
+        if cut is None:
+            return self.state
+        in_seqs = replace(
+            cut,
+            start=self._seq_of(cut.start),
+            compressed=tuple((self._seq_of(p), item) for p, item in cut.compressed),
+        )
+        return cut_to_state(in_seqs, self.state)
+
+    def _seq_of(self, position: int) -> int:
+        index = position - self.first_position
+        if index < len(self.stored):
+            return self.stored[max(index, 0)].seq
+        return self.next_seq + index - len(self.stored)
+
+    def _position_of(self, seq: int, *, exact: bool = False) -> int | None:
+        seqs = [s.seq for s in self.stored]
+        if seq >= self.next_seq:
+            index = len(seqs) + seq - self.next_seq
+        else:
+            index = bisect_left(seqs, seq)
+            if exact and (index >= len(seqs) or seqs[index] != seq):
+                return None
+        return self.first_position + index
+
+    def call_ids(self) -> set[str]:
+        return {call_id for item in self.items for call_id in item.call_ids}
+
+
+def first_orphan(known: Iterable[Item], new: Sequence[Item]) -> str | None:
+    """The call id of the first new tool output that answers no call of the window or of
+    the new items themselves (SPEC 6: an output for an unknown call id is a 400)."""
+    calls = {call_id for item in (*known, *new) for call_id in item.call_ids}
+    for item in new:
+        if item.kind == "tool_output" and item.output_for not in calls:
+            return item.output_for or ""
+    return None
+
+
+def new_items(
+    items: Iterable[Item],
+    counter: TokenCounter,
+    *,
+    role: Literal["input", "output"],
+    response_id: str | None = None,
+) -> list[NewItem]:
+    """Items to append, counted once here so a rebuild never recounts them."""
+    return [
+        NewItem(
+            item_id=item_id_for(item.raw),
+            raw=item.raw,
+            api=item.api,
+            tokens=counter.item(item),
+            encoding=counter.encoding.name,
+            response_id=response_id,
+            role=role,
+        )
+        for item in items
+    ]
+
+
+class ThreadService:
+    """Loads windows and commits turns; every commit is shielded from cancellation so a
+    client that disconnects cannot leave half a turn written (SPEC 7)."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Callable[[], str],
+        *,
+        attempts: int = COMMIT_ATTEMPTS,
+        pause: float = 0.005,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.attempts = attempts
+        self.pause = pause
+
+    async def load(self, tenant: str, thread_id: str) -> Loaded | None:
+        window = await self.store.load_window(tenant, thread_id)
+        if window is None:
+            return None
+        items = tuple(stored_item_view(s) for s in window.items)
+        return Loaded(tenant, thread_id, window.thread.kind, window.thread, window.items, items)
+
+    async def load_or_new(self, tenant: str, thread_id: str, kind: ThreadKind) -> Loaded:
+        """The thread, or an empty one the first commit creates."""
+        loaded = await self.load(tenant, thread_id)
+        return loaded if loaded is not None else Loaded(tenant, thread_id, kind, None)
+
+    async def branch(self, tenant: str, source_id: str, through_seq: int) -> Loaded:
+        """A new thread of the source's items up to `through_seq`, read now and written
+        (forked) by the first commit; it starts with no cut and computes its own."""
+        stored = await self.store.items_between(tenant, source_id, 0, through_seq)
+        items = tuple(stored_item_view(s) for s in stored)
+        fork_of = (source_id, through_seq)
+        return Loaded(tenant, new_id("thread"), "responses", None, stored, items, fork_of)
+
+    async def commit(
+        self,
+        loaded: Loaded,
+        items: Sequence[NewItem],
+        *,
+        state: JsonDict,
+        restate: Restate,
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> Thread:
+        """Append the turn's items with the new state at the version read, retrying a
+        lost race after reloading; NotFound if a conversation vanished meanwhile."""
+        return await asyncio.shield(
+            self._commit(loaded, items, state, restate, response_id, response)
+        )
+
+    async def _commit(
+        self,
+        loaded: Loaded,
+        items: Sequence[NewItem],
+        state: JsonDict,
+        restate: Restate,
+        response_id: str | None,
+        response: JsonDict | None,
+    ) -> Thread:
+        for attempt in range(self.attempts):
+            try:
+                thread = loaded.thread or await self._create(loaded)
+                return await self.store.commit_turn(
+                    loaded.tenant,
+                    loaded.thread_id,
+                    expected_version=thread.version,
+                    items=items,
+                    state=state,
+                    now=self.clock(),
+                    response_id=response_id,
+                    response=response,
+                )
+            except (VersionConflict, AlreadyExists):
+                await asyncio.sleep(random.uniform(0, self.pause * (attempt + 1)))
+                loaded = await self._reload(loaded)
+                state = await restate(loaded)
+        raise VersionConflict(
+            f"thread {loaded.thread_id} kept changing: {self.attempts} commits lost the race"
+        )
+
+    async def _create(self, loaded: Loaded) -> Thread:
+        if loaded.fork_of is not None:
+            source_id, through_seq = loaded.fork_of
+            return await self.store.fork_thread(
+                loaded.tenant,
+                source_id,
+                loaded.thread_id,
+                through_seq=through_seq,
+                now=self.clock(),
+            )
+        return await self.store.create_thread(
+            loaded.tenant, loaded.thread_id, kind=loaded.kind, now=self.clock()
+        )
+
+    async def _reload(self, loaded: Loaded) -> Loaded:
+        fresh = await self.load(loaded.tenant, loaded.thread_id)
+        if fresh is not None:
+            return fresh
+        if loaded.kind == "conversation":
+            raise NotFound(f"conversation {loaded.thread_id} was deleted")
+        return replace(loaded, thread=None)  # created again by the next attempt
+
+
+# --- Chat Completions: reconciling a request's messages with its thread ----------------------
+
+
+def chat_message_key(message: Mapping[str, Any]) -> str:
+    """What makes two chat messages the same turn, whatever extra fields a client or the
+    provider added (`refusal: null`, `annotations`, text as parts or as a string)."""
+    content = message.get("content")
+    parts = content if isinstance(content, list) else []
+    only_text = all(isinstance(p, Mapping) and p.get("type") == "text" for p in parts)
+    calls = [
+        (
+            c.get("id"),
+            (c.get("function") or {}).get("name"),
+            (c.get("function") or {}).get("arguments"),
+        )
+        for c in message.get("tool_calls") or ()
+        if isinstance(c, Mapping)
+    ]
+    return content_digest(
+        {
+            "role": message.get("role"),
+            "content": message_text(content) if only_text else content,
+            "tool_calls": calls,
+            "tool_call_id": message.get("tool_call_id"),
+            "name": message.get("name"),
+            "function_call": message.get("function_call"),
+        }
+    )
+
+
+def new_chat_messages(loaded: Loaded, messages: Sequence[JsonDict]) -> list[JsonDict]:
+    """The messages of a Chat request that are new to its thread (header X-Thread-Id).
+
+    Reconciliation rule: clients either resend the whole history every turn (the usual
+    Chat Completions client) or send only what is new. Messages are compared by content
+    (role, text, tool calls, tool_call_id; extra fields such as `refusal: null` ignored).
+
+    1. Full-history client: if the thread's live window (the items from the window start
+       on) appears in the request as one contiguous run, the messages after its last
+       occurrence are new. Messages before it are history the thread already holds (or
+       trimmed into its summary) and are not appended again.
+    2. Otherwise every message is new (an only-new-messages client), except leading
+       system/developer messages identical to ones the thread already pins, which a
+       client resends each turn and which are kept once.
+
+    An empty thread takes all messages. A request that only repeats the window adds
+    nothing; the provider still gets the rebuilt history.
+    """
+    keys = [chat_message_key(m) for m in messages]
+    window = [chat_message_key(s.raw) for s in loaded.stored]
+    if not window:
+        return list(messages)
+    start = _last_run(keys, window)
+    if start is not None:
+        return list(messages[start + len(window) :])
+    pinned = _pinned_keys(loaded)
+    skip = 0
+    while skip < len(messages) and messages[skip].get("role") in ("system", "developer"):
+        if keys[skip] not in pinned:
+            break
+        skip += 1
+    return list(messages[skip:])
+
+
+def _last_run(keys: Sequence[str], run: Sequence[str]) -> int | None:
+    """Index of the last occurrence of `run` as a contiguous slice of `keys`."""
+    width = len(run)
+    for start in range(len(keys) - width, -1, -1):
+        if keys[start] == run[0] and list(keys[start : start + width]) == list(run):
+            return start
+    return None
+
+
+def _pinned_keys(loaded: Loaded) -> set[str]:
+    cut = loaded.cut()
+    carried = cut.summary if cut is not None else ()
+    return {chat_message_key(i.raw) for i in (*carried, *loaded.items) if i.is_instruction}

@@ -1,0 +1,564 @@
+"""The Store contract (proxy/store/base.py), one suite run on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import suppress
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from proxy.store.base import (
+    AlreadyExists,
+    IdempotencyRecord,
+    LedgerEntry,
+    NewItem,
+    NotFound,
+    Store,
+    StoredResponse,
+    VersionConflict,
+)
+
+T0 = "2025-01-01T00:00:00.000000+00:00"
+T1 = "2025-01-01T00:00:01.000000+00:00"
+T2 = "2025-01-01T00:00:02.000000+00:00"
+T3 = "2025-01-01T00:00:03.000000+00:00"
+
+
+def message(text: str, role: str = "user") -> dict[str, Any]:
+    return {"type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}
+
+
+def new_item(item_id: str, text: str = "", **fields: Any) -> NewItem:
+    return NewItem(item_id=item_id, raw=message(text or item_id), api="responses", **fields)
+
+
+def items(*ids: str) -> list[NewItem]:
+    return [new_item(item_id) for item_id in ids]
+
+
+async def thread_with(store: Store, *ids: str, tenant: str = "acme", tid: str = "t1") -> None:
+    await store.create_thread(tenant, tid, kind="conversation", items=items(*ids), now=T0)
+
+
+async def status_of(store: Store, tenant: str, response_id: str) -> str | None:
+    stored = await store.get_response(tenant, response_id)
+    return None if stored is None else stored.status
+
+
+def ids_of(stored: Any) -> list[str]:
+    return [item.item_id for item in stored]
+
+
+def response(
+    rid: str, *, tenant: str = "acme", thread_id: str | None = "t1", owner: str = "p1"
+) -> StoredResponse:
+    return StoredResponse(
+        tenant=tenant,
+        id=rid,
+        thread_id=thread_id,
+        previous_response_id=None,
+        status="in_progress",
+        request={"model": "gpt-4o-mini", "store": True},
+        response=None,
+        created_at=T0,
+        owner=owner,
+    )
+
+
+def ledger_entry(
+    key: str = "refund:42", *, call_id: str = "call_1", tenant: str = "acme"
+) -> LedgerEntry:
+    return LedgerEntry(
+        tenant=tenant,
+        scope="tenant",
+        key=key,
+        tool="refund_order",
+        call_id=call_id,
+        thread_id="t1",
+        response_id="resp_1",
+        status="issued",
+        arguments='{"order_id": 42}',
+        result=None,
+        attempts=1,
+        created_at=T0,
+        updated_at=T0,
+    )
+
+
+def idem(
+    key: str = "k1", *, created: str = T0, expires: str = T2, fingerprint: str = "fp1"
+) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        tenant="acme",
+        key=key,
+        fingerprint=fingerprint,
+        status="running",
+        response_status=None,
+        created_at=created,
+        expires_at=expires,
+    )
+
+
+# threads -----------------------------------------------------------------------------
+
+
+async def test_create_get_update_delete_thread(store: Store) -> None:
+    created = await store.create_thread(
+        "acme", "t1", kind="conversation", metadata={"topic": "refunds"}, now=T0
+    )
+    assert (created.version, created.next_seq, created.state) == (0, 0, {})
+    assert await store.get_thread("acme", "t1") == created
+
+    updated = await store.update_metadata("acme", "t1", {"topic": "billing"})
+    assert updated is not None and dict(updated.metadata) == {"topic": "billing"}
+    assert await store.update_metadata("acme", "missing", {}) is None
+
+    assert await store.delete_thread("acme", "t1") is True
+    assert await store.get_thread("acme", "t1") is None
+    assert await store.delete_thread("acme", "t1") is False
+
+
+async def test_create_thread_with_items_and_duplicate_id(store: Store) -> None:
+    await thread_with(store, "a", "b")
+    window = await store.load_window("acme", "t1")
+    assert window is not None and window.thread.next_seq == 2
+    assert [(i.seq, i.item_id) for i in window.items] == [(0, "a"), (1, "b")]
+    with pytest.raises(AlreadyExists):
+        await store.create_thread("acme", "t1", kind="chat", now=T1)
+
+
+async def test_delete_thread_removes_its_items(store: Store) -> None:
+    await thread_with(store, "a", "b")
+    await store.delete_thread("acme", "t1")
+    await store.create_thread("acme", "t1", kind="conversation", now=T1)
+    assert await store.get_item("acme", "t1", "a") is None
+    assert await store.items_between("acme", "t1", 0, 10) == ()
+
+
+async def test_tenants_never_see_each_other(store: Store) -> None:
+    await thread_with(store, "a")
+    await store.begin_response(response("resp_1"))
+    await store.ledger_issue(ledger_entry())
+    await store.idempotency_begin(idem())
+
+    assert await store.get_thread("other", "t1") is None
+    assert await store.load_window("other", "t1") is None
+    assert await store.get_item("other", "t1", "a") is None
+    assert await store.items_between("other", "t1", 0, 10) == ()
+    assert await store.update_metadata("other", "t1", {"x": "y"}) is None
+    with pytest.raises(NotFound):
+        await store.list_items("other", "t1")
+    with pytest.raises(NotFound):
+        await store.append_items("other", "t1", items("b"), now=T1)
+    with pytest.raises(NotFound):
+        await store.fork_thread("other", "t1", "t2", through_seq=0, now=T1)
+    assert await store.get_response("other", "resp_1") is None
+    with pytest.raises(NotFound):
+        await store.finish_response("other", "resp_1", status="failed", response=None)
+    assert await store.ledger_get("other", "tenant", "refund:42") is None
+    assert await store.ledger_by_call("other", "call_1") is None
+    assert await store.ledger_list("other") == ()
+    assert not await store.ledger_resolve(
+        "other", "tenant", "refund:42", status="completed", result="ok", now=T1
+    )
+    assert await store.idempotency_begin(replace(idem(), tenant="other")) is None
+
+    # deletes by another tenant change nothing
+    assert await store.delete_item("other", "t1", "a") is False
+    assert await store.delete_response("other", "resp_1") is False
+    assert await store.delete_thread("other", "t1") is False
+    assert await store.get_item("acme", "t1", "a") is not None
+    assert (await store.get_response("acme", "resp_1")) is not None
+
+    # the same ids are free for the other tenant
+    await thread_with(store, "a", tenant="other")
+    assert ids_of(await store.items_between("other", "t1", 0, 10)) == ["a"]
+
+
+# items -------------------------------------------------------------------------------
+
+
+async def test_append_bumps_version_and_seq(store: Store) -> None:
+    await thread_with(store, "a")
+    thread = await store.append_items("acme", "t1", items("b", "c"), now=T1)
+    assert (thread.version, thread.next_seq) == (1, 3)
+    thread = await store.append_items(
+        "acme", "t1", items("d"), expected_version=1, state={"window_start": 2}, now=T2
+    )
+    assert (thread.version, thread.next_seq, thread.state) == (2, 4, {"window_start": 2})
+
+
+async def test_append_to_missing_thread_is_not_found(store: Store) -> None:
+    with pytest.raises(NotFound):
+        await store.append_items("acme", "nope", items("a"), now=T0)
+    with pytest.raises(NotFound):
+        await store.append_items("acme", "nope", items("a"), expected_version=0, now=T0)
+
+
+async def test_duplicate_item_id_rolls_back_the_append(store: Store) -> None:
+    await thread_with(store, "a")
+    with pytest.raises(AlreadyExists):
+        await store.append_items("acme", "t1", items("b", "a"), now=T1)
+    thread = await store.get_thread("acme", "t1")
+    assert thread is not None and (thread.version, thread.next_seq) == (0, 1)
+    assert await store.get_item("acme", "t1", "b") is None
+
+
+async def test_load_window_starts_at_window_start(store: Store) -> None:
+    await thread_with(store, "a", "b", "c", "d")
+    await store.append_items(
+        "acme", "t1", items("e"), expected_version=0, state={"window_start": 3}, now=T1
+    )
+    window = await store.load_window("acme", "t1")
+    assert window is not None
+    assert [(i.seq, i.item_id) for i in window.items] == [(3, "d"), (4, "e")]
+    assert window.thread.state == {"window_start": 3}
+
+
+async def test_raw_json_round_trips_exactly(store: Store) -> None:
+    raw = {
+        "type": "function_call_output",
+        "zeta": 1,
+        "alpha": {"nested": [1, 2.5, None, True, {"b": 1, "a": 2}]},
+        "text": 'héllo — 你好 🌍 \u0000 "quoted" \\ \n',
+        "encrypted_content": "gAAAAB" + "x" * 2000,
+        "id": "fc_1",
+    }
+    await store.create_thread("acme", "t1", kind="responses", now=T0)
+    await store.append_items(
+        "acme", "t1", [NewItem(item_id="fc_1", raw=raw, api="responses")], now=T1
+    )
+    stored = await store.get_item("acme", "t1", "fc_1")
+    assert stored is not None
+    assert stored.raw == raw
+    assert list(stored.raw) == list(raw)
+    assert list(stored.raw["alpha"]["nested"][4]) == ["b", "a"]
+
+
+async def test_tokens_and_item_fields_are_stored(store: Store) -> None:
+    item = NewItem(
+        item_id="m1",
+        raw={"role": "assistant", "content": "hi"},
+        api="chat",
+        tokens=17,
+        encoding="o200k_base",
+        response_id="resp_9",
+        role="output",
+    )
+    await store.create_thread("acme", "t1", kind="chat", items=[item], now=T0)
+    stored = await store.get_item("acme", "t1", "m1")
+    assert stored is not None
+    assert (stored.tokens, stored.encoding, stored.api) == (17, "o200k_base", "chat")
+    assert (stored.response_id, stored.role, stored.created_at, stored.seq) == (
+        "resp_9",
+        "output",
+        T0,
+        0,
+    )
+
+
+async def test_stale_version_conflicts_and_writes_nothing(store: Store) -> None:
+    await thread_with(store, "a")
+    await store.append_items("acme", "t1", items("b"), expected_version=0, now=T1)
+    with pytest.raises(VersionConflict):
+        await store.append_items(
+            "acme", "t1", items("c"), expected_version=0, state={"window_start": 1}, now=T2
+        )
+    await store.begin_response(response("resp_1"))
+    with pytest.raises(VersionConflict):
+        await store.commit_turn(
+            "acme",
+            "t1",
+            expected_version=0,
+            items=items("d"),
+            state={"x": 1},
+            now=T2,
+            response_id="resp_1",
+            response={"id": "resp_1"},
+        )
+    thread = await store.get_thread("acme", "t1")
+    assert thread is not None and (thread.version, thread.next_seq, thread.state) == (1, 2, {})
+    assert await store.get_item("acme", "t1", "c") is None
+    assert await store.get_item("acme", "t1", "d") is None
+    stored = await store.get_response("acme", "resp_1")
+    assert stored is not None and stored.status == "in_progress" and stored.response is None
+
+
+async def test_items_between_get_and_delete_item(store: Store) -> None:
+    await thread_with(store, "a", "b", "c", "d")
+    assert ids_of(await store.items_between("acme", "t1", 1, 2)) == ["b", "c"]
+    assert await store.delete_item("acme", "t1", "b") is True
+    assert await store.delete_item("acme", "t1", "b") is False
+    assert ids_of(await store.items_between("acme", "t1", 0, 3)) == ["a", "c", "d"]
+    thread = await store.append_items("acme", "t1", items("e"), now=T1)
+    assert thread.next_seq == 5  # a seq gap is fine, seqs are never reused
+
+
+async def test_a_cancelled_write_leaves_the_store_consistent(store: Store) -> None:
+    await thread_with(store, "a")
+    for steps in range(6):  # cancel at different points of the transaction
+        task = asyncio.create_task(store.append_items("acme", "t1", items(f"c{steps}"), now=T1))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+    thread = await store.append_items("acme", "t1", items("z"), now=T2)
+    window = await store.load_window("acme", "t1")
+    assert window is not None
+    # every append either happened whole (one item, one version) or not at all
+    assert [i.seq for i in window.items] == list(range(thread.next_seq))
+    assert thread.version == thread.next_seq - 1
+    assert ids_of(window.items)[-1] == "z"
+
+
+# pagination --------------------------------------------------------------------------
+
+
+async def test_list_items_desc_by_default_with_cursor(store: Store) -> None:
+    await thread_with(store, "a", "b", "c", "d", "e")
+    first = await store.list_items("acme", "t1", limit=2)
+    assert (ids_of(first.items), first.has_more) == (["e", "d"], True)
+    second = await store.list_items("acme", "t1", after="d", limit=2)
+    assert (ids_of(second.items), second.has_more) == (["c", "b"], True)
+    last = await store.list_items("acme", "t1", after="b", limit=2)
+    assert (ids_of(last.items), last.has_more) == (["a"], False)
+
+
+async def test_list_items_asc(store: Store) -> None:
+    await thread_with(store, "a", "b", "c")
+    page = await store.list_items("acme", "t1", order="asc")
+    assert (ids_of(page.items), page.has_more) == (["a", "b", "c"], False)
+    page = await store.list_items("acme", "t1", order="asc", after="a", limit=1)
+    assert (ids_of(page.items), page.has_more) == (["b"], True)
+    page = await store.list_items("acme", "t1", order="asc", after="b", limit=1)
+    assert (ids_of(page.items), page.has_more) == (["c"], False)
+
+
+async def test_list_items_errors(store: Store) -> None:
+    await thread_with(store, "a")
+    with pytest.raises(NotFound):
+        await store.list_items("acme", "t1", after="zzz")
+    with pytest.raises(NotFound):
+        await store.list_items("acme", "missing")
+    for limit in (0, 101):
+        with pytest.raises(ValueError):
+            await store.list_items("acme", "t1", limit=limit)
+    empty = await store.fork_thread("acme", "t1", "t2", through_seq=-1, now=T1)
+    page = await store.list_items("acme", empty.id)
+    assert (page.items, page.has_more) == ((), False)
+
+
+# responses ---------------------------------------------------------------------------
+
+
+async def test_commit_turn_is_one_unit(store: Store) -> None:
+    await thread_with(store, "a")
+    await store.begin_response(response("resp_1"))
+    turn = [new_item("in_1"), new_item("out_1", role="output"), new_item("out_2", role="output")]
+    final = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    thread = await store.commit_turn(
+        "acme",
+        "t1",
+        expected_version=0,
+        items=turn,
+        state={"window_start": 0, "summary": []},
+        now=T1,
+        response_id="resp_1",
+        response=final,
+    )
+    assert (thread.version, thread.next_seq, thread.head_response_id) == (1, 4, "resp_1")
+    assert thread.state == {"window_start": 0, "summary": []}
+    stored = await store.get_response("acme", "resp_1")
+    assert stored is not None
+    assert (stored.status, stored.response) == ("completed", final)
+    assert (stored.input_first_seq, stored.output_last_seq) == (1, 3)
+    between = await store.items_between("acme", "t1", 1, 3)
+    assert ids_of(between) == ["in_1", "out_1", "out_2"]
+    assert {item.response_id for item in between} == {"resp_1"}
+    assert await store.get_thread("acme", "t1") == thread
+
+
+async def test_commit_turn_for_unknown_response_writes_nothing(store: Store) -> None:
+    await thread_with(store, "a")
+    with pytest.raises(NotFound):
+        await store.commit_turn(
+            "acme",
+            "t1",
+            expected_version=0,
+            items=items("b"),
+            state={},
+            now=T1,
+            response_id="resp_missing",
+        )
+    thread = await store.get_thread("acme", "t1")
+    assert thread is not None and (thread.version, thread.next_seq) == (0, 1)
+
+
+async def test_response_lifecycle(store: Store) -> None:
+    await store.begin_response(response("resp_1", thread_id=None))
+    with pytest.raises(AlreadyExists):
+        await store.begin_response(response("resp_1", thread_id=None))
+    stored = await store.get_response("acme", "resp_1")
+    assert stored == response("resp_1", thread_id=None)
+
+    await store.finish_response("acme", "resp_1", status="completed", response={"id": "resp_1"})
+    stored = await store.get_response("acme", "resp_1")
+    assert stored is not None and (stored.status, stored.response) == (
+        "completed",
+        {"id": "resp_1"},
+    )
+
+    assert await store.delete_response("acme", "resp_1") is True
+    assert await store.get_response("acme", "resp_1") is None
+    assert await store.delete_response("acme", "resp_1") is False
+    with pytest.raises(NotFound):
+        await store.finish_response("acme", "resp_1", status="failed", response=None)
+
+
+async def test_abandon_in_progress(store: Store) -> None:
+    await store.begin_response(response("r1", owner="p1"))
+    await store.begin_response(response("r2", owner="p2"))
+    await store.begin_response(response("r3", owner="p2", tenant="other"))
+    await store.begin_response(response("r4", owner="p1"))
+    await store.finish_response("acme", "r4", status="completed", response={})
+
+    assert await store.abandon_in_progress(owner="p1") == 1
+    assert await status_of(store, "acme", "r1") == "incomplete"
+    assert await status_of(store, "acme", "r2") == "in_progress"
+
+    assert await store.abandon_in_progress() == 2
+    assert await status_of(store, "other", "r3") == "incomplete"
+    assert await status_of(store, "acme", "r4") == "completed"
+    assert await store.abandon_in_progress() == 0
+
+
+# forks -------------------------------------------------------------------------------
+
+
+async def test_fork_copies_through_seq_and_stays_isolated(store: Store) -> None:
+    await store.create_thread(
+        "acme", "t1", kind="responses", metadata={"m": "1"}, items=items("a", "b", "c"), now=T0
+    )
+    await store.append_items("acme", "t1", [], state={"window_start": 1}, now=T1)
+    fork = await store.fork_thread("acme", "t1", "t2", through_seq=1, now=T2)
+    assert (fork.kind, dict(fork.metadata), fork.version, fork.state) == (
+        "responses",
+        {"m": "1"},
+        0,
+        {},
+    )
+    assert (fork.next_seq, fork.created_at) == (2, T2)
+    forked = await store.load_window("acme", "t2")
+    assert forked is not None
+    assert [(i.seq, i.item_id) for i in forked.items] == [(0, "a"), (1, "b")]
+
+    await store.append_items("acme", "t2", items("x"), now=T3)
+    await store.append_items("acme", "t1", items("y"), now=T3)
+    await store.delete_item("acme", "t2", "a")
+    assert ids_of(await store.items_between("acme", "t1", 0, 10)) == ["a", "b", "c", "y"]
+    assert ids_of(await store.items_between("acme", "t2", 0, 10)) == ["b", "x"]
+    assert [i.seq for i in await store.items_between("acme", "t2", 0, 10)] == [1, 2]
+
+    await store.delete_thread("acme", "t1")
+    assert ids_of(await store.items_between("acme", "t2", 0, 10)) == ["b", "x"]
+
+
+async def test_fork_errors(store: Store) -> None:
+    await thread_with(store, "a")
+    with pytest.raises(NotFound):
+        await store.fork_thread("acme", "missing", "t2", through_seq=0, now=T1)
+    with pytest.raises(AlreadyExists):
+        await store.fork_thread("acme", "t1", "t1", through_seq=0, now=T1)
+
+
+# side-effect ledger ------------------------------------------------------------------
+
+
+async def test_ledger_first_write_wins(store: Store) -> None:
+    first, created = await store.ledger_issue(ledger_entry(call_id="call_1"))
+    assert created and first == ledger_entry(call_id="call_1")
+    second, created = await store.ledger_issue(ledger_entry(call_id="call_2"))
+    assert not created and second.call_id == "call_1"
+    assert await store.ledger_get("acme", "tenant", "refund:42") == first
+    assert await store.ledger_by_call("acme", "call_1") == first
+    assert await store.ledger_by_call("acme", "call_2") is None
+
+
+async def test_ledger_resolve_is_conditional(store: Store) -> None:
+    await store.ledger_issue(ledger_entry())
+    assert await store.ledger_resolve(
+        "acme", "tenant", "refund:42", status="completed", result='{"ok":true}', now=T1
+    )
+    assert not await store.ledger_resolve(
+        "acme", "tenant", "refund:42", status="failed", result="boom", now=T2
+    )
+    entry = await store.ledger_get("acme", "tenant", "refund:42")
+    assert entry is not None
+    assert (entry.status, entry.result, entry.updated_at) == ("completed", '{"ok":true}', T1)
+    assert await store.ledger_resolve(
+        "acme", "tenant", "refund:42", status="failed", result="x", now=T2, only_if="completed"
+    )
+    assert not await store.ledger_resolve(
+        "acme", "tenant", "missing", status="completed", result=None, now=T2
+    )
+
+
+async def test_ledger_list_filters_by_status(store: Store) -> None:
+    await store.ledger_issue(ledger_entry("k1", call_id="c1"))
+    await store.ledger_issue(ledger_entry("k2", call_id="c2"))
+    await store.ledger_resolve("acme", "tenant", "k2", status="completed", result="r", now=T1)
+    assert [e.key for e in await store.ledger_list("acme")] == ["k1", "k2"]
+    assert [e.key for e in await store.ledger_list("acme", status="issued")] == ["k1"]
+    assert [e.key for e in await store.ledger_list("acme", status="completed")] == ["k2"]
+    assert len(await store.ledger_list("acme", limit=1)) == 1
+
+
+# request idempotency -----------------------------------------------------------------
+
+
+async def test_idempotency_begin_finish_replay(store: Store) -> None:
+    assert await store.idempotency_begin(idem()) is None
+    running = await store.idempotency_begin(idem(fingerprint="fp2", created=T1))
+    assert running is not None and (running.status, running.fingerprint) == ("running", "fp1")
+
+    headers = [("content-type", "application/json"), ("x-request-id", "req_1")]
+    await store.idempotency_finish("acme", "k1", status=200, headers=headers, body=b'{"id":1}\x00')
+    done = await store.idempotency_begin(idem(created=T1))
+    assert done is not None
+    assert (done.status, done.response_status, done.response_body) == ("done", 200, b'{"id":1}\x00')
+    assert list(done.response_headers) == headers
+    assert (done.created_at, done.expires_at) == (T0, T2)
+
+
+async def test_idempotency_abort_frees_the_key(store: Store) -> None:
+    await store.idempotency_begin(idem())
+    await store.idempotency_abort("acme", "k1")
+    assert await store.idempotency_begin(idem(fingerprint="fp2")) is None
+    await store.idempotency_finish("acme", "k1", status=201, headers=[], body=b"")
+    await store.idempotency_abort("acme", "k1")  # a finished record is kept
+    kept = await store.idempotency_begin(idem())
+    assert kept is not None and (kept.fingerprint, kept.status) == ("fp2", "done")
+
+
+async def test_idempotency_expired_record_is_replaced(store: Store) -> None:
+    await store.idempotency_begin(idem(created=T0, expires=T1))
+    await store.idempotency_finish("acme", "k1", status=200, headers=[], body=b"old")
+    assert await store.idempotency_begin(idem(created=T2, expires=T3, fingerprint="new")) is None
+    current = await store.idempotency_begin(idem(created=T2, expires=T3))
+    assert current is not None
+    assert (current.fingerprint, current.status, current.response_body) == ("new", "running", None)
+
+
+async def test_idempotency_purge(store: Store) -> None:
+    await store.idempotency_begin(idem("old", created=T0, expires=T1))
+    await store.idempotency_begin(idem("new", created=T0, expires=T3))
+    assert await store.idempotency_purge(T2) == 1
+    assert await store.idempotency_begin(idem("old", created=T0, expires=T1)) is None
+    assert (await store.idempotency_begin(idem("new"))) is not None
+
+
+async def test_ping(store: Store) -> None:
+    await store.ping()

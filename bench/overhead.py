@@ -73,9 +73,24 @@ def responses_body() -> dict[str, Any]:
     for turn in range(40):
         items += [
             {"role": "user", "content": f"Check order ORD-{turn}."},
-            {"type": "function_call", "call_id": f"call_{turn}", "name": "get_order", "arguments": json.dumps({"id": turn})},
-            {"type": "function_call_output", "call_id": f"call_{turn}", "output": json.dumps({"status": "shipped", "log": [f"scan {i}" for i in range(40)]})},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"ORD-{turn} shipped."}]},
+            {
+                "type": "function_call",
+                "call_id": f"call_{turn}",
+                "name": "get_order",
+                "arguments": json.dumps({"id": turn}),
+            },
+            {
+                "type": "function_call_output",
+                "call_id": f"call_{turn}",
+                "output": json.dumps(
+                    {"status": "shipped", "log": [f"scan {i}" for i in range(40)]}
+                ),
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": f"ORD-{turn} shipped."}],
+            },
             {"role": "user", "content": "thanks"},
         ]
     return {"model": "gpt-4o-mini", "input": items, "store": False}
@@ -140,15 +155,28 @@ def main() -> None:
 
     stub_port, proxy_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    stub = subprocess.Popen([sys.executable, "-c", STUB, str(stub_port)], env=env, stdout=subprocess.PIPE)
+    stub = subprocess.Popen(
+        [sys.executable, "-c", STUB, str(stub_port)], env=env, stdout=subprocess.PIPE
+    )
     assert stub.stdout is not None
     stub.stdout.readline()
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "default.yaml").write_text(POLICY)
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--port", str(proxy_port),
-             "--upstream", f"http://127.0.0.1:{stub_port}/v1", "--policies", tmp,
-             "--store", f"sqlite:///{tmp}/bench.db"],
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--port",
+                str(proxy_port),
+                "--upstream",
+                f"http://127.0.0.1:{stub_port}/v1",
+                "--policies",
+                tmp,
+                "--store",
+                f"sqlite:///{tmp}/bench.db",
+            ],
             env={**env, "THREADKEEPER_LOG_LEVEL": "info"},
             stdout=subprocess.DEVNULL,
         )
@@ -166,7 +194,9 @@ def main() -> None:
         write_section(report)
 
 
-async def run_all(stub_port: int, proxy_port: int, seconds: float) -> list[tuple[str, int, Result, Result]]:
+async def run_all(
+    stub_port: int, proxy_port: int, seconds: float
+) -> list[tuple[str, int, Result, Result]]:
     direct = f"http://127.0.0.1:{stub_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
     rows = []

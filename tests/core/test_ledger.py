@@ -119,7 +119,7 @@ def test_object_arguments_from_a_compatible_server_become_canonical_json() -> No
 
 
 def test_responses_output_items() -> None:
-    output = [
+    output: list[dict[str, Any]] = [
         {"type": "reasoning", "id": "rs_1", "summary": []},
         {
             "type": "function_call",
@@ -453,7 +453,7 @@ def test_completed_outputs(output: Any) -> None:
 
 
 def test_chat_outputs_in() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "refund"},
         {"role": "assistant", "tool_calls": [{"id": "c1"}]},
         {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'},
@@ -468,7 +468,7 @@ def test_chat_outputs_in() -> None:
 
 def test_responses_outputs_in() -> None:
     parts = [{"type": "input_text", "text": "ok"}]
-    items = [
+    items: list[dict[str, Any]] = [
         {"role": "user", "content": "refund"},
         {"type": "function_call", "call_id": "c1", "name": "refund_order", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "done"},

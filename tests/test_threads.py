@@ -1,0 +1,161 @@
+"""The thread service: OCC retries, cut translation, chat reconciliation, orphans."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from proxy.core.items import chat_item, responses_item
+from proxy.core.projection import CutPoint
+from proxy.core.tokens import TokenCounter
+from proxy.store import open_store
+from proxy.store.base import NewItem, StoredItem, Thread, VersionConflict, Window
+from proxy.threads import (
+    Loaded,
+    ThreadService,
+    first_orphan,
+    new_chat_messages,
+    new_items,
+    stored_item_view,
+)
+
+NOW = "2025-01-01T00:00:00+00:00"
+
+
+def clock() -> str:
+    return NOW
+
+
+def thread(version: int, next_seq: int, state: dict[str, Any] | None = None) -> Thread:
+    return Thread("acme", "t1", "chat", {}, NOW, version, next_seq, state or {})
+
+
+def stored(seq: int, raw: dict[str, Any], api: str = "chat") -> StoredItem:
+    return StoredItem(seq, f"msg_{seq}", raw, api, 1, "o200k_base", None, "input", NOW)  # type: ignore[arg-type]
+
+
+def loaded_of(items: list[StoredItem], state: dict[str, Any] | None = None) -> Loaded:
+    next_seq = items[-1].seq + 1 if items else 0
+    views = tuple(stored_item_view(s) for s in items)
+    return Loaded("acme", "t1", "chat", thread(1, next_seq, state), tuple(items), views)
+
+
+class RacingStore:
+    """A store whose first commit loses the race to another writer."""
+
+    def __init__(self) -> None:
+        self.commits: list[dict[str, Any]] = []
+        self.other = stored(1, {"role": "user", "content": "from the other writer"})
+
+    async def load_window(self, tenant: str, thread_id: str) -> Window:
+        first = stored(0, {"role": "user", "content": "hi"})
+        return Window(thread(2, 2), (first, self.other))
+
+    async def commit_turn(self, tenant: str, thread_id: str, **kwargs: Any) -> Thread:
+        self.commits.append(kwargs)
+        if len(self.commits) == 1:
+            raise VersionConflict("moved on")
+        return thread(kwargs["expected_version"] + 1, 3, kwargs["state"])
+
+
+async def test_lost_race_reloads_recomputes_the_state_and_retries() -> None:
+    store = RacingStore()
+    service = ThreadService(store, clock, pause=0)  # type: ignore[arg-type]
+    start = loaded_of([stored(0, {"role": "user", "content": "hi"})])
+    seen: list[Loaded] = []
+
+    async def restate(fresh: Loaded) -> dict[str, Any]:
+        seen.append(fresh)
+        return {"window_start": 0, "recomputed_over": len(fresh.items)}
+
+    item = NewItem("msg_new", {"role": "user", "content": "next"}, "chat")
+    result = await service.commit(start, [item], state={"window_start": 0}, restate=restate)
+    assert [c["expected_version"] for c in store.commits] == [1, 2]
+    assert store.commits[1]["state"] == {"window_start": 0, "recomputed_over": 2}
+    assert store.commits[1]["items"] == [item]
+    assert seen[0].items[-1].raw == store.other.raw
+    assert result.version == 3
+
+
+async def test_concurrent_commits_on_sqlite_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    store = await open_store(f"sqlite:///{tmp_path / 'threads.db'}")
+    await store.migrate()
+    try:
+        service = ThreadService(store, clock, pause=0.001)
+        base = await service.load_or_new("acme", "t1", "chat")
+        counter = TokenCounter.for_model("gpt-4o")
+
+        async def restate(fresh: Loaded) -> dict[str, Any]:
+            return fresh.state
+
+        async def turn(n: int) -> None:
+            message = chat_item({"role": "user", "content": f"turn {n}"})
+            items = new_items([message], counter, role="input")
+            await service.commit(base, items, state={}, restate=restate)
+
+        await asyncio.gather(*(turn(n) for n in range(5)))
+        window = await service.load("acme", "t1")
+        assert window is not None
+        texts = sorted(item.raw["content"] for item in window.items)
+        assert texts == [f"turn {n}" for n in range(5)]
+        assert [s.seq for s in window.stored] == list(range(5))
+    finally:
+        await store.close()
+
+
+def test_cut_positions_map_to_seqs_across_gaps() -> None:
+    # seq 2 was deleted: positions are contiguous (10, 11, 12), seqs are 10, 11, 13.
+    items = [
+        stored(10, {"role": "user", "content": "a"}),
+        stored(11, {"role": "assistant", "content": "b"}),
+    ]
+    items.append(stored(13, {"role": "user", "content": "c"}))
+    loaded = loaded_of(items)
+    tool = chat_item({"role": "tool", "tool_call_id": "x", "content": "small"})
+    cut = CutPoint(12, (), ((12, tool), (13, tool)))  # 13 = the first new item's position
+    state = loaded.state_after(cut)
+    assert state["window_start"] == 13
+    assert [entry["position"] for entry in state["compressed"]] == [13, 14]
+    reread = loaded_of(items, state).cut()
+    assert reread is not None and reread.start == 12
+    assert [position for position, _ in reread.compressed] == [12, 13]
+
+
+def test_first_orphan_finds_outputs_without_calls() -> None:
+    call = responses_item(
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    )
+    answer = responses_item({"type": "function_call_output", "call_id": "c1", "output": "ok"})
+    stray = responses_item({"type": "custom_tool_call_output", "call_id": "c9", "output": "?"})
+    assert first_orphan([call], [answer]) is None
+    assert first_orphan([], [call, answer]) is None
+    assert first_orphan([call], [answer, stray]) == "c9"
+
+
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello", "refusal": None},
+]
+
+
+def test_full_history_client_appends_only_what_follows_the_window() -> None:
+    loaded = loaded_of([stored(i, m) for i, m in enumerate(HISTORY)])
+    resent = [*HISTORY[:2], {"role": "assistant", "content": [{"type": "text", "text": "hello"}]}]
+    new = {"role": "user", "content": "and now?"}
+    assert new_chat_messages(loaded, [*resent, new]) == [new]
+
+
+def test_only_new_client_keeps_its_messages_but_not_a_repeated_system_prompt() -> None:
+    loaded = loaded_of([stored(i, m) for i, m in enumerate(HISTORY)])
+    new = {"role": "user", "content": "and now?"}
+    assert new_chat_messages(loaded, [new]) == [new]
+    assert new_chat_messages(loaded, [HISTORY[0], new]) == [new]
+    other_system = {"role": "system", "content": "Answer in French."}
+    assert new_chat_messages(loaded, [other_system, new]) == [other_system, new]
+
+
+def test_empty_thread_takes_every_message() -> None:
+    empty = Loaded("acme", "t1", "chat", None)
+    assert new_chat_messages(empty, HISTORY) == HISTORY

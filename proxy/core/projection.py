@@ -19,7 +19,7 @@ it is returned.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, segment
 from proxy.core.budget import history_budget
@@ -100,8 +100,42 @@ class ProjectionReport:
     compressed: int
     summarized: int
 
+    def totals(self) -> dict[str, int]:
+        """The breakdown without the per-block list (what a log line carries)."""
+        return {name: getattr(self, name) for name in _TOTALS}
+
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        # Built by hand: dataclasses.asdict deep-copies, and this runs on every request.
+        data: dict[str, object] = dict(self.totals())
+        data["blocks"] = [
+            {
+                "kind": b.kind,
+                "first": b.first,
+                "last": b.last,
+                "tokens_before": b.tokens_before,
+                "tokens_after": b.tokens_after,
+                "action": b.action,
+            }
+            for b in self.blocks
+        ]
+        return data
+
+
+_TOTALS = (
+    "window",
+    "system",
+    "tools",
+    "current",
+    "output",
+    "epsilon",
+    "history_budget",
+    "history_before",
+    "history_after",
+    "prompt_tokens",
+    "dropped",
+    "compressed",
+    "summarized",
+)
 
 
 @dataclass(frozen=True)

@@ -117,11 +117,9 @@ def trimmed_header(projection: Projection) -> str:
 def budget_log_fields(projection: Projection) -> dict[str, Any]:
     """The breakdown for the request's log line: totals, and only the blocks that changed
     (a long thread would otherwise log thousands of kept blocks)."""
-    report = projection.report.as_dict()
-    report.pop("blocks", None)
     changed = [asdict(b) for b in projection.report.blocks if b.action != "kept"]
     return {
-        "budget": report,
+        "budget": projection.report.totals(),
         "trimmed_blocks": changed,
         "rebuilt": projection.changed,
     }

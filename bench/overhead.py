@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "RESULTS.md"
 
 POLICY = """\
 tenant: default
@@ -191,7 +191,7 @@ def main() -> None:
     report = render(rows, args.seconds)
     print(report)
     if args.write:
-        write_section(report)
+        write_section("Overhead", report)
 
 
 async def run_all(
@@ -230,17 +230,6 @@ def render(rows: list[tuple[str, int, Result, Result]], seconds: float) -> str:
             f"{b.rps / a.rps:.2f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def write_section(section: str) -> None:
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n\n"
-    start = text.find("## Overhead")
-    if start == -1:
-        text = text.rstrip() + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end != -1 else "")
-    RESULTS.write_text(text)
 
 
 if __name__ == "__main__":

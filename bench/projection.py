@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
+
+from results import write_section
 
 from proxy.core.compress import summarize_turns
 from proxy.core.items import Item, chat_item
@@ -38,7 +38,6 @@ WINDOW = 128_000
 OUTPUT, EPSILON = 2_000, 500
 REPEATS = 101
 FULL_REPEATS = 7
-RESULTS = Path(__file__).with_name("RESULTS.md")
 POLICY = ProjectionPolicy()
 
 
@@ -162,21 +161,10 @@ not the thread; with twice the items in the window it is about twice the cost.
 """
 
 
-def write_section(text: str) -> None:
-    """Replaces this file's section in RESULTS.md, leaving other sections alone."""
-    old = RESULTS.read_text(encoding="utf-8") if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(r"^## Projection\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text + "\n", old, count=1)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new.rstrip("\n") + "\n", encoding="utf-8")
-
-
 def main() -> int:
     text = section(measure())
     print(text)
-    write_section(text)
+    write_section("Projection", text)
     return 0
 
 

@@ -42,6 +42,7 @@ MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
 ECHO_CHARS = 40
 EMBEDDING = (0.125, -0.25, 0.5, 0.0625)  # exactly representable in float32
 FINGERPRINT = "fp_threadkeeper_fake"
+MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 # (request body, reply) -> the answer; (request body, answer) -> its SSE frames.
@@ -122,7 +123,8 @@ class FakeProvider:
     # --- routing ----------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
-        app = web.Application()
+        # OpenAI takes request bodies far above aiohttp's 1 MiB default (long histories).
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(_add_request_id)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/responses", self._responses)

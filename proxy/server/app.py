@@ -1,8 +1,8 @@
 """The application: `create_app(settings)` builds everything; nothing lives at module level.
 
 Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
-error envelope -> tenant auth. Resources (upstream pool, policy watcher) open and close in
-cleanup_ctx.
+error envelope -> tenant auth -> Idempotency-Key (replay or record). Resources (upstream
+pool, policy watcher, idempotency purge) open and close in cleanup_ctx.
 """
 
 from __future__ import annotations
@@ -19,9 +19,18 @@ from aiohttp import web
 from proxy.ids import new_id
 from proxy.metrics import Metrics
 from proxy.policy import PolicyRegistry
-from proxy.server import chat, conversations, ops, passthrough, response_routes, responses
+from proxy.server import (
+    chat,
+    conversations,
+    ledger,
+    ops,
+    passthrough,
+    response_routes,
+    responses,
+)
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware
+from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.state import (
     ENV,
     LOG_FIELDS,
@@ -90,7 +99,7 @@ def create_app(
     env: Mapping[str, str] | None = None,
 ) -> web.Application:
     app = web.Application(
-        middlewares=[context_middleware, error_middleware, auth_middleware],
+        middlewares=[context_middleware, error_middleware, auth_middleware, idempotency_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings
@@ -100,6 +109,8 @@ def create_app(
     app[OWNER] = new_id("proc")
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
+    app.cleanup_ctx.append(purge_ctx())
+    app.on_response_prepare.append(mark_not_replayed)
     app.cleanup_ctx.append(_policy_watch_ctx)
 
     app.router.add_get("/healthz", ops.healthz, name="healthz")
@@ -112,6 +123,7 @@ def create_app(
     )
     response_routes.add_routes(app)
     conversations.add_routes(app)
+    ledger.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 

@@ -20,6 +20,8 @@ from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.server.errors import ApiError, invalid
+from proxy.server.holdback import Guarded, relay_guarded
+from proxy.server.ledger import LedgerGuard
 from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, METRICS, STORE, TENANT_POLICY
@@ -130,7 +132,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if projection.changed:
         body["messages"] = chat_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    return await _forward(request, body, raw, projection, keeper=None)
+    guard = LedgerGuard(request, api="chat", thread_id=None, now=now_iso)
+    await guard.record_outputs(body["messages"])
+    return await _forward(request, body, raw, projection, keeper=None, guard=guard)
 
 
 def thread_id_param(value: str) -> str:
@@ -174,6 +178,7 @@ async def _forward(
     raw: bytes,
     projection: Projection,
     keeper: ChatTurn | None,
+    guard: LedgerGuard,
 ) -> web.StreamResponse:
     request[LOG_FIELDS].update(budget_log_fields(projection))
     upstream = await send_upstream(
@@ -188,6 +193,9 @@ async def _forward(
         "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
         "x-threadkeeper-trimmed": trimmed_header(projection),
     }
+    if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
+        guarded = Guarded(request, "chat", guard, body, keeper)
+        return await relay_guarded(upstream, guarded, extra_headers=extra)
     if keeper is None:
         return await relay_response(request, upstream, family="chat", extra_headers=extra)
     return await relay_kept(request, upstream, family="chat", extra_headers=extra, keeper=keeper)
@@ -206,6 +214,9 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
             code="invalid_value",
         )
     new = items_from_chat(new_chat_messages(loaded, body["messages"]))
+    guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=now_iso)
+    if guard.active:
+        new = await guard.restore_calls(loaded.items, new)
     orphan = first_orphan(loaded.items, new)
     if orphan is not None:
         raise invalid(
@@ -214,8 +225,9 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
     projection, counter = await _rebuild(request, body, new, loaded)
     body["messages"] = chat_from_items(projection.items)
     raw = json.dumps(body, ensure_ascii=False).encode()
+    await guard.record_outputs([item.raw for item in new])
     turn = ChatTurn(request, body, threads, loaded, new, counter, projection)
-    return await _forward(request, body, raw, projection, turn)
+    return await _forward(request, body, raw, projection, turn, guard)
 
 
 # Fields of an assistant reply that a later request may carry (the rest is response-only).
@@ -255,7 +267,9 @@ class ChatTurn:
     def rewrite(self, response: JsonDict) -> JsonDict:
         return response
 
-    async def keep(self, result: JsonDict) -> None:
+    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+        """Commits what the client saw; `log` (a ledger-continued turn's trajectory) is
+        not kept on Chat threads (see proxy/server/ledger.py)."""
         choices = result.get("choices") or []
         if not choices or not isinstance(choices[0].get("message"), dict):
             return

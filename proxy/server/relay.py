@@ -47,6 +47,35 @@ HOP_BY_HOP = frozenset(
 # Headers meant for the proxy itself, never forwarded.
 PROXY_ONLY = frozenset({"x-thread-id", "idempotency-key"})
 
+# Capture hook of the Idempotency-Key middleware (proxy/server/idempotency.py): when a
+# request carries a tap, every byte its stream sends the client is also appended to it.
+STREAM_TAP: web.RequestKey[list[bytes]] = web.RequestKey("stream_tap", list)
+
+
+def stream_response(
+    request: web.Request, *, status: int, headers: CIMultiDict[str]
+) -> web.StreamResponse:
+    """The StreamResponse a relay writes to; tapped when request[STREAM_TAP] is set."""
+    tap = request.get(STREAM_TAP)
+    if tap is None:
+        return web.StreamResponse(status=status, headers=headers)
+    return _TappedStream(tap, status=status, headers=headers)
+
+
+class _TappedStream(web.StreamResponse):
+    def __init__(self, tap: list[bytes], *, status: int, headers: CIMultiDict[str]) -> None:
+        super().__init__(status=status, headers=headers)
+        self._tap = tap
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await super().write(data)
+        self._tap.append(bytes(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(data)
+        if data:
+            self._tap.append(bytes(data))
+
 
 def upstream_base(request: web.Request, policy: Policy) -> str:
     return (policy.upstream.base_url or request.app[SETTINGS].upstream_url).rstrip("/")
@@ -161,7 +190,7 @@ async def _relay_stream(
     family: Family | None,
     headers: CIMultiDict[str],
 ) -> web.StreamResponse:
-    response = web.StreamResponse(status=upstream.status, headers=headers)
+    response = stream_response(request, status=upstream.status, headers=headers)
     await response.prepare(request)
     decoder = SSEDecoder()
     accumulator = _accumulator(family)
@@ -237,7 +266,7 @@ async def _relay_kept_stream(
     headers: CIMultiDict[str],
     keeper: Keeper,
 ) -> web.StreamResponse:
-    response = web.StreamResponse(status=upstream.status, headers=headers)
+    response = stream_response(request, status=upstream.status, headers=headers)
     await response.prepare(request)
     decoder = SSEDecoder()
     accumulator = _accumulator(family)

@@ -38,6 +38,8 @@ from proxy.core.tokens import TokenCounter
 from proxy.ids import new_id
 from proxy.server.chat import now_iso
 from proxy.server.errors import ApiError, invalid
+from proxy.server.holdback import Guarded, relay_guarded
+from proxy.server.ledger import LedgerGuard
 from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, METRICS, OWNER, STORE, TENANT_POLICY
@@ -150,6 +152,8 @@ async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.St
     if projection.changed:
         body["input"] = responses_input_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
+    guard = LedgerGuard(request, api="responses", thread_id=None, now=now_iso)
+    await guard.record_outputs(body.get("input") or [])
     upstream = await send_upstream(
         request,
         request[TENANT_POLICY],
@@ -159,6 +163,9 @@ async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.St
         route="responses",
     )
     extra = context_headers(projection)
+    if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
+        guarded = Guarded(request, "responses", guard, body)
+        return await relay_guarded(upstream, guarded, extra_headers=extra)
     return await relay_response(request, upstream, family="responses", extra_headers=extra)
 
 
@@ -257,7 +264,10 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
 async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     threads = ThreadService(request.app[STORE], now_iso)
     chain = await resolve_chain(request, threads, body)
-    new = _input(body).items
+    new: Sequence[Item] = _input(body).items
+    guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=now_iso)
+    if guard.active:
+        new = await guard.restore_calls(chain.loaded.items, new)
     orphan = first_orphan(chain.loaded.items, new)
     if orphan is not None:
         raise invalid(
@@ -265,17 +275,23 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
         )
     projection, counter = await _rebuild(request, body, new, chain.loaded)
     request[LOG_FIELDS].update(budget_log_fields(projection))
+    await guard.record_outputs([item.raw for item in new])
     turn = ResponseTurn(request, body, threads, chain, new, counter, projection)
     await turn.begin()
     try:
+        sent = upstream_body(body, projection.items)
         upstream = await send_upstream(
             request,
             request[TENANT_POLICY],
             path="/responses",
-            body=json.dumps(upstream_body(body, projection.items), ensure_ascii=False).encode(),
+            body=json.dumps(sent, ensure_ascii=False).encode(),
             stream=bool(body.get("stream")),
             route="responses",
         )
+        if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
+            guarded = Guarded(request, "responses", guard, sent, turn, response_id=turn.id)
+            extra = context_headers(projection)
+            return await relay_guarded(upstream, guarded, extra_headers=extra)
         return await relay_kept(
             request,
             upstream,
@@ -341,7 +357,9 @@ class ResponseTurn:
             "store": self.persist,
         }
 
-    async def keep(self, result: JsonDict) -> None:
+    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+        """Commits the turn; `log` replaces the response's output as the thread's items
+        when the ledger continued the turn (withheld calls and their synthetic outputs)."""
         if not self.persist:
             self.kept = True
             return
@@ -349,7 +367,8 @@ class ResponseTurn:
         if status != "completed":
             await self._finish(status, result)
             return
-        outputs = [responses_item(raw) for raw in result.get("output") or ()]
+        logged = log if log is not None else result.get("output") or ()
+        outputs = [responses_item(raw) for raw in logged]
         items = [
             *new_items(self.new, self.counter, role="input", response_id=self.id),
             *new_items(outputs, self.counter, role="output", response_id=self.id),

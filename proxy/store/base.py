@@ -294,6 +294,12 @@ class Store(Protocol):
     ) -> bool:
         """Conditional update: only an entry still in `only_if` changes. True if it did."""
 
+    async def ledger_rearm(
+        self, tenant: str, scope: str, key: str, *, call_id: str, now: str
+    ) -> bool:
+        """Conditional update failed -> issued for a new call: `call_id` replaces the old
+        one, the result is cleared, attempts + 1. True if this call won (SPEC 6)."""
+
     async def ledger_list(
         self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
     ) -> tuple[LedgerEntry, ...]: ...

@@ -182,6 +182,14 @@ UPDATE ledger SET status = $4, result = $5, updated_at = $6
 WHERE tenant = $1 AND scope = $2 AND key = $3 AND status = $7
 """
 
+# A failed entry goes back to issued for a new call (SPEC 6, ledger.decide FAILED_BEFORE):
+# the status condition makes one of two racing re-arms win.
+REARM_LEDGER = """
+UPDATE ledger SET status = 'issued', call_id = $4, result = NULL, attempts = attempts + 1,
+    updated_at = $5
+WHERE tenant = $1 AND scope = $2 AND key = $3 AND status = 'failed'
+"""
+
 LIST_LEDGER = f"SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 ORDER BY created_at, scope, key LIMIT $2"
 
 LIST_LEDGER_BY_STATUS = f"""

@@ -295,6 +295,12 @@ class SqlStore:
         async with self.db.write() as conn:
             return await conn.execute(sql.RESOLVE_LEDGER, *args) > 0
 
+    async def ledger_rearm(
+        self, tenant: str, scope: str, key: str, *, call_id: str, now: str
+    ) -> bool:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.REARM_LEDGER, tenant, scope, key, call_id, now) > 0
+
     async def ledger_list(
         self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
     ) -> tuple[LedgerEntry, ...]:

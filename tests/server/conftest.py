@@ -39,11 +39,14 @@ retry: {{max_attempts: 3, max_seconds: 10, initial_backoff: 0.01, max_backoff: 0
 """
 
 
-def write_policies(directory: Path, *, allow_unknown: bool = True, window: int = 16000) -> None:
+def write_policies(
+    directory: Path, *, allow_unknown: bool = True, window: int = 16000, acme_extra: str = ""
+) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "default.yaml").write_text(DEFAULT_POLICY.format(allow=str(allow_unknown).lower()))
     key_hash = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
-    (directory / "acme.yaml").write_text(ACME_POLICY.format(key_hash=key_hash, window=window))
+    acme = ACME_POLICY.format(key_hash=key_hash, window=window) + acme_extra
+    (directory / "acme.yaml").write_text(acme)
 
 
 @dataclass
@@ -88,9 +91,10 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
         upstream_url: str | None = None,
         reload_interval: float = 0,
         max_body_bytes: int = 1024 * 1024,
+        acme_extra: str = "",
     ) -> Proxy:
         policies = tmp_path / f"policies{len(proxies)}"
-        write_policies(policies, allow_unknown=allow_unknown, window=window)
+        write_policies(policies, allow_unknown=allow_unknown, window=window, acme_extra=acme_extra)
         settings = Settings(
             port=0,
             policies_dir=policies,

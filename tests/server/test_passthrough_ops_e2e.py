@@ -81,3 +81,27 @@ async def test_logs_carry_budget_and_never_secrets(proxy) -> None:
     assert "usage_input_tokens" in line
     for secret in (TENANT_KEY, PROVIDER_KEY, "sk-unknown-client-key-123456"):
         assert secret not in text
+
+
+async def test_unexpected_exception_is_a_logged_500_and_the_server_keeps_serving(
+    proxy, monkeypatch
+) -> None:
+    from proxy.server import rebuild
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rebuild, "project_context", broken)
+    async with proxy.http() as http:
+        headers = {"Authorization": f"Bearer {TENANT_KEY}"}
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error"
+        request_id = response.headers["x-threadkeeper-request-id"]
+        assert request_id in error["message"]
+        assert "boom" not in error["message"]
+        monkeypatch.undo()
+        again = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert again.status_code == 200

@@ -506,6 +506,25 @@ async def test_ledger_resolve_is_conditional(store: Store) -> None:
     )
 
 
+async def test_ledger_rearm_only_a_failed_entry_once(store: Store) -> None:
+    await store.ledger_issue(ledger_entry(call_id="call_1"))
+    assert not await store.ledger_rearm("acme", "tenant", "refund:42", call_id="call_2", now=T1)
+    await store.ledger_resolve("acme", "tenant", "refund:42", status="failed", result="x", now=T1)
+    assert await store.ledger_rearm("acme", "tenant", "refund:42", call_id="call_2", now=T2)
+    assert not await store.ledger_rearm("acme", "tenant", "refund:42", call_id="call_3", now=T2)
+    entry = await store.ledger_get("acme", "tenant", "refund:42")
+    assert entry is not None
+    assert (entry.status, entry.call_id, entry.result, entry.attempts, entry.updated_at) == (
+        "issued",
+        "call_2",
+        None,
+        2,
+        T2,
+    )
+    assert await store.ledger_by_call("acme", "call_2") == entry
+    assert not await store.ledger_rearm("other", "tenant", "refund:42", call_id="c", now=T2)
+
+
 async def test_ledger_list_filters_by_status(store: Store) -> None:
     await store.ledger_issue(ledger_entry("k1", call_id="c1"))
     await store.ledger_issue(ledger_entry("k2", call_id="c2"))

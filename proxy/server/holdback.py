@@ -1,0 +1,494 @@
+"""Relaying an answer whose side-effecting calls the ledger guards (SPEC 6).
+
+Used instead of relay.relay_response / relay.relay_kept when the tenant's policy names a
+side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
+event by event as they arrive, except a guarded call's own events (Chat: the tool_call
+deltas of its index; Responses: its output_item.added, argument deltas and done,
+output_item.done): those are held until the call's arguments are complete and its
+ledger entry is committed, then flushed (HAND_OUT) or dropped (withheld). When every call
+of the answer was withheld, the turn continues upstream after the provider's stream ends
+(not streamed) and the continuation reaches the client as events of the same stream, in
+each API's shape. Client-facing indexes (`index`, `output_index`, `sequence_number`) are
+renumbered so a dropped call leaves no gap the SDKs would trip on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+
+from proxy.core.ledger import CallKind, ToolCall
+from proxy.server.errors import ApiError
+from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
+from proxy.server.relay import relay_headers, send_upstream, stream_error_event, stream_response
+from proxy.server.state import LOG_FIELDS, TENANT_POLICY
+from proxy.server.validate import JsonDict
+from proxy.sse import (
+    DONE,
+    ChatStreamAccumulator,
+    ResponsesStreamAccumulator,
+    SSEDecoder,
+    SSEEvent,
+    encode_event,
+    encode_json_event,
+)
+from proxy.upstream import UpstreamResponse, UpstreamUnavailable
+
+log = structlog.get_logger("threadkeeper.holdback")
+
+PATHS = {"chat": "/chat/completions", "responses": "/responses"}
+ROUTES = {"chat": "chat.completions", "responses": "responses"}
+
+
+class GuardedKeeper(Protocol):
+    """relay.Keeper, plus the thread log of a turn the ledger continued."""
+
+    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def keep(
+        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
+    ) -> None: ...
+
+
+class Guarded:
+    """What the relay needs besides the upstream answer: the guard, the request the
+    provider got (a continuation extends it), the keeper of a stored turn."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        family: Family,
+        guard: LedgerGuard,
+        sent: JsonDict,
+        keeper: GuardedKeeper | None = None,
+        response_id: str | None = None,
+    ) -> None:
+        self.request = request
+        self.family = family
+        self.guard = guard
+        self.sent = sent
+        self.keeper = keeper
+        self.response_id = response_id
+
+    async def ask(self, body: JsonDict) -> JsonDict | None:
+        """One continuation round, not streamed; None when the provider fails it (the
+        client then gets the last answer the model gave)."""
+        raw = json.dumps(body, ensure_ascii=False).encode()
+        try:
+            upstream = await send_upstream(
+                self.request,
+                self.request[TENANT_POLICY],
+                path=PATHS[self.family],
+                body=raw,
+                stream=False,
+                route=ROUTES[self.family],
+            )
+            answer = _json_or_none(await upstream.aread())
+        except (ApiError, UpstreamUnavailable) as exc:
+            log.warning("ledger_continuation_failed", error=repr(exc))
+            return None
+        if upstream.status >= 400 or not isinstance(answer, dict):
+            log.warning("ledger_continuation_failed", status=upstream.status)
+            return None
+        return answer
+
+    async def settle(self, answer: JsonDict, verdicts: Sequence[Verdict] | None) -> Settled:
+        return await settle(
+            self.guard,
+            self.family,
+            self.sent,
+            answer,
+            self.ask,
+            response_id=self.response_id,
+            verdicts=verdicts,
+        )
+
+    async def keep(self, answer: JsonDict, log_items: Sequence[JsonDict] | None) -> JsonDict:
+        """The answer as the client gets it, kept first on a stored turn."""
+        if self.keeper is None:
+            return answer
+        answer = self.keeper.rewrite(answer)
+        await self.keeper.keep(answer, log_items)
+        return answer
+
+
+async def relay_guarded(
+    upstream: UpstreamResponse, guarded: Guarded, *, extra_headers: Mapping[str, str]
+) -> web.StreamResponse:
+    headers = relay_headers(upstream, extra_headers)
+    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+    if "text/event-stream" in content_type:
+        return await _relay_stream(upstream, guarded, headers)
+    try:
+        body = await upstream.aread()
+    except UpstreamUnavailable as exc:
+        raise ApiError(
+            exc.status, exc.message, type="server_error", code="upstream_unavailable"
+        ) from None
+    answer = _json_or_none(body)
+    if upstream.status >= 400 or not isinstance(answer, dict):
+        return web.Response(status=upstream.status, body=body, headers=headers)
+    settled = await guarded.settle(answer, None)
+    final = await guarded.keep(settled.answer, settled.log if settled.withheld else None)
+    body = json.dumps(final, ensure_ascii=False).encode()
+    return web.Response(status=upstream.status, body=body, headers=headers)
+
+
+class Holdback(Protocol):
+    async def event(self, event: SSEEvent) -> list[bytes]: ...
+
+    async def end(self) -> list[bytes]: ...
+
+
+async def _relay_stream(
+    upstream: UpstreamResponse, guarded: Guarded, headers: Any
+) -> web.StreamResponse:
+    request = guarded.request
+    response = stream_response(request, status=upstream.status, headers=headers)
+    await response.prepare(request)
+    decoder = SSEDecoder()
+    holdback: Holdback = (
+        ChatHoldback(guarded) if guarded.family == "chat" else ResponsesHoldback(guarded)
+    )
+    try:
+        async for chunk in upstream.aiter_bytes():
+            for event in decoder.feed(chunk):
+                for frame in await holdback.event(event):
+                    await response.write(frame)
+        for event in decoder.flush():
+            for frame in await holdback.event(event):
+                await response.write(frame)
+        for frame in await holdback.end():
+            await response.write(frame)
+    except (ConnectionError, ApiError):
+        raise
+    except Exception as exc:  # the provider cut the stream, or the ledger failed
+        log.warning("guarded_stream_broken", error=repr(exc))
+        request[LOG_FIELDS]["stream_error"] = repr(exc)
+        message = f"The stream was interrupted: {exc!r}"
+        await response.write(stream_error_event(guarded.family, message))
+    finally:
+        await upstream.aclose()
+    await response.write_eof()
+    return response
+
+
+# -- Chat Completions ---------------------------------------------------------------------------
+
+CHUNK_META = ("id", "object", "created", "model", "system_fingerprint", "service_tier")
+
+
+class ChatHoldback:
+    """Choice 0's guarded tool_call deltas are held per index; an index is complete when
+    the next index starts or the finish_reason comes (OpenAI streams calls in order)."""
+
+    def __init__(self, guarded: Guarded) -> None:
+        self.guarded = guarded
+        self.upstream = ChatStreamAccumulator()  # what the provider said
+        self.client = ChatStreamAccumulator()  # what the client got
+        self.base: JsonDict = {"object": "chat.completion.chunk"}
+        self.held: dict[int, list[JsonDict]] = {}
+        self.client_index: dict[int, int] = {}
+        self.current: int | None = None
+        self.verdicts: list[Verdict] = []
+        self.finish: JsonDict | None = None  # the finish choice, held while calls are withheld
+        self.tail: list[JsonDict] = []  # chunks after a held finish (usage)
+        self.done = False
+
+    @property
+    def withheld(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.withheld]
+
+    async def event(self, event: SSEEvent) -> list[bytes]:
+        if event.data == DONE:
+            return await self._done()
+        chunk = _json_or_none(event.data.encode())
+        if not isinstance(chunk, dict):
+            return [encode_event(event.data, event.event)]
+        self.upstream.feed(chunk)
+        self.base.update({k: chunk[k] for k in CHUNK_META if k in chunk})
+        frames: list[bytes] = []
+        choices: list[JsonDict] = []
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                choices.append(choice)
+                continue
+            kept, flushed = await self._choice(choice)
+            frames += flushed
+            choices += [kept] if kept is not None else []
+        if chunk.get("choices") and not choices:
+            return frames
+        out = {**chunk, "choices": choices}
+        if self.finish is not None:
+            self.tail.append(out)
+            return frames
+        return [*frames, self._emit(out)]
+
+    async def _choice(self, choice: JsonDict) -> tuple[JsonDict | None, list[bytes]]:
+        delta = choice.get("delta") or {}
+        flushed: list[bytes] = []
+        passed: list[JsonDict] = []
+        for call in delta.get("tool_calls") or ():
+            index = int(call.get("index", 0))
+            if index != self.current:
+                flushed += await self._close()
+                self.current = index
+                if self.guarded.guard.guarded((call.get("function") or {}).get("name")):
+                    self.held[index] = []
+                else:
+                    self.client_index[index] = len(self.client_index)
+            if index in self.held:
+                self.held[index].append(call)
+            else:
+                passed.append({**call, "index": self.client_index[index]})
+        if choice.get("finish_reason"):
+            flushed += await self._close()
+        rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+        if passed:
+            rest["tool_calls"] = passed
+        kept = {**choice, "delta": rest}
+        if choice.get("finish_reason") and self.withheld:
+            self.finish = kept
+            return None, flushed
+        if "tool_calls" in delta and not rest and not choice.get("finish_reason"):
+            return None, flushed
+        return kept, flushed
+
+    async def _close(self) -> list[bytes]:
+        """The current call is complete: judge it if it is held, then flush or drop."""
+        index, self.current = self.current, None
+        if index is None or index not in self.held:
+            return []
+        deltas = self.held.pop(index)
+        call_id = next((d["id"] for d in deltas if d.get("id")), "")
+        name = "".join((d.get("function") or {}).get("name") or "" for d in deltas)
+        arguments = "".join((d.get("function") or {}).get("arguments") or "" for d in deltas)
+        call = ToolCall(call_id, name, arguments, "chat", "function", index)
+        verdict = await self.guarded.guard.judge_call(call, self._response_id())
+        self.verdicts.append(verdict)
+        if verdict.withheld:
+            return []
+        self.client_index[index] = len(self.client_index)
+        whole = {
+            "index": self.client_index[index],
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        return [self._emit(self._chunk({"tool_calls": [whole]}))]
+
+    def _response_id(self) -> str | None:
+        return self.guarded.response_id or self.base.get("id")
+
+    def _chunk(self, delta: JsonDict, finish: str | None = None) -> JsonDict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**self.base, "choices": [choice]}
+
+    def _emit(self, chunk: JsonDict) -> bytes:
+        self.client.feed(chunk)
+        return encode_json_event(chunk)
+
+    async def _done(self) -> list[bytes]:
+        self.done = True
+        frames = await self._close()
+        if self.finish is not None:
+            frames += await self._settle()
+        if self.guarded.keeper is not None:
+            result = self.client.result()
+            if result["choices"] and all(c["finish_reason"] for c in result["choices"]):
+                await self.guarded.keep(result, None)
+        return [*frames, encode_event(DONE)]
+
+    async def _settle(self) -> list[bytes]:
+        """The withheld calls are answered; what the client gets instead of the finish."""
+        assert self.finish is not None
+        answer = {**self.upstream.result(), "id": self.base.get("id")}
+        settled = await self.guarded.settle(answer, self.verdicts)
+        final = settled.answer
+        frames: list[bytes] = []
+        if _continued(settled):
+            frames += self._continuation(final)
+        else:
+            finish = dict(self.finish)
+            if finish.get("finish_reason") == "tool_calls" and not self.client_index:
+                finish["finish_reason"] = "stop"
+            frames.append(self._emit({**self.base, "choices": [finish]}))
+            frames += [self._emit(chunk) for chunk in self.tail]
+        return frames
+
+    def _continuation(self, final: JsonDict) -> list[bytes]:
+        choice = (final.get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        chunks: list[JsonDict] = []
+        if message.get("content"):
+            chunks.append(self._chunk({"content": message["content"]}))
+        calls: list[JsonDict] = []
+        for call in message.get("tool_calls") or ():
+            calls.append({**call, "index": len(self.client_index) + len(calls)})
+        if calls:
+            chunks.append(self._chunk({"tool_calls": calls}))
+        chunks.append(self._chunk({}, choice.get("finish_reason") or "stop"))
+        if self.tail:  # the client asked for a usage chunk
+            chunks.append({**self.base, "choices": [], "usage": final.get("usage")})
+        return [self._emit(chunk) for chunk in chunks]
+
+    async def end(self) -> list[bytes]:
+        if self.done or self.finish is None:
+            return []
+        return await self._done()  # a server that never sent [DONE]
+
+
+def _continued(settled: Settled) -> bool:
+    """Whether the turn went back to the provider (every call of the first answer was
+    withheld) rather than only stripping withheld calls."""
+    return settled.rounds > 0
+
+
+# -- Responses ----------------------------------------------------------------------------------
+
+CALL_ITEMS: dict[str, CallKind] = {"function_call": "function", "custom_tool_call": "custom"}
+SNAPSHOTS = frozenset({"response.created", "response.in_progress", "response.queued"})
+TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+class ResponsesHoldback:
+    """A guarded call item's events are held from output_item.added to output_item.done."""
+
+    def __init__(self, guarded: Guarded) -> None:
+        self.guarded = guarded
+        self.upstream = ResponsesStreamAccumulator()
+        self.held: dict[int, list[tuple[str, JsonDict]]] = {}
+        self.client_index: dict[int, int] = {}  # upstream output_index -> the client's
+        self.allocated = 0  # output indexes the client has seen
+        self.items: dict[int, JsonDict] = {}  # client index -> the finished item it got
+        self.verdicts: list[Verdict] = []
+        self.sequence = 0
+        self.response_id: str | None = guarded.response_id
+
+    async def event(self, event: SSEEvent) -> list[bytes]:
+        data = _json_or_none(event.data.encode())
+        if not isinstance(data, dict):
+            return [encode_event(event.data, event.event)]
+        kind = event.event or str(data.get("type", ""))
+        self.upstream.feed(kind, data)
+        if kind in TERMINALS:
+            return await self._terminal(kind, data)
+        if kind in SNAPSHOTS and isinstance(data.get("response"), dict):
+            self.response_id = self.response_id or data["response"].get("id")
+            data = {**data, "response": self._rewrite(data["response"])}
+        if "output_index" not in data:
+            return [self._emit(kind, data)]
+        index = int(data["output_index"])
+        if kind == "response.output_item.added" and self._guarded_item(data.get("item")):
+            self.held[index] = [(kind, data)]
+            return []
+        if index in self.held:
+            self.held[index].append((kind, data))
+            return await self._close(index) if kind == "response.output_item.done" else []
+        if index not in self.client_index:
+            self.client_index[index] = self._allocate()
+        data = {**data, "output_index": self.client_index[index]}
+        if kind == "response.output_item.done":
+            self.items[self.client_index[index]] = data["item"]
+        return [self._emit(kind, data)]
+
+    def _guarded_item(self, item: Any) -> bool:
+        return (
+            isinstance(item, dict)
+            and item.get("type") in CALL_ITEMS
+            and self.guarded.guard.guarded(item.get("name"))
+        )
+
+    async def _close(self, index: int) -> list[bytes]:
+        events = self.held.pop(index)
+        item = events[-1][1]["item"]
+        kind = CALL_ITEMS[item["type"]]
+        arguments = item.get("arguments" if kind == "function" else "input") or ""
+        call = ToolCall(item["call_id"], item["name"], arguments, "responses", kind, index)
+        verdict = await self.guarded.guard.judge_call(call, self.response_id)
+        self.verdicts.append(verdict)
+        if verdict.withheld:
+            return []
+        client_index = self.client_index[index] = self._allocate()
+        self.items[client_index] = item
+        return [self._emit(k, {**d, "output_index": client_index}) for k, d in events]
+
+    async def _terminal(self, kind: str, data: JsonDict) -> list[bytes]:
+        final = data.get("response") if isinstance(data.get("response"), dict) else {}
+        assert isinstance(final, dict)
+        frames: list[bytes] = []
+        log_items: list[JsonDict] | None = None
+        withheld = {v.call.call_id for v in self.verdicts if v.withheld}
+        if withheld and kind == "response.completed":
+            settled = await self.guarded.settle(final, self.verdicts)
+            log_items = settled.log
+            if _continued(settled):
+                for item in settled.answer.get("output") or ():
+                    frames += self._item_events(item)
+                output = [self.items[i] for i in sorted(self.items)]
+                final = {**settled.answer, "output": output}
+            else:
+                final = settled.answer
+        elif withheld:
+            final = stripped("responses", final, withheld)
+        final = await self.guarded.keep(final, log_items)
+        return [*frames, self._emit(kind, {**data, "response": final})]
+
+    def _item_events(self, item: JsonDict) -> list[bytes]:
+        """A finished item as the events OpenAI streams for it (continuation output)."""
+        index = self._allocate()
+        self.items[index] = item
+        where = {"item_id": item.get("id"), "output_index": index}
+        events: list[tuple[str, JsonDict]] = []
+        if item.get("type") == "message":
+            added = {**item, "status": "in_progress", "content": []}
+            events.append(("response.output_item.added", {"output_index": index, "item": added}))
+            for part_index, part in enumerate(item.get("content") or ()):
+                at = {**where, "content_index": part_index}
+                empty = {**part, "text": ""} if part.get("type") == "output_text" else part
+                events.append(("response.content_part.added", {**at, "part": empty}))
+                if part.get("type") == "output_text":
+                    text = part.get("text", "")
+                    delta = {**at, "delta": text, "logprobs": []}
+                    events.append(("response.output_text.delta", delta))
+                    done = {**at, "text": text, "logprobs": []}
+                    events.append(("response.output_text.done", done))
+                events.append(("response.content_part.done", {**at, "part": part}))
+        elif item.get("type") == "function_call":
+            added = {**item, "status": "in_progress", "arguments": ""}
+            arguments = item.get("arguments", "")
+            events.append(("response.output_item.added", {"output_index": index, "item": added}))
+            events.append(("response.function_call_arguments.delta", {**where, "delta": arguments}))
+            done = {**where, "name": item.get("name"), "arguments": arguments}
+            events.append(("response.function_call_arguments.done", done))
+        else:
+            events.append(("response.output_item.added", {"output_index": index, "item": item}))
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        return [self._emit(kind, {"type": kind, **data}) for kind, data in events]
+
+    def _allocate(self) -> int:
+        self.allocated += 1
+        return self.allocated - 1
+
+    def _rewrite(self, response: JsonDict) -> JsonDict:
+        keeper = self.guarded.keeper
+        return keeper.rewrite(response) if keeper is not None else response
+
+    def _emit(self, kind: str, data: JsonDict) -> bytes:
+        data = {**data, "sequence_number": self.sequence}
+        self.sequence += 1
+        return encode_json_event(data, event=kind)
+
+    async def end(self) -> list[bytes]:
+        return []
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None

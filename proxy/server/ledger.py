@@ -1,0 +1,480 @@
+"""The side-effect ledger at the edge (SPEC 6): the pure rules of proxy/core/ledger.py
+applied to what the provider answers and what the client sends, plus operator endpoints.
+
+Per request, a `LedgerGuard` (tenant policy, store, thread scope):
+
+- `record_outputs`: the client's tool outputs complete their entries (`output_outcome`
+  says completed or failed); `ledger_resolve` only changes an `issued` entry, so a second
+  output for one call id is ignored.
+- `restore_calls`: on a stored thread, an output for a call the thread never saw (its
+  turn was cut off after the call went out) gets the call item back from the ledger.
+- `judge`: every side-effecting call the provider emits is issued in the ledger (write
+  ahead, committed before its bytes reach the client) and decided. HAND_OUT goes to the
+  client; REPLAY / BLOCK / UNKNOWN_OUTCOME never do: `model_output` answers the model.
+  FAILED_BEFORE re-arms the failed entry (conditional failed -> issued, new call id,
+  attempts + 1) and hands the call out when that update won; a loser decides again.
+- `settle`: the non-streamed answer loop: while every call of an answer is withheld, the
+  turn continues upstream with the synthetic outputs (at most
+  `policy.idempotency.max_replays` rounds); the client gets the last answer with the
+  withheld calls stripped. When a withheld call sits beside a handed-out one the turn
+  cannot continue (the handed-out call has no output yet): the withheld call is stripped.
+
+Stored threads: Responses threads (conversation, previous_response_id) log the whole
+trajectory (every round's output items and the synthetic outputs), so the model sees
+next turn what was replayed. Chat threads (X-Thread-Id) log what the client saw: Chat
+clients resend their history and the thread reconciles it by content
+(threads.new_chat_messages), so messages the client never saw would break that match;
+the ledger still guards a repeated call in a later turn.
+
+Operator endpoints (tenant-scoped, bearer auth like /v1; keys and scopes may contain ":",
+URL-encode them):
+
+    GET  /threadkeeper/v1/ledger?status=issued|completed|failed&limit=100
+         -> {"object": "list", "data": [entry, ...]}
+    GET  /threadkeeper/v1/ledger/{scope}/{key}        -> entry, or 404
+    POST /threadkeeper/v1/ledger/{scope}/{key}/resolve
+         {"status": "completed", "result": "..."} | {"status": "failed"}
+         -> the resolved entry; 409 unless the entry is `issued`, 404 if there is none
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import structlog
+from aiohttp import web
+
+from proxy.core.items import Api, Item, canonical_json, chat_item, responses_item
+from proxy.core.ledger import (
+    Decision,
+    ToolCall,
+    ToolRule,
+    decide,
+    ledger_scope,
+    model_output,
+    output_outcome,
+    outputs_in,
+    render_idempotency_key,
+    side_effect_calls,
+)
+from proxy.policy import Policy
+from proxy.server.errors import ApiError, invalid
+from proxy.server.state import METRICS, STORE, TENANT_POLICY
+from proxy.server.validate import JsonDict, read_json_object
+from proxy.store.base import LedgerEntry, LedgerStatus
+
+log = structlog.get_logger("threadkeeper.ledger")
+
+Family = Literal["chat", "responses"]
+Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
+REARM_ATTEMPTS = 3
+STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
+MAX_LIST = 1000
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def tool_rules(policy: Policy) -> dict[str, ToolRule]:
+    """The policy's side-effecting tools as the core's rules."""
+    return {
+        name: ToolRule(
+            side_effect=tool.side_effect,
+            idempotency_key=tool.idempotency_key,
+            scope=tool.scope,
+            on_duplicate=tool.on_duplicate,
+        )
+        for name, tool in policy.tools.items()
+        if tool.side_effect
+    }
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One emitted call, decided. `output` is the model's answer when it is withheld."""
+
+    call: ToolCall
+    decision: Decision
+    entry: LedgerEntry
+    output: JsonDict | None
+
+    @property
+    def withheld(self) -> bool:
+        return self.output is not None
+
+
+class LedgerGuard:
+    """The ledger's rules for one request; `active` is false when no tool is guarded."""
+
+    def __init__(
+        self, request: web.Request, *, api: Api, thread_id: str | None, now: Callable[[], str]
+    ) -> None:
+        policy = request[TENANT_POLICY]
+        self.tenant = policy.tenant
+        self.rules = tool_rules(policy)
+        self.max_replays = policy.idempotency.max_replays
+        self.store = request.app[STORE]
+        self.metrics = request.app[METRICS]
+        self.api = api
+        self.thread_id = thread_id
+        self.now = now
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rules)
+
+    def guarded(self, tool_name: Any) -> bool:
+        return isinstance(tool_name, str) and tool_name in self.rules
+
+    async def record_outputs(self, messages_or_items: str | Sequence[Mapping[str, Any]]) -> None:
+        """The client's outputs complete their issued entries; a repeat changes nothing."""
+        if not self.active:
+            return
+        for call_id, output in outputs_in(messages_or_items, self.api):
+            entry = await self.store.ledger_by_call(self.tenant, call_id)
+            if entry is None or entry.status != "issued" or output is None:
+                continue
+            result = output if isinstance(output, str) else canonical_json(output)
+            await self.store.ledger_resolve(
+                self.tenant,
+                entry.scope,
+                entry.key,
+                status=output_outcome(output),
+                result=result,
+                now=self.now(),
+            )
+
+    async def restore_calls(self, known: Iterable[Item], new: Sequence[Item]) -> list[Item]:
+        """`new` with the ledger's call item put back before each output whose call the
+        thread never saw (a turn cut off after the call went out). Other orphans stay:
+        first_orphan turns them into the 400 of SPEC 6."""
+        seen = {call_id for item in (*known, *new) for call_id in item.call_ids}
+        restored: list[Item] = []
+        for item in new:
+            call_id = item.output_for
+            if item.kind == "tool_output" and call_id is not None and call_id not in seen:
+                entry = await self.store.ledger_by_call(self.tenant, call_id)
+                if entry is not None:
+                    restored.append(self._call_item(entry, call_id))
+                    seen.add(call_id)
+            restored.append(item)
+        return restored
+
+    def _call_item(self, entry: LedgerEntry, call_id: str) -> Item:
+        if self.api == "chat":
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": entry.tool, "arguments": entry.arguments},
+            }
+            return chat_item({"role": "assistant", "content": None, "tool_calls": [call]})
+        return responses_item(
+            {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": entry.tool,
+                "arguments": entry.arguments,
+            }
+        )
+
+    async def judge(self, calls: Sequence[ToolCall], response_id: str | None) -> list[Verdict]:
+        return [await self.judge_call(call, response_id) for call in calls]
+
+    async def judge_call(self, call: ToolCall, response_id: str | None) -> Verdict:
+        """Write ahead, then decide (ledger.decide's table); the entry is committed when
+        this returns, so the caller may hand the call out."""
+        rule = self.rules[call.name]
+        rendered = render_idempotency_key(rule, call)
+        if rendered.fallback:
+            log.warning(
+                "ledger_fallback_key",
+                tenant=self.tenant,
+                tool=call.name,
+                key=rendered.key,
+                reason=rendered.reason,
+            )
+        scope = ledger_scope(rule, self.thread_id)
+        now = self.now()
+        fresh = LedgerEntry(
+            tenant=self.tenant,
+            scope=scope,
+            key=rendered.key,
+            tool=call.name,
+            call_id=call.call_id,
+            thread_id=self.thread_id,
+            response_id=response_id,
+            status="issued",
+            arguments=call.arguments,
+            result=None,
+            attempts=1,
+            created_at=now,
+            updated_at=now,
+        )
+        for _ in range(REARM_ATTEMPTS):
+            entry, created = await self.store.ledger_issue(fresh)
+            decision = decide(entry.status, created, entry.call_id, call.call_id, rule)
+            if decision is not Decision.FAILED_BEFORE:
+                return self._verdict(call, decision, entry)
+            if await self.store.ledger_rearm(
+                self.tenant, scope, rendered.key, call_id=call.call_id, now=now
+            ):
+                rearmed = replace(
+                    entry, status="issued", call_id=call.call_id, result=None, updated_at=now
+                )
+                return self._verdict(call, Decision.HAND_OUT, rearmed)
+        # Re-arms kept losing to other replicas: never risk a second hand-out.
+        return self._verdict(call, Decision.UNKNOWN_OUTCOME, entry)
+
+    def _verdict(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> Verdict:
+        if decision is Decision.HAND_OUT:
+            return Verdict(call, decision, entry, None)
+        if decision is Decision.UNKNOWN_OUTCOME:
+            log.warning(
+                "ledger_unknown_outcome",
+                tenant=self.tenant,
+                tool=call.name,
+                key=entry.key,
+                scope=entry.scope,
+                earlier_call_id=entry.call_id,
+                issued_at=entry.created_at,
+                call_id=call.call_id,
+            )
+            self.metrics.ledger_unknown_outcome.labels(self.tenant, call.name).inc()
+        else:
+            log.info(
+                "ledger_duplicate_withheld",
+                tenant=self.tenant,
+                tool=call.name,
+                key=entry.key,
+                decision=decision.value,
+                call_id=call.call_id,
+            )
+        output = model_output(
+            call, decision, entry.result, entry.call_id, entry.created_at, entry.key
+        )
+        return Verdict(call, decision, entry, output)
+
+
+# -- answers: the shape of each API -----------------------------------------------------------
+
+
+def answer_calls(family: Family, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
+    if family == "chat":
+        return side_effect_calls(chat_message(answer), rules)
+    return side_effect_calls(list(answer.get("output") or ()), rules)
+
+
+def call_count(family: Family, answer: JsonDict) -> int:
+    """Every tool call of the answer, guarded or not."""
+    if family == "chat":
+        message = chat_message(answer)
+        return len(message.get("tool_calls") or ()) + bool(message.get("function_call"))
+    kinds = ("function_call", "custom_tool_call")
+    return sum(1 for item in answer.get("output") or () if item.get("type") in kinds)
+
+
+def chat_message(answer: JsonDict) -> JsonDict:
+    choices = answer.get("choices") or [{}]
+    message = choices[0].get("message")
+    return message if isinstance(message, dict) else {}
+
+
+def stripped(family: Family, answer: JsonDict, call_ids: set[str]) -> JsonDict:
+    """The answer without the withheld calls (the client never receives them)."""
+    if not call_ids:
+        return answer
+    if family == "responses":
+        output = [i for i in answer.get("output") or () if i.get("call_id") not in call_ids]
+        return {**answer, "output": output}
+    choice = dict((answer.get("choices") or [{}])[0])
+    message = dict(chat_message(answer))
+    calls = [c for c in message.get("tool_calls") or () if c.get("id") not in call_ids]
+    if calls:
+        message["tool_calls"] = calls
+    else:
+        message.pop("tool_calls", None)
+        if choice.get("finish_reason") == "tool_calls":
+            choice["finish_reason"] = "stop"
+    choice["message"] = message
+    return {**answer, "choices": [choice, *(answer.get("choices") or [])[1:]]}
+
+
+def answer_items(family: Family, answer: JsonDict) -> list[JsonDict]:
+    """What the answer adds to the context of a continued request."""
+    if family == "responses":
+        return [dict(item) for item in answer.get("output") or ()]
+    message = chat_message(answer)
+    kept = ("role", "content", "refusal", "tool_calls", "function_call")
+    reply = {k: message[k] for k in kept if message.get(k) is not None}
+    reply.setdefault("role", "assistant")
+    reply.setdefault("content", None)
+    return [reply]
+
+
+def continued_body(family: Family, sent: JsonDict, added: Sequence[JsonDict]) -> JsonDict:
+    """The next provider request of the turn: the sent context plus `added`, not streamed."""
+    body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
+    if family == "chat":
+        body["messages"] = [*sent.get("messages", ()), *added]
+        return body
+    given = sent.get("input")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    body["input"] = [*(given or ()), *added]
+    return body
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The turn's end: what the client gets, and (Responses) what the thread logs."""
+
+    answer: JsonDict
+    log: list[JsonDict]
+    withheld: tuple[Verdict, ...]
+    rounds: int  # continuation requests sent upstream
+
+
+async def settle(
+    guard: LedgerGuard,
+    family: Family,
+    sent: JsonDict,
+    answer: JsonDict,
+    ask: Ask,
+    *,
+    response_id: str | None,
+    verdicts: Sequence[Verdict] | None = None,
+) -> Settled:
+    """Decide the answer's calls; continue the turn upstream while all are withheld."""
+    first_id = answer.get("id")
+    log_items: list[JsonDict] = []
+    withheld_all: list[Verdict] = []
+    rounds = 0
+    while True:
+        if verdicts is None:
+            calls = answer_calls(family, answer, guard.rules)
+            verdicts = await guard.judge(calls, response_id or first_id)
+        withheld = [v for v in verdicts if v.withheld]
+        withheld_all.extend(withheld)
+        outputs = [v.output for v in withheld if v.output is not None]
+        log_items += [*answer_items(family, answer), *outputs]
+        ids = {v.call.call_id for v in withheld}
+        done = not withheld or len(withheld) < call_count(family, answer)
+        if done or rounds >= guard.max_replays or not _finished(family, answer):
+            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
+        sent = continued_body(family, sent, [*answer_items(family, answer), *outputs])
+        following = await ask(sent)
+        if following is None:
+            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
+        answer = {**following, "id": first_id}
+        verdicts = None
+        rounds += 1
+
+
+def _finished(family: Family, answer: JsonDict) -> bool:
+    if family == "responses":
+        return answer.get("status", "completed") == "completed"
+    return True
+
+
+# -- operator endpoints -----------------------------------------------------------------------
+
+
+def entry_json(entry: LedgerEntry) -> JsonDict:
+    return {
+        "object": "threadkeeper.ledger_entry",
+        "scope": entry.scope,
+        "key": entry.key,
+        "tool": entry.tool,
+        "call_id": entry.call_id,
+        "thread_id": entry.thread_id,
+        "response_id": entry.response_id,
+        "status": entry.status,
+        "arguments": entry.arguments,
+        "result": entry.result,
+        "attempts": entry.attempts,
+        "created_at": entry.created_at,
+        "updated_at": entry.updated_at,
+    }
+
+
+def status_param(value: Any, param: str) -> LedgerStatus:
+    for status in STATUSES:
+        if value == status:
+            return status
+    raise invalid(
+        f"Invalid value for '{param}': {value!r}. Supported values are: "
+        + ", ".join(f"'{s}'" for s in STATUSES)
+        + ".",
+        param=param,
+        code="invalid_value",
+    )
+
+
+def limit_param(value: str | None) -> int:
+    if value is None:
+        return 100
+    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST:
+        raise invalid(
+            f"Invalid 'limit': expected an integer from 1 to {MAX_LIST}.",
+            param="limit",
+            code="invalid_value",
+        )
+    return int(value)
+
+
+async def list_entries(request: web.Request) -> web.Response:
+    tenant = request[TENANT_POLICY].tenant
+    status_value = request.query.get("status")
+    status = None if status_value is None else status_param(status_value, "status")
+    limit = limit_param(request.query.get("limit"))
+    entries = await request.app[STORE].ledger_list(tenant, status=status, limit=limit)
+    return web.json_response({"object": "list", "data": [entry_json(e) for e in entries]})
+
+
+async def _entry_or_404(request: web.Request) -> LedgerEntry:
+    tenant = request[TENANT_POLICY].tenant
+    scope, key = request.match_info["scope"], request.match_info["key"]
+    entry = await request.app[STORE].ledger_get(tenant, scope, key)
+    if entry is None:
+        raise ApiError(404, f"No ledger entry with scope '{scope}' and key '{key}'.")
+    return entry
+
+
+async def get_entry(request: web.Request) -> web.Response:
+    return web.json_response(entry_json(await _entry_or_404(request)))
+
+
+async def resolve_entry(request: web.Request) -> web.Response:
+    """An operator settles an entry whose outcome the client never reported."""
+    body, _ = await read_json_object(request)
+    status = status_param(body.get("status"), "status")
+    if status == "issued":
+        raise invalid("'status' must be 'completed' or 'failed'.", "status", "invalid_value")
+    result = body.get("result")
+    if result is not None and not isinstance(result, str):
+        result = json.dumps(result, ensure_ascii=False)
+    entry = await _entry_or_404(request)
+    resolved = await request.app[STORE].ledger_resolve(
+        entry.tenant, entry.scope, entry.key, status=status, result=result, now=utc_now()
+    )
+    if not resolved:
+        raise ApiError(
+            409,
+            f"Ledger entry '{entry.key}' is '{entry.status}'; only an 'issued' entry can be "
+            "resolved.",
+            code="ledger_entry_not_issued",
+        )
+    log.warning("ledger_resolved_by_operator", tenant=entry.tenant, key=entry.key, status=status)
+    return web.json_response(entry_json(await _entry_or_404(request)))
+
+
+def add_routes(app: web.Application) -> None:
+    base = "/threadkeeper/v1/ledger"
+    app.router.add_get(base, list_entries, name="ledger.list")
+    app.router.add_post(base + "/{scope}/{key:.+}/resolve", resolve_entry, name="ledger.resolve")
+    app.router.add_get(base + "/{scope}/{key:.+}", get_entry, name="ledger.get")

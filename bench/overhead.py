@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,7 @@ def responses_body() -> dict[str, Any]:
 class Result:
     latencies: list[float]
     seconds: float
+    self_ms: list[float] = field(default_factory=list)
 
     @property
     def p50(self) -> float:
@@ -162,6 +163,8 @@ def main() -> None:
     stub.stdout.readline()
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "default.yaml").write_text(POLICY)
+        log_path = Path(tmp, "proxy.log")
+        log_file = log_path.open("w")
         proxy = subprocess.Popen(
             [
                 sys.executable,
@@ -177,12 +180,12 @@ def main() -> None:
                 "--store",
                 f"sqlite:///{tmp}/bench.db",
             ],
-            env={**env, "THREADKEEPER_LOG_LEVEL": "info"},
-            stdout=subprocess.DEVNULL,
+            env={**env, "THREADKEEPER_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"},
+            stdout=log_file,
         )
         try:
             wait_ready(f"http://127.0.0.1:{proxy_port}/healthz")
-            rows = asyncio.run(run_all(stub_port, proxy_port, args.seconds))
+            rows = asyncio.run(run_all(stub_port, proxy_port, args.seconds, ProxyLog(log_path)))
         finally:
             proxy.terminate()
             stub.terminate()
@@ -194,8 +197,31 @@ def main() -> None:
         write_section("Overhead", report)
 
 
+class ProxyLog:
+    """The proxy's own request log: latency_ms - upstream_ms is what the proxy itself cost,
+    measured inside the proxy process, free of the client's and the stub's noise."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def self_ms(self) -> list[float]:
+        with self.path.open() as handle:
+            handle.seek(self.offset)
+            text = handle.read()
+            self.offset = handle.tell()
+        costs = []
+        for line in text.splitlines():
+            if not line.startswith("{"):
+                continue
+            entry = json.loads(line)
+            if entry.get("event") == "request" and "upstream_ms" in entry:
+                costs.append(entry["latency_ms"] - entry["upstream_ms"])
+        return costs
+
+
 async def run_all(
-    stub_port: int, proxy_port: int, seconds: float
+    stub_port: int, proxy_port: int, seconds: float, proxy_log: ProxyLog
 ) -> list[tuple[str, int, Result, Result]]:
     direct = f"http://127.0.0.1:{stub_port}"
     proxied = f"http://127.0.0.1:{proxy_port}"
@@ -208,7 +234,10 @@ async def run_all(
         raw = json.dumps(body).encode()
         for concurrency in (1, 32):
             a = await drive(direct, path, raw, concurrency, seconds)
+            proxy_log.self_ms()  # skip what came before this cell
             b = await drive(proxied, path, raw, concurrency, seconds)
+            await asyncio.sleep(0.2)  # let the last log lines land
+            b.self_ms = proxy_log.self_ms()
             rows.append((name, concurrency, a, b))
     return rows
 
@@ -220,12 +249,16 @@ def render(rows: list[tuple[str, int, Result, Result]], seconds: float) -> str:
         f"`python bench/overhead.py --write` ({seconds:g} s per cell; stub, proxy and client are "
         "three processes on one 2-core machine, so absolute figures are noisy — read the ratios).",
         "",
-        "| scenario | conc. | direct p50 ms | proxy p50 ms | added p50 ms | direct p99 ms | proxy p99 ms | direct req/s | proxy req/s | p50 ratio | req/s ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        '"self p50" is the proxy\'s own time per request from its log line (latency minus the',
+        "wait for the provider), measured inside the proxy process.",
+        "",
+        "| scenario | conc. | direct p50 ms | proxy p50 ms | added p50 ms | proxy self p50 ms | direct p99 ms | proxy p99 ms | direct req/s | proxy req/s | p50 ratio | req/s ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, concurrency, a, b in rows:
         lines.append(
             f"| {name} | {concurrency} | {a.p50:.2f} | {b.p50:.2f} | {b.p50 - a.p50:.2f} | "
+            f"{statistics.median(b.self_ms) if b.self_ms else float('nan'):.2f} | "
             f"{a.p99:.2f} | {b.p99:.2f} | {a.rps:.0f} | {b.rps:.0f} | {b.p50 / a.p50:.2f} | "
             f"{b.rps / a.rps:.2f} |"
         )

@@ -73,6 +73,9 @@ MAX_REGISTERED_SECRETS = 1024
 # The combined pattern is rebuilt at most this often; newer secrets are matched one by one
 # until then, so a stream of new tokens cannot make every log line recompile it.
 RECOMPILE_SECONDS = 1.0
+# Texts up to this long are remembered after redaction, at most this many at a time.
+SEEN_MAX_LENGTH = 200
+SEEN_MAX_ENTRIES = 4096
 
 
 class Redactor:
@@ -85,6 +88,9 @@ class Redactor:
         self._compiled_at = -math.inf
         self._pending: tuple[str, ...] = ()  # registered since the last compile, longest first
         self._lock = threading.Lock()
+        # Redacted forms of texts seen recently: field names, routes, models and tenants
+        # repeat on every log line. Cleared whenever the set of secrets changes.
+        self._seen: dict[str, str] = {}
 
     def register(self, value: str) -> None:
         """Never log `value` (a provider key read from env, a proxy key seen on a request)."""
@@ -95,6 +101,7 @@ class Redactor:
         with self._lock:
             self._secrets.add(value)
             self._pending = _longest_first(self._secrets - self._compiled_secrets)
+            self._seen = {}
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
         return {key: self.value(key, value) for key, value in event_dict.items()}
@@ -116,6 +123,18 @@ class Redactor:
         return self.text(str(value))
 
     def text(self, text: str) -> str:
+        seen = self._seen
+        cached = seen.get(text)
+        if cached is not None:
+            return cached
+        redacted = self._redact(text)
+        if len(text) <= SEEN_MAX_LENGTH:
+            if len(seen) >= SEEN_MAX_ENTRIES:
+                seen.clear()
+            seen[text] = redacted
+        return redacted
+
+    def _redact(self, text: str) -> str:
         compiled, pending = self._registered()
         if compiled is not None:
             text = compiled.sub(REDACTED, text)

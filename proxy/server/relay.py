@@ -154,11 +154,18 @@ async def send_upstream(
         raise ApiError(
             exc.status, exc.message, type="server_error", code="upstream_unavailable"
         ) from None
+    elapsed = time.perf_counter() - started
     metrics = request.app[METRICS]
-    metrics.upstream_latency.labels(route).observe(time.perf_counter() - started)
+    metrics.upstream_latency.labels(route).observe(elapsed)
     if response.retries:
         metrics.upstream_retries.labels(route).inc(response.retries)
-    request[LOG_FIELDS].update(upstream_status=response.status, retries=response.retries)
+    # Time to the provider's headers (its whole answer when not streamed): the request's
+    # latency_ms minus this is what the proxy itself cost.
+    request[LOG_FIELDS].update(
+        upstream_status=response.status,
+        retries=response.retries,
+        upstream_ms=round(elapsed * 1000, 3),
+    )
     return response
 
 

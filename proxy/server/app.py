@@ -2,7 +2,7 @@
 
 Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
 error envelope -> tenant auth -> Idempotency-Key (replay or record). Resources (upstream
-pool, policy watcher, idempotency purge) open and close in cleanup_ctx.
+pool, policy watcher, idempotency purge, owner heartbeat) open and close in cleanup_ctx.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from proxy.server import (
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
+from proxy.server.recovery import keep_alive
 from proxy.server.state import (
     ENV,
     LOG_FIELDS,
@@ -134,13 +135,10 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
 
         store = given or await open_store(app[SETTINGS].store_url)
         await store.migrate()
-        if given is None:
-            # A response left in_progress by a dead process will never complete (SPEC 7).
-            abandoned = await store.abandon_in_progress()
-            if abandoned:
-                log.warning("abandoned_responses_marked_incomplete", count=abandoned)
         app[STORE] = store
-        yield
+        # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).
+        async with keep_alive(store, app[OWNER]):
+            yield
         if given is None:
             await store.close()
 

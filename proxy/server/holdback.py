@@ -24,7 +24,14 @@ from aiohttp import web
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.errors import ApiError
 from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
-from proxy.server.relay import relay_headers, send_upstream, stream_error_event, stream_response
+from proxy.server.relay import (
+    is_event_stream,
+    read_body,
+    relay_headers,
+    send_upstream,
+    stream_error_event,
+    stream_response,
+)
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.sse import (
@@ -120,15 +127,9 @@ async def relay_guarded(
     upstream: UpstreamResponse, guarded: Guarded, *, extra_headers: Mapping[str, str]
 ) -> web.StreamResponse:
     headers = relay_headers(upstream, extra_headers)
-    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-    if "text/event-stream" in content_type:
+    if is_event_stream(upstream):
         return await _relay_stream(upstream, guarded, headers)
-    try:
-        body = await upstream.aread()
-    except UpstreamUnavailable as exc:
-        raise ApiError(
-            exc.status, exc.message, type="server_error", code="upstream_unavailable"
-        ) from None
+    body = await read_body(upstream)
     answer = _json_or_none(body)
     if upstream.status >= 400 or not isinstance(answer, dict):
         return web.Response(status=upstream.status, body=body, headers=headers)

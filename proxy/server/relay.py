@@ -151,9 +151,7 @@ async def send_upstream(
         response = await request.app[UPSTREAM].send(up_request, settings)
     except UpstreamUnavailable as exc:
         request[LOG_FIELDS]["upstream_error"] = exc.message
-        raise ApiError(
-            exc.status, exc.message, type="server_error", code="upstream_unavailable"
-        ) from None
+        raise upstream_error(exc) from None
     elapsed = time.perf_counter() - started
     metrics = request.app[METRICS]
     metrics.upstream_latency.labels(route).observe(elapsed)
@@ -169,6 +167,24 @@ async def send_upstream(
     return response
 
 
+def is_event_stream(upstream: UpstreamResponse) -> bool:
+    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
+    return "text/event-stream" in content_type
+
+
+async def read_body(upstream: UpstreamResponse) -> bytes:
+    """The provider's whole (non-stream) body; a connection lost while reading it is
+    OpenAI's server_error, not a 500."""
+    try:
+        return await upstream.aread()
+    except UpstreamUnavailable as exc:
+        raise upstream_error(exc) from None
+
+
+def upstream_error(exc: UpstreamUnavailable) -> ApiError:
+    return ApiError(exc.status, exc.message, type="server_error", code="upstream_unavailable")
+
+
 async def relay_response(
     request: web.Request,
     upstream: UpstreamResponse,
@@ -177,14 +193,8 @@ async def relay_response(
     extra_headers: Mapping[str, str],
 ) -> web.StreamResponse:
     headers = relay_headers(upstream, extra_headers)
-    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-    if "text/event-stream" not in content_type:
-        try:
-            body = await upstream.aread()
-        except UpstreamUnavailable as exc:
-            raise ApiError(
-                exc.status, exc.message, type="server_error", code="upstream_unavailable"
-            ) from None
+    if not is_event_stream(upstream):
+        body = await read_body(upstream)
         if family is not None and upstream.status < 400:
             _log_usage(request, family, _json_or_none(body))
         return web.Response(status=upstream.status, body=body, headers=headers)
@@ -248,15 +258,9 @@ async def relay_kept(
     and the answer is kept before the client sees its end. Streams are relayed event by
     event as they arrive."""
     headers = relay_headers(upstream, extra_headers)
-    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-    if "text/event-stream" in content_type:
+    if is_event_stream(upstream):
         return await _relay_kept_stream(request, upstream, family, headers, keeper)
-    try:
-        body = await upstream.aread()
-    except UpstreamUnavailable as exc:
-        raise ApiError(
-            exc.status, exc.message, type="server_error", code="upstream_unavailable"
-        ) from None
+    body = await read_body(upstream)
     payload = _json_or_none(body)
     if upstream.status < 400 and isinstance(payload, dict):
         _log_usage(request, family, payload)

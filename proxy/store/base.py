@@ -136,6 +136,17 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """A process instance's last sign of life (replica-safe recovery, SPEC 7 and 8)."""
+
+    owner: str  # the process instance, as in StoredResponse.owner
+    host: str  # machine and pid namespace it runs in ("" when unknown): where `pid` means it
+    pid: int
+    started_at: str
+    heartbeat_at: str
+
+
+@dataclass(frozen=True)
 class IdempotencyRecord:
     tenant: str
     key: str
@@ -269,8 +280,32 @@ class Store(Protocol):
     async def delete_response(self, tenant: str, response_id: str) -> bool: ...
 
     async def abandon_in_progress(self, owner: str | None = None) -> int:
-        """At start-up: responses left `in_progress` (by a dead process, or by `owner`)
-        become `incomplete`. Returns how many."""
+        """Responses left `in_progress` by `owner` (or by anyone, when None) become
+        `incomplete`. Returns how many. With several replicas on one database only
+        `abandon_dead` is safe: None also hits the streams of live replicas."""
+
+    # process owners (replica-safe recovery, SPEC sections 7 and 8) -----------------------
+    async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
+        """Record that process instance `owner` is alive at `now` (upsert; `host` and
+        `pid` are kept from the first beat and let a process on the same host tell at
+        once whether `owner` is dead)."""
+
+    async def heartbeats(self) -> tuple[Heartbeat, ...]:
+        """The last heartbeat of every owner not yet retired or swept."""
+
+    async def abandon_dead(self, stale_before: str, *, except_owner: str) -> int:
+        """Responses `in_progress` whose owner has no heartbeat at or after `stale_before`
+        (a dead process: they can never complete) become `incomplete`, in every tenant;
+        the stale owner rows go too. `except_owner` (the caller) is never touched.
+        Returns how many responses. Example, every replica every few seconds::
+
+            await store.heartbeat(me, now)
+            await store.abandon_dead(now_minus_30s, except_owner=me)
+        """
+
+    async def retire(self, owner: str) -> int:
+        """Clean shutdown: `owner`'s leftover `in_progress` responses become `incomplete`
+        and its owner row is deleted, in one transaction. Returns how many responses."""
 
     # side-effect ledger (issue: idempotency) -----------------------------------------------
     async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.store.base import (
+    Heartbeat,
     IdempotencyRecord,
     JsonDict,
     LedgerEntry,
@@ -152,9 +153,30 @@ WHERE tenant = $1 AND id = $2
 
 DELETE_RESPONSE = "DELETE FROM responses WHERE tenant = $1 AND id = $2"
 
-# Start-up recovery runs across tenants: it is the process, not a tenant, that died.
+# Recovery runs across tenants: it is the process, not a tenant, that died.
 ABANDON_ALL = "UPDATE responses SET status = 'incomplete' WHERE status = 'in_progress'"
 ABANDON_OWNED = ABANDON_ALL + " AND owner = $1"
+
+# owners (SPEC section 8): a response is orphaned only when its owner stopped heartbeating.
+HEARTBEAT_COLUMNS = "owner, host, pid, started_at, heartbeat_at"
+
+HEARTBEAT = f"""
+INSERT INTO owners ({HEARTBEAT_COLUMNS}) VALUES ($1, $2, $3, $4, $4)
+ON CONFLICT (owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
+"""
+
+SELECT_HEARTBEATS = f"SELECT {HEARTBEAT_COLUMNS} FROM owners ORDER BY started_at, owner"
+
+ABANDON_DEAD = (
+    ABANDON_ALL
+    + """ AND owner <> $2 AND NOT EXISTS (
+    SELECT 1 FROM owners WHERE owners.owner = responses.owner AND owners.heartbeat_at >= $1
+)"""
+)
+
+DELETE_STALE_OWNERS = "DELETE FROM owners WHERE heartbeat_at < $1 AND owner <> $2"
+
+DELETE_OWNER = "DELETE FROM owners WHERE owner = $1"
 
 # ledger --------------------------------------------------------------------------------
 
@@ -277,6 +299,10 @@ def response_from_row(row: Row) -> StoredResponse:
 
 def ledger_from_row(row: Row) -> LedgerEntry:
     return LedgerEntry(**{name: row[name] for name in LEDGER_COLUMNS.split(", ")})
+
+
+def heartbeat_from_row(row: Row) -> Heartbeat:
+    return Heartbeat(**{name: row[name] for name in HEARTBEAT_COLUMNS.split(", ")})
 
 
 def idempotency_from_row(row: Row) -> IdempotencyRecord:

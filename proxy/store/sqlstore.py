@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 from proxy.store import sql
 from proxy.store.base import (
     AlreadyExists,
+    Heartbeat,
     IdempotencyRecord,
     ItemPage,
     JsonDict,
@@ -258,6 +259,27 @@ class SqlStore:
             if owner is None:
                 return await conn.execute(sql.ABANDON_ALL)
             return await conn.execute(sql.ABANDON_OWNED, owner)
+
+    async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
+        async with self.db.write() as conn:
+            await conn.execute(sql.HEARTBEAT, owner, host, pid, now)
+
+    async def heartbeats(self) -> tuple[Heartbeat, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.SELECT_HEARTBEATS)
+        return tuple(map(sql.heartbeat_from_row, rows))
+
+    async def abandon_dead(self, stale_before: str, *, except_owner: str) -> int:
+        async with self.db.write() as conn:
+            abandoned = await conn.execute(sql.ABANDON_DEAD, stale_before, except_owner)
+            await conn.execute(sql.DELETE_STALE_OWNERS, stale_before, except_owner)
+        return abandoned
+
+    async def retire(self, owner: str) -> int:
+        async with self.db.write() as conn:
+            abandoned = await conn.execute(sql.ABANDON_OWNED, owner)
+            await conn.execute(sql.DELETE_OWNER, owner)
+        return abandoned
 
     # side-effect ledger ---------------------------------------------------------------
     async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:

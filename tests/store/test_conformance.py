@@ -11,6 +11,7 @@ import pytest
 
 from proxy.store.base import (
     AlreadyExists,
+    Heartbeat,
     IdempotencyRecord,
     LedgerEntry,
     NewItem,
@@ -19,6 +20,9 @@ from proxy.store.base import (
     StoredResponse,
     VersionConflict,
 )
+from proxy.store.migrate import CREATE_SCHEMA_VERSION, RECORD_VERSION, load_migrations, migrate
+from proxy.store.sqlstore import SqlStore
+from tests.store.conftest import Backend
 
 T0 = "2025-01-01T00:00:00.000000+00:00"
 T1 = "2025-01-01T00:00:01.000000+00:00"
@@ -433,6 +437,94 @@ async def test_abandon_in_progress(store: Store) -> None:
     assert await status_of(store, "other", "r3") == "incomplete"
     assert await status_of(store, "acme", "r4") == "completed"
     assert await store.abandon_in_progress() == 0
+
+
+async def test_abandon_dead_spares_live_owners(store: Store) -> None:
+    await store.heartbeat("live", T2)
+    await store.heartbeat("stale", T0)
+    await store.begin_response(response("r_live", owner="live"))
+    await store.begin_response(response("r_stale", owner="stale"))
+    await store.begin_response(response("r_unknown", owner="never_beat", tenant="other"))
+
+    assert await store.abandon_dead(T1, except_owner="me") == 2
+    assert await status_of(store, "acme", "r_live") == "in_progress"
+    assert await status_of(store, "acme", "r_stale") == "incomplete"
+    assert await status_of(store, "other", "r_unknown") == "incomplete"
+    assert await store.abandon_dead(T1, except_owner="me") == 0
+
+
+async def test_abandon_dead_never_touches_the_caller(store: Store) -> None:
+    await store.heartbeat("me", T0)
+    await store.begin_response(response("r_mine", owner="me"))
+    await store.begin_response(response("r_silent", owner="silent"))
+
+    assert await store.abandon_dead(T3, except_owner="me") == 1
+    assert await status_of(store, "acme", "r_mine") == "in_progress"
+    assert await status_of(store, "acme", "r_silent") == "incomplete"
+
+
+async def test_a_heartbeat_at_the_cutoff_is_alive_and_later_beats_refresh(store: Store) -> None:
+    await store.heartbeat("p1", T0)
+    await store.heartbeat("p1", T2)  # the upsert moves the heartbeat forward
+    await store.begin_response(response("r1", owner="p1"))
+    assert await store.abandon_dead(T2, except_owner="me") == 0
+    assert await store.abandon_dead(T3, except_owner="me") == 1
+
+
+async def test_heartbeats_keep_host_and_pid_and_move_the_time(store: Store) -> None:
+    await store.heartbeat("p1", T0, host="h1", pid=41)
+    await store.heartbeat("p2", T1)
+    await store.heartbeat("p1", T2, host="h9", pid=99)  # identity is fixed at the first beat
+    assert await store.heartbeats() == (
+        Heartbeat(owner="p1", host="h1", pid=41, started_at=T0, heartbeat_at=T2),
+        Heartbeat(owner="p2", host="", pid=0, started_at=T1, heartbeat_at=T1),
+    )
+    await store.retire("p2")
+    assert [beat.owner for beat in await store.heartbeats()] == ["p1"]
+
+
+async def test_abandon_dead_removes_stale_owners_who_may_beat_again(store: Store) -> None:
+    await store.heartbeat("p1", T0)
+    await store.heartbeat("me", T0)
+    await store.abandon_dead(T1, except_owner="me")
+    assert [beat.owner for beat in await store.heartbeats()] == ["me"]
+    await store.heartbeat("p1", T2)  # a paused replica resumes: its row comes back
+    await store.begin_response(response("r1", owner="p1"))
+    assert await store.abandon_dead(T1, except_owner="me") == 0
+    assert await status_of(store, "acme", "r1") == "in_progress"
+
+
+async def test_retire_ends_own_responses_and_forgets_the_owner(store: Store) -> None:
+    await store.heartbeat("p1", T3)
+    await store.heartbeat("p2", T3)
+    await store.begin_response(response("r1", owner="p1"))
+    await store.begin_response(response("r2", owner="p2"))
+
+    assert await store.retire("p1") == 1
+    assert await status_of(store, "acme", "r1") == "incomplete"
+    assert await status_of(store, "acme", "r2") == "in_progress"
+    await store.begin_response(response("r3", owner="p1"))  # p1 has no heartbeat row now
+    assert await store.abandon_dead(T0, except_owner="me") == 1
+    assert await status_of(store, "acme", "r3") == "incomplete"
+    assert await status_of(store, "acme", "r2") == "in_progress"
+
+
+async def test_owners_migration_applies_on_a_database_at_version_1(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    first, *later = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 002
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for statement in first.statements:
+            await conn.execute(statement)
+        await conn.execute(RECORD_VERSION, first.version, first.name, T0)
+    await store.begin_response(response("r_old", owner="proc_before_upgrade"))
+
+    assert await migrate(store.db) == [migration.version for migration in later]
+    assert await migrate(store.db) == []
+    assert await status_of(store, "acme", "r_old") == "in_progress"
+    assert await store.abandon_dead(T0, except_owner="me") == 1
+    assert await status_of(store, "acme", "r_old") == "incomplete"
 
 
 # forks -------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ async def test_concurrent_migrations_both_succeed(backend: Backend) -> None:
     first, second = await backend.open(), await backend.open()
     await asyncio.gather(first.migrate(), second.migrate())
     assert isinstance(first, SqlStore)
-    assert await schema_versions(first.db) == [latest(first.db.dialect)]
+    assert await schema_versions(first.db) == [m.version for m in load_migrations(first.db.dialect)]
     await second.create_thread("acme", "t1", kind="chat", now="2025-01-01T00:00:00+00:00")
     assert await first.get_thread("acme", "t1") is not None
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
+from proxy.clock import utc_now
 from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
@@ -117,10 +117,6 @@ def _tools(body: JsonDict) -> list[dict[str, Any]]:
     return tools
 
 
-def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_chat(body)
@@ -132,7 +128,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if projection.changed:
         body["messages"] = chat_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    guard = LedgerGuard(request, api="chat", thread_id=None, now=now_iso)
+    guard = LedgerGuard(request, api="chat", thread_id=None, now=utc_now)
     await guard.record_outputs(body["messages"])
     return await _forward(request, body, raw, projection, keeper=None, guard=guard)
 
@@ -163,7 +159,7 @@ async def _rebuild(
         history,
         tools=_tools(body),
         requested_output=body.get("max_completion_tokens") or body.get("max_tokens"),
-        now=now_iso(),
+        now=utc_now(),
         param="messages",
         metrics=request.app[METRICS] if observe else None,
         route="chat.completions",
@@ -204,7 +200,7 @@ async def _forward(
 async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web.StreamResponse:
     tenant = request[TENANT_POLICY].tenant
     request[LOG_FIELDS]["thread_id"] = thread_id
-    threads = ThreadService(request.app[STORE], now_iso)
+    threads = ThreadService(request.app[STORE], utc_now)
     loaded = await threads.load_or_new(tenant, thread_id, "chat")
     if loaded.kind != "chat":
         raise invalid(
@@ -214,7 +210,7 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
             code="invalid_value",
         )
     new = items_from_chat(new_chat_messages(loaded, body["messages"]))
-    guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=now_iso)
+    guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(loaded.items, new)
     orphan = first_orphan(loaded.items, new)

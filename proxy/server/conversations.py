@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from proxy.clock import utc_now
 from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
-from proxy.server.chat import now_iso
 from proxy.server.errors import ApiError, invalid
 from proxy.server.responses import validate_input_item
 from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
@@ -82,7 +82,7 @@ async def create_conversation(request: web.Request) -> web.Response:
         kind="conversation",
         metadata=metadata,
         items=new_items(raws),
-        now=now_iso(),
+        now=utc_now(),
     )
     return web.json_response(conversation_object(thread))
 
@@ -140,7 +140,7 @@ async def create_items(request: web.Request) -> web.Response:
     check_ids_unique(raws, existing=await taken_ids(request, thread, raws))
     items = new_items(raws)
     try:
-        await store.append_items(thread.tenant, thread.id, items, now=now_iso())
+        await store.append_items(thread.tenant, thread.id, items, now=utc_now())
     except NotFound:
         raise conversation_not_found(thread.id) from None
     except AlreadyExists:
@@ -186,7 +186,7 @@ async def fork_conversation(request: web.Request) -> web.Response:
     request[LOG_FIELDS]["conversation_id"] = fork_id
     try:
         fork = await store.fork_thread(
-            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=now_iso()
+            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=utc_now()
         )
     except NotFound:
         raise conversation_not_found(thread.id) from None

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import UTC, datetime
 
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.clock import utc_now
 from proxy.core.idempotency import (
     Verdict,
     expires_at,
@@ -218,11 +218,6 @@ def key_in_progress(key: str) -> ApiError:
         code="idempotency_key_in_progress",
         headers={"Retry-After": "1"},
     )
-
-
-def utc_now() -> str:
-    """Fixed-width UTC time: the store orders these strings to find expired records."""
-    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 async def purge_expired(store: Store) -> int:

@@ -42,12 +42,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import structlog
 from aiohttp import web
 
+from proxy.clock import utc_now
 from proxy.core.items import Api, Item, canonical_json, chat_item, responses_item
 from proxy.core.ledger import (
     Decision,
@@ -74,10 +74,6 @@ Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
 STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
 MAX_LIST = 1000
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def tool_rules(policy: Policy) -> dict[str, ToolRule]:

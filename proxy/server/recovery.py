@@ -33,6 +33,7 @@ from pathlib import Path
 
 import structlog
 
+from proxy.clock import utc_iso
 from proxy.store.base import Heartbeat, Store
 
 log = structlog.get_logger("threadkeeper.recovery")
@@ -40,12 +41,6 @@ log = structlog.get_logger("threadkeeper.recovery")
 HEARTBEAT_EVERY = timedelta(seconds=5)
 SWEEP_EVERY = timedelta(seconds=15)
 STALE_AFTER = timedelta(seconds=30)
-
-
-def utc_iso(moment: datetime) -> str:
-    """Fixed-width UTC ISO-8601 (microseconds always printed): string order is time order,
-    which the store's comparisons rely on."""
-    return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
 @cache

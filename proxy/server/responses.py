@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.clock import utc_now
 from proxy.core.items import (
     Item,
     ResponsesInput,
@@ -36,7 +37,6 @@ from proxy.core.items import (
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.ids import new_id
-from proxy.server.chat import now_iso
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
@@ -152,7 +152,7 @@ async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.St
     if projection.changed:
         body["input"] = responses_input_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    guard = LedgerGuard(request, api="responses", thread_id=None, now=now_iso)
+    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
     await guard.record_outputs(body.get("input") or [])
     upstream = await send_upstream(
         request,
@@ -186,7 +186,7 @@ async def _rebuild(
         tools=list(body.get("tools") or []),
         requested_output=body.get("max_output_tokens"),
         instructions=body.get("instructions"),
-        now=now_iso(),
+        now=utc_now(),
         param="input",
         metrics=request.app[METRICS] if observe else None,
         route="responses",
@@ -262,10 +262,10 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
 
 
 async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
-    threads = ThreadService(request.app[STORE], now_iso)
+    threads = ThreadService(request.app[STORE], utc_now)
     chain = await resolve_chain(request, threads, body)
     new: Sequence[Item] = _input(body).items
-    guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=now_iso)
+    guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(chain.loaded.items, new)
     orphan = first_orphan(chain.loaded.items, new)
@@ -341,7 +341,7 @@ class ResponseTurn:
                 status="in_progress",
                 request={k: v for k, v in self.body.items() if k != "input"},
                 response=None,
-                created_at=now_iso(),
+                created_at=utc_now(),
                 owner=self.request.app[OWNER],
             )
         )
@@ -415,7 +415,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     validate_responses(body)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
-        threads = ThreadService(request.app[STORE], now_iso)
+        threads = ThreadService(request.app[STORE], utc_now)
         chain = await resolve_chain(request, threads, body)
         projection, _ = await _rebuild(request, body, _input(body).items, chain.loaded)
         count = projection.report.prompt_tokens

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from importlib import resources
 from typing import TYPE_CHECKING
+
+from proxy.clock import utc_now
 
 if TYPE_CHECKING:
     from proxy.store.sqlstore import Database
@@ -88,14 +89,10 @@ async def migrate(db: Database) -> list[int]:
         for migration in todo:
             for statement in migration.statements:
                 await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, _utc_now())
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, utc_now())
     return [migration.version for migration in todo]
 
 
 async def schema_versions(db: Database) -> list[int]:
     async with db.read() as conn:
         return [row["version"] for row in await conn.fetch(SELECT_VERSIONS)]
-
-
-def _utc_now() -> str:
-    return datetime.now(UTC).isoformat()

@@ -18,6 +18,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from proxy.clock import utc_iso
 from proxy.server import recovery
 from proxy.server.app import create_app, start
 from proxy.server.state import OWNER, STORE
@@ -97,7 +98,7 @@ def in_progress(response_id: str, owner: str) -> StoredResponse:
         status="in_progress",
         request={"model": "gpt-4o", "stream": True},
         response=None,
-        created_at=recovery.utc_iso(datetime.now(UTC)),
+        created_at=utc_iso(datetime.now(UTC)),
         owner=owner,
     )
 
@@ -127,7 +128,7 @@ async def test_a_starting_replica_spares_a_live_replica_and_sweeps_it_once_silen
     assert await status_of(store, "resp_of_dead") == "incomplete"
 
     now = datetime.now(UTC)
-    await store.heartbeat(a[OWNER], recovery.utc_iso(now - 2 * recovery.STALE_AFTER))
+    await store.heartbeat(a[OWNER], utc_iso(now - 2 * recovery.STALE_AFTER))
     assert await recovery.sweep(store, b[OWNER], now=now) == 1
     assert await status_of(store, "resp_streaming") == "incomplete"
 
@@ -137,7 +138,7 @@ async def test_a_restart_on_the_same_host_ends_a_killed_process_at_once(
 ) -> None:
     """No waiting for staleness: the killed process's pid is gone from this host."""
     a = await replicas.start()
-    now = recovery.utc_iso(datetime.now(UTC))
+    now = utc_iso(datetime.now(UTC))
     await a[STORE].heartbeat("proc_killed", now, host=recovery.this_host(), pid=dead_pid())
     await a[STORE].begin_response(in_progress("resp_killed", "proc_killed"))
     await a[STORE].begin_response(in_progress("resp_a", a[OWNER]))
@@ -154,7 +155,7 @@ async def test_a_sweep_spares_its_own_and_fresh_responses(replicas: Replicas) ->
 
     now = datetime.now(UTC)
     await recovery.heartbeat(a[STORE], a[OWNER], now=now)
-    await b[STORE].heartbeat(b[OWNER], recovery.utc_iso(now - 2 * recovery.STALE_AFTER))
+    await b[STORE].heartbeat(b[OWNER], utc_iso(now - 2 * recovery.STALE_AFTER))
     assert await recovery.sweep(b[STORE], b[OWNER], now=now) == 0
     assert await status_of(b[STORE], "resp_a") == "in_progress"
     assert await status_of(b[STORE], "resp_b") == "in_progress"

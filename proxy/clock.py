@@ -17,3 +17,10 @@ def utc_iso(moment: datetime) -> str:
 
 def utc_now() -> str:
     return utc_iso(datetime.now(UTC))
+
+
+def utc_hour() -> str:
+    """The current hour, e.g. "2026-11-29T22:00Z": the time written into compressed tool
+    results. Coarse on purpose: a result compressed again on the next turn comes out
+    byte-identical, so the prompt prefix (and the provider's prompt cache) holds."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:00Z")

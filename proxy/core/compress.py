@@ -100,6 +100,12 @@ JSON_LIMITS = (
 )
 
 
+# Compressed forms already computed: deterministic in these inputs, and a stateless client
+# resends the same old tool results every turn. Bounded; cleared when full.
+_compressed: dict[tuple[str, str, str, int, str, str], Item] = {}
+COMPRESSED_CACHE_MAX = 8192
+
+
 def compress_tool_output(
     item: Item, call: Item | None, max_tokens: int, counter: TokenCounter, now: str
 ) -> Item:
@@ -108,6 +114,26 @@ def compress_tool_output(
     Only when max_tokens is below the size of the bare source marker is the result
     larger; the caller compares sizes before using it.
     """
+    key = (
+        item.api,
+        item.digest,
+        call.digest if call is not None else "",
+        max_tokens,
+        counter.encoding.name,
+        now,
+    )
+    cached = _compressed.get(key)
+    if cached is None:
+        cached = _compress(item, call, max_tokens, counter, now)
+        if len(_compressed) >= COMPRESSED_CACHE_MAX:
+            _compressed.clear()
+        _compressed[key] = cached
+    return cached
+
+
+def _compress(
+    item: Item, call: Item | None, max_tokens: int, counter: TokenCounter, now: str
+) -> Item:
     text = output_text(item)
     source = {
         "tool": tool_name(item, call),

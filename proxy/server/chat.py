@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.clock import utc_now
+from proxy.clock import utc_hour, utc_now
 from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
@@ -159,7 +159,7 @@ async def _rebuild(
         history,
         tools=_tools(body),
         requested_output=body.get("max_completion_tokens") or body.get("max_tokens"),
-        now=utc_now(),
+        now=utc_hour(),
         param="messages",
         metrics=request.app[METRICS] if observe else None,
         route="chat.completions",

@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.clock import utc_now
+from proxy.clock import utc_hour, utc_now
 from proxy.core.items import (
     Item,
     ResponsesInput,
@@ -186,7 +186,7 @@ async def _rebuild(
         tools=list(body.get("tools") or []),
         requested_output=body.get("max_output_tokens"),
         instructions=body.get("instructions"),
-        now=utc_now(),
+        now=utc_hour(),
         param="input",
         metrics=request.app[METRICS] if observe else None,
         route="responses",

@@ -77,11 +77,12 @@ def test_output_before_its_call_is_a_violation() -> None:
         check_invariants(HISTORY, [SYSTEM, U1, out("c1"), call("c1"), U2], PINNED, CURRENT)
 
 
-def test_unserializable_item_is_a_violation() -> None:
-    bad = chat_item({"role": "user", "content": "x"})
-    object.__setattr__(bad, "raw", {"role": "user", "content": math.nan})
+def test_unserializable_item_made_by_the_projection_is_a_violation() -> None:
+    middle = chat_item({"role": "assistant", "content": "long answer"})
+    bad = chat_item({"role": "assistant", "content": "short"})  # e.g. a compressed form
+    object.__setattr__(bad, "raw", {"role": "assistant", "content": math.nan})
     with pytest.raises(InvariantViolation, match="serialize"):
-        check_invariants([U1, bad], [U1, bad], [], [1])
+        check_invariants([U1, middle, U2], [U1, bad, U2], [], [2])
 
 
 def test_mixed_api_shapes_are_a_violation() -> None:

@@ -204,3 +204,15 @@ async def test_bad_policy_edit_keeps_last_good_policy(make_proxy) -> None:
     )
     assert completion.choices[0].message.content
     assert proxy.provider.requests[-1].headers["Authorization"] == f"Bearer {PROVIDER_KEY}"
+
+
+async def test_stateless_rebuild_is_byte_stable_across_turns(proxy) -> None:
+    # A stateless client resends its history: the compressed forms must come out the same,
+    # or every turn would change the prompt prefix and defeat the provider's cache.
+    client = proxy.client()
+    messages = tool_history(30)
+    await client.chat.completions.create(model="gpt-4o", messages=messages)
+    first = proxy.provider.requests[-1].raw
+    await client.chat.completions.create(model="gpt-4o", messages=messages)
+    assert proxy.provider.requests[-1].raw == first
+    assert b"threadkeeper" in first  # it was rebuilt, not passed through

@@ -262,6 +262,17 @@ def render(rows: list[tuple[str, int, Result, Result]], seconds: float) -> str:
             f"{a.p99:.2f} | {b.p99:.2f} | {a.rps:.0f} | {b.rps:.0f} | {b.p50 / a.p50:.2f} | "
             f"{b.rps / a.rps:.2f} |"
         )
+    lines += [
+        "",
+        "Reading it: the issue's target was an added p50 under 1 ms for the passthrough at",
+        'concurrency 1; it is not met. The proxy\'s own work per request ("self") is under',
+        "about 2 ms for the passthrough; the rest of the added time is the extra hop. Measured",
+        "alone on this VM (2026-11-29): a bare keep-alive HTTP round trip between two local",
+        "processes costs about 1.3 ms (`GET /healthz`), and one `Upstream.send` to the stub",
+        "(async httpx, pooled) 2.0 ms, 2.6 ms streamed, against 1.3 ms for a sync client. The",
+        "trimmed Responses case pays for a projection of 200 items on every request (the",
+        "client is stateless, so nothing is remembered between its requests).",
+    ]
     return "\n".join(lines) + "\n"
 
 

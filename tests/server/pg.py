@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -33,9 +34,9 @@ def with_schema(dsn: str, schema: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-@pytest.fixture
-async def pg_store_url() -> AsyncIterator[str]:
-    """A store URL on a fresh PostgreSQL schema, dropped after the test."""
+@asynccontextmanager
+async def fresh_schema_url() -> AsyncIterator[str]:
+    """A store URL on a new PostgreSQL schema, dropped afterwards; skips without a DSN."""
     dsn = os.environ.get(PG_DSN_ENV)
     if not dsn:
         pytest.skip(f"{PG_DSN_ENV} is not set: PostgreSQL tests skipped")
@@ -49,6 +50,13 @@ async def pg_store_url() -> AsyncIterator[str]:
             await admin.execute(f"DROP SCHEMA {schema} CASCADE")
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def pg_store_url() -> AsyncIterator[str]:
+    """A store URL on a fresh PostgreSQL schema, dropped after the test."""
+    async with fresh_schema_url() as url:
+        yield url
 
 
 @pytest.fixture

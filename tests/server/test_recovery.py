@@ -6,15 +6,12 @@ THREADKEEPER_TEST_PG_DSN is set, on PostgreSQL."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import asyncpg
 import pytest
 from aiohttp import web
 
@@ -26,7 +23,7 @@ from proxy.settings import Settings
 from proxy.store.base import Store, StoredResponse
 
 from .conftest import PROVIDER_KEY, write_policies
-from .pg import PG_DSN_ENV, with_schema
+from .pg import fresh_schema_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -34,19 +31,8 @@ async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIter
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'tk.db'}"
         return
-    dsn = os.environ.get(PG_DSN_ENV)
-    if not dsn:
-        pytest.skip(f"{PG_DSN_ENV} is not set: PostgreSQL tests skipped")
-    schema = f"tk_e2e_{secrets.token_hex(6)}"
-    admin = await asyncpg.connect(dsn)
-    try:
-        await admin.execute(f"CREATE SCHEMA {schema}")
-        try:
-            yield with_schema(dsn, schema)
-        finally:
-            await admin.execute(f"DROP SCHEMA {schema} CASCADE")
-    finally:
-        await admin.close()
+    async with fresh_schema_url() as url:
+        yield url
 
 
 class Replicas:

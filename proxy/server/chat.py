@@ -15,16 +15,16 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.clock import utc_hour, utc_now
+from proxy.clock import utc_now
 from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
+from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, METRICS, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -152,19 +152,16 @@ async def _rebuild(
     *,
     observe: bool = True,
 ) -> tuple[Projection, TokenCounter]:
-    history = [*loaded.items, *items] if loaded is not None else list(items)
-    return await rebuild(
-        request[TENANT_POLICY],
+    return await rebuild_turn(
+        request,
         body["model"],
-        history,
+        items,
+        loaded,
         tools=_tools(body),
         requested_output=body.get("max_completion_tokens") or body.get("max_tokens"),
-        now=utc_hour(),
         param="messages",
-        metrics=request.app[METRICS] if observe else None,
         route="chat.completions",
-        first_position=loaded.first_position if loaded is not None else 0,
-        cut=loaded.cut() if loaded is not None else None,
+        observe=observe,
     )
 
 
@@ -185,10 +182,7 @@ async def _forward(
         stream=bool(body.get("stream")),
         route="chat.completions",
     )
-    extra = {
-        "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
-        "x-threadkeeper-trimmed": trimmed_header(projection),
-    }
+    extra = context_headers(projection)
     if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
         guarded = Guarded(request, "chat", guard, body, keeper)
         return await relay_guarded(upstream, guarded, extra_headers=extra)

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from aiohttp import web
+
+from proxy.clock import utc_hour
 from proxy.core.budget import output_reserve
 from proxy.core.items import Item
 from proxy.core.projection import (
@@ -26,6 +29,8 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
+from proxy.server.state import METRICS, TENANT_POLICY
+from proxy.threads import Loaded
 
 # Below this many items a projection costs well under a millisecond: not worth a thread.
 INLINE_ITEMS = 64
@@ -105,6 +110,46 @@ def observe_projection(
     for kind, tokens in removed.items():
         if tokens:
             metrics.trimmed.labels(kind).inc(tokens)
+
+
+async def rebuild_turn(
+    request: web.Request,
+    model: str,
+    new: Sequence[Item],
+    loaded: Loaded | None,
+    *,
+    tools: Sequence[dict[str, Any]],
+    requested_output: int | None,
+    instructions: str | None = None,
+    param: str,
+    route: str,
+    observe: bool = True,
+) -> tuple[Projection, TokenCounter]:
+    """One request's context: a stored thread's live window plus the new items (with its
+    position in the log and its sticky cut), or the request alone when stateless."""
+    history = [*loaded.items, *new] if loaded is not None else list(new)
+    return await rebuild(
+        request[TENANT_POLICY],
+        model,
+        history,
+        tools=tools,
+        requested_output=requested_output,
+        instructions=instructions,
+        now=utc_hour(),
+        param=param,
+        metrics=request.app[METRICS] if observe else None,
+        route=route,
+        first_position=loaded.first_position if loaded is not None else 0,
+        cut=loaded.cut() if loaded is not None else None,
+    )
+
+
+def context_headers(projection: Projection) -> dict[str, str]:
+    """x-threadkeeper-context-tokens and x-threadkeeper-trimmed (SPEC section 1)."""
+    return {
+        "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
+        "x-threadkeeper-trimmed": trimmed_header(projection),
+    }
 
 
 def trimmed_header(projection: Projection) -> str:

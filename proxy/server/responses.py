@@ -26,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.clock import utc_hour, utc_now
+from proxy.clock import utc_now
 from proxy.core.items import (
     Item,
     ResponsesInput,
@@ -40,9 +40,9 @@ from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, rebuild, trimmed_header
+from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, METRICS, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -178,28 +178,18 @@ async def _rebuild(
     observe: bool = True,
 ) -> tuple[Projection, TokenCounter]:
     """The projection of the thread's window plus the new input (SPEC 3-5)."""
-    history = [*loaded.items, *new] if loaded is not None else list(new)
-    return await rebuild(
-        request[TENANT_POLICY],
+    return await rebuild_turn(
+        request,
         body["model"],
-        history,
+        new,
+        loaded,
         tools=list(body.get("tools") or []),
         requested_output=body.get("max_output_tokens"),
         instructions=body.get("instructions"),
-        now=utc_hour(),
         param="input",
-        metrics=request.app[METRICS] if observe else None,
         route="responses",
-        first_position=loaded.first_position if loaded is not None else 0,
-        cut=loaded.cut() if loaded is not None else None,
+        observe=observe,
     )
-
-
-def context_headers(projection: Projection) -> dict[str, str]:
-    return {
-        "x-threadkeeper-context-tokens": str(projection.report.prompt_tokens),
-        "x-threadkeeper-trimmed": trimmed_header(projection),
-    }
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,18 @@ def test_project_prints_the_budget_breakdown(tmp_path: Path, capsys) -> None:  #
     assert report["window"] == 2500
     assert report["history_before"] > report["history_after"]
     assert report["prompt_tokens"] <= 2500 - 300 - 50
+
+
+def test_demo_runs_offline_and_checks_what_it_sent() -> None:
+    # The README's run command: the proxy against the scripted provider, driven by the SDK.
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo", "--turns", "4", "--window", "3000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(row[0]) for row in rows] == [1, 2, 3, 4]
+    assert all(int(row[3]) <= 3000 for row in rows)  # tokens sent never above the window
+    assert "every tool call went out with its result" in result.stdout

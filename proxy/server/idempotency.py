@@ -35,7 +35,12 @@ is the edge that reads the request, talks to the store and records the response.
 - **Limits.** A passthrough upload that the proxy streams (no Content-Length, or over
   1 MiB) cannot be fingerprinted without buffering it: such a request with the header is
   a 400 rather than a silent lack of idempotency. A record left `running` by a process
-  that died blocks its key (409) until it expires.
+  that died (kill -9 mid-request) names its owner (the app's OWNER), so the recovery
+  sweep (proxy/server/recovery.py) deletes it once that owner is dead: at once when it
+  died on this host, else after the owner has been silent for STALE_AFTER (30 s). Until
+  then the key answers 409; afterwards a retry runs again (the provider may have been
+  called once already). A process that only stalls past STALE_AFTER is taken for dead
+  too, so its key could run twice: the same trade-off as its responses.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from proxy.core.idempotency import (
 )
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
-from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
 from proxy.store.base import IdempotencyRecord, Store
 
 log = structlog.get_logger("threadkeeper.idempotency")
@@ -118,6 +123,7 @@ async def new_record(request: web.Request, key: str) -> IdempotencyRecord:
         response_status=None,
         created_at=now,
         expires_at=expires_at(now, policy.idempotency.retention_seconds),
+        owner=request.app[OWNER],
     )
 
 

@@ -157,6 +157,9 @@ class IdempotencyRecord:
     response_body: bytes | None = None
     created_at: str = ""
     expires_at: str = ""
+    # process instance running it; a `running` record of a dead owner is deleted by
+    # abandon_dead / retire. "" (stored as NULL): unknown, never swept, left to expire.
+    owner: str = ""
 
 
 class Store(Protocol):
@@ -296,16 +299,18 @@ class Store(Protocol):
     async def abandon_dead(self, stale_before: str, *, except_owner: str) -> int:
         """Responses `in_progress` whose owner has no heartbeat at or after `stale_before`
         (a dead process: they can never complete) become `incomplete`, in every tenant;
-        the stale owner rows go too. `except_owner` (the caller) is never touched.
-        Returns how many responses. Example, every replica every few seconds::
+        its `running` idempotency records are deleted (the key runs again on retry) and
+        the stale owner rows go too, in one transaction. `except_owner` (the caller) is
+        never touched. Returns how many responses. Example, every replica every few seconds::
 
             await store.heartbeat(me, now)
             await store.abandon_dead(now_minus_30s, except_owner=me)
         """
 
     async def retire(self, owner: str) -> int:
-        """Clean shutdown: `owner`'s leftover `in_progress` responses become `incomplete`
-        and its owner row is deleted, in one transaction. Returns how many responses."""
+        """Clean shutdown: `owner`'s leftover `in_progress` responses become `incomplete`,
+        its `running` idempotency records are deleted and its owner row goes, in one
+        transaction. Returns how many responses."""
 
     # side-effect ledger (issue: idempotency) -----------------------------------------------
     async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:

@@ -178,6 +178,15 @@ DELETE_STALE_OWNERS = "DELETE FROM owners WHERE heartbeat_at < $1 AND owner <> $
 
 DELETE_OWNER = "DELETE FROM owners WHERE owner = $1"
 
+# A running idempotency record of a dead owner would block its key (409) until it expires.
+# A NULL owner (unknown) never matches `<>` or `=`, so such a record is left to expire.
+DELETE_OWNED_IDEMPOTENCY = "DELETE FROM idempotency WHERE status = 'running' AND owner = $1"
+
+DELETE_DEAD_IDEMPOTENCY = """
+DELETE FROM idempotency WHERE status = 'running' AND owner <> $2 AND NOT EXISTS (
+    SELECT 1 FROM owners WHERE owners.owner = idempotency.owner AND owners.heartbeat_at >= $1
+)"""
+
 # ledger --------------------------------------------------------------------------------
 
 LEDGER_COLUMNS = (
@@ -222,18 +231,18 @@ SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND status = $2 ORDER BY c
 
 IDEMPOTENCY_COLUMNS = (
     "tenant, key, fingerprint, status, response_status, response_headers, response_body, "
-    "created_at, expires_at"
+    "created_at, expires_at, owner"
 )
 
 # First write wins, except over an expired record (ISO-8601 UTC strings order like time).
 BEGIN_IDEMPOTENCY = f"""
 INSERT INTO idempotency ({IDEMPOTENCY_COLUMNS})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
 ON CONFLICT (tenant, key) DO UPDATE SET
     fingerprint = excluded.fingerprint, status = excluded.status,
     response_status = excluded.response_status, response_headers = excluded.response_headers,
     response_body = excluded.response_body, created_at = excluded.created_at,
-    expires_at = excluded.expires_at
+    expires_at = excluded.expires_at, owner = excluded.owner
 WHERE idempotency.expires_at < excluded.created_at
 RETURNING key
 """
@@ -317,6 +326,7 @@ def idempotency_from_row(row: Row) -> IdempotencyRecord:
         response_body=None if body is None else bytes(body),
         created_at=row["created_at"],
         expires_at=row["expires_at"],
+        owner=row["owner"] or "",
     )
 
 
@@ -392,6 +402,7 @@ def idempotency_params(record: IdempotencyRecord) -> tuple[Any, ...]:
         record.response_body,
         record.created_at,
         record.expires_at,
+        record.owner or None,
     )
 
 

@@ -272,12 +272,14 @@ class SqlStore:
     async def abandon_dead(self, stale_before: str, *, except_owner: str) -> int:
         async with self.db.write() as conn:
             abandoned = await conn.execute(sql.ABANDON_DEAD, stale_before, except_owner)
+            await conn.execute(sql.DELETE_DEAD_IDEMPOTENCY, stale_before, except_owner)
             await conn.execute(sql.DELETE_STALE_OWNERS, stale_before, except_owner)
         return abandoned
 
     async def retire(self, owner: str) -> int:
         async with self.db.write() as conn:
             abandoned = await conn.execute(sql.ABANDON_OWNED, owner)
+            await conn.execute(sql.DELETE_OWNED_IDEMPOTENCY, owner)
             await conn.execute(sql.DELETE_OWNER, owner)
         return abandoned
 

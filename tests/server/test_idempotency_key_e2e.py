@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 
+from proxy.clock import utc_iso
+from proxy.core.idempotency import fingerprint
 from proxy.fake_provider import Reply
+from proxy.server import recovery
 from proxy.server.idempotency import purge_expired
-from proxy.server.state import POLICIES, STORE
+from proxy.server.state import OWNER, POLICIES, STORE
+from proxy.store.base import IdempotencyRecord
 from tests.server.conftest import TENANT_KEY, Proxy
 
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Refund order 7."}]}
@@ -146,6 +151,45 @@ async def test_same_key_while_the_first_runs_is_409(proxy) -> None:
     third = await post(proxy, "/v1/chat/completions", CHAT, "busy")
     assert third.json()["choices"][0]["message"]["content"] == "slow answer"
     assert third.headers["Idempotent-Replayed"] == "true"
+    assert len(proxy.provider.requests) == 1
+
+
+async def test_a_key_left_running_by_a_dead_process_runs_again_after_the_sweep(proxy) -> None:
+    """kill -9 mid-request leaves a `running` record; once its owner is swept as dead the
+    retry runs instead of getting 409 until the record expires."""
+    store, now = proxy.app[STORE], datetime.now(UTC)
+    await store.heartbeat("proc_killed", utc_iso(now - timedelta(minutes=5)))
+    orphan = IdempotencyRecord(
+        tenant="acme",
+        key="orphan",
+        fingerprint=fingerprint("POST", "/v1/chat/completions", json.dumps(CHAT).encode()),
+        status="running",
+        response_status=None,
+        created_at=utc_iso(now),
+        expires_at=utc_iso(now + timedelta(hours=24)),
+        owner="proc_killed",
+    )
+    assert await store.idempotency_begin(orphan) is None
+
+    blocked = await post(proxy, "/v1/chat/completions", CHAT, "orphan")
+    assert blocked.status_code == 409
+    await recovery.sweep(store, proxy.app[OWNER], now=now)
+    retried = await post(proxy, "/v1/chat/completions", CHAT, "orphan")
+    assert retried.status_code == 200
+    assert retried.headers["Idempotent-Replayed"] == "false"
+    assert len(proxy.provider.requests) == 1
+    stored = await store.idempotency_get("acme", "orphan")
+    assert (stored.status, stored.owner) == ("done", proxy.app[OWNER])
+
+
+async def test_a_sweep_leaves_the_running_key_of_a_live_process_alone(proxy) -> None:
+    proxy.provider.script.append(Reply(text="slow answer", delay=1.0))
+    first = asyncio.create_task(post(proxy, "/v1/chat/completions", CHAT, "alive"))
+    await first_provider_call(proxy)
+    await recovery.sweep(proxy.app[STORE], "proc_other_replica", now=datetime.now(UTC))
+    second = await post(proxy, "/v1/chat/completions", CHAT, "alive")
+    assert second.status_code == 409
+    assert (await first).status_code == 200
     assert len(proxy.provider.requests) == 1
 
 

@@ -92,17 +92,31 @@ def ledger_entry(
 
 
 def idem(
-    key: str = "k1", *, created: str = T0, expires: str = T2, fingerprint: str = "fp1"
+    key: str = "k1",
+    *,
+    created: str = T0,
+    expires: str = T2,
+    fingerprint: str = "fp1",
+    owner: str = "",
+    tenant: str = "acme",
 ) -> IdempotencyRecord:
     return IdempotencyRecord(
-        tenant="acme",
+        tenant=tenant,
         key=key,
         fingerprint=fingerprint,
         status="running",
         response_status=None,
         created_at=created,
         expires_at=expires,
+        owner=owner,
     )
+
+
+async def holder(store: Store, key: str, tenant: str = "acme") -> str | None:
+    """The owner of the record holding `key`, or None when the key is free (the probe then
+    takes it, so ask once per key)."""
+    existing = await store.idempotency_begin(idem(key, fingerprint="probe", tenant=tenant))
+    return None if existing is None else existing.owner
 
 
 # threads -----------------------------------------------------------------------------
@@ -525,6 +539,64 @@ async def test_owners_migration_applies_on_a_database_at_version_1(backend: Back
     assert await status_of(store, "acme", "r_old") == "in_progress"
     assert await store.abandon_dead(T0, except_owner="me") == 1
     assert await status_of(store, "acme", "r_old") == "incomplete"
+
+
+async def test_abandon_dead_frees_the_running_keys_of_dead_owners_only(store: Store) -> None:
+    await store.heartbeat("live", T2)
+    await store.heartbeat("stale", T0)
+    await store.heartbeat("me", T0)
+    await store.begin_response(response("r_stale", owner="stale"))
+    for key, owner in [("k_live", "live"), ("k_stale", "stale"), ("k_mine", "me")]:
+        await store.idempotency_begin(idem(key, owner=owner))
+    await store.idempotency_begin(idem("k_never", owner="never_beat", tenant="other"))
+    await store.idempotency_begin(idem("k_unknown"))  # no owner: left to expire
+    await store.idempotency_begin(idem("k_done", owner="stale"))
+    await store.idempotency_finish("acme", "k_done", status=200, headers=[], body=b"{}")
+
+    assert await store.abandon_dead(T1, except_owner="me") == 1  # still counts responses
+    assert await holder(store, "k_live") == "live"
+    assert await holder(store, "k_stale") is None
+    assert await holder(store, "k_never", tenant="other") is None
+    assert await holder(store, "k_mine") == "me"
+    assert await holder(store, "k_unknown") == ""
+    assert await holder(store, "k_done") == "stale"
+
+
+async def test_retire_frees_its_own_running_keys_and_keeps_done_ones(store: Store) -> None:
+    await store.heartbeat("p1", T3)
+    await store.heartbeat("p2", T3)
+    await store.idempotency_begin(idem("k1", owner="p1"))
+    await store.idempotency_begin(idem("k2", owner="p2"))
+    await store.idempotency_begin(idem("k3", owner="p1"))
+    await store.idempotency_finish("acme", "k3", status=201, headers=[], body=b"")
+
+    assert await store.retire("p1") == 0
+    assert await holder(store, "k1") is None
+    assert await holder(store, "k2") == "p2"
+    assert await holder(store, "k3") == "p1"
+
+
+async def test_idempotency_owner_migration_keeps_older_records(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    before = [migration for migration in migrations if migration.version < 3]
+    async with store.db.write() as conn:  # a database created before migration 003
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in before:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        await conn.execute(
+            "INSERT INTO idempotency (tenant, key, fingerprint, status, created_at, expires_at) "
+            "VALUES ('acme', 'k_old', 'fp1', 'running', $1, $2)",
+            T0,
+            T2,
+        )
+
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 3]
+    assert await store.abandon_dead(T3, except_owner="me") == 0
+    assert await holder(store, "k_old") == ""  # unknown owner: kept until it expires
 
 
 # forks -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from proxy.clock import utc_now
 from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
+from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
@@ -120,6 +121,7 @@ def _tools(body: JsonDict) -> list[dict[str, Any]]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_chat(body)
+    refuse_unguarded_choices(body, request[TENANT_POLICY])
     request[LOG_FIELDS].update(model=body["model"])
     thread_id = request.headers.get(THREAD_HEADER)
     if thread_id is not None:
@@ -131,6 +133,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     guard = LedgerGuard(request, api="chat", thread_id=None, now=utc_now)
     await guard.record_outputs(body["messages"])
     return await _forward(request, body, raw, projection, keeper=None, guard=guard)
+
+
+def refuse_unguarded_choices(body: JsonDict, policy: Policy) -> None:
+    """The side-effect ledger guards the first choice (SPEC 6). With side-effecting tools
+    in the policy, `n` > 1 would hand out calls no ledger saw, so it is refused."""
+    n = body.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
+        return
+    if any(tool.side_effect for tool in policy.tools.values()):
+        raise invalid(
+            "'n' greater than 1 is not supported for this tenant: its policy has "
+            "side-effecting tools, and only one choice can pass the side-effect ledger.",
+            param="n",
+            code="unsupported_value",
+        )
 
 
 def thread_id_param(value: str) -> str:

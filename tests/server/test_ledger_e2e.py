@@ -463,3 +463,16 @@ async def test_two_replicas_racing_hand_out_one_refund(
     assert sorted(len(agent.calls_seen) for agent in agents) == [0, 1]
     entries = await ledger_entries(replicas[0])
     assert [(e["key"], e["status"]) for e in entries] == [("refund:ORD-1", "issued")]
+
+
+async def test_several_choices_are_refused_when_tools_have_side_effects(
+    guarded: Proxy, provider: FakeProvider
+) -> None:
+    # Only one choice can pass the ledger: n > 1 would hand out unguarded refunds.
+    client = guarded.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "refund"}], n=2
+        )
+    assert info.value.body["param"] == "n"  # type: ignore[index]
+    assert not provider.requests

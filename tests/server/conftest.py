@@ -92,6 +92,7 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
         reload_interval: float = 0,
         max_body_bytes: int = 1024 * 1024,
         acme_extra: str = "",
+        store_url: str | None = None,
     ) -> Proxy:
         policies = tmp_path / f"policies{len(proxies)}"
         write_policies(policies, allow_unknown=allow_unknown, window=window, acme_extra=acme_extra)
@@ -101,7 +102,7 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
             upstream_url=upstream_url or provider.base_url,
             policy_reload_interval=reload_interval,
             max_body_bytes=max_body_bytes,
-            store_url=f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
+            store_url=store_url or f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
         )
         app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
         runner = await start(settings, app)

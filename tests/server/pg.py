@@ -8,19 +8,15 @@ import os
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
-from proxy.fake_provider import FakeProvider
-from proxy.server.app import bound_port, create_app, start
 from proxy.server.state import STORE
-from proxy.settings import Settings
 from proxy.store.base import Store
 
-from .conftest import PROVIDER_KEY, Proxy, write_policies
+from .conftest import Proxy
 
 PG_DSN_ENV = "THREADKEEPER_TEST_PG_DSN"
 
@@ -60,34 +56,13 @@ async def pg_store_url() -> AsyncIterator[str]:
 
 
 @pytest.fixture
-async def start_proxy(tmp_path: Path, provider: FakeProvider) -> AsyncIterator[StartProxy]:
-    """Starts proxy instances on a given store URL; all are stopped after the test."""
-    proxies: list[Proxy] = []
-    runners = []
+async def start_proxy(make_proxy: Callable[..., Awaitable[Proxy]]) -> StartProxy:
+    """Starts proxy instances on a given store URL (replicas of one database)."""
 
     async def factory(store_url: str) -> Proxy:
-        policies = tmp_path / f"policies-{len(proxies)}"
-        write_policies(policies)
-        settings = Settings(
-            port=0,
-            policies_dir=policies,
-            upstream_url=provider.base_url or "",
-            policy_reload_interval=0,
-            store_url=store_url,
-        )
-        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
-        runner = await start(settings, app)
-        runners.append(runner)
-        proxy = Proxy(f"http://127.0.0.1:{bound_port(runner)}/v1", provider, policies, app)
-        proxies.append(proxy)
-        return proxy
+        return await make_proxy(store_url=store_url)
 
-    yield factory
-    for proxy in proxies:
-        for client in proxy.clients:
-            await client.close()
-    for runner in runners:
-        await runner.cleanup()
+    return factory
 
 
 def store_of(proxy: Proxy) -> Store:

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlencode
 
-import asyncpg
 import openai
 import pytest
 
 from proxy.fake_provider import FakeProvider, Reply
-from proxy.server.app import bound_port, create_app, start
-from proxy.settings import Settings
 
-from .conftest import PROVIDER_KEY, TENANT_KEY, Proxy, write_policies
+from .conftest import TENANT_KEY, Proxy
+from .pg import pg_store_url  # noqa: F401
 
 MODEL = "gpt-4o-mini"
 PG_DSN_ENV = "THREADKEEPER_TEST_PG_DSN"
@@ -406,43 +400,13 @@ async def test_unknown_call_output_is_still_a_400(guarded: Proxy, provider: Fake
 
 
 @pytest.fixture
-async def pg_url() -> AsyncIterator[str]:
-    dsn = os.environ.get(PG_DSN_ENV)
-    if not dsn:
-        pytest.skip(f"{PG_DSN_ENV} is not set: the PostgreSQL replica race is skipped")
-    schema = f"tk_ledger_{secrets.token_hex(6)}"
-    admin = await asyncpg.connect(dsn)
-    try:
-        await admin.execute(f"CREATE SCHEMA {schema}")
-        separator = "&" if "?" in dsn else "?"
-        yield dsn + separator + urlencode({"schema": schema})
-        await admin.execute(f"DROP SCHEMA {schema} CASCADE")
-    finally:
-        await admin.close()
-
-
-@pytest.fixture
 async def replicas(
-    tmp_path: Path, provider: FakeProvider, pg_url: str
-) -> AsyncIterator[list[Proxy]]:
-    proxies: list[Proxy] = []
-    runners = []
-    for number in range(2):
-        policies = tmp_path / f"replica{number}"
-        write_policies(policies, acme_extra=tools_policy())
-        settings = Settings(
-            port=0, policies_dir=policies, upstream_url=provider.base_url or "", store_url=pg_url
-        )
-        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
-        runner = await start(settings, app)
-        runners.append(runner)
-        proxies.append(Proxy(f"http://127.0.0.1:{bound_port(runner)}/v1", provider, policies, app))
-    yield proxies
-    for proxy in proxies:
-        for client in proxy.clients:
-            await client.close()
-    for runner in runners:
-        await runner.cleanup()
+    pg_store_url: str,  # noqa: F811
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> list[Proxy]:
+    """Two app instances on one PostgreSQL schema, as replicas behind a load balancer.
+    The schema is requested first so it is dropped only after the replicas stopped."""
+    return [await make_proxy(acme_extra=tools_policy(), store_url=pg_store_url) for _ in range(2)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

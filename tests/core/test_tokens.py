@@ -331,8 +331,14 @@ def test_encodes_like_the_reference(name: str, sample: str) -> None:
     assert get_encoding(name).encode(sample) == reference(name).encode(sample)
 
 
+# Characters unassigned in Python's own Unicode tables (category Cn) are left out: those
+# added since (e.g. U+31350, CJK Extension H, Unicode 15) are letters to tiktoken's Rust
+# regex but not to the pure-Python reference, which then splits them differently.
+STABLE_TEXT = st.text(alphabet=st.characters(exclude_categories=("Cs", "Cn")), max_size=80)
+
+
 @settings(max_examples=40, deadline=None)
-@given(sample=st.text(max_size=80), name=st.sampled_from(sorted(EXPECTED_SHA256)))
+@given(sample=STABLE_TEXT, name=st.sampled_from(sorted(EXPECTED_SHA256)))
 def test_encodes_random_text_like_the_reference(sample: str, name: str) -> None:
     assert get_encoding(name).encode(sample) == reference(name).encode(sample)
 

@@ -4,9 +4,10 @@ real openai SDK as the client."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -93,10 +94,13 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
         max_body_bytes: int = 1024 * 1024,
         acme_extra: str = "",
         store_url: str | None = None,
+        settings: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Proxy:
+        """`settings` overrides any Settings field; `env` replaces the process environment."""
         policies = tmp_path / f"policies{len(proxies)}"
         write_policies(policies, allow_unknown=allow_unknown, window=window, acme_extra=acme_extra)
-        settings = Settings(
+        config = Settings(
             port=0,
             policies_dir=policies,
             upstream_url=upstream_url or provider.base_url,
@@ -104,8 +108,9 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
             max_body_bytes=max_body_bytes,
             store_url=store_url or f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
         )
-        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
-        runner = await start(settings, app)
+        config = replace(config, **(settings or {}))
+        app = create_app(config, env=env if env is not None else {"ACME_OPENAI_KEY": PROVIDER_KEY})
+        runner = await start(config, app)
         runners.append(runner)
         proxy = Proxy(f"http://127.0.0.1:{bound_port(runner)}/v1", provider, policies, app)
         proxies.append(proxy)

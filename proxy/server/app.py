@@ -1,7 +1,7 @@
 """The application: `create_app(settings)` builds everything; nothing lives at module level.
 
 Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
-error envelope -> tenant auth -> Idempotency-Key (replay or record). Resources (upstream
+error envelope -> tenant auth -> path and query checks -> Idempotency-Key (replay or record). Resources (upstream
 pool, policy watcher, idempotency purge, owner heartbeat) open and close in cleanup_ctx.
 """
 
@@ -43,6 +43,7 @@ from proxy.server.state import (
     STORE,
     UPSTREAM,
 )
+from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.upstream import Upstream
@@ -100,7 +101,13 @@ def create_app(
     env: Mapping[str, str] | None = None,
 ) -> web.Application:
     app = web.Application(
-        middlewares=[context_middleware, error_middleware, auth_middleware, idempotency_middleware],
+        middlewares=[
+            context_middleware,
+            error_middleware,
+            auth_middleware,
+            url_keys_middleware,
+            idempotency_middleware,
+        ],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings

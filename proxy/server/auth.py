@@ -17,11 +17,24 @@ def bearer_token(request: web.Request) -> str | None:
     return token.strip()
 
 
+def is_utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if not request.path.startswith(("/v1/", "/threadkeeper/v1/")):
         return await handler(request)
     token = bearer_token(request)
+    if token is not None and not is_utf8(token):
+        # aiohttp hands undecodable header bytes over as lone surrogates (surrogateescape)
+        raise ApiError(
+            401, "Incorrect API key provided: the key is not valid UTF-8.", code="invalid_api_key"
+        )
     if token is not None:
         register_secret(token)
     policy = request.app[POLICIES].resolve(token)

@@ -33,6 +33,7 @@ from proxy.server.validate import (
     optional_positive_int,
     read_json_object,
     required_string,
+    store_key,
     wrong_type,
 )
 from proxy.threads import Loaded, ThreadService, first_orphan, new_chat_messages, new_items
@@ -151,7 +152,7 @@ def refuse_unguarded_choices(body: JsonDict, policy: Policy) -> None:
 
 
 def thread_id_param(value: str) -> str:
-    value = value.strip()
+    value = store_key(value, THREAD_HEADER).strip()
     if not value or len(value) > MAX_THREAD_ID:
         raise invalid(
             f"Invalid '{THREAD_HEADER}' header: expected 1 to {MAX_THREAD_ID} characters.",

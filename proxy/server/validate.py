@@ -8,11 +8,13 @@ Unknown fields are forwarded untouched.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from aiohttp import web
 
-from proxy.server.errors import ApiError, invalid
+from proxy.server.errors import ApiError, Handler, invalid
 
 JsonDict = dict[str, Any]
 
@@ -25,27 +27,157 @@ _TYPE_NAMES = {
 }
 
 
+# The deepest nesting a body may have (objects and arrays, the body itself is level 1).
+# Generous for real requests (OpenAI's strict schemas stop at 10 levels, about 35 here), and
+# low enough that nothing downstream (copies, token counting, the JSON encoder) runs out of
+# stack on a body that got in (issue 8, item 3).
+MAX_JSON_DEPTH = 128
+# Strings the store uses as keys: a NUL cannot be stored in a PostgreSQL TEXT column.
+STORE_KEY_FIELDS = frozenset(
+    {"id", "call_id", "tool_call_id", "item_id", "conversation", "previous_response_id"}
+)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+Path = tuple[Any, ...]  # (parent path, key or index); () is the body itself
+
+
 async def read_json_object(request: web.Request) -> tuple[JsonDict, bytes]:
-    """The body as a JSON object plus its raw bytes (forwarded as is when nothing changes)."""
+    """The body as a JSON object plus its raw bytes (forwarded as is when nothing changes).
+
+    The one door for every JSON route: what passes it is standard JSON (no NaN or
+    Infinity, every number finite, integers within Python's 4,300 digits), nested at most
+    MAX_JSON_DEPTH levels, free of lone UTF-16 surrogates (in keys and values), and free of
+    NUL in the ids the store keys rows by. Anything else is a 400 before any work."""
     raw = await request.read()
     if not raw.strip():
         raise invalid(
             "We could not parse the JSON body of your request: the body is empty. "
             "(HINT: send a JSON object with Content-Type: application/json.)"
         )
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(
-            f"We could not parse the JSON body of your request: {exc}. "
-            "(HINT: make sure the body is valid JSON.)"
-        ) from None
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise invalid(
             f"Invalid type for request body: expected an object, but got {_json_type(body)}.",
             code="invalid_type",
         )
+    check_json_tree(body)
     return body, raw
+
+
+class _NotStandardJson(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotStandardJson(f"{name} is not a valid JSON value")
+
+
+def parse_json(raw: bytes) -> Any:
+    """`json.loads`, refusing what Python accepts but JSON does not, as a 400."""
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise too_deep() from None
+    except (json.JSONDecodeError, UnicodeDecodeError, _NotStandardJson) as exc:
+        raise unparsable(str(exc)) from None
+    except ValueError:  # int(): more than sys.get_int_max_str_digits() digits
+        raise unparsable("an integer literal is too long (the limit is 4300 digits)") from None
+
+
+def unparsable(reason: str) -> ApiError:
+    return invalid(
+        f"We could not parse the JSON body of your request: {reason}. "
+        "(HINT: make sure the body is valid JSON.)"
+    )
+
+
+def too_deep() -> ApiError:
+    return invalid(
+        f"The JSON body of your request is nested too deeply: at most {MAX_JSON_DEPTH} "
+        "levels of objects and arrays are accepted.",
+        code="json_too_deep",
+    )
+
+
+def check_json_tree(body: JsonDict) -> None:
+    """Depth, lone surrogates, non-finite numbers and NUL in store keys, walked without
+    recursion (the body may be exactly what a recursive walk cannot take)."""
+    stack: list[tuple[Any, int, Path]] = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            if depth > MAX_JSON_DEPTH:
+                raise too_deep()
+            for key in value:
+                if _SURROGATE.search(key):
+                    raise lone_surrogate(param_of(path), "an object key")
+            # pushed in reverse: popped in document order, so the first problem is named
+            stack.extend((value[key], depth + 1, (path, key)) for key in reversed(value))
+        elif isinstance(value, list):
+            if depth > MAX_JSON_DEPTH:
+                raise too_deep()
+            indexed = range(len(value) - 1, -1, -1)
+            stack.extend((value[index], depth + 1, (path, index)) for index in indexed)
+        elif isinstance(value, str):
+            _check_string(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise unparsable(f"the number at '{param_of(path)}' is out of range")
+
+
+def _check_string(value: str, path: Path) -> None:
+    if not value.isascii() and _SURROGATE.search(value):
+        raise lone_surrogate(param_of(path), "a string")
+    if "\x00" in value and path and path[1] in STORE_KEY_FIELDS:
+        raise nul_in_key(param_of(path))
+
+
+def param_of(path: Path) -> str:
+    """`input[3].content[0].text` for ((((((), "input"), 3), "content"), 0), "text")."""
+    steps: list[Any] = []
+    while path:
+        path, step = path
+        steps.append(step)
+    text = ""
+    for step in reversed(steps):
+        text += f"[{step}]" if isinstance(step, int) else (f".{step}" if text else str(step))
+    return text
+
+
+def lone_surrogate(param: str, where: str) -> ApiError:
+    return invalid(
+        f"Invalid '{param or 'body'}': {where} contains a lone UTF-16 surrogate (such as "
+        "\\ud800), which is not valid Unicode.",
+        param=param or None,
+        code="invalid_unicode",
+    )
+
+
+def nul_in_key(param: str) -> ApiError:
+    return invalid(
+        f"Invalid '{param}': an id may not contain the NUL character (\\u0000).",
+        param=param,
+        code="invalid_value",
+    )
+
+
+@web.middleware
+async def url_keys_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Path parameters and query values of the routes served locally become store keys:
+    one with a NUL or undecodable bytes is a 400 before the handler runs. (Passthrough
+    URLs go to the provider as they came.)"""
+    if request.match_info.route.name != "passthrough":
+        for name, value in (*request.match_info.items(), *request.query.items()):
+            store_key(value, name)
+    return await handler(request)
+
+
+def store_key(value: str, param: str) -> str:
+    """A string from the URL or a header that the store will use as a key: no NUL and no
+    undecodable bytes (aiohttp hands them over as lone surrogates)."""
+    if _SURROGATE.search(value):
+        raise invalid(f"Invalid '{param}': not valid UTF-8.", param=param, code="invalid_unicode")
+    if "\x00" in value:
+        raise nul_in_key(param)
+    return value
 
 
 def _json_type(value: Any) -> str:

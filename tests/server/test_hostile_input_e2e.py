@@ -1,0 +1,390 @@
+"""Hostile bodies, headers and URLs through the real socket (issue 8, items 3-7 and 21).
+
+Each refused request must be a 4xx in OpenAI's shape naming the problem, with the store
+unchanged (no thread, item, response, ledger or idempotency row written) and the provider
+never called. The store-sensitive cases run on SQLite and on PostgreSQL (set
+THREADKEEPER_TEST_PG_DSN), whose TEXT columns refuse NUL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.fake_provider import Reply
+from proxy.server.state import STORE
+from proxy.server.validate import MAX_JSON_DEPTH
+
+from .conftest import TENANT_KEY, Proxy
+from .pg import fresh_schema_url
+
+AUTH = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/json"}
+TABLES = ("threads", "items", "responses", "ledger", "idempotency")
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """Set up before make_proxy, so the PostgreSQL schema is dropped after the proxy stops."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'hostile.db'}"
+        return
+    async with fresh_schema_url() as url:
+        yield url
+
+
+@pytest.fixture
+async def hostile(store_url: str, make_proxy) -> Proxy:  # type: ignore[no-untyped-def]
+    return await make_proxy(store_url=store_url)
+
+
+async def row_counts(proxy: Proxy) -> dict[str, int]:
+    store = proxy.app[STORE]  # type: ignore[index]
+    async with store.db.read() as conn:
+        return {t: int((await conn.fetchrow(f"SELECT count(*) FROM {t}"))[0]) for t in TABLES}
+
+
+async def send(
+    proxy: Proxy,
+    path: str,
+    body: bytes | Any,
+    *,
+    method: str = "POST",
+    headers: dict[str, Any] | None = None,
+) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with proxy.http() as http:
+        return await http.request(
+            method, path, content=content if method == "POST" else None, headers=headers or AUTH
+        )
+
+
+async def assert_refused(
+    proxy: Proxy,
+    path: str,
+    body: bytes | Any,
+    *,
+    status: int = 400,
+    param: str | None = None,
+    code: str | None = None,
+    method: str = "POST",
+    headers: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The request is refused in OpenAI's shape, and nothing was written or forwarded."""
+    before = await row_counts(proxy)
+    calls = len(proxy.provider.requests)
+    response = await send(proxy, path, body, method=method, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code), error
+    assert error["message"]
+    assert await row_counts(proxy) == before
+    assert len(proxy.provider.requests) == calls
+    return error
+
+
+async def new_conversation(proxy: Proxy, items: list[Any] | None = None) -> str:
+    response = await send(proxy, "/v1/conversations", {"items": items or [USER]})
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+def nested(depth: int, leaf: bytes = b"1") -> bytes:
+    """A JSON value of `depth` nested arrays around `leaf`."""
+    return b"[" * depth + leaf + b"]" * depth
+
+
+# --- item 3: depth and huge numbers, on every JSON route ---------------------------------
+
+JSON_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/input_tokens",
+    "/v1/conversations",
+    "/v1/conversations/{conv}",
+    "/v1/conversations/{conv}/items",
+    "/threadkeeper/v1/conversations/{conv}/fork",
+    "/threadkeeper/v1/ledger/tenant/some-key/resolve",
+]
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES)
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH, 5_000, 200_000], ids=["limit", "5k", "200k"])
+async def test_deeply_nested_body_is_a_400_naming_the_limit(proxy, route: str, depth: int) -> None:
+    path = route.format(conv=await new_conversation(proxy))
+    # the body object is level 1, so `depth` arrays inside it are one level too many
+    body = b'{"model": "gpt-4o", "x": ' + nested(depth) + b"}"
+    error = await assert_refused(proxy, path, body, code="json_too_deep")
+    assert str(MAX_JSON_DEPTH) in error["message"]
+
+
+@pytest.mark.parametrize("route", JSON_ROUTES)
+async def test_integer_literal_over_4300_digits_is_a_400(proxy, route: str) -> None:
+    path = route.format(conv=await new_conversation(proxy))
+    body = b'{"model": "gpt-4o", "x": ' + b"7" * 5_000 + b"}"
+    error = await assert_refused(proxy, path, body)
+    assert "4300 digits" in error["message"]
+
+
+async def test_nesting_at_the_limit_is_accepted_and_stays_listable(proxy) -> None:
+    """The limit counts the body as level 1: an item nested right up to it is stored, and
+    listing and reading it back works (it used to break GET .../items forever)."""
+    # body{1} items[2] item{3} content[4] part{5} then arrays up to the limit
+    deep = json.loads(nested(MAX_JSON_DEPTH - 5))
+    item = {"role": "user", "content": [{"type": "input_text", "text": "x", "extra": deep}]}
+    conv = await new_conversation(proxy, [item])
+    async with proxy.http() as http:
+        listed = await http.get(f"/v1/conversations/{conv}/items", headers=AUTH)
+    assert listed.status_code == 200, listed.text
+    assert listed.json()["data"][0]["content"][0]["extra"] == deep
+    await assert_refused(
+        proxy,
+        "/v1/conversations",
+        {"items": [{**item, "content": [{**item["content"][0], "extra": [deep]}]}]},
+        code="json_too_deep",
+    )
+
+
+async def test_a_legitimate_deep_tool_schema_passes(proxy) -> None:
+    """A strict schema at OpenAI's own nesting limit (10 levels) is far below ours."""
+    schema: dict[str, Any] = {"type": "string"}
+    for level in range(10):
+        schema = {
+            "type": "object",
+            "properties": {f"level{level}": {"type": "array", "items": schema}},
+            "required": [f"level{level}"],
+            "additionalProperties": False,
+        }
+    tool = {"type": "function", "name": "deep", "strict": True, "parameters": schema}
+    response = await send(
+        proxy, "/v1/responses", {"model": "gpt-4o", "input": "hi", "tools": [tool]}
+    )
+    assert response.status_code == 200, response.text
+    chat_tool = {"type": "function", "function": {"name": "deep", "parameters": schema}}
+    chat = {"model": "gpt-4o", "messages": [USER], "tools": [chat_tool]}
+    assert (await send(proxy, "/v1/chat/completions", chat)).status_code == 200
+
+
+# --- item 5: NaN and Infinity ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e400"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/conversations"])
+async def test_non_standard_numbers_are_a_400_that_the_body_could_not_be_parsed(
+    proxy, route: str, token: bytes
+) -> None:
+    body = b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], '
+    body += b'"input": "hi", "temperature": ' + token + b', "metadata": {}}'
+    error = await assert_refused(proxy, route, body)
+    assert error["message"].startswith("We could not parse the JSON body of your request")
+
+
+# --- item 4: lone surrogates, NUL, undecodable headers -----------------------------------
+
+SURROGATE_CASES: list[tuple[str, str, bytes, str | None]] = [
+    (
+        "responses content",
+        "/v1/responses",
+        b'{"model": "gpt-4o", "input": [{"role": "user", "content": "a\\ud800b"}]}',
+        "input[0].content",
+    ),
+    (
+        "responses part text",
+        "/v1/responses",
+        b'{"model": "gpt-4o", "input": [{"role": "user", "content": '
+        b'[{"type": "input_text", "text": "\\udfff"}]}]}',
+        "input[0].content[0].text",
+    ),
+    (
+        "responses item id",
+        "/v1/responses",
+        b'{"model": "gpt-4o", "input": [{"id": "msg_\\ud800", "role": "user", "content": "x"}]}',
+        "input[0].id",
+    ),
+    (
+        "responses key",
+        "/v1/responses",
+        b'{"model": "gpt-4o", "input": "hi", "metadata": {"k\\ud800": "v"}}',
+        "metadata",
+    ),
+    (
+        "raw utf-8 encoded surrogate",
+        "/v1/responses",
+        b'{"model": "gpt-4o", "input": "a\xed\xa0\x80b"}',
+        "input",
+    ),
+    (
+        "chat content",
+        "/v1/chat/completions",
+        b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "\\ud83d"}]}',
+        "messages[0].content",
+    ),
+    (
+        "conversation item",
+        "/v1/conversations",
+        b'{"items": [{"role": "user", "content": "\\ud800"}]}',
+        "items[0].content",
+    ),
+    (
+        "conversation metadata key",
+        "/v1/conversations",
+        b'{"metadata": {"\\ud800": "x"}}',
+        "metadata",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "route", "body", "param"), SURROGATE_CASES, ids=[c[0] for c in SURROGATE_CASES]
+)
+async def test_lone_surrogates_are_a_400_naming_the_field(
+    hostile, name: str, route: str, body: bytes, param: str | None
+) -> None:
+    await assert_refused(hostile, route, body, param=param, code="invalid_unicode")
+
+
+async def test_surrogate_pairs_are_ordinary_text(hostile) -> None:
+    body = b'{"model": "gpt-4o", "input": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    response = await send(hostile, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    assert hostile.provider.requests[-1].json["input"][0]["content"] == "\U0001f600"
+
+
+async def test_lone_surrogate_in_a_conversation_turn_leaves_no_incomplete_response(
+    hostile,
+) -> None:
+    conv = await new_conversation(hostile)
+    body = {"model": "gpt-4o", "conversation": conv, "input": "ok"}
+    raw = json.dumps(body).encode().replace(b'"ok"', b'"\\ud800"')
+    await assert_refused(hostile, "/v1/responses", raw, param="input", code="invalid_unicode")
+
+
+NUL_CASES: list[tuple[str, str, Any, str]] = [
+    (
+        "responses item id",
+        "/v1/responses",
+        {"model": "gpt-4o", "input": [{"id": "msg_a\x00b", "role": "user", "content": "x"}]},
+        "input[0].id",
+    ),
+    (
+        "responses call id",
+        "/v1/responses",
+        {
+            "model": "gpt-4o",
+            "input": [
+                {"type": "function_call", "call_id": "c\x00", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c\x00", "output": "r"},
+            ],
+        },
+        "input[0].call_id",
+    ),
+    (
+        "previous response id",
+        "/v1/responses",
+        {"model": "gpt-4o", "input": "x", "previous_response_id": "resp_\x00"},
+        "previous_response_id",
+    ),
+    (
+        "conversation id",
+        "/v1/responses",
+        {"model": "gpt-4o", "input": "x", "conversation": {"id": "conv_\x00"}},
+        "conversation.id",
+    ),
+    (
+        "chat tool call id",
+        "/v1/chat/completions",
+        {
+            "model": "gpt-4o",
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c\x00", "type": "function", "function": {"name": "f"}}],
+                },
+                {"role": "tool", "tool_call_id": "c\x00", "content": "r"},
+            ],
+        },
+        "messages[1].tool_calls[0].id",
+    ),
+    (
+        "conversation item id",
+        "/v1/conversations",
+        {"items": [{"id": "msg_\x00", "role": "user", "content": "x"}]},
+        "items[0].id",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "route", "body", "param"), NUL_CASES, ids=[c[0] for c in NUL_CASES]
+)
+async def test_nul_in_an_id_is_a_400_before_any_write(
+    hostile, name: str, route: str, body: Any, param: str
+) -> None:
+    await assert_refused(hostile, route, body, param=param, code="invalid_value")
+
+
+async def test_nul_in_content_is_ordinary_text(hostile) -> None:
+    conv = await new_conversation(hostile, [{"role": "user", "content": "a\x00b"}])
+    body = {"model": "gpt-4o", "conversation": conv, "input": "c\x00d"}
+    response = await send(hostile, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    async with hostile.http() as http:
+        listed = await http.get(f"/v1/conversations/{conv}/items?order=asc", headers=AUTH)
+    texts = [item["content"][0]["text"] for item in listed.json()["data"][:2]]
+    assert texts == ["a\x00b", "c\x00d"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "param"),
+    [
+        ("GET", "/v1/conversations/conv_%00", "conversation_id"),
+        ("GET", "/v1/conversations/{conv}/items/msg_%00", "item_id"),
+        ("GET", "/v1/conversations/{conv}/items?after=msg_%00", "after"),
+        ("DELETE", "/v1/conversations/conv_%00", "conversation_id"),
+        ("GET", "/v1/responses/resp_%00", "response_id"),
+        ("GET", "/v1/responses/resp_%00/input_items", "response_id"),
+        ("GET", "/threadkeeper/v1/ledger/tenant/k%00", "key"),
+    ],
+)
+async def test_nul_in_a_path_or_query_id_is_a_400(
+    hostile, method: str, path: str, param: str
+) -> None:
+    path = path.format(conv=await new_conversation(hostile))
+    await assert_refused(hostile, path, b"", method=method, param=param, code="invalid_value")
+
+
+@pytest.mark.parametrize("allow_unknown", [True, False])
+async def test_authorization_with_invalid_utf8_is_a_401(make_proxy, allow_unknown: bool) -> None:
+    proxy = await make_proxy(allow_unknown=allow_unknown)
+    for token in (b"Bearer \xff\xfe", b"Bearer sk-\xed\xa0\x80", b"Bearer \xc3"):
+        headers = {"Authorization": token, "Content-Type": "application/json"}
+        error = await assert_refused(
+            proxy,
+            "/v1/responses",
+            {"model": "gpt-4o", "input": "hi"},
+            status=401,
+            code="invalid_api_key",
+            headers=headers,
+        )
+        assert "UTF-8" in error["message"]
+
+
+async def test_thread_header_with_invalid_utf8_is_a_400(hostile) -> None:
+    headers = {**AUTH, "X-Thread-Id": b"thread-\xff"}
+    body = {"model": "gpt-4o", "messages": [USER]}
+    await assert_refused(
+        hostile,
+        "/v1/chat/completions",
+        body,
+        param="X-Thread-Id",
+        code="invalid_unicode",
+        headers=headers,
+    )

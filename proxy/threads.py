@@ -11,8 +11,11 @@ The handlers of both APIs use it the same way:
 
 Log positions given to the projection are contiguous from `first_position`; the store's
 seqs may have gaps (a deleted conversation item), so `Loaded` translates the cut between
-the two. A commit that loses the race (VersionConflict) reloads the window, recomputes
-the derived state with `restate` and retries: appends commute, the state is rebuilt.
+the two. A commit that loses the race (VersionConflict, or a thread created meanwhile)
+reloads the window, recomputes the derived state with `restate` and retries: appends
+commute, the state is rebuilt. An item id the thread already holds is no race: the
+store's AlreadyExists goes to the caller at once (callers refuse such ids up front with
+`first_taken_id`).
 """
 
 from __future__ import annotations
@@ -232,7 +235,7 @@ class ThreadService:
                     response_id=response_id,
                     response=response,
                 )
-            except (VersionConflict, AlreadyExists):
+            except (VersionConflict, _LostCreate):
                 await asyncio.sleep(random.uniform(0, min(self.pause * (attempt + 1), MAX_PAUSE)))
                 loaded = await self._reload(loaded)
                 state = await restate(loaded)
@@ -241,6 +244,15 @@ class ThreadService:
         )
 
     async def _create(self, loaded: Loaded) -> Thread:
+        """The thread's first commit creates it; a concurrent first commit that created it
+        meanwhile is a lost race (_LostCreate). An AlreadyExists from commit_turn is not:
+        it is an item id the thread holds, and retrying cannot help."""
+        try:
+            return await self._create_thread(loaded)
+        except AlreadyExists as exc:
+            raise _LostCreate(str(exc)) from exc
+
+    async def _create_thread(self, loaded: Loaded) -> Thread:
         if loaded.fork_of is not None:
             source_id, through_seq = loaded.fork_of
             return await self.store.fork_thread(
@@ -254,6 +266,24 @@ class ThreadService:
             loaded.tenant, loaded.thread_id, kind=loaded.kind, now=self.clock()
         )
 
+    async def first_taken_id(self, loaded: Loaded, raws: Sequence[Mapping[str, Any]]) -> int | None:
+        """Index of the first raw item whose own id repeats an earlier one or one the
+        thread's whole log holds (or a branch will copy): committing it would hit the
+        unique key, so the caller refuses the turn before the provider is called."""
+        given = [raw.get("id") for raw in raws]
+        ids = {i for i in given if isinstance(i, str) and i}
+        held = {s.item_id for s in loaded.stored if s.item_id in ids}
+        if loaded.thread is not None:
+            for item_id in sorted(ids - held):
+                if await self.store.get_item(loaded.tenant, loaded.thread_id, item_id):
+                    held.add(item_id)
+        for index, own in enumerate(given):
+            if isinstance(own, str) and own:
+                if own in held:
+                    return index
+                held.add(own)
+        return None
+
     async def _reload(self, loaded: Loaded) -> Loaded:
         fresh = await self.load(loaded.tenant, loaded.thread_id)
         if fresh is not None:
@@ -261,6 +291,10 @@ class ThreadService:
         if loaded.kind == "conversation":
             raise NotFound(f"conversation {loaded.thread_id} was deleted")
         return replace(loaded, thread=None)  # created again by the next attempt
+
+
+class _LostCreate(AlreadyExists):
+    """Another request created the thread between this one's read and its first commit."""
 
 
 # --- Chat Completions: reconciling a request's messages with its thread ----------------------

@@ -50,6 +50,7 @@ EXPECTED_SHA256: Mapping[str, str] = {
     "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
 }
 DEFAULT_ENCODING = "o200k_base"
+ANY_MODEL = "*"  # a request that names no model (a policy's "*" entry): the default encoding
 
 # tiktoken.model's tables, restricted to the encodings shipped here (a test compares them
 # with the installed tiktoken), plus models it does not list yet. gpt-oss uses
@@ -126,6 +127,8 @@ def encoding_name_for_model(model: str) -> str:
     """tiktoken's rule: exact name, then prefix. A provider prefix ("openai/gpt-4o") is
     ignored; unknown models count with o200k_base and a warning (once per model)."""
     name = model.rsplit("/", 1)[-1]
+    if name == ANY_MODEL:
+        return DEFAULT_ENCODING
     if name in MODEL_TO_ENCODING:
         return MODEL_TO_ENCODING[name]
     prefixes = [p for p in MODEL_PREFIX_TO_ENCODING if name.startswith(p)]

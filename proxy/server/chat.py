@@ -28,6 +28,7 @@ from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
+    duplicate_item,
     list_of_objects,
     optional,
     optional_positive_int,
@@ -222,6 +223,10 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
             code="invalid_value",
         )
     new = items_from_chat(new_chat_messages(loaded, body["messages"]))
+    taken = await threads.first_taken_id(loaded, [item.raw for item in new])
+    if taken is not None:  # `new` is a suffix of the request's messages
+        index = len(body["messages"]) - len(new) + taken
+        raise duplicate_item(f"messages[{index}].id", new[taken].raw["id"])
     guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(loaded.items, new)

@@ -31,8 +31,15 @@ from proxy.ids import item_id_for, new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.responses import validate_input_item
 from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
-from proxy.server.validate import JsonDict, list_of_objects, read_json_object, wrong_type
+from proxy.server.validate import (
+    JsonDict,
+    duplicate_item,
+    list_of_objects,
+    read_json_object,
+    wrong_type,
+)
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
+from proxy.threads import Loaded, ThreadService
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
 MAX_METADATA_PAIRS = 16
@@ -44,6 +51,41 @@ MAX_LIST_LIMIT = 100
 # re-tokenize (SPEC section 4); a request for another encoding recounts what it needs.
 COUNTING_MODEL = "gpt-4o"
 MESSAGE_ROLES = ("assistant", "system", "developer", "user")
+# The item types OpenAI's InputItem union names (openapi: InputItem, Item). A conversation
+# keeps its items for later turns, so an unknown type is refused here rather than by the
+# provider on some later turn.
+ITEM_TYPES = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+    "compaction",
+    "compaction_trigger",
+    "file_search_call",
+    "web_search_call",
+    "computer_call",
+    "computer_call_output",
+    "image_generation_call",
+    "code_interpreter_call",
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "apply_patch_call",
+    "apply_patch_call_output",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "mcp_call",
+    "tool_search_call",
+    "tool_search_output",
+    "additional_tools",
+    "program",
+    "program_output",
+    "item_reference",
+)
 
 
 def add_routes(app: web.Application) -> None:
@@ -73,8 +115,8 @@ async def create_conversation(request: web.Request) -> web.Response:
     metadata = metadata_param(body.get("metadata"))
     raws = items_param(body.get("items"), required=False)
     check_outputs_answer_calls(raws, known_calls=frozenset())
-    check_ids_unique(raws, existing=frozenset())
     thread_id = new_id("conv")
+    await check_ids_free(request, Loaded(tenant_of(request), thread_id, "conversation", None), raws)
     request[LOG_FIELDS]["conversation_id"] = thread_id
     thread = await request.app[STORE].create_thread(
         tenant_of(request),
@@ -137,7 +179,7 @@ async def create_items(request: web.Request) -> web.Response:
     check_outputs_answer_calls(
         raws, known_calls=call_ids_in(responses_item(i.raw) for i in history)
     )
-    check_ids_unique(raws, existing=await taken_ids(request, thread, raws))
+    await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
     items = new_items(raws)
     try:
         await store.append_items(thread.tenant, thread.id, items, now=utc_now())
@@ -216,20 +258,6 @@ async def all_items(request: web.Request, thread: Thread) -> tuple[StoredItem, .
     if thread.next_seq == 0:
         return ()
     return await request.app[STORE].items_between(thread.tenant, thread.id, 0, thread.next_seq - 1)
-
-
-async def taken_ids(
-    request: web.Request, thread: Thread, raws: Sequence[JsonDict]
-) -> frozenset[str]:
-    """Client-chosen item ids already used in this conversation."""
-    store = request.app[STORE]
-    taken = set()
-    for raw in raws:
-        given = raw.get("id")
-        if isinstance(given, str) and given:
-            if await store.get_item(thread.tenant, thread.id, given) is not None:
-                taken.add(given)
-    return frozenset(taken)
 
 
 def conversation_not_found(thread_id: str) -> ApiError:
@@ -315,6 +343,14 @@ def validate_stored_item(raw: JsonDict, param: str) -> None:
     """The Responses input checks, plus what an item kept for later turns must carry."""
     validate_input_item(raw, param)
     item_type = raw.get("type")
+    if item_type is not None and item_type not in ITEM_TYPES:
+        supported = ", ".join(f"'{t}'" for t in ITEM_TYPES[:-1])
+        raise invalid(
+            f"Invalid value: '{item_type}'. Supported values are: {supported}, and "
+            f"'{ITEM_TYPES[-1]}'.",
+            param=f"{param}.type",
+            code="invalid_value",
+        )
     if item_type in (None, "message"):
         validate_message(raw, param)
     elif item_type == "item_reference":
@@ -432,18 +468,12 @@ def check_outputs_answer_calls(raws: Sequence[JsonDict], *, known_calls: frozens
             )
 
 
-def check_ids_unique(raws: Sequence[JsonDict], *, existing: frozenset[str]) -> None:
-    seen = set(existing)
-    for index, raw in enumerate(raws):
-        given = raw.get("id")
-        if isinstance(given, str) and given:
-            if given in seen:
-                raise invalid(
-                    f"Duplicate item id '{given}': an item with this id is already in the "
-                    "conversation.",
-                    param=f"items[{index}].id",
-                )
-            seen.add(given)
+async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[JsonDict]) -> None:
+    """Client-chosen ids must be new to the conversation and to the request."""
+    threads = ThreadService(request.app[STORE], utc_now)
+    taken = await threads.first_taken_id(loaded, raws)
+    if taken is not None:
+        raise duplicate_item(f"items[{taken}].id", raws[taken]["id"])
 
 
 # --- writes -----------------------------------------------------------------------------

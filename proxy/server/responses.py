@@ -35,7 +35,7 @@ from proxy.core.items import (
     responses_item,
 )
 from proxy.core.projection import Projection
-from proxy.core.tokens import TokenCounter
+from proxy.core.tokens import ANY_MODEL, TokenCounter
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
@@ -45,6 +45,7 @@ from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
+    duplicate_item,
     list_of_objects,
     optional,
     optional_positive_int,
@@ -60,7 +61,8 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 def validate_responses(body: JsonDict) -> None:
-    required_string(body, "model")
+    if body.get("model") is not None:  # optional: a stored `prompt` may name the model
+        required_string(body, "model")
     value = body.get("input")
     if value is not None and not isinstance(value, str):
         for index, item in enumerate(list_of_objects(value, "input")):
@@ -119,6 +121,12 @@ def _input(body: JsonDict) -> ResponsesInput:
     return items_from_responses_input(value if value is not None else [])
 
 
+def budget_model(body: JsonDict) -> str:
+    """The model the budget is computed for: without `model` (a stored prompt names it),
+    the policy's "*" limits and the default encoding."""
+    return body.get("model") or ANY_MODEL
+
+
 def is_reasoning_model(model: str) -> bool:
     return model.startswith(REASONING_PREFIXES)
 
@@ -140,7 +148,7 @@ def conversation_id(body: JsonDict) -> str | None:
 async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_responses(body)
-    request[LOG_FIELDS].update(model=body["model"])
+    request[LOG_FIELDS].update(model=body.get("model"))
     if body.get("store") is False and not is_stateful(body):
         return await _stateless(request, body, raw)
     return await _stateful(request, body)
@@ -180,7 +188,7 @@ async def _rebuild(
     """The projection of the thread's window plus the new input (SPEC 3-5)."""
     return await rebuild_turn(
         request,
-        body["model"],
+        budget_model(body),
         new,
         loaded,
         tools=list(body.get("tools") or []),
@@ -242,7 +250,7 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
     sent = {k: v for k, v in body.items() if k not in ("conversation", "previous_response_id")}
     sent["store"] = False
     sent["input"] = [item.raw for item in items]
-    if is_reasoning_model(body["model"]):
+    if is_reasoning_model(body.get("model") or ""):
         # Reasoning items can only be replayed statelessly with their encrypted content.
         include = list(body.get("include") or [])
         if ENCRYPTED_REASONING not in include:
@@ -254,6 +262,10 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
 async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     threads = ThreadService(request.app[STORE], utc_now)
     chain = await resolve_chain(request, threads, body)
+    raws = body["input"] if isinstance(body.get("input"), list) else []
+    taken = await threads.first_taken_id(chain.loaded, raws)
+    if taken is not None:
+        raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
     new: Sequence[Item] = _input(body).items
     guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
@@ -399,9 +411,6 @@ class ResponseTurn:
 
 async def input_tokens(request: web.Request) -> web.StreamResponse:
     body, _ = await read_json_object(request)
-    if body.get("model") is not None:
-        optional(body, "model", str)
-    body["model"] = body.get("model") or "gpt-4o"
     validate_responses(body)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
@@ -410,7 +419,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         projection, _ = await _rebuild(request, body, _input(body).items, chain.loaded)
         count = projection.report.prompt_tokens
     else:
-        counter = TokenCounter.for_model(body["model"])
+        counter = TokenCounter.for_model(budget_model(body))
         tools: list[dict[str, Any]] = list(body.get("tools") or [])
         count = counter.responses_prompt(_input(body).items, body.get("instructions"), tools)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

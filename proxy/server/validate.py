@@ -170,6 +170,16 @@ async def url_keys_middleware(request: web.Request, handler: Handler) -> web.Str
     return await handler(request)
 
 
+def duplicate_item(param: str, item_id: str) -> ApiError:
+    """OpenAI's answer to an item id that is repeated, or already in the conversation."""
+    return invalid(
+        f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
+        "and try again.",
+        param=param,
+        code="duplicate_item",
+    )
+
+
 def store_key(value: str, param: str) -> str:
     """A string from the URL or a header that the store will use as a key: no NUL and no
     undecodable bytes (aiohttp hands them over as lone surrogates)."""

@@ -8,6 +8,7 @@ THREADKEEPER_TEST_PG_DSN), whose TEXT columns refuse NUL.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -387,4 +388,160 @@ async def test_thread_header_with_invalid_utf8_is_a_400(hostile) -> None:
         param="X-Thread-Id",
         code="invalid_unicode",
         headers=headers,
+    )
+
+
+# --- item 6: conversation items go through the one item validator ------------------------
+
+
+@pytest.mark.parametrize("route", ["/v1/conversations", "/v1/conversations/{conv}/items"])
+@pytest.mark.parametrize("bad_type", ["bogus", "Message", ""])
+async def test_unknown_item_type_in_a_conversation_is_a_400(
+    proxy, route: str, bad_type: str
+) -> None:
+    path = route.format(conv=await new_conversation(proxy))
+    items = [USER, {"type": bad_type, "content": "x"}]
+    error = await assert_refused(
+        proxy, path, {"items": items}, param="items[1].type", code="invalid_value"
+    )
+    assert f"'{bad_type}'" in error["message"]
+
+
+async def test_every_item_type_of_the_spec_is_accepted_by_a_conversation(proxy) -> None:
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"},
+        {"type": "reasoning", "summary": []},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+    ]
+    await new_conversation(proxy, items)
+
+
+# --- item 7: duplicate item ids are refused before the provider is called ---------------
+
+
+async def test_duplicate_ids_inside_one_input_are_a_400(hostile) -> None:
+    body = {
+        "model": "gpt-4o",
+        "input": [
+            {"id": "msg_a", "type": "message", "role": "user", "content": "one"},
+            {"id": "msg_b", "type": "message", "role": "user", "content": "two"},
+            {"id": "msg_a", "type": "message", "role": "user", "content": "three"},
+        ],
+    }
+    error = await assert_refused(
+        hostile, "/v1/responses", body, param="input[2].id", code="duplicate_item"
+    )
+    assert "msg_a" in error["message"]
+
+
+async def test_an_id_the_conversation_holds_is_a_400(hostile) -> None:
+    conv = await new_conversation(hostile, [{**USER, "id": "msg_old"}, {**USER, "id": "msg_x"}])
+    # push msg_old out of any window: it is still in the log, so still taken
+    body = {
+        "model": "gpt-4o",
+        "conversation": conv,
+        "input": [{**USER, "id": "msg_new"}, {**USER, "id": "msg_old"}],
+    }
+    await assert_refused(hostile, "/v1/responses", body, param="input[1].id", code="duplicate_item")
+    # the items route refuses it the same way
+    await assert_refused(
+        hostile,
+        f"/v1/conversations/{conv}/items",
+        {"items": [{**USER, "id": "msg_x"}]},
+        param="items[0].id",
+        code="duplicate_item",
+    )
+
+
+async def test_an_id_the_previous_response_holds_is_a_400(hostile) -> None:
+    first = await send(hostile, "/v1/responses", {"model": "gpt-4o", "input": "hi"})
+    assert first.status_code == 200, first.text
+    answer = first.json()
+    output = answer["output"][0]
+    body = {"model": "gpt-4o", "previous_response_id": answer["id"], "input": [output]}
+    await assert_refused(hostile, "/v1/responses", body, param="input[0].id", code="duplicate_item")
+
+
+async def test_duplicate_id_on_a_chat_thread_is_a_400(hostile) -> None:
+    headers = {**AUTH, "X-Thread-Id": "thread-dup"}
+    first = {"model": "gpt-4o", "messages": [{**USER, "id": "m1"}]}
+    assert (await send(hostile, "/v1/chat/completions", first, headers=headers)).status_code == 200
+    again = {"model": "gpt-4o", "messages": [{"role": "user", "content": "new", "id": "m1"}]}
+    await assert_refused(
+        hostile,
+        "/v1/chat/completions",
+        again,
+        param="messages[0].id",
+        code="duplicate_item",
+        headers=headers,
+    )
+
+
+async def test_a_concurrent_duplicate_is_not_retried_as_a_lost_race(hostile) -> None:
+    """Two turns carry the same new id and both pass the door before either commits: the
+    loser's commit meets the unique key. That is no lost race: one reload after its
+    VersionConflict, then the store's answer, not 64 attempts."""
+    conv = await new_conversation(hostile)
+    store = hostile.app[STORE]  # type: ignore[index]
+    commits = 0
+    original = store.commit_turn
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal commits
+        commits += 1
+        return await original(*args, **kwargs)
+
+    store.commit_turn = counting
+    hostile.provider.script = [Reply(text="a", delay=0.3), Reply(text="b", delay=0.3)]
+    body = {"model": "gpt-4o", "conversation": conv, "input": [{**USER, "id": "msg_same"}]}
+    answers = await asyncio.gather(*(send(hostile, "/v1/responses", body) for _ in range(2)))
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses[0] == 200
+    assert statuses[1] != 200
+    assert commits <= 3  # winner 1; loser: VersionConflict, then the duplicate
+    async with hostile.http() as http:
+        listed = await http.get(f"/v1/conversations/{conv}/items", headers=AUTH)
+    ids = [item["id"] for item in listed.json()["data"]]
+    assert ids.count("msg_same") == 1
+
+
+# --- item 21: `model` is optional on POST /v1/responses ---------------------------------
+
+
+async def test_responses_without_model_are_forwarded_and_budgeted(proxy) -> None:
+    body = {"prompt": {"id": "pmpt_1"}, "input": "hi"}
+    response = await send(proxy, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    sent = proxy.provider.requests[-1].json
+    assert "model" not in sent
+    assert sent["prompt"] == {"id": "pmpt_1"}
+    assert int(response.headers["x-threadkeeper-context-tokens"]) > 0
+    # a stored chain without a model continues the same way
+    body = {"previous_response_id": response.json()["id"], "input": "more"}
+    again = await send(proxy, "/v1/responses", body)
+    assert again.status_code == 200, again.text
+    counted = await send(proxy, "/v1/responses/input_tokens", {"input": "hi"})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+
+
+async def test_responses_without_model_use_the_wildcard_limits(make_proxy) -> None:
+    """The budget is the policy's "*" entry: a turn above its window is refused."""
+    proxy = await make_proxy(window=5000)
+    big = "word " * 10_000
+    response = await send(proxy, "/v1/responses", {"input": big})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert not proxy.provider.requests
+
+
+@pytest.mark.parametrize("model", [5, ""])
+async def test_a_given_model_must_still_be_a_non_empty_string(proxy, model: Any) -> None:
+    await assert_refused(
+        proxy,
+        "/v1/responses",
+        {"model": model, "input": "hi"},
+        param="model",
+        code="invalid_type" if model == 5 else "empty_string",
     )

@@ -77,7 +77,6 @@ CHAT_CASES: list[tuple[str, Any, str | None]] = [
 ]
 
 RESPONSES_CASES: list[tuple[str, Any, str | None]] = [
-    ("responses missing model", {"input": "hi"}, "model"),
     ("responses input number", {"model": "gpt-4o", "input": 5}, "input"),
     ("responses item not object", {"model": "gpt-4o", "input": [1]}, "input[0]"),
     (

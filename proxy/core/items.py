@@ -91,8 +91,9 @@ def canonical_json(value: Any) -> str:
 
 
 def content_digest(raw: Any) -> str:
-    """Key order does not change the digest: it names the content, not the bytes."""
-    return hashlib.sha256(canonical_json(raw).encode("utf-8")).hexdigest()
+    """Key order does not change the digest: it names the content, not the bytes. A lone
+    surrogate (JSON may escape one: "\\ud800") is hashed as itself, never an error."""
+    return hashlib.sha256(canonical_json(raw).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _str_or_none(value: Any) -> str | None:

@@ -30,7 +30,7 @@ import math
 import threading
 import types
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, ClassVar
@@ -272,6 +272,42 @@ def _patches(width: int | None, height: int | None) -> int:
     return min(MAX_PATCHES, math.ceil(width * r / 32) * math.ceil(height * r / 32))
 
 
+# Deeper items are counted without recursion (TokenCounter.item).
+MAX_STRUCTURED_DEPTH = 64
+
+
+def nesting_depth(value: Any) -> int:
+    """How many objects and arrays deep `value` is, walked without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        current, depth = stack.pop()
+        if isinstance(current, Mapping):
+            children: Iterable[Any] = current.values()
+        elif isinstance(current, list):
+            children = current
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def leaf_texts(value: Any) -> Iterator[str]:
+    """Every string and number in `value`, as text, walked without recursion."""
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, Mapping):
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+        elif isinstance(current, str):
+            yield current
+        elif isinstance(current, int | float) and not isinstance(current, bool):
+            yield str(current)
+
+
 def opaque_tokens(payload: str) -> int:
     """Estimate for base64 payloads that cannot be tokenized (encrypted reasoning, inline
     files): one token per 4 decoded bytes, the size the provider expands them from."""
@@ -320,7 +356,11 @@ class TokenCounter:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        if item.api == "chat":
+        if nesting_depth(item.raw) > MAX_STRUCTURED_DEPTH:
+            # The structured walk recurses once per level; a value this deep (a provider's
+            # answer: request bodies stop at 128 levels) is counted as its leaves' text.
+            count = TOKENS_PER_MESSAGE + sum(self.text(leaf) for leaf in leaf_texts(item.raw))
+        elif item.api == "chat":
             count = self.chat_message(item.raw)
         else:
             count = self.responses_item(item.raw)

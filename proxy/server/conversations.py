@@ -17,7 +17,6 @@ Bad input is a 400 raised before any write, so it changes nothing in the store.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -534,7 +533,7 @@ def created_item_object(item: NewItem) -> JsonDict:
 def item_view(raw: Mapping[str, Any], item_id: str) -> JsonDict:
     """The item as OpenAI returns it: a copy of the raw item with its id, and messages
     typed, completed, and with string content as a text part. The stored raw is untouched."""
-    view = copy.deepcopy(dict(raw))  # nothing below may reach the stored raw
+    view = dict(raw)  # top-level keys are set or replaced below, nested values never changed
     view["id"] = item_id
     if view.get("type") in (None, "message") and "role" in view:
         view.setdefault("type", "message")

@@ -403,3 +403,9 @@ def test_every_chat_item_is_viewed(messages: list[dict[str, Any]]) -> None:
         assert isinstance(item, Item)
         assert item.kind in ("message", "tool_calls", "tool_output")
         assert item.digest == content_digest(item.raw)
+
+
+def test_digest_of_a_lone_surrogate_is_no_error() -> None:
+    from proxy.core.items import content_digest
+
+    assert content_digest({"text": "\ud800"}) != content_digest({"text": "\udfff"})

@@ -674,3 +674,17 @@ def test_cache_is_per_encoding() -> None:
     cl100k = TokenCounter.for_model("gpt-4").item(chat_item(raw))
     assert o200k == TokenCounter.for_model("gpt-4o").chat_message(raw)
     assert cl100k == TokenCounter.for_model("gpt-4").chat_message(raw)
+
+
+def test_an_item_nested_past_the_structured_depth_is_counted_without_recursion() -> None:
+    from proxy.core.items import responses_item
+    from proxy.core.tokens import MAX_STRUCTURED_DEPTH, TokenCounter, nesting_depth
+
+    deep: list[object] = ["needle"]
+    for _ in range(400):  # the structured walk would need ~1,200 frames
+        deep = [deep]
+    item = responses_item({"type": "message", "role": "user", "content": deep})
+    assert nesting_depth(item.raw) > MAX_STRUCTURED_DEPTH
+    counter = TokenCounter.for_model("gpt-4o")
+    leaves = ("message", "user", "needle")  # every leaf's text, plus the message overhead
+    assert counter.item(item) == 3 + sum(counter.text(leaf) for leaf in leaves)

@@ -545,3 +545,26 @@ async def test_a_given_model_must_still_be_a_non_empty_string(proxy, model: Any)
         param="model",
         code="invalid_type" if model == 5 else "empty_string",
     )
+
+
+async def test_a_deep_provider_answer_is_kept_and_stays_listable(hostile) -> None:
+    """Request bodies stop at the door's limit; an answer the provider nests 600 deep is
+    still counted (no recursion) and listed back (no deep copy)."""
+    conv = await new_conversation(hostile)
+    deep = json.loads(nested(600))
+    output = {
+        "id": "msg_deep",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "ok", "annotations": [], "extra": deep}],
+    }
+    answer = {"id": "resp_up", "object": "response", "status": "completed", "output": [output]}
+    hostile.provider.script = [Reply(body=answer)]
+    body = {"model": "gpt-4o", "conversation": conv, "input": "go"}
+    response = await send(hostile, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    async with hostile.http() as http:
+        listed = await http.get(f"/v1/conversations/{conv}/items", headers=AUTH)
+    assert listed.status_code == 200, listed.text
+    assert listed.json()["data"][0]["content"][0]["extra"] == deep

@@ -156,7 +156,8 @@ def render_idempotency_key(rule: ToolRule, call: ToolCall) -> RenderedKey:
 
     Fallback, with `fallback=True` and a reason: no template; arguments that are not a
     JSON object; a placeholder whose argument is missing, null or "" (a key built from
-    "nothing" would make unrelated calls collide). The fallback key is
+    "nothing" would make unrelated calls collide); a rendered key holding a NUL or a lone
+    surrogate, which the stores cannot keep. The fallback key is
     `<tool>:sha256:<hex>` over the canonical JSON of the arguments (sorted keys, compact),
     or over the raw string when they do not parse, so only an identical call matches.
     """
@@ -170,11 +171,26 @@ def render_idempotency_key(rule: ToolRule, call: ToolCall) -> RenderedKey:
     if not isinstance(arguments, Mapping):
         return _fallback(call, f"arguments of {call.name} are not a JSON object")
     try:
-        return RenderedKey(_render(template, arguments), False, None)
+        key = _render(template, arguments)
     except _MissingArgument as missing:
         return _fallback(call, f"template {template!r}: argument {missing} is missing or empty")
     except (TypeError, ValueError) as exc:
         return _fallback(call, f"template {template!r} cannot render: {exc}")
+    if not _storable(key):
+        return _fallback(call, f"template {template!r} renders a NUL or a lone surrogate")
+    return RenderedKey(key, False, None)
+
+
+def _storable(key: str) -> bool:
+    """A key both stores can keep: PostgreSQL TEXT refuses NUL, and neither database
+    binds a lone surrogate (the model's JSON arguments may escape either)."""
+    if "\x00" in key:
+        return False
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _MissingArgument(LookupError):

@@ -482,3 +482,11 @@ def test_responses_outputs_in() -> None:
 def test_lone_surrogate_escapes_still_hash() -> None:
     # valid JSON a model can emit; a crash here would turn a tool call into a 500
     assert arguments_digest('{"b": 1, "a": "\\ud800"}') == arguments_digest('{"a":"\\ud800","b":1}')
+
+
+@pytest.mark.parametrize("order_id", ["A\\u0000B", "A\\ud800B"])
+def test_a_key_the_store_cannot_keep_falls_back_to_the_hash(order_id: str) -> None:
+    rendered = render_idempotency_key(REFUND, call(f'{{"order_id": "{order_id}"}}'))
+    assert rendered.fallback
+    assert rendered.key.startswith("refund_order:sha256:")
+    assert "NUL or a lone surrogate" in (rendered.reason or "")

@@ -568,3 +568,36 @@ async def test_a_deep_provider_answer_is_kept_and_stays_listable(hostile) -> Non
         listed = await http.get(f"/v1/conversations/{conv}/items", headers=AUTH)
     assert listed.status_code == 200, listed.text
     assert listed.json()["data"][0]["content"][0]["extra"] == deep
+
+
+REFUND_POLICY = """\
+tools:
+  refund_order:
+    side_effect: true
+    idempotency_key: "refund:{order_id}"
+"""
+REFUND_TOOL = {
+    "type": "function",
+    "name": "refund_order",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize("order_id", ["A\\u0000B", "A\\ud800B"], ids=["nul", "surrogate"])
+async def test_a_ledger_key_the_store_cannot_keep_falls_back_to_the_hash(
+    store_url: str, make_proxy, order_id: str
+) -> None:
+    """The model's arguments render the key; a NUL (PostgreSQL TEXT refuses it) or a lone
+    surrogate (neither database binds it) makes the key the hash of the arguments."""
+    proxy = await make_proxy(store_url=store_url, acme_extra=REFUND_POLICY)
+    arguments = '{"order_id": "' + order_id + '"}'
+    proxy.provider.script = [Reply(tool_calls=[("refund_order", arguments)])]
+    body = {"model": "gpt-4o", "input": "refund it", "tools": [REFUND_TOOL]}
+    response = await send(proxy, "/v1/responses", body)
+    assert response.status_code == 200, response.text
+    calls = [item for item in response.json()["output"] if item["type"] == "function_call"]
+    assert [call["arguments"] for call in calls] == [arguments]
+    async with proxy.http() as http:
+        listed = await http.get("/threadkeeper/v1/ledger", headers=AUTH)
+    keys = [entry["key"] for entry in listed.json()["data"]]
+    assert len(keys) == 1 and keys[0].startswith("refund_order:sha256:")

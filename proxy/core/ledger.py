@@ -398,6 +398,14 @@ _FAILED_STATES = frozenset({"failed", "error", "failure"})
 _FAILED_TEXT = re.compile(r"\s*(error|failed|exception|traceback)\b", re.IGNORECASE)
 
 
+def ledger_result(output: Any) -> str:
+    """What an entry keeps of the client's output (replayed to the model on a duplicate):
+    a string as is, anything else as canonical JSON. A NUL becomes U+FFFD: PostgreSQL
+    TEXT cannot hold it, and the provider got the output itself unchanged."""
+    text = output if isinstance(output, str) else canonical_json(output)
+    return text.replace("\x00", "\ufffd")
+
+
 def output_outcome(output: str | list[Any] | dict[str, Any]) -> Outcome:
     """Whether a client's tool output reports a failure (the ledger entry's end state).
 

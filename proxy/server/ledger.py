@@ -39,7 +39,6 @@ URL-encode them):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -48,12 +47,13 @@ import structlog
 from aiohttp import web
 
 from proxy.clock import utc_now
-from proxy.core.items import Api, Item, canonical_json, chat_item, responses_item
+from proxy.core.items import Api, Item, chat_item, responses_item
 from proxy.core.ledger import (
     Decision,
     ToolCall,
     ToolRule,
     decide,
+    ledger_result,
     ledger_scope,
     model_output,
     output_outcome,
@@ -135,7 +135,7 @@ class LedgerGuard:
             entry = await self.store.ledger_by_call(self.tenant, call_id)
             if entry is None or entry.status != "issued" or output is None:
                 continue
-            result = output if isinstance(output, str) else canonical_json(output)
+            result = ledger_result(output)
             await self.store.ledger_resolve(
                 self.tenant,
                 entry.scope,
@@ -452,8 +452,8 @@ async def resolve_entry(request: web.Request) -> web.Response:
     if status == "issued":
         raise invalid("'status' must be 'completed' or 'failed'.", "status", "invalid_value")
     result = body.get("result")
-    if result is not None and not isinstance(result, str):
-        result = json.dumps(result, ensure_ascii=False)
+    if result is not None:
+        result = ledger_result(result)
     entry = await _entry_or_404(request)
     resolved = await request.app[STORE].ledger_resolve(
         entry.tenant, entry.scope, entry.key, status=status, result=result, now=utc_now()

@@ -601,3 +601,26 @@ async def test_a_ledger_key_the_store_cannot_keep_falls_back_to_the_hash(
         listed = await http.get("/threadkeeper/v1/ledger", headers=AUTH)
     keys = [entry["key"] for entry in listed.json()["data"]]
     assert len(keys) == 1 and keys[0].startswith("refund_order:sha256:")
+
+
+async def test_a_tool_output_with_nul_completes_its_ledger_entry(
+    store_url: str, make_proxy
+) -> None:
+    """The client's output is the entry's result: a NUL in it is ordinary text to the
+    provider, and must not break the write on PostgreSQL."""
+    proxy = await make_proxy(store_url=store_url, acme_extra=REFUND_POLICY)
+    proxy.provider.script = [Reply(tool_calls=[("refund_order", '{"order_id": "A"}')])]
+    body = {"model": "gpt-4o", "input": "refund it", "tools": [REFUND_TOOL]}
+    first = await send(proxy, "/v1/responses", body)
+    assert first.status_code == 200, first.text
+    call = next(item for item in first.json()["output"] if item["type"] == "function_call")
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "ok\x00done"}
+    body = {**body, "previous_response_id": first.json()["id"], "input": [output]}
+    second = await send(proxy, "/v1/responses", body)
+    assert second.status_code == 200, second.text
+    assert proxy.provider.requests[-1].json["input"][-1]["output"] == "ok\x00done"
+    async with proxy.http() as http:
+        listed = await http.get("/threadkeeper/v1/ledger", headers=AUTH)
+    [entry] = listed.json()["data"]
+    assert entry["status"] == "completed"
+    assert entry["result"].startswith("ok") and entry["result"].endswith("done")

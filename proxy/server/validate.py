@@ -32,9 +32,10 @@ _TYPE_NAMES = {
 # low enough that nothing downstream (copies, token counting, the JSON encoder) runs out of
 # stack on a body that got in (issue 8, item 3).
 MAX_JSON_DEPTH = 128
-# Strings the store uses as keys: a NUL cannot be stored in a PostgreSQL TEXT column.
+# Strings the store uses as keys (a chat `name` names a legacy function call): a NUL
+# cannot be stored in a PostgreSQL TEXT column.
 STORE_KEY_FIELDS = frozenset(
-    {"id", "call_id", "tool_call_id", "item_id", "conversation", "previous_response_id"}
+    {"id", "call_id", "tool_call_id", "item_id", "conversation", "previous_response_id", "name"}
 )
 _SURROGATE = re.compile("[\ud800-\udfff]")
 Path = tuple[Any, ...]  # (parent path, key or index); () is the body itself
@@ -100,34 +101,32 @@ def too_deep() -> ApiError:
 
 def check_json_tree(body: JsonDict) -> None:
     """Depth, lone surrogates, non-finite numbers and NUL in store keys, walked without
-    recursion (the body may be exactly what a recursive walk cannot take)."""
+    recursion (the body may be exactly what a recursive walk cannot take). Containers
+    are visited in document order; scalars are checked where they sit."""
     stack: list[tuple[Any, int, Path]] = [(body, 1, ())]
     while stack:
         value, depth, path = stack.pop()
-        if isinstance(value, dict):
-            if depth > MAX_JSON_DEPTH:
-                raise too_deep()
-            for key in value:
-                if _SURROGATE.search(key):
-                    raise lone_surrogate(param_of(path), "an object key")
-            # pushed in reverse: popped in document order, so the first problem is named
-            stack.extend((value[key], depth + 1, (path, key)) for key in reversed(value))
-        elif isinstance(value, list):
-            if depth > MAX_JSON_DEPTH:
-                raise too_deep()
-            indexed = range(len(value) - 1, -1, -1)
-            stack.extend((value[index], depth + 1, (path, index)) for index in indexed)
-        elif isinstance(value, str):
-            _check_string(value, path)
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise unparsable(f"the number at '{param_of(path)}' is out of range")
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep()
+        entries = value.items() if isinstance(value, dict) else enumerate(value)
+        containers = []
+        for key, entry in entries:
+            if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                raise lone_surrogate(param_of(path), "an object key")
+            if isinstance(entry, dict | list):
+                containers.append((entry, depth + 1, (path, key)))
+            elif isinstance(entry, str):
+                _check_string(entry, key, path)
+            elif isinstance(entry, float) and not math.isfinite(entry):
+                raise unparsable(f"the number at '{param_of((path, key))}' is out of range")
+        stack.extend(reversed(containers))
 
 
-def _check_string(value: str, path: Path) -> None:
+def _check_string(value: str, key: str | int, parent: Path) -> None:
     if not value.isascii() and _SURROGATE.search(value):
-        raise lone_surrogate(param_of(path), "a string")
-    if "\x00" in value and path and path[1] in STORE_KEY_FIELDS:
-        raise nul_in_key(param_of(path))
+        raise lone_surrogate(param_of((parent, key)), "a string")
+    if key in STORE_KEY_FIELDS and "\x00" in value:
+        raise nul_in_key(param_of((parent, key)))
 
 
 def param_of(path: Path) -> str:
@@ -153,7 +152,7 @@ def lone_surrogate(param: str, where: str) -> ApiError:
 
 def nul_in_key(param: str) -> ApiError:
     return invalid(
-        f"Invalid '{param}': an id may not contain the NUL character (\\u0000).",
+        f"Invalid '{param}': the NUL character (\\u0000) is not allowed in ids and names.",
         param=param,
         code="invalid_value",
     )

@@ -315,6 +315,15 @@ NUL_CASES: list[tuple[str, str, Any, str]] = [
         "messages[1].tool_calls[0].id",
     ),
     (
+        "chat legacy function name",
+        "/v1/chat/completions",
+        {
+            "model": "gpt-4o",
+            "messages": [USER, {"role": "function", "name": "f\x00", "content": "r"}],
+        },
+        "messages[1].name",
+    ),
+    (
         "conversation item id",
         "/v1/conversations",
         {"items": [{"id": "msg_\x00", "role": "user", "content": "x"}]},

@@ -49,7 +49,7 @@ def _canonical_body(body: bytes) -> bytes:
     try:
         # surrogatepass: JSON may escape a lone surrogate ("\ud800"), which UTF-8 refuses
         return canonical_json(json.loads(body)).encode("utf-8", "surrogatepass")
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to canonicalize
         return body
 
 

@@ -633,3 +633,11 @@ async def test_a_tool_output_with_nul_completes_its_ledger_entry(
     [entry] = listed.json()["data"]
     assert entry["status"] == "completed"
     assert entry["result"].startswith("ok") and entry["result"].endswith("done")
+
+
+@pytest.mark.parametrize("depth", [900, 200_000])
+async def test_a_deep_body_with_an_idempotency_key_is_a_400(proxy, depth: int) -> None:
+    """The Idempotency-Key fingerprint reads the body before the handler's door does."""
+    headers = {**AUTH, "Idempotency-Key": "deep-1"}
+    body = b'{"model": "gpt-4o", "input": "hi", "x": ' + nested(depth) + b"}"
+    await assert_refused(proxy, "/v1/responses", body, code="json_too_deep", headers=headers)

@@ -2,7 +2,11 @@
 
 The proxy is never stricter than the provider on a stateless request: only what the
 provider would reject anyway, or what the proxy must read to do its job, is checked here.
-Unknown fields are forwarded untouched.
+Unknown fields are forwarded untouched. The exceptions keep the proxy itself safe: the
+nesting limit (MAX_JSON_DEPTH) and NUL in the ids and names the store keys rows by.
+
+`read_json_object` is the one door of every JSON route, and `url_keys_middleware` the
+one check of path and query values; both answer 400 before anything is written or sent.
 """
 
 from __future__ import annotations

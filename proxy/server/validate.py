@@ -175,8 +175,9 @@ async def url_keys_middleware(request: web.Request, handler: Handler) -> web.Str
 
 def duplicate_item(param: str, item_id: str) -> ApiError:
     """OpenAI's answer to an item id that is repeated, or already in the conversation."""
+    shown = item_id if len(item_id) <= 128 else item_id[:128] + "..."
     return invalid(
-        f"Duplicate item found with id {item_id}. Remove duplicate items from your input "
+        f"Duplicate item found with id {shown}. Remove duplicate items from your input "
         "and try again.",
         param=param,
         code="duplicate_item",

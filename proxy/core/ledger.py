@@ -157,7 +157,8 @@ def render_idempotency_key(rule: ToolRule, call: ToolCall) -> RenderedKey:
     Fallback, with `fallback=True` and a reason: no template; arguments that are not a
     JSON object; a placeholder whose argument is missing, null or "" (a key built from
     "nothing" would make unrelated calls collide); a rendered key holding a NUL or a lone
-    surrogate, which the stores cannot keep. The fallback key is
+    surrogate, or longer than MAX_KEY_LENGTH, which the stores cannot keep. The fallback
+    key is
     `<tool>:sha256:<hex>` over the canonical JSON of the arguments (sorted keys, compact),
     or over the raw string when they do not parse, so only an identical call matches.
     """
@@ -177,14 +178,20 @@ def render_idempotency_key(rule: ToolRule, call: ToolCall) -> RenderedKey:
     except (TypeError, ValueError) as exc:
         return _fallback(call, f"template {template!r} cannot render: {exc}")
     if not _storable(key):
-        return _fallback(call, f"template {template!r} renders a NUL or a lone surrogate")
+        return _fallback(
+            call, f"template {template!r} renders a NUL, a lone surrogate or an overlong key"
+        )
     return RenderedKey(key, False, None)
 
 
+MAX_KEY_LENGTH = 512
+
+
 def _storable(key: str) -> bool:
-    """A key both stores can keep: PostgreSQL TEXT refuses NUL, and neither database
-    binds a lone surrogate (the model's JSON arguments may escape either)."""
-    if "\x00" in key:
+    """A key both stores can keep: PostgreSQL TEXT refuses NUL and its index a key above
+    ~2.7 kB, and neither database binds a lone surrogate (the model's JSON arguments may
+    escape either)."""
+    if "\x00" in key or len(key) > MAX_KEY_LENGTH:
         return False
     try:
         key.encode("utf-8")

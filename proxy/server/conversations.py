@@ -35,6 +35,7 @@ from proxy.server.validate import (
     duplicate_item,
     list_of_objects,
     read_json_object,
+    too_long,
     wrong_type,
 )
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
@@ -300,15 +301,6 @@ def metadata_param(value: Any) -> dict[str, str]:
         if len(entry) > MAX_METADATA_VALUE:
             raise too_long(f"metadata.{key}", MAX_METADATA_VALUE, len(entry))
     return dict(value)
-
-
-def too_long(param: str, limit: int, length: int) -> ApiError:
-    return invalid(
-        f"Invalid '{param}': string too long. Expected a string with maximum length {limit}, "
-        f"but got a string with length {length} instead.",
-        param=param,
-        code="string_above_max_length",
-    )
 
 
 def items_param(value: Any, *, required: bool) -> list[JsonDict]:

@@ -3,7 +3,8 @@
 The proxy is never stricter than the provider on a stateless request: only what the
 provider would reject anyway, or what the proxy must read to do its job, is checked here.
 Unknown fields are forwarded untouched. The exceptions keep the proxy itself safe: the
-nesting limit (MAX_JSON_DEPTH) and NUL in the ids and names the store keys rows by.
+nesting limit (MAX_JSON_DEPTH), and NUL or more than MAX_KEY_LENGTH characters in the ids
+and names the store keys rows by.
 
 `read_json_object` is the one door of every JSON route, and `url_keys_middleware` the
 one check of path and query values; both answer 400 before anything is written or sent.
@@ -41,6 +42,9 @@ MAX_JSON_DEPTH = 128
 STORE_KEY_FIELDS = frozenset(
     {"id", "call_id", "tool_call_id", "item_id", "conversation", "previous_response_id", "name"}
 )
+# Their longest value: PostgreSQL refuses a btree index entry above ~2.7 kB (items are
+# unique by id), and 512 still takes any metadata value OpenAI allows under these names.
+MAX_KEY_LENGTH = 512
 _SURROGATE = re.compile("[\ud800-\udfff]")
 Path = tuple[Any, ...]  # (parent path, key or index); () is the body itself
 
@@ -50,8 +54,9 @@ async def read_json_object(request: web.Request) -> tuple[JsonDict, bytes]:
 
     The one door for every JSON route: what passes it is standard JSON (no NaN or
     Infinity, every number finite, integers within Python's 4,300 digits), nested at most
-    MAX_JSON_DEPTH levels, free of lone UTF-16 surrogates (in keys and values), and free of
-    NUL in the ids the store keys rows by. Anything else is a 400 before any work."""
+    MAX_JSON_DEPTH levels, free of lone UTF-16 surrogates (in keys and values), and the ids
+    the store keys rows by hold no NUL and at most MAX_KEY_LENGTH characters. Anything else
+    is a 400 before any work."""
     raw = await request.read()
     if not raw.strip():
         raise invalid(
@@ -129,8 +134,11 @@ def check_json_tree(body: JsonDict) -> None:
 def _check_string(value: str, key: str | int, parent: Path) -> None:
     if not value.isascii() and _SURROGATE.search(value):
         raise lone_surrogate(param_of((parent, key)), "a string")
-    if key in STORE_KEY_FIELDS and "\x00" in value:
-        raise nul_in_key(param_of((parent, key)))
+    if key in STORE_KEY_FIELDS:
+        if "\x00" in value:
+            raise nul_in_key(param_of((parent, key)))
+        if len(value) > MAX_KEY_LENGTH:
+            raise too_long(param_of((parent, key)), MAX_KEY_LENGTH, len(value))
 
 
 def param_of(path: Path) -> str:
@@ -171,6 +179,15 @@ async def url_keys_middleware(request: web.Request, handler: Handler) -> web.Str
         for name, value in (*request.match_info.items(), *request.query.items()):
             store_key(value, name)
     return await handler(request)
+
+
+def too_long(param: str, limit: int, length: int) -> ApiError:
+    return invalid(
+        f"Invalid '{param}': string too long. Expected a string with maximum length {limit}, "
+        f"but got a string with length {length} instead.",
+        param=param,
+        code="string_above_max_length",
+    )
 
 
 def duplicate_item(param: str, item_id: str) -> ApiError:

@@ -489,4 +489,4 @@ def test_a_key_the_store_cannot_keep_falls_back_to_the_hash(order_id: str) -> No
     rendered = render_idempotency_key(REFUND, call(f'{{"order_id": "{order_id}"}}'))
     assert rendered.fallback
     assert rendered.key.startswith("refund_order:sha256:")
-    assert "NUL or a lone surrogate" in (rendered.reason or "")
+    assert "NUL, a lone surrogate" in (rendered.reason or "")

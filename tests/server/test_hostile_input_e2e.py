@@ -27,6 +27,7 @@ from .pg import fresh_schema_url
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/json"}
 TABLES = ("threads", "items", "responses", "ledger", "idempotency")
 USER = {"role": "user", "content": "hi"}
+LONG_ID = "msg_" + "".join(f"{i:04x}" for i in range(2_000))  # 8 kB, hardly compressible
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -341,6 +342,26 @@ async def test_nul_in_an_id_is_a_400_before_any_write(
     await assert_refused(hostile, route, body, param=param, code="invalid_value")
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/responses", {"model": "gpt-4o", "input": [{**USER, "id": LONG_ID}]}, "input[0].id"),
+        ("/v1/conversations", {"items": [{**USER, "id": LONG_ID}]}, "items[0].id"),
+        (
+            "/v1/responses",
+            {"model": "gpt-4o", "previous_response_id": LONG_ID},
+            "previous_response_id",
+        ),
+    ],
+)
+async def test_an_id_too_long_for_the_store_index_is_a_400(
+    hostile, route: str, body: Any, param: str
+) -> None:
+    """PostgreSQL refuses an index entry above ~2.7 kB: items are unique by id."""
+    error = await assert_refused(hostile, route, body, param=param, code="string_above_max_length")
+    assert LONG_ID not in error["message"]
+
+
 async def test_nul_in_content_is_ordinary_text(hostile) -> None:
     conv = await new_conversation(hostile, [{"role": "user", "content": "a\x00b"}])
     body = {"model": "gpt-4o", "conversation": conv, "input": "c\x00d"}
@@ -592,7 +613,9 @@ REFUND_TOOL = {
 }
 
 
-@pytest.mark.parametrize("order_id", ["A\\u0000B", "A\\ud800B"], ids=["nul", "surrogate"])
+@pytest.mark.parametrize(
+    "order_id", ["A\\u0000B", "A\\ud800B", LONG_ID], ids=["nul", "surrogate", "long"]
+)
 async def test_a_ledger_key_the_store_cannot_keep_falls_back_to_the_hash(
     store_url: str, make_proxy, order_id: str
 ) -> None:

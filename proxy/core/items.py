@@ -29,6 +29,10 @@ OUTPUT_TO_CALL_TYPE: Mapping[str, str] = {
 }
 CALL_TYPES = frozenset(OUTPUT_TO_CALL_TYPE.values())
 
+# The longest id or key the stores index (items are unique by id, ledger entries by key):
+# PostgreSQL refuses a btree entry above ~2.7 kB, and 512 characters of UTF-8 stay below.
+MAX_KEY_LENGTH = 512
+
 # Roles whose text is instructions rather than conversation (SPEC section 5: pinned).
 INSTRUCTION_ROLES = frozenset({"system", "developer"})
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.core.items import Api, canonical_json, legacy_call_id, message_text
+from proxy.core.items import MAX_KEY_LENGTH, Api, canonical_json, legacy_call_id, message_text
 
 Scope = Literal["tenant", "thread"]
 OnDuplicate = Literal["replay", "block"]
@@ -182,9 +182,6 @@ def render_idempotency_key(rule: ToolRule, call: ToolCall) -> RenderedKey:
             call, f"template {template!r} renders a NUL, a lone surrogate or an overlong key"
         )
     return RenderedKey(key, False, None)
-
-
-MAX_KEY_LENGTH = 512
 
 
 def _storable(key: str) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.core.items import MAX_KEY_LENGTH
 from proxy.server.errors import ApiError, Handler, invalid
 
 JsonDict = dict[str, Any]
@@ -42,9 +43,7 @@ MAX_JSON_DEPTH = 128
 STORE_KEY_FIELDS = frozenset(
     {"id", "call_id", "tool_call_id", "item_id", "conversation", "previous_response_id", "name"}
 )
-# Their longest value: PostgreSQL refuses a btree index entry above ~2.7 kB (items are
-# unique by id), and 512 still takes any metadata value OpenAI allows under these names.
-MAX_KEY_LENGTH = 512
+# MAX_KEY_LENGTH (512) still takes any metadata value OpenAI allows under these names.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 Path = tuple[Any, ...]  # (parent path, key or index); () is the body itself
 

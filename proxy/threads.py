@@ -269,8 +269,9 @@ class ThreadService:
     async def first_taken_id(self, loaded: Loaded, raws: Sequence[Mapping[str, Any]]) -> int | None:
         """Index of the first raw item whose own id repeats an earlier one or one the
         thread's whole log holds (or a branch will copy): committing it would hit the
-        unique key, so the caller refuses the turn before the provider is called."""
-        given = [raw.get("id") for raw in raws]
+        unique key, so the caller refuses the turn before the provider is called. An
+        item_reference's id names an item the thread holds on purpose: it is skipped."""
+        given = [None if raw.get("type") == "item_reference" else raw.get("id") for raw in raws]
         ids = {i for i in given if isinstance(i, str) and i}
         held = {s.item_id for s in loaded.stored if s.item_id in ids}
         if loaded.thread is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +160,26 @@ def test_only_new_client_keeps_its_messages_but_not_a_repeated_system_prompt() -
 def test_empty_thread_takes_every_message() -> None:
     empty = Loaded("acme", "t1", "chat", None)
     assert new_chat_messages(empty, HISTORY) == HISTORY
+
+
+async def test_first_taken_id_reads_the_whole_log_and_skips_item_references(
+    tmp_path: Path,
+) -> None:
+    store = await open_store(f"sqlite:///{tmp_path / 'threads.db'}")
+    await store.migrate()
+    try:
+        old = NewItem("msg_old", {"id": "msg_old", "role": "user", "content": "x"}, "responses")
+        await store.create_thread("acme", "t1", kind="conversation", items=[old], now=NOW)
+        service = ThreadService(store, clock)
+        loaded = await service.load("acme", "t1")
+        assert loaded is not None
+        fresh = {"id": "msg_new", "role": "user", "content": "y"}
+        reference = {"type": "item_reference", "id": "msg_old"}
+        assert await service.first_taken_id(loaded, [fresh, reference]) is None
+        assert await service.first_taken_id(loaded, [fresh, {**fresh, "content": "z"}]) == 1
+        assert await service.first_taken_id(loaded, [fresh, {"id": "msg_old"}]) == 1
+        # a loaded window that no longer holds the item still finds it in the log
+        outside = replace(loaded, stored=(), items=())
+        assert await service.first_taken_id(outside, [{"id": "msg_old"}]) == 0
+    finally:
+        await store.close()

@@ -335,3 +335,39 @@ def _done_call() -> dict[str, Any]:
         "arguments": '{"order_id": 7}',
         "status": "completed",
     }
+
+
+class _CountingPattern:
+    """Stands in for the decoder's line-break pattern and counts the characters it scans."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.scanned = 0
+
+    def split(self, text: str) -> list[str]:
+        self.scanned += len(text)
+        result: list[str] = self.pattern.split(text)
+        return result
+
+
+def test_decoder_scans_a_long_line_once(monkeypatch) -> None:
+    # Regression (issue 8, item 14): the unterminated line was re-split on every chunk, so
+    # one 20 MB `data:` line cost minutes. The work must be linear in the bytes fed.
+    import proxy.sse
+
+    counting = _CountingPattern(proxy.sse._LINE_BREAK)
+    monkeypatch.setattr(proxy.sse, "_LINE_BREAK", counting)
+    body = b"data: " + b"x" * 2_000_000 + b"\n\n"
+    decoder = SSEDecoder()
+    events = [e for i in range(0, len(body), 16384) for e in decoder.feed(body[i : i + 16384])]
+    assert [len(e.data) for e in events] == [2_000_000]
+    assert counting.scanned <= 2 * len(body)  # quadratic re-scanning was ~60x this
+
+
+def test_a_20_mb_line_split_in_small_chunks_decodes_whole() -> None:
+    line = '{"a": "' + "y" * 20_000_000 + '"}'
+    body = f"data: {line}\n\ndata: [DONE]\n".encode()
+    decoder = SSEDecoder()
+    events = [e for i in range(0, len(body), 65536) for e in decoder.feed(body[i : i + 65536])]
+    events += decoder.flush()  # the stream ended right after the sentinel, no blank line
+    assert [e.data for e in events] == [line, "[DONE]"]

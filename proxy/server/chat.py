@@ -23,7 +23,7 @@ from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
+from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -281,10 +281,13 @@ class ChatTurn:
         if not choices or not isinstance(choices[0].get("message"), dict):
             return
         reply = chat_item(reply_message(choices[0]["message"]))
-        items = [
-            *new_items(self.new, self.counter, role="input"),
-            *new_items([reply], self.counter, role="output"),
-        ]
+        items = await off_the_loop(
+            lambda: [
+                *new_items(self.new, self.counter, role="input"),
+                *new_items([reply], self.counter, role="output"),
+            ],
+            reply.raw,
+        )
         await self.threads.commit(
             self.loaded,
             items,

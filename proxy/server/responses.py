@@ -40,7 +40,7 @@ from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
+from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -359,10 +359,13 @@ class ResponseTurn:
             return
         logged = log if log is not None else result.get("output") or ()
         outputs = [responses_item(raw) for raw in logged]
-        items = [
-            *new_items(self.new, self.counter, role="input", response_id=self.id),
-            *new_items(outputs, self.counter, role="output", response_id=self.id),
-        ]
+        items = await off_the_loop(
+            lambda: [
+                *new_items(self.new, self.counter, role="input", response_id=self.id),
+                *new_items(outputs, self.counter, role="output", response_id=self.id),
+            ],
+            list(logged),
+        )
         loaded = self.chain.loaded
         await self.threads.commit(
             loaded,
@@ -412,5 +415,9 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     else:
         counter = TokenCounter.for_model(body["model"])
         tools: list[dict[str, Any]] = list(body.get("tools") or [])
-        count = counter.responses_prompt(_input(body).items, body.get("instructions"), tools)
+        items = _input(body).items
+        instructions = body.get("instructions")
+        count = await off_the_loop(
+            lambda: counter.responses_prompt(items, instructions, tools), body
+        )
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

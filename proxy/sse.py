@@ -135,6 +135,44 @@ class SSEDecoder:
         return SSEEvent(event=event or None, data="\n".join(data), id=self._last_id, retry=retry)
 
 
+class EventFramer:
+    """Cuts a relayed byte stream at event boundaries (a blank line), so a relay hands the
+    client whole events only: a malformed or cut-off event is never half-sent, and an
+    error event written after it stays a clean event of its own.
+
+    >>> framer = EventFramer()
+    >>> framer.feed(b"data: 1\\n\\ndata: ")
+    b'data: 1\\n\\n'
+    >>> framer.feed(b"2\\n\\n")
+    b'data: 2\\n\\n'
+    """
+
+    _BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of the events this chunk completes (possibly none)."""
+        start = max(0, len(self._pending) - 3)  # a boundary may straddle two chunks
+        self._pending += chunk
+        cut = max(self._end_of_last(boundary, start) for boundary in self._BOUNDARIES)
+        if cut <= 0:
+            return b""
+        ready = bytes(self._pending[:cut])
+        del self._pending[:cut]
+        return ready
+
+    def rest(self) -> bytes:
+        """What is left at the end of the stream (an event without its final blank line)."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        return rest
+
+    def _end_of_last(self, boundary: bytes, start: int) -> int:
+        found = self._pending.rfind(boundary, start)
+        return found + len(boundary) if found >= 0 else 0
+
+
 def event_payload(event: SSEEvent) -> JsonDict | None:
     """The event's JSON object; None for `[DONE]` and empty data. Any other data is not
     what either API streams: BadAnswer."""

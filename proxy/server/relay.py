@@ -23,6 +23,7 @@ from proxy.server.errors import ApiError, error_body
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, SETTINGS, UPSTREAM
 from proxy.sse import (
     ChatStreamAccumulator,
+    EventFramer,
     ResponsesStreamAccumulator,
     SSEDecoder,
     SSEEvent,
@@ -248,15 +249,22 @@ async def _relay_stream(
     await response.prepare(request)
     decoder = SSEDecoder()
     accumulator = _accumulator(family)
+    framer = EventFramer() if accumulator is not None else None
     try:
         async for chunk in upstream.aiter_bytes():
-            if accumulator is not None:  # checked first: a malformed event is not relayed
-                for event in decoder.feed(chunk):
-                    accumulator.feed_event(event)
-            await response.write(chunk)
-        if accumulator is not None and family is not None:
+            if accumulator is None or framer is None:  # no API shape: bytes as they come
+                await response.write(chunk)
+                continue
+            # Checked first, relayed as whole events: a malformed event is never sent.
+            for event in decoder.feed(chunk):
+                accumulator.feed_event(event)
+            if ready := framer.feed(chunk):
+                await response.write(ready)
+        if accumulator is not None and framer is not None and family is not None:
             for event in decoder.flush():
                 accumulator.feed_event(event)
+            if rest := framer.rest():
+                await response.write(rest)
             await _end_stream(request, response, family, accumulator)
     except (ConnectionError, ApiError):
         raise

@@ -345,7 +345,10 @@ def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
 
 async def test_a_chat_stream_ended_by_eof_without_done_is_not_stored(proxy) -> None:
     # Regression (issue 8, item 12): a clean EOF before `[DONE]` was stored and replayed.
-    frames = [chat_chunk({"role": "assistant", "content": "Refund"}), chat_chunk({"content": " ok"})]
+    frames = [
+        chat_chunk({"role": "assistant", "content": "Refund"}),
+        chat_chunk({"content": " ok"}),
+    ]
     proxy.provider.script.append(Reply(frames=frames))
     body = {**CHAT, "stream": True}
     cut = await post(proxy, "/v1/chat/completions", body, "eof")

@@ -95,7 +95,8 @@ async def rebuild(
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
-    counter = TokenCounter.for_model(model)
+    # The first use of a vocabulary loads it (a third of a second): not on the loop.
+    counter = await asyncio.to_thread(TokenCounter.for_model, model)
     limits = policy.limits_for(model)
 
     def run() -> Projection:

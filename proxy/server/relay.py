@@ -1,7 +1,9 @@
 """Forwarding to the provider and relaying its answer back, streamed or not.
 
-Streams are relayed chunk by chunk as they arrive (never buffered to the end) and decoded
-on the side (proxy/sse.py) so the log line can carry the final usage. A client that goes
+Streams are relayed as they arrive (never buffered to the end), whole events at a time,
+and decoded on the side (proxy/sse.py) so the log line can carry the final usage. Every
+answer passes its API's shape check first (proxy/core/answers.py): a malformed one is a
+502, or in a stream an error event that ends it. A client that goes
 away cancels the handler (handler_cancellation) and with it the upstream request.
 """
 

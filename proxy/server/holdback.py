@@ -26,13 +26,13 @@ from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.errors import ApiError
 from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
 from proxy.server.relay import (
-    BAD_ANSWER,
+    bad_stream,
+    end_of_stream,
     is_event_stream,
     provider_answer,
     read_body,
     relay_headers,
     send_upstream,
-    stream_end_events,
     stream_error_event,
     stream_response,
 )
@@ -179,15 +179,11 @@ async def _relay_stream(
                 await response.write(frame)
         for frame in await holdback.end():
             await response.write(frame)
-        if frame := stream_end_events(guarded.family, holdback.upstream):
-            request[LOG_FIELDS]["stream_error"] = "cut_off"
-            await response.write(frame)
+        await end_of_stream(request, response, guarded.family, holdback.upstream)
     except (ConnectionError, ApiError):
         raise
     except BadAnswer as exc:  # the provider's event is not what its API streams
-        log.warning("upstream_bad_answer", problem=exc.problem)
-        request[LOG_FIELDS]["stream_error"] = BAD_ANSWER
-        await response.write(stream_error_event(guarded.family, str(exc), code=BAD_ANSWER))
+        await bad_stream(request, response, guarded.family, exc)
     except Exception as exc:  # the provider cut the stream, or the ledger failed
         log.warning("guarded_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)

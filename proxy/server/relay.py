@@ -215,16 +215,6 @@ def bad_answer(exc: BadAnswer) -> ApiError:
     return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
 
 
-def stream_end_events(
-    family: Family, accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator
-) -> bytes:
-    """At the provider's EOF: an error event when the stream stopped before its answer
-    said its last word (a chat `[DONE]`, a Responses terminal or error event)."""
-    if accumulator.ended:
-        return b""
-    return stream_error_event(family, "The provider's stream ended before its answer was complete.")
-
-
 async def relay_response(
     request: web.Request,
     upstream: UpstreamResponse,
@@ -249,29 +239,17 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     response = stream_response(request, status=upstream.status, headers=headers)
     await response.prepare(request)
-    decoder = SSEDecoder()
     accumulator = _accumulator(family)
-    framer = EventFramer() if accumulator is not None else None
     try:
-        async for chunk in upstream.aiter_bytes():
-            if accumulator is None or framer is None:  # no API shape: bytes as they come
+        if family is None or accumulator is None:  # no API shape: bytes as they come
+            async for chunk in upstream.aiter_bytes():
                 await response.write(chunk)
-                continue
-            # Checked first, relayed as whole events: a malformed event is never sent.
-            for event in decoder.feed(chunk):
-                accumulator.feed_event(event)
-            if ready := framer.feed(chunk):
-                await response.write(ready)
-        if accumulator is not None and framer is not None and family is not None:
-            for event in decoder.flush():
-                accumulator.feed_event(event)
-            if rest := framer.rest():
-                await response.write(rest)
-            await _end_stream(request, response, family, accumulator)
+        else:
+            await _relay_events(request, response, upstream, family, accumulator)
     except (ConnectionError, ApiError):
         raise
     except BadAnswer as exc:
-        await _bad_stream(request, response, family, exc)
+        await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream after we started relaying
         log.warning("upstream_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)
@@ -284,6 +262,30 @@ async def _relay_stream(
         _log_usage(request, family, _accumulated(accumulator))
     await response.write_eof()
     return response
+
+
+async def _relay_events(
+    request: web.Request,
+    response: web.StreamResponse,
+    upstream: UpstreamResponse,
+    family: Family,
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
+) -> None:
+    """The provider's bytes, each event checked before it is relayed (untouched), whole
+    events at a time: a malformed event is never sent, and an error event after it is a
+    clean event of its own."""
+    decoder = SSEDecoder()
+    framer = EventFramer()
+    async for chunk in upstream.aiter_bytes():
+        for event in decoder.feed(chunk):
+            accumulator.feed_event(event)
+        if ready := framer.feed(chunk):
+            await response.write(ready)
+    for event in decoder.flush():
+        accumulator.feed_event(event)
+    if rest := framer.rest():
+        await response.write(rest)
+    await end_of_stream(request, response, family, accumulator)
 
 
 class Keeper(Protocol):
@@ -342,11 +344,11 @@ async def _relay_kept_stream(
                 kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
         for event in decoder.flush():
             kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
-        await _end_stream(request, response, family, accumulator)
+        await end_of_stream(request, response, family, accumulator)
     except (ConnectionError, ApiError):
         raise
     except BadAnswer as exc:
-        await _bad_stream(request, response, family, exc)
+        await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream, or keeping the answer failed
         log.warning("upstream_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)
@@ -376,18 +378,22 @@ async def _relay_kept_event(
     return kept
 
 
-async def _end_stream(
+async def end_of_stream(
     request: web.Request,
     response: web.StreamResponse,
     family: Family,
     accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
 ) -> None:
-    if frame := stream_end_events(family, accumulator):
-        request[LOG_FIELDS]["stream_error"] = "cut_off"
-        await response.write(frame)
+    """At the provider's EOF: an error event when the stream stopped before its answer
+    said its last word (a chat `[DONE]`, a Responses terminal or error event)."""
+    if accumulator.ended:
+        return
+    request[LOG_FIELDS]["stream_error"] = "cut_off"
+    message = "The provider's stream ended before its answer was complete."
+    await response.write(stream_error_event(family, message))
 
 
-async def _bad_stream(
+async def bad_stream(
     request: web.Request, response: web.StreamResponse, family: Family | None, exc: BadAnswer
 ) -> None:
     """A malformed event: the client gets an error event naming it and the stream ends."""

@@ -284,3 +284,18 @@ async def test_a_storm_of_faults_leaves_the_proxy_serving(make_proxy) -> None:
     assert set(store_rows(proxy)["responses"]) == {"incomplete"}
     await assert_still_serving(proxy, flow)
     assert store_rows(proxy)["items"] == 2
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+async def test_a_stream_ending_without_its_final_blank_line_is_whole(make_proxy, flow: str) -> None:
+    # Some compatible servers stop right after the last `data:` line; the relays flush it.
+    chosen = FLOWS[flow]
+    proxy = await chaos_proxy(make_proxy, chosen)
+    frames = good_frames(chosen)
+    proxy.provider.script.append(Reply(frames=[*frames[:-1], frames[-1].removesuffix(b"\n")]))
+    response = await send(proxy, chosen, stream=True)
+    names = [name for name, _ in stream_events(response.content)]
+    datas = [data for _, data in stream_events(response.content)]
+    assert "upstream" not in response.text
+    assert datas[-1] == "[DONE]" if chosen.family == "chat" else names[-1] == "response.completed"
+    assert store_rows(proxy)["items"] == (2 if chosen.stateful else 0)

@@ -126,7 +126,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     thread_id = request.headers.get(THREAD_HEADER)
     if thread_id is not None:
         return await _threaded(request, body, thread_id_param(thread_id))
-    projection, _ = await _rebuild(request, body, items_from_chat(body["messages"]))
+    messages = body["messages"]
+    items = await off_the_loop(lambda: items_from_chat(messages), messages)
+    projection, _ = await _rebuild(request, body, items)
     if projection.changed:
         body["messages"] = chat_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
@@ -220,7 +222,8 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
             param=THREAD_HEADER,
             code="invalid_value",
         )
-    new = items_from_chat(new_chat_messages(loaded, body["messages"]))
+    messages = body["messages"]
+    new = await off_the_loop(lambda: items_from_chat(new_chat_messages(loaded, messages)), messages)
     guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(loaded.items, new)

@@ -114,9 +114,11 @@ def is_stateful(body: JsonDict) -> bool:
     return body.get("conversation") is not None or body.get("previous_response_id") is not None
 
 
-def _input(body: JsonDict) -> ResponsesInput:
+async def _input(body: JsonDict) -> ResponsesInput:
+    """The input as items (each digested: off the loop when the input is large)."""
     value = body.get("input")
-    return items_from_responses_input(value if value is not None else [])
+    given = value if value is not None else []
+    return await off_the_loop(lambda: items_from_responses_input(given), given)
 
 
 def is_reasoning_model(model: str) -> bool:
@@ -147,7 +149,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
-    parsed = _input(body)
+    parsed = await _input(body)
     projection, _ = await _rebuild(request, body, parsed.items)
     if projection.changed:
         body["input"] = responses_input_from_items(projection.items)
@@ -254,7 +256,7 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
 async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     threads = ThreadService(request.app[STORE], utc_now)
     chain = await resolve_chain(request, threads, body)
-    new: Sequence[Item] = _input(body).items
+    new: Sequence[Item] = (await _input(body)).items
     guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(chain.loaded.items, new)
@@ -410,12 +412,13 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         # The provider does not know our conversations: count what would be sent.
         threads = ThreadService(request.app[STORE], utc_now)
         chain = await resolve_chain(request, threads, body)
-        projection, _ = await _rebuild(request, body, _input(body).items, chain.loaded)
+        items = (await _input(body)).items
+        projection, _ = await _rebuild(request, body, items, chain.loaded)
         count = projection.report.prompt_tokens
     else:
         counter = TokenCounter.for_model(body["model"])
         tools: list[dict[str, Any]] = list(body.get("tools") or [])
-        items = _input(body).items
+        items = (await _input(body)).items
         instructions = body.get("instructions")
         count = await off_the_loop(
             lambda: counter.responses_prompt(items, instructions, tools), body

@@ -9,7 +9,8 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     projection under the budget               proxy/core/projection.py (blocks, compress)
     invariant check (never send a broken one) proxy/core/invariants.py
     forward upstream, retries                 proxy/upstream.py
-    relay (streams decoded on the side)       proxy/sse.py
+    check the answer's shape (else 502)       proxy/core/answers.py
+    relay (streams decoded on the side)       proxy/sse.py, proxy/server/relay.py
     log the budget breakdown, metrics         proxy/logs.py, proxy/metrics.py
 
 proxy/core/ is pure Python (no network, database, web framework, environment or clock),

@@ -55,7 +55,10 @@ class Reply:
     """One scripted answer to a model request (POST /v1/chat/completions or /v1/responses).
 
     `text` and `tool_calls` shape a normal answer; `body` replaces it with exact JSON;
-    `status >= 400` gives OpenAI's error envelope (message = `text` when set).
+    `status >= 400` gives OpenAI's error envelope (message = `text` when set). For
+    misbehaving providers: `raw` is the exact body bytes (sent as JSON; with
+    `disconnect_after`, the connection drops after that many bytes of a longer declared
+    Content-Length), `frames` the exact bytes of an event stream, one write each, then EOF.
     """
 
     status: int = 200
@@ -67,6 +70,8 @@ class Reply:
     stream_chunk_delay: float = 0.0  # between stream events
     disconnect_after: int | None = None  # streams: drop the connection after N events
     retry_after: str | None = None  # value of the Retry-After header
+    raw: bytes | None = None
+    frames: list[bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ class FakeProvider:
             return error_response(reply.status, reply.text, headers, reply.body)
         if reply.body is not None:
             return web.json_response(reply.body, status=reply.status, headers=headers)
+        if reply.raw is not None:
+            return await self._raw(request, reply, headers)
+        if reply.frames is not None:
+            return await self._stream(request, reply, headers, reply.frames)
         result = build(body, reply)
         if not body.get("stream"):
             return web.json_response(result, status=reply.status, headers=headers)
@@ -192,6 +201,22 @@ class FakeProvider:
                 await asyncio.sleep(reply.stream_chunk_delay)
             # One write per event: each reaches the socket as its own chunk.
             await response.write(frame)
+        await response.write_eof()
+        return response
+
+    async def _raw(
+        self, request: web.Request, reply: Reply, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        assert reply.raw is not None
+        response = web.StreamResponse(
+            status=reply.status, headers={"content-type": "application/json", **headers}
+        )
+        response.content_length = len(reply.raw)
+        await response.prepare(request)
+        if reply.disconnect_after is not None:
+            await response.write(reply.raw[: reply.disconnect_after])
+            return _drop_connection(request, response)
+        await response.write(reply.raw)
         await response.write_eof()
         return response
 

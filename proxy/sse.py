@@ -21,6 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.answers import BadAnswer, check_chat_chunk, check_response_event
+
 DONE = "[DONE]"
 
 JsonDict = dict[str, Any]
@@ -51,7 +53,7 @@ class SSEDecoder:
 
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._line = ""  # text of the current, unterminated line
+        self._pieces: list[str] = []  # text of the current, unterminated line, as received
         self._after_cr = False  # last char seen was CR: a following LF is the same break
         self._at_start = True  # a leading BOM is dropped once
         self._event: str | None = None
@@ -63,10 +65,10 @@ class SSEDecoder:
         return self._feed_text(self._utf8.decode(chunk))
 
     def flush(self) -> list[SSEEvent]:
+        """The events still pending at the end of the stream (see the class docstring)."""
         events = self._feed_text(self._utf8.decode(b"", final=True))
-        if self._line:
-            events.extend(self._process_line(self._line))
-            self._line = ""
+        if self._pieces:
+            events.extend(self._process_line(self._take_line("")))
         events.extend(self._process_line(""))
         return events
 
@@ -80,11 +82,25 @@ class SSEDecoder:
         if not text:
             return []
         self._after_cr = text.endswith("\r")
-        *complete, self._line = _LINE_BREAK.split(self._line + text)
-        events: list[SSEEvent] = []
+        # Only the new text is scanned for line breaks, so a line arriving in many chunks
+        # costs time linear in its length (a 20 MB `data:` line is one pass, not one per
+        # chunk).
+        first, *rest = _LINE_BREAK.split(text)
+        if not rest:
+            self._pieces.append(first)
+            return []
+        events = self._process_line(self._take_line(first))
+        *complete, last = rest
         for line in complete:
             events.extend(self._process_line(line))
+        if last:
+            self._pieces.append(last)
         return events
+
+    def _take_line(self, end: str) -> str:
+        line = "".join([*self._pieces, end])
+        self._pieces = []
+        return line
 
     def _process_line(self, line: str) -> list[SSEEvent]:
         if not line:
@@ -117,6 +133,58 @@ class SSEDecoder:
         if not data:
             return None
         return SSEEvent(event=event or None, data="\n".join(data), id=self._last_id, retry=retry)
+
+
+class EventFramer:
+    """Cuts a relayed byte stream at event boundaries (a blank line), so a relay hands the
+    client whole events only: a malformed or cut-off event is never half-sent, and an
+    error event written after it stays a clean event of its own.
+
+    >>> framer = EventFramer()
+    >>> framer.feed(b"data: 1\\n\\ndata: ")
+    b'data: 1\\n\\n'
+    >>> framer.feed(b"2\\n\\n")
+    b'data: 2\\n\\n'
+    """
+
+    _BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes of the events this chunk completes (possibly none)."""
+        start = max(0, len(self._pending) - 3)  # a boundary may straddle two chunks
+        self._pending += chunk
+        cut = max(self._end_of_last(boundary, start) for boundary in self._BOUNDARIES)
+        if cut <= 0:
+            return b""
+        ready = bytes(self._pending[:cut])
+        del self._pending[:cut]
+        return ready
+
+    def rest(self) -> bytes:
+        """What is left at the end of the stream (an event without its final blank line)."""
+        rest, self._pending = bytes(self._pending), bytearray()
+        return rest
+
+    def _end_of_last(self, boundary: bytes, start: int) -> int:
+        found = self._pending.rfind(boundary, start)
+        return found + len(boundary) if found >= 0 else 0
+
+
+def event_payload(event: SSEEvent) -> JsonDict | None:
+    """The event's JSON object; None for `[DONE]` and empty data. Any other data is not
+    what either API streams: BadAnswer."""
+    if not event.data or event.data == DONE:
+        return None
+    try:
+        payload = json.loads(event.data)
+    except ValueError:
+        raise BadAnswer("a stream event's data is not JSON") from None
+    if not isinstance(payload, dict):
+        raise BadAnswer("a stream event's data is not a JSON object")
+    return payload
 
 
 def encode_event(data: str, event: str | None = None) -> bytes:
@@ -231,8 +299,33 @@ class ChatStreamAccumulator:
         self._meta: JsonDict = {}
         self._choices: dict[int, _ChoiceState] = {}
         self.usage: JsonDict | None = None
+        self._done = False
+        self._errored = False  # a chunk carried an `error` instead of choices
+
+    def feed_event(self, event: SSEEvent) -> None:
+        """One decoded event: a chunk, or the `[DONE]` sentinel. BadAnswer when it is
+        neither (proxy/core/answers.py)."""
+        payload = event_payload(event)
+        if payload is not None:
+            self.feed(payload)
+        elif event.data == DONE:
+            self._done = True
+
+    @property
+    def ended(self) -> bool:
+        """Whether the stream said its last word: `[DONE]`, or an error chunk."""
+        return self._done or self._errored
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream was whole: every choice finished, then `[DONE]`."""
+        choices = self._choices.values()
+        return self._done and bool(choices) and all(c.finish_reason for c in choices)
 
     def feed(self, chunk: JsonDict) -> None:
+        check_chat_chunk(chunk)
+        if chunk.get("error") is not None:
+            self._errored = True
         for key in ("id", "model", "created", "system_fingerprint", "service_tier"):
             if chunk.get(key) is not None:
                 self._meta[key] = chunk[key]
@@ -281,11 +374,39 @@ class ResponsesStreamAccumulator:
         self._error: JsonDict | None = None
         self._items: dict[int, JsonDict] = {}  # in progress, rebuilt from deltas
         self._done: dict[int, JsonDict] = {}  # from response.output_item.done
+        self._terminal: str | None = None
+
+    def feed_event(self, event: SSEEvent) -> None:
+        """One decoded event (its name, else its `type`). BadAnswer when it is not one
+        (proxy/core/answers.py)."""
+        payload = event_payload(event)
+        if payload is not None:
+            self.feed(event.event or str(payload.get("type", "")), payload)
+
+    @property
+    def terminal(self) -> bool:
+        """Whether a terminal event (`response.completed` / `.incomplete` / `.failed`) came."""
+        return self._terminal is not None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the stream said its last word: a terminal event, or an error event."""
+        return self._terminal is not None or self._error is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the stream was whole: it ended with `response.completed` or
+        `.incomplete` (a `.failed` response or an error event is not a stored answer)."""
+        return (
+            self._terminal in ("response.completed", "response.incomplete") and self._error is None
+        )
 
     def feed(self, event_type: str, data: JsonDict) -> None:
+        check_response_event(event_type, data)
         if event_type in _SNAPSHOT_EVENTS:
             self._snapshot = data.get("response") or self._snapshot
         elif event_type in _FINAL_EVENTS:
+            self._terminal = event_type
             self._final = data.get("response")
             if event_type == "response.failed" and self._final and self._final.get("error"):
                 self._error = self._final["error"]
@@ -374,3 +495,20 @@ def _part(item: JsonDict, index: int, kind: str) -> JsonDict:
         content[index] = {"type": kind}
     part: JsonDict = content[index]
     return part
+
+
+# --- Completeness -------------------------------------------------------------------------
+
+
+def stream_finished(family: str, body: bytes) -> bool:
+    """Whether a whole SSE body (as a client received it) is a finished answer of that
+    API; a malformed one is not."""
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator
+    accumulator = ChatStreamAccumulator() if family == "chat" else ResponsesStreamAccumulator()
+    decoder = SSEDecoder()
+    try:
+        for event in [*decoder.feed(body), *decoder.flush()]:
+            accumulator.feed_event(event)
+    except BadAnswer:
+        return False
+    return accumulator.finished

@@ -6,16 +6,21 @@ import itertools
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core.answers import BadAnswer
 from proxy.sse import (
     DONE,
     ChatStreamAccumulator,
+    EventFramer,
     ResponsesStreamAccumulator,
     SSEDecoder,
     SSEEvent,
     encode_event,
+    encode_json_event,
+    stream_finished,
 )
 
 STREAM = (
@@ -335,3 +340,85 @@ def _done_call() -> dict[str, Any]:
         "arguments": '{"order_id": 7}',
         "status": "completed",
     }
+
+
+class _CountingPattern:
+    """Stands in for the decoder's line-break pattern and counts the characters it scans."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.scanned = 0
+
+    def split(self, text: str) -> list[str]:
+        self.scanned += len(text)
+        result: list[str] = self.pattern.split(text)
+        return result
+
+
+def test_decoder_scans_a_long_line_once(monkeypatch) -> None:
+    # Regression (issue 8, item 14): the unterminated line was re-split on every chunk, so
+    # one 20 MB `data:` line cost minutes. The work must be linear in the bytes fed.
+    import proxy.sse
+
+    counting = _CountingPattern(proxy.sse._LINE_BREAK)
+    monkeypatch.setattr(proxy.sse, "_LINE_BREAK", counting)
+    body = b"data: " + b"x" * 2_000_000 + b"\n\n"
+    decoder = SSEDecoder()
+    events = [e for i in range(0, len(body), 16384) for e in decoder.feed(body[i : i + 16384])]
+    assert [len(e.data) for e in events] == [2_000_000]
+    assert counting.scanned <= 2 * len(body)  # quadratic re-scanning was ~60x this
+
+
+def test_a_20_mb_line_split_in_small_chunks_decodes_whole() -> None:
+    line = '{"a": "' + "y" * 20_000_000 + '"}'
+    body = f"data: {line}\n\ndata: [DONE]\n".encode()
+    decoder = SSEDecoder()
+    events = [e for i in range(0, len(body), 65536) for e in decoder.feed(body[i : i + 65536])]
+    events += decoder.flush()  # the stream ended right after the sentinel, no blank line
+    assert [e.data for e in events] == [line, "[DONE]"]
+
+
+def test_framer_hands_out_whole_events_only() -> None:
+    framer = EventFramer()
+    assert framer.feed(b"data: 1\n\ndata: 2") == b"data: 1\n\n"
+    assert framer.feed(b"2\r") == b""
+    assert framer.feed(b"\n\r\ndata: 3") == b"data: 22\r\n\r\n"  # a boundary across chunks
+    assert framer.feed(b"\n") == b""
+    assert framer.rest() == b"data: 3\n"  # the end of a stream without its blank line
+    assert framer.rest() == b""
+
+
+@given(st.lists(st.binary(max_size=40), max_size=20))
+def test_framer_loses_and_reorders_nothing(chunks: list[bytes]) -> None:
+    framer = EventFramer()
+    out = b"".join(framer.feed(chunk) for chunk in chunks) + framer.rest()
+    assert out == b"".join(chunks)
+
+
+def test_accumulators_say_when_a_stream_is_finished() -> None:
+    chat = ChatStreamAccumulator()
+    chat.feed_event(SSEEvent(None, json.dumps({"choices": [{"index": 0, "delta": {}}]})))
+    chat.feed_event(SSEEvent(None, DONE))
+    assert chat.ended and not chat.finished  # [DONE] without a finish_reason
+    responses = ResponsesStreamAccumulator()
+    responses.feed_event(SSEEvent("response.created", json.dumps({"response": {"output": []}})))
+    assert not responses.ended and not responses.finished
+    done = {"type": "response.completed", "response": {"output": [], "status": "completed"}}
+    responses.feed_event(SSEEvent(None, json.dumps(done)))
+    assert responses.ended and responses.finished
+
+
+def test_events_that_are_not_json_objects_are_bad_answers() -> None:
+    for data in ("{not json", "42", '"text"'):
+        with pytest.raises(BadAnswer):
+            ChatStreamAccumulator().feed_event(SSEEvent(None, data))
+    ChatStreamAccumulator().feed_event(SSEEvent(None, ""))  # empty data: nothing to read
+
+
+def test_stream_finished_judges_a_whole_body() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}
+    whole = encode_json_event(chunk) + encode_event(DONE)
+    assert stream_finished("chat", whole)
+    assert not stream_finished("chat", encode_json_event(chunk))  # cut before [DONE]
+    assert not stream_finished("chat", whole + b"data: {bad\n\n")
+    assert not stream_finished("responses", encode_json_event({"type": "response.created"}))

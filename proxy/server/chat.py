@@ -23,7 +23,7 @@ from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
+from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -128,7 +128,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     thread_id = request.headers.get(THREAD_HEADER)
     if thread_id is not None:
         return await _threaded(request, body, thread_id_param(thread_id))
-    projection, _ = await _rebuild(request, body, items_from_chat(body["messages"]))
+    messages = body["messages"]
+    items = await off_the_loop(lambda: items_from_chat(messages), messages)
+    projection, _ = await _rebuild(request, body, items)
     if projection.changed:
         body["messages"] = chat_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
@@ -222,10 +224,11 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
             param=THREAD_HEADER,
             code="invalid_value",
         )
-    new = items_from_chat(new_chat_messages(loaded, body["messages"]))
+    messages = body["messages"]
+    new = await off_the_loop(lambda: items_from_chat(new_chat_messages(loaded, messages)), messages)
     taken = await threads.first_taken_id(loaded, [item.raw for item in new])
     if taken is not None:  # `new` is a suffix of the request's messages
-        index = len(body["messages"]) - len(new) + taken
+        index = len(messages) - len(new) + taken
         raise duplicate_item(f"messages[{index}].id", new[taken].raw["id"])
     guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
     if guard.active:
@@ -287,10 +290,13 @@ class ChatTurn:
         if not choices or not isinstance(choices[0].get("message"), dict):
             return
         reply = chat_item(reply_message(choices[0]["message"]))
-        items = [
-            *new_items(self.new, self.counter, role="input"),
-            *new_items([reply], self.counter, role="output"),
-        ]
+        items = await off_the_loop(
+            lambda: [
+                *new_items(self.new, self.counter, role="input"),
+                *new_items([reply], self.counter, role="output"),
+            ],
+            reply.raw,
+        )
         await self.threads.commit(
             self.loaded,
             items,

@@ -21,11 +21,15 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from proxy.core.answers import BadAnswer, check_answer
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.errors import ApiError
 from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
 from proxy.server.relay import (
+    bad_stream,
+    end_of_stream,
     is_event_stream,
+    provider_answer,
     read_body,
     relay_headers,
     send_upstream,
@@ -42,6 +46,7 @@ from proxy.sse import (
     SSEEvent,
     encode_event,
     encode_json_event,
+    event_payload,
 )
 from proxy.upstream import UpstreamResponse, UpstreamUnavailable
 
@@ -98,10 +103,14 @@ class Guarded:
         except (ApiError, UpstreamUnavailable) as exc:
             log.warning("ledger_continuation_failed", error=repr(exc))
             return None
-        if upstream.status >= 400 or not isinstance(answer, dict):
+        if upstream.status >= 400:
             log.warning("ledger_continuation_failed", status=upstream.status)
             return None
-        return answer
+        try:
+            return check_answer(self.family, answer)
+        except BadAnswer as exc:
+            log.warning("ledger_continuation_failed", problem=exc.problem)
+            return None
 
     async def settle(self, answer: JsonDict, verdicts: Sequence[Verdict] | None) -> Settled:
         return await settle(
@@ -130,9 +139,9 @@ async def relay_guarded(
     if is_event_stream(upstream):
         return await _relay_stream(upstream, guarded, headers)
     body = await read_body(upstream)
-    answer = _json_or_none(body)
-    if upstream.status >= 400 or not isinstance(answer, dict):
+    if upstream.status >= 400:
         return web.Response(status=upstream.status, body=body, headers=headers)
+    answer = provider_answer(guarded.family, body)
     settled = await guarded.settle(answer, None)
     final = await guarded.keep(settled.answer, settled.log if settled.withheld else None)
     body = json.dumps(final, ensure_ascii=False).encode()
@@ -140,6 +149,11 @@ async def relay_guarded(
 
 
 class Holdback(Protocol):
+    @property
+    def upstream(self) -> ChatStreamAccumulator | ResponsesStreamAccumulator:
+        """What the provider streamed so far."""
+        ...
+
     async def event(self, event: SSEEvent) -> list[bytes]: ...
 
     async def end(self) -> list[bytes]: ...
@@ -165,8 +179,11 @@ async def _relay_stream(
                 await response.write(frame)
         for frame in await holdback.end():
             await response.write(frame)
+        await end_of_stream(request, response, guarded.family, holdback.upstream)
     except (ConnectionError, ApiError):
         raise
+    except BadAnswer as exc:  # the provider's event is not what its API streams
+        await bad_stream(request, response, guarded.family, exc)
     except Exception as exc:  # the provider cut the stream, or the ledger failed
         log.warning("guarded_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)
@@ -205,12 +222,12 @@ class ChatHoldback:
         return [v for v in self.verdicts if v.withheld]
 
     async def event(self, event: SSEEvent) -> list[bytes]:
+        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
         if event.data == DONE:
             return await self._done()
-        chunk = _json_or_none(event.data.encode())
-        if not isinstance(chunk, dict):
-            return [encode_event(event.data, event.event)]
-        self.upstream.feed(chunk)
+        chunk = event_payload(event)
+        if chunk is None:
+            return []
         self.base.update({k: chunk[k] for k in CHUNK_META if k in chunk})
         frames: list[bytes] = []
         choices: list[JsonDict] = []
@@ -371,11 +388,11 @@ class ResponsesHoldback:
         self.response_id: str | None = guarded.response_id
 
     async def event(self, event: SSEEvent) -> list[bytes]:
-        data = _json_or_none(event.data.encode())
-        if not isinstance(data, dict):
-            return [encode_event(event.data, event.event)]
+        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
+        data = event_payload(event)
+        if data is None:
+            return [encode_event(event.data, event.event)] if event.data else []
         kind = event.event or str(data.get("type", ""))
-        self.upstream.feed(kind, data)
         if kind in TERMINALS:
             return await self._terminal(kind, data)
         if kind in SNAPSHOTS and isinstance(data.get("response"), dict):

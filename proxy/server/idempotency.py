@@ -21,8 +21,10 @@ is the edge that reads the request, talks to the store and records the response.
   `Retry-After: 1`.
 - **Stored:** 2xx and 4xx answers, the provider's 4xx included (an answer about the
   request itself, Stripe does the same). **Not stored** (the record is dropped and a
-  retry runs again): 5xx, 408, 425 and 429 (transient, `should_store`), a stream the
-  provider cut off (it ended with an error event), a request the proxy itself refused
+  retry runs again): 5xx, 408, 425 and 429 (transient, `should_store`), a stream that
+  is not a finished answer (Chat: every choice has its finish_reason, then `[DONE]`;
+  Responses: `response.completed` or `.incomplete`; judged on the bytes the client got by
+  proxy/sse.py's accumulators, so an EOF cut or an error event is never kept), a request the proxy itself refused
   before any work (validation, auth, conflicts: Stripe does not save a request that
   "never began execution", and SPEC section 1 says bad input changes nothing in the
   store), an unexpected exception, and a client that went away mid-request.
@@ -64,6 +66,7 @@ from proxy.core.idempotency import (
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
 from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
+from proxy.sse import stream_finished
 from proxy.store.base import IdempotencyRecord, Store
 
 log = structlog.get_logger("threadkeeper.idempotency")
@@ -75,6 +78,8 @@ PURGE_INTERVAL_SECONDS = 60.0
 MAX_BUFFERED_PASSTHROUGH_BODY = 1024 * 1024
 KEYED_PREFIXES = ("/v1/", "/threadkeeper/v1/")
 NOT_REPLAYED = HOP_BY_HOP | {"date", "server", "x-threadkeeper-request-id", REPLAYED.lower()}
+# Routes whose streams are a model answer that must be finished to be kept.
+STREAM_FAMILIES = {"chat.completions": "chat", "responses": "responses"}
 
 StoredResponse = tuple[int, list[tuple[str, str]], bytes]
 
@@ -173,10 +178,17 @@ def stored_response(
         content = bytes(body or b"")
     elif response.prepared and tap:
         content = b"".join(tap)
+        if not _finished_stream(request, content):
+            return None
     else:
         return None  # a stream written past the relay's tap: we do not have its bytes
     headers = [(k, v) for k, v in response.headers.items() if k.lower() not in NOT_REPLAYED]
     return response.status, headers, content
+
+
+def _finished_stream(request: web.Request, content: bytes) -> bool:
+    family = STREAM_FAMILIES.get(request.match_info.route.name or "")
+    return family is None or stream_finished(family, content)
 
 
 def replayed_response(record: IdempotencyRecord) -> web.Response:

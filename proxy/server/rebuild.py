@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -32,8 +32,41 @@ from proxy.server.errors import ApiError
 from proxy.server.state import METRICS, TENANT_POLICY
 from proxy.threads import Loaded
 
-# Below this many items a projection costs well under a millisecond: not worth a thread.
+# Below this many items and characters a count or projection costs well under a
+# millisecond: not worth a thread. Above, it runs in a worker thread (tiktoken's encoder
+# releases the GIL) so the event loop keeps serving: an 8 MB message took seconds.
 INLINE_ITEMS = 64
+INLINE_CHARS = 64 * 1024
+
+T = TypeVar("T")
+
+
+async def off_the_loop(work: Callable[[], T], *reads: Any) -> T:
+    """`work()` (a token count or a projection over `reads`): inline when what it reads is
+    small, else in a worker thread."""
+    if is_small(reads):
+        return work()
+    return await asyncio.to_thread(work)
+
+
+def is_small(value: Any, limit: int = INLINE_CHARS) -> bool:
+    """Whether the strings and containers in `value` (JSON-like) add up to at most `limit`;
+    stops walking as soon as they do not."""
+    stack = [value]
+    size = 0
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            size += len(node)
+        elif isinstance(node, dict):
+            size += 1
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            size += 1
+            stack.extend(node)
+        if size > limit:
+            return False
+    return True
 
 
 def projection_policy(policy: Policy) -> ProjectionPolicy:
@@ -62,7 +95,8 @@ async def rebuild(
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
-    counter = TokenCounter.for_model(model)
+    # The first use of a vocabulary loads it (a third of a second): not on the loop.
+    counter = await asyncio.to_thread(TokenCounter.for_model, model)
     limits = policy.limits_for(model)
 
     def run() -> Projection:
@@ -86,10 +120,10 @@ async def rebuild(
 
     started = time.perf_counter()
     try:
-        if len(items) <= INLINE_ITEMS:
-            projection = run()
-        else:
+        if len(items) > INLINE_ITEMS:
             projection = await asyncio.to_thread(run)
+        else:
+            projection = await off_the_loop(run, [i.raw for i in items], tools, instructions)
     except ContextLengthExceeded as exc:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
     if metrics is not None:

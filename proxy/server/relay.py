@@ -1,7 +1,9 @@
 """Forwarding to the provider and relaying its answer back, streamed or not.
 
-Streams are relayed chunk by chunk as they arrive (never buffered to the end) and decoded
-on the side (proxy/sse.py) so the log line can carry the final usage. A client that goes
+Streams are relayed as they arrive (never buffered to the end), whole events at a time,
+and decoded on the side (proxy/sse.py) so the log line can carry the final usage. Every
+answer passes its API's shape check first (proxy/core/answers.py): a malformed one is a
+502, or in a stream an error event that ends it. A client that goes
 away cancels the handler (handler_cancellation) and with it the upstream request.
 """
 
@@ -16,11 +18,19 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.core.answers import BadAnswer, check_answer
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
 from proxy.server.errors import ApiError, error_body
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, SETTINGS, UPSTREAM
-from proxy.sse import ChatStreamAccumulator, ResponsesStreamAccumulator, SSEDecoder, encode_event
+from proxy.sse import (
+    ChatStreamAccumulator,
+    EventFramer,
+    ResponsesStreamAccumulator,
+    SSEDecoder,
+    SSEEvent,
+    encode_event,
+)
 from proxy.upstream import RetrySettings, UpstreamRequest, UpstreamResponse, UpstreamUnavailable
 
 log = structlog.get_logger("threadkeeper.relay")
@@ -185,6 +195,26 @@ def upstream_error(exc: UpstreamUnavailable) -> ApiError:
     return ApiError(exc.status, exc.message, type="server_error", code="upstream_unavailable")
 
 
+BAD_ANSWER = "bad_upstream_answer"
+
+
+def provider_answer(family: Family, body: bytes) -> dict[str, Any]:
+    """A successful non-streamed answer, parsed and checked (proxy/core/answers.py): the
+    one gate before any flow reads or keeps it. A malformed one is a 502."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):
+        raise bad_answer(BadAnswer("it is not JSON")) from None
+    try:
+        return check_answer(family, answer)
+    except BadAnswer as exc:
+        raise bad_answer(exc) from None
+
+
+def bad_answer(exc: BadAnswer) -> ApiError:
+    return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
+
+
 async def relay_response(
     request: web.Request,
     upstream: UpstreamResponse,
@@ -196,7 +226,7 @@ async def relay_response(
     if not is_event_stream(upstream):
         body = await read_body(upstream)
         if family is not None and upstream.status < 400:
-            _log_usage(request, family, _json_or_none(body))
+            _log_usage(request, family, provider_answer(family, body))
         return web.Response(status=upstream.status, body=body, headers=headers)
     return await _relay_stream(request, upstream, family, headers)
 
@@ -209,16 +239,17 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     response = stream_response(request, status=upstream.status, headers=headers)
     await response.prepare(request)
-    decoder = SSEDecoder()
     accumulator = _accumulator(family)
     try:
-        async for chunk in upstream.aiter_bytes():
-            await response.write(chunk)
-            if accumulator is not None:
-                for event in decoder.feed(chunk):
-                    _feed(accumulator, event.event, event.data)
+        if family is None or accumulator is None:  # no API shape: bytes as they come
+            async for chunk in upstream.aiter_bytes():
+                await response.write(chunk)
+        else:
+            await _relay_events(request, response, upstream, family, accumulator)
     except (ConnectionError, ApiError):
         raise
+    except BadAnswer as exc:
+        await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream after we started relaying
         log.warning("upstream_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)
@@ -231,6 +262,30 @@ async def _relay_stream(
         _log_usage(request, family, _accumulated(accumulator))
     await response.write_eof()
     return response
+
+
+async def _relay_events(
+    request: web.Request,
+    response: web.StreamResponse,
+    upstream: UpstreamResponse,
+    family: Family,
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
+) -> None:
+    """The provider's bytes, each event checked before it is relayed (untouched), whole
+    events at a time: a malformed event is never sent, and an error event after it is a
+    clean event of its own."""
+    decoder = SSEDecoder()
+    framer = EventFramer()
+    async for chunk in upstream.aiter_bytes():
+        for event in decoder.feed(chunk):
+            accumulator.feed_event(event)
+        if ready := framer.feed(chunk):
+            await response.write(ready)
+    for event in decoder.flush():
+        accumulator.feed_event(event)
+    if rest := framer.rest():
+        await response.write(rest)
+    await end_of_stream(request, response, family, accumulator)
 
 
 class Keeper(Protocol):
@@ -261,8 +316,8 @@ async def relay_kept(
     if is_event_stream(upstream):
         return await _relay_kept_stream(request, upstream, family, headers, keeper)
     body = await read_body(upstream)
-    payload = _json_or_none(body)
-    if upstream.status < 400 and isinstance(payload, dict):
+    if upstream.status < 400:
+        payload = provider_answer(family, body)
         _log_usage(request, family, payload)
         payload = keeper.rewrite(payload)
         await keeper.keep(payload)
@@ -286,13 +341,14 @@ async def _relay_kept_stream(
     try:
         async for chunk in upstream.aiter_bytes():
             for event in decoder.feed(chunk):
-                final = _final_answer(accumulator, event.event, event.data)
-                if final is not None and not kept:
-                    await keeper.keep(keeper.rewrite(final))
-                    kept = True
-                await response.write(_rewritten_event(family, event.event, event.data, keeper))
+                kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
+        for event in decoder.flush():
+            kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
+        await end_of_stream(request, response, family, accumulator)
     except (ConnectionError, ApiError):
         raise
+    except BadAnswer as exc:
+        await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream, or keeping the answer failed
         log.warning("upstream_stream_broken", error=repr(exc))
         request[LOG_FIELDS]["stream_error"] = repr(exc)
@@ -304,23 +360,57 @@ async def _relay_kept_stream(
     return response
 
 
+async def _relay_kept_event(
+    response: web.StreamResponse,
+    family: Family,
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
+    keeper: Keeper,
+    event: SSEEvent,
+    kept: bool,
+) -> bool:
+    """Relays one event, keeping the answer first when this event ends it; whether the
+    answer is kept now."""
+    final = _final_answer(accumulator, event)
+    if final is not None and not kept:
+        await keeper.keep(keeper.rewrite(final))
+        kept = True
+    await response.write(_rewritten_event(family, event.event, event.data, keeper))
+    return kept
+
+
+async def end_of_stream(
+    request: web.Request,
+    response: web.StreamResponse,
+    family: Family,
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
+) -> None:
+    """At the provider's EOF: an error event when the stream stopped before its answer
+    said its last word (a chat `[DONE]`, a Responses terminal or error event)."""
+    if accumulator.ended:
+        return
+    request[LOG_FIELDS]["stream_error"] = "cut_off"
+    message = "The provider's stream ended before its answer was complete."
+    await response.write(stream_error_event(family, message))
+
+
+async def bad_stream(
+    request: web.Request, response: web.StreamResponse, family: Family | None, exc: BadAnswer
+) -> None:
+    """A malformed event: the client gets an error event naming it and the stream ends."""
+    log.warning("upstream_bad_answer", problem=exc.problem)
+    request[LOG_FIELDS]["stream_error"] = BAD_ANSWER
+    await response.write(stream_error_event(family, str(exc), code=BAD_ANSWER))
+
+
 def _final_answer(
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: str | None, data: str
+    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: SSEEvent
 ) -> dict[str, Any] | None:
     """Feeds one event; the whole answer once this event ends it (a chat stream's [DONE]
     after a finish_reason, a Responses terminal event)."""
-    _feed(accumulator, event, data)
+    accumulator.feed_event(event)
     if isinstance(accumulator, ChatStreamAccumulator):
-        if data != "[DONE]":
-            return None
-        result = accumulator.result()
-        finished = result["choices"] and all(c["finish_reason"] for c in result["choices"])
-        return result if finished else None
-    payload = _json_or_none(data.encode())
-    kind = event or (payload.get("type") if isinstance(payload, dict) else None)
-    if kind in ("response.completed", "response.incomplete", "response.failed"):
-        return accumulator.result()
-    return None
+        return accumulator.result() if accumulator.finished and event.data == "[DONE]" else None
+    return accumulator.result() if accumulator.terminal else None
 
 
 def _rewritten_event(family: Family, event: str | None, data: str, keeper: Keeper) -> bytes:
@@ -333,9 +423,11 @@ def _rewritten_event(family: Family, event: str | None, data: str, keeper: Keepe
     return encode_event(data, event=event)
 
 
-def stream_error_event(family: Family | None, message: str) -> bytes:
+def stream_error_event(
+    family: Family | None, message: str, code: str = "upstream_stream_error"
+) -> bytes:
     """An error event in the shape each API's clients parse."""
-    error = error_body(message, "server_error", None, "upstream_stream_error")["error"]
+    error = error_body(message, "server_error", None, code)["error"]
     if family == "responses":
         # The spec's flat fields, plus the nested object the SDKs read.
         payload: dict[str, Any] = {
@@ -357,20 +449,6 @@ def _accumulator(
     if family == "responses":
         return ResponsesStreamAccumulator()
     return None
-
-
-def _feed(
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: str | None, data: str
-) -> None:
-    if not data or data == "[DONE]":
-        return
-    payload = _json_or_none(data.encode())
-    if not isinstance(payload, dict):
-        return
-    if isinstance(accumulator, ChatStreamAccumulator):
-        accumulator.feed(payload)
-    else:
-        accumulator.feed(event or str(payload.get("type", "")), payload)
 
 
 def _accumulated(accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator) -> Any:

@@ -40,7 +40,7 @@ from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
-from proxy.server.rebuild import budget_log_fields, context_headers, rebuild_turn
+from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -116,9 +116,11 @@ def is_stateful(body: JsonDict) -> bool:
     return body.get("conversation") is not None or body.get("previous_response_id") is not None
 
 
-def _input(body: JsonDict) -> ResponsesInput:
+async def _input(body: JsonDict) -> ResponsesInput:
+    """The input as items (each digested: off the loop when the input is large)."""
     value = body.get("input")
-    return items_from_responses_input(value if value is not None else [])
+    given = value if value is not None else []
+    return await off_the_loop(lambda: items_from_responses_input(given), given)
 
 
 def budget_model(body: JsonDict) -> str:
@@ -155,7 +157,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
-    parsed = _input(body)
+    parsed = await _input(body)
     projection, _ = await _rebuild(request, body, parsed.items)
     if projection.changed:
         body["input"] = responses_input_from_items(projection.items)
@@ -266,7 +268,7 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     taken = await threads.first_taken_id(chain.loaded, raws)
     if taken is not None:
         raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
-    new: Sequence[Item] = _input(body).items
+    new: Sequence[Item] = (await _input(body)).items
     guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(chain.loaded.items, new)
@@ -371,10 +373,13 @@ class ResponseTurn:
             return
         logged = log if log is not None else result.get("output") or ()
         outputs = [responses_item(raw) for raw in logged]
-        items = [
-            *new_items(self.new, self.counter, role="input", response_id=self.id),
-            *new_items(outputs, self.counter, role="output", response_id=self.id),
-        ]
+        items = await off_the_loop(
+            lambda: [
+                *new_items(self.new, self.counter, role="input", response_id=self.id),
+                *new_items(outputs, self.counter, role="output", response_id=self.id),
+            ],
+            list(logged),
+        )
         loaded = self.chain.loaded
         await self.threads.commit(
             loaded,
@@ -416,10 +421,15 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         # The provider does not know our conversations: count what would be sent.
         threads = ThreadService(request.app[STORE], utc_now)
         chain = await resolve_chain(request, threads, body)
-        projection, _ = await _rebuild(request, body, _input(body).items, chain.loaded)
+        items = (await _input(body)).items
+        projection, _ = await _rebuild(request, body, items, chain.loaded)
         count = projection.report.prompt_tokens
     else:
         counter = TokenCounter.for_model(budget_model(body))
         tools: list[dict[str, Any]] = list(body.get("tools") or [])
-        count = counter.responses_prompt(_input(body).items, body.get("instructions"), tools)
+        items = (await _input(body)).items
+        instructions = body.get("instructions")
+        count = await off_the_loop(
+            lambda: counter.responses_prompt(items, instructions, tools), body
+        )
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -335,3 +335,65 @@ async def test_a_stream_the_provider_cut_is_not_stored(proxy) -> None:
     assert b"data: [DONE]" in retried.content
     assert retried.headers["Idempotent-Replayed"] == "false"
     assert len(proxy.provider.requests) == 2
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n".encode()
+
+
+async def test_a_chat_stream_ended_by_eof_without_done_is_not_stored(proxy) -> None:
+    # Regression (issue 8, item 12): a clean EOF before `[DONE]` was stored and replayed.
+    frames = [
+        chat_chunk({"role": "assistant", "content": "Refund"}),
+        chat_chunk({"content": " ok"}),
+    ]
+    proxy.provider.script.append(Reply(frames=frames))
+    body = {**CHAT, "stream": True}
+    cut = await post(proxy, "/v1/chat/completions", body, "eof")
+    assert cut.status_code == 200
+    assert b"[DONE]" not in cut.content
+    retried = await post(proxy, "/v1/chat/completions", body, "eof")
+    assert retried.headers["Idempotent-Replayed"] == "false"
+    assert b"data: [DONE]" in retried.content
+    assert len(proxy.provider.model_requests) == 2
+
+
+async def test_a_chat_stream_with_done_but_no_finish_reason_is_not_stored(proxy) -> None:
+    frames = [chat_chunk({"role": "assistant", "content": "Refund"}), b"data: [DONE]\n\n"]
+    proxy.provider.script.append(Reply(frames=frames))
+    body = {**CHAT, "stream": True}
+    first = await post(proxy, "/v1/chat/completions", body, "no-finish")
+    assert first.status_code == 200 and b"data: [DONE]" in first.content
+    retried = await post(proxy, "/v1/chat/completions", body, "no-finish")
+    assert retried.headers["Idempotent-Replayed"] == "false"
+    assert len(proxy.provider.model_requests) == 2
+
+
+async def test_a_responses_stream_without_its_completed_event_is_not_stored(proxy) -> None:
+    created = {"type": "response.created", "response": {"id": "r1", "output": []}}
+    frames = [f"event: response.created\ndata: {json.dumps(created)}\n\n".encode()]
+    proxy.provider.script.append(Reply(frames=frames))
+    body = {**RESPONSES, "stream": True, "store": False}
+    cut = await post(proxy, "/v1/responses", body, "eof-responses")
+    assert b"response.completed" not in cut.content
+    retried = await post(proxy, "/v1/responses", body, "eof-responses")
+    assert retried.headers["Idempotent-Replayed"] == "false"
+    assert b"response.completed" in retried.content
+    assert len(proxy.provider.model_requests) == 2
+
+
+async def test_a_finished_stream_ending_without_a_blank_line_is_stored(proxy) -> None:
+    frames = [
+        chat_chunk({"role": "assistant", "content": "Refund"}),
+        chat_chunk({}, "stop"),
+        b"data: [DONE]\n",  # some compatible servers end right after the sentinel
+    ]
+    proxy.provider.script.append(Reply(frames=frames))
+    body = {**CHAT, "stream": True}
+    first = await post(proxy, "/v1/chat/completions", body, "no-blank")
+    replayed = await post(proxy, "/v1/chat/completions", body, "no-blank")
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert replayed.content == first.content
+    assert len(proxy.provider.model_requests) == 1

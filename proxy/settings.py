@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from proxy.yamlsafe import load_yaml, shown
+
 DEFAULT_CONFIG_FILE = Path("config/threadkeeper.yaml")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 STORE_SCHEMES = ("sqlite", "postgresql", "postgres")
@@ -52,13 +54,13 @@ class Settings:
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty string, got {value!r}")
+        raise ValueError(f"expected a non-empty string, got {shown(value)}")
     return value.strip()
 
 
 def _integer(value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise ValueError(f"expected an integer, got {shown(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, str):
@@ -66,18 +68,18 @@ def _integer(value: Any) -> int:
             return int(value.strip().replace("_", ""))
         except ValueError:
             pass
-    raise ValueError(f"expected an integer, got {value!r}")
+    raise ValueError(f"expected an integer, got {shown(value)}")
 
 
 def _number(value: Any) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {shown(value)}")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {value!r}") from None
+        raise ValueError(f"expected a number, got {shown(value)}") from None
     if not math.isfinite(number):
-        raise ValueError(f"expected a finite number, got {value!r}")
+        raise ValueError(f"expected a finite number, got {shown(value)}")
     return number
 
 
@@ -110,7 +112,9 @@ def _store_url(value: Any) -> str:
     url = _text(value)
     scheme = urlsplit(url).scheme
     if scheme not in STORE_SCHEMES:
-        raise ValueError(f"expected sqlite:///path or postgresql://user@host:port/db, got {url!r}")
+        raise ValueError(
+            f"expected sqlite:///path or postgresql://user@host:port/db, got {shown(url)}"
+        )
     return url
 
 
@@ -118,14 +122,14 @@ def _http_url(value: Any) -> str:
     url = _text(value)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"expected an http(s) URL, got {url!r}")
+        raise ValueError(f"expected an http(s) URL, got {shown(url)}")
     return url.rstrip("/")
 
 
 def _log_level(value: Any) -> str:
     level = _text(value).lower()
     if level not in LOG_LEVELS:
-        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {shown(value)}")
     return level
 
 
@@ -187,7 +191,7 @@ def config_file_path(cli: Mapping[str, Any], env: Mapping[str, str]) -> Path | N
 def read_config_file(path: Path) -> dict[str, Any]:
     """The file's settings flattened to dotted keys; unknown keys are errors (typos)."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise SettingsError(f"{path}: cannot read config file: {exc}") from None
     except yaml.YAMLError as exc:

@@ -47,6 +47,9 @@ class Settings:
     upstream_pool_size: int = 100
     policy_reload_interval: float = 2.0
     log_level: str = "info"
+    metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
+    store_connect_timeout: float = 5.0  # seconds to open a store connection
+    store_command_timeout: float = 10.0  # seconds one store statement may take
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -156,6 +159,19 @@ FIELDS: tuple[_Field, ...] = (
     _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),
     _Field("upstream_pool_size", _positive_int, "upstream.pool_size"),
     _Field("policy_reload_interval", _positive_number, "policy_reload_interval"),
+    _Field("metrics_token", _text, "metrics_token", "THREADKEEPER_METRICS_TOKEN", "metrics-token"),
+    _Field(
+        "store_connect_timeout",
+        _positive_number,
+        "store_connect_timeout",
+        "THREADKEEPER_STORE_CONNECT_TIMEOUT",
+    ),
+    _Field(
+        "store_command_timeout",
+        _positive_number,
+        "store_command_timeout",
+        "THREADKEEPER_STORE_COMMAND_TIMEOUT",
+    ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

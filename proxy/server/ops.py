@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from datetime import UTC, datetime
 
 import structlog
 from aiohttp import web
@@ -10,7 +12,8 @@ from aiohttp import web
 from proxy.logs import register_secret
 from proxy.server.auth import bearer_token
 from proxy.server.errors import ApiError
-from proxy.server.state import METRICS, POLICIES, SETTINGS, STORE
+from proxy.server.recovery import heartbeat
+from proxy.server.state import METRICS, OWNER, POLICIES, SETTINGS, STORE
 
 log = structlog.get_logger("threadkeeper.ops")
 
@@ -29,10 +32,15 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def _store_ok(request: web.Request) -> bool:
+    """The store is reachable and takes a write: ping, then this process's heartbeat row
+    is upserted (a real write transaction), within store_connect_timeout."""
+    store = request.app[STORE]
     try:
-        await request.app[STORE].ping()
+        async with asyncio.timeout(request.app[SETTINGS].store_connect_timeout):
+            await store.ping()
+            await heartbeat(store, request.app[OWNER], now=datetime.now(UTC))
     except Exception as exc:  # readiness reports, it does not raise
-        log.warning("store_unreachable", error=repr(exc))
+        log.warning("store_not_ready", error=repr(exc))
         return False
     return True
 

@@ -26,6 +26,8 @@ import httpx
 import pytest
 
 from proxy.server.state import STORE
+from proxy.store import open_store
+from proxy.store.base import StoreUnavailable
 from tests.server.conftest import TENANT_KEY, Proxy
 from tests.server.pg import PG_DSN_ENV, fresh_schema_url
 
@@ -284,9 +286,20 @@ async def test_sqlite_disk_full(make_proxy: Callable[..., Awaitable[Proxy]]) -> 
     assert_nothing_lost_or_duplicated(appends, stored)
 
 
-def test_sqlite_errors_that_are_bugs_stay_bugs() -> None:
-    """Only the database's state maps to StoreUnavailable, not a malformed statement."""
-    error = sqlite3.connect(":memory:")
-    with pytest.raises(sqlite3.OperationalError) as raised:
-        error.execute("SELEC 1")
-    assert getattr(raised.value, "sqlite_errorcode", None) == 1  # SQLITE_ERROR, not mapped
+async def test_only_the_databases_state_is_store_unavailable() -> None:
+    """A malformed statement stays a bug (a logged 500), SQLITE_FULL is StoreUnavailable."""
+    store = await open_store("sqlite:///:memory:")
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            async with store.db.write() as conn:  # type: ignore[attr-defined]
+                await conn.execute("SELEC 1")
+        full = sqlite3.OperationalError("database or disk is full")
+        full.sqlite_errorcode = 13  # type: ignore[attr-defined]
+        full.sqlite_errorname = "SQLITE_FULL"  # type: ignore[attr-defined]
+        with pytest.raises(StoreUnavailable, match="SQLITE_FULL"):
+            async with store.db.write():  # type: ignore[attr-defined]
+                raise full
+        with pytest.raises(StoreUnavailable, match="disk full"):
+            await store.ping()  # readiness remembers it for a while
+    finally:
+        await store.close()

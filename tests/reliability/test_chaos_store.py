@@ -70,7 +70,9 @@ class Traffic:
         n = next(self.counter)
         marker = f"marker-{n:05d}"
         item = {"type": "message", "role": "user", "content": marker}
-        if n % 3 == 0:
+        if n % 5 == 0:  # a stored response: recorded, provider called, committed
+            op, url, body = "respond", "/v1/responses", {"model": "gpt-4o-mini", "input": [item]}
+        elif n % 3 == 0:
             op, url, body = "create", "/v1/conversations", {"items": [item]}
         else:
             op, url, body = (
@@ -155,7 +157,8 @@ async def stored_markers(real_url: str) -> dict[str, int]:
     schema = dict(q.split("=", 1) for q in parts.query.split("&") if q)["schema"]
     conn = await asyncpg.connect(urlunsplit(parts._replace(query="")))
     try:
-        rows = await conn.fetch(f"SELECT raw FROM {schema}.items")
+        # The fake provider echoes the marker in its output item: count what was sent.
+        rows = await conn.fetch(f"SELECT raw FROM {schema}.items WHERE role <> 'output'")
     finally:
         await conn.close()
     counts: dict[str, int] = {}

@@ -306,3 +306,15 @@ async def test_only_the_databases_state_is_store_unavailable() -> None:
             await store.ping()  # readiness remembers it for a while
     finally:
         await store.close()
+
+
+async def test_store_timeouts_reach_the_drivers(tmp_path: Any) -> None:
+    """store_command_timeout is SQLite's busy timeout; on PostgreSQL both settings bound
+    the pool (tested above by the freeze)."""
+    store = await open_store(f"sqlite:///{tmp_path / 'x.db'}", command_timeout=2.5)
+    try:
+        for conn in store.db._connections:  # type: ignore[attr-defined]
+            [(busy,)] = await conn.execute_fetchall("PRAGMA busy_timeout")
+            assert busy == 2500
+    finally:
+        await store.close()

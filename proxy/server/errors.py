@@ -120,13 +120,24 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(from_http_exception(exc, request), request_id)
     except StoreUnavailable as exc:
         return error_response(store_unavailable(exc, request_id), request_id)
-    except (ConnectionResetError, ConnectionError):
-        raise
+    except ConnectionError:
+        if _client_gone(request):  # nobody to answer: let aiohttp end the request
+            raise
+        return _unhandled(request, request_id)
     except Exception:
-        log.exception("unhandled_error", request_id=request_id, path=request.path)
-        error = ApiError(
-            500,
-            f"The server had an error while processing your request (request id {request_id}).",
-            type="server_error",
-        )
-        return error_response(error, request_id)
+        return _unhandled(request, request_id)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _unhandled(request: web.Request, request_id: str | None) -> web.Response:
+    log.exception("unhandled_error", request_id=request_id, path=request.path)
+    error = ApiError(
+        500,
+        f"The server had an error while processing your request (request id {request_id}).",
+        type="server_error",
+    )
+    return error_response(error, request_id)

@@ -318,3 +318,24 @@ async def test_store_timeouts_reach_the_drivers(tmp_path: Any) -> None:
             assert busy == 2500
     finally:
         await store.close()
+
+
+async def test_a_stray_connection_error_is_a_json_500_not_plain_text(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    """errors.py re-raised every ConnectionError (meant for a client that went away), so
+    asyncpg's ConnectionRefusedError became aiohttp's plain-text 500. Only a gone client
+    is left to aiohttp now; anything else is OpenAI's JSON shape."""
+    proxy = await make_proxy()
+    store = proxy.app[STORE]  # type: ignore[index]
+
+    async def refused(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+
+    store.get_thread = refused
+    async with proxy.http() as http:
+        got = await http.get("/v1/conversations/conv_x", headers=AUTH)
+    assert got.status_code == 500
+    assert got.headers["Content-Type"].startswith("application/json")
+    assert got.json()["error"]["type"] == "server_error"
+    assert "5432" not in got.text

@@ -34,7 +34,7 @@ from tests.server.pg import PG_DSN_ENV, fresh_schema_url
 from .faultproxy import FaultProxy
 
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
-TIMEOUTS = {"store_connect_timeout": 0.5, "store_command_timeout": 1.0}
+TIMEOUTS = {"store_connect_timeout": 1.0, "store_command_timeout": 2.0}
 # Only a guard against a hang: the outage lasts until the test ends it, so a request that
 # returns at all while it lasts returned because of the store timeouts.
 HANG_GUARD_SECONDS = 60.0
@@ -205,14 +205,13 @@ async def test_postgres_stopped_mid_traffic(pg_fault: PgFault, make_proxy: Any) 
         await traffic.until(lambda got: len([o for o in got[after:] if o.status == 200]) >= 10)
         stop.set()
         await asyncio.wait_for(running, HANG_GUARD_SECONDS)
-        up_ready = await readyz(http)
 
     outcomes = traffic.outcomes
     failed = [o for o in outcomes if o.status != 200]
     assert failed, "the outage produced no failure"
     for outcome in failed:
         assert_clean_503(outcome)
-    assert down_ready[0] == 503 and up_ready[0] == 200
+    assert down_ready[0] == 503  # and until_ready saw it 200 again
     assert any(o.status == 503 for o in outcomes[before:down_count])
     assert all(o.status == 200 for o in outcomes[-5:])  # recovered, same process
     assert_nothing_lost_or_duplicated(outcomes, await stored_markers(real_url))
@@ -242,11 +241,10 @@ async def test_postgres_frozen_mid_traffic(pg_fault: PgFault, make_proxy: Any) -
 
         await until_ready(http)
         after = [await traffic.one() for _ in range(6)]
-        up_ready = await readyz(http)
 
     for outcome in during:
         assert_clean_503(outcome)
-    assert frozen_ready[0] == 503 and up_ready[0] == 200
+    assert frozen_ready[0] == 503  # and until_ready saw it 200 again
     assert all(o.status == 200 for o in after)
     assert_nothing_lost_or_duplicated(traffic.outcomes, await stored_markers(real_url))
     print(

@@ -32,6 +32,7 @@ from proxy.store.sqlstore import SqlStore
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_COMMAND_TIMEOUT = 10.0
+UNBOUNDED_STATEMENT_SECONDS = 24 * 3600.0  # asyncpg wants a number to lift its default
 # Causes that are the server's absence, not a bug: network errors, connection-class
 # SQLSTATEs (08), operator intervention (57: shutdown, cancel), insufficient resources
 # (53: disk full, too many connections), and a connection closed under an operation.
@@ -62,26 +63,27 @@ def split_schema(url: str, schema: str | None = None) -> tuple[str, str | None]:
 class PostgresConn:
     """Runs the shared `$n` statements on one asyncpg connection."""
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: asyncpg.Connection, timeout: float | None = None) -> None:
         self._conn = conn
+        self._timeout = timeout  # per statement; None: the pool's command_timeout
 
     async def execute(self, query: str, *args: Any) -> int:
         async with _unique_as_exists():
-            status: str = await self._conn.execute(query, *args)
+            status: str = await self._conn.execute(query, *args, timeout=self._timeout)
         count = status.rsplit(" ", 1)[-1]
         return int(count) if count.isdigit() else 0
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None:
         async with _unique_as_exists():
-            await self._conn.executemany(query, rows)
+            await self._conn.executemany(query, rows, timeout=self._timeout)
 
     async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
         async with _unique_as_exists():
-            return list(await self._conn.fetch(query, *args))
+            return list(await self._conn.fetch(query, *args, timeout=self._timeout))
 
     async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
         async with _unique_as_exists():
-            return await self._conn.fetchrow(query, *args)
+            return await self._conn.fetchrow(query, *args, timeout=self._timeout)
 
 
 @asynccontextmanager
@@ -108,9 +110,12 @@ class PostgresDatabase:
         self.full_at: float | None = None
 
     @asynccontextmanager
-    async def write(self) -> AsyncIterator[PostgresConn]:
-        async with self._connection() as conn, conn.transaction():
-            yield PostgresConn(conn)
+    async def write(self, *, bounded: bool = True) -> AsyncIterator[PostgresConn]:
+        """`bounded=False` (migrations at start: an index build may take minutes, and
+        replicas queue on the migration lock) lifts the command timeout."""
+        timeout = None if bounded else UNBOUNDED_STATEMENT_SECONDS
+        async with self._connection(bounded=bounded) as conn, conn.transaction():
+            yield PostgresConn(conn, timeout)
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[PostgresConn]:
@@ -121,11 +126,12 @@ class PostgresDatabase:
             yield PostgresConn(conn)
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+    async def _connection(self, *, bounded: bool = True) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection for one transaction, with the waits bounded and the
         server's absence turned into StoreUnavailable."""
+        total = self._connect_timeout + self._command_timeout if bounded else None
         try:
-            async with asyncio.timeout(self._connect_timeout + self._command_timeout):
+            async with asyncio.timeout(total):
                 async with self._pool.acquire(timeout=self._connect_timeout) as conn:
                     yield conn
         except TimeoutError as exc:

@@ -105,7 +105,8 @@ class SqliteDatabase:
         self.full_at: float | None = None
 
     @asynccontextmanager
-    async def write(self) -> AsyncIterator[SqliteConn]:
+    async def write(self, *, bounded: bool = True) -> AsyncIterator[SqliteConn]:
+        # `bounded` changes nothing here: the busy timeout is the only wait SQLite has.
         async with self._unavailable_raised(), self._write_lock:
             async with _transaction(self._writer, "BEGIN IMMEDIATE"):
                 yield self._writer

@@ -337,3 +337,19 @@ async def test_a_stray_connection_error_is_a_json_500_not_plain_text(
     assert got.headers["Content-Type"].startswith("application/json")
     assert got.json()["error"]["type"] == "server_error"
     assert "5432" not in got.text
+
+
+async def test_postgres_statements_are_bounded_but_migrations_are_not() -> None:
+    if not os.environ.get(PG_DSN_ENV):
+        pytest.skip(f"{PG_DSN_ENV} is not set: PostgreSQL chaos tests skipped")
+    async with fresh_schema_url() as url:
+        store = await open_store(url, connect_timeout=5.0, command_timeout=0.2)
+        try:
+            with pytest.raises(StoreUnavailable, match="store timeouts"):
+                async with store.db.write() as conn:  # type: ignore[attr-defined]
+                    await conn.execute("SELECT pg_sleep(2)")
+            async with store.db.write(bounded=False) as conn:  # type: ignore[attr-defined]
+                await conn.execute("SELECT pg_sleep(0.5)")  # a slow migration step
+            await store.ping()  # the timed-out connection did not poison the pool
+        finally:
+            await store.close()

@@ -477,7 +477,7 @@ class PolicyRegistry:
         self._snapshot = _Snapshot(snapshot.files, snapshot.by_tenant, snapshot.by_key, failed)
         errors += conflicts
         _log_changes(old, self._snapshot)
-        _log_errors(errors)
+        _log_errors(errors, self._snapshot.files)
         return errors
 
     async def watch(self, interval: float) -> None:
@@ -614,10 +614,15 @@ def _log_changes(old: _Snapshot, new: _Snapshot) -> None:
         log.info("policy removed", tenant=tenant)
 
 
-def _log_errors(errors: list[PolicyError]) -> None:
+def _log_errors(errors: list[PolicyError], in_force: Mapping[Path, _Loaded] | None = None) -> None:
+    """`in_force`: the files serving after the reload; a rejected file not among them
+    (a new file) has no last good policy, and the log says so."""
     for error in errors:
+        kept = in_force is None or Path(error.file) in in_force
         log.error(
-            "policy rejected; last good policy stays in force",
+            "policy rejected; last good policy stays in force"
+            if kept
+            else "policy rejected; file not loaded",
             file=error.file,
             field=error.field,
             problem=error.problem,

@@ -359,6 +359,7 @@ def test_reload_keeps_the_holder_when_a_new_file_claims_its_key_during_its_edit(
     [logged] = [entry for entry in logs if entry["log_level"] == "error"]
     assert logged["file"] == str(policies / "aaa.yaml")
     assert "tenanta.yaml" in logged["problem"]
+    assert logged["event"] == "policy rejected; file not loaded"  # aaa.yaml had none
 
 
 def test_reload_keeps_the_holder_when_an_edited_tenant_claims_its_key(policies: Path) -> None:

@@ -22,6 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", help="sqlite:///path or postgresql://...")
     serve.add_argument("--upstream", help="provider base URL, e.g. https://api.openai.com/v1")
     serve.add_argument("--config", help="YAML config file")
+    serve.add_argument(
+        "--metrics-token",
+        help="bearer token GET /metrics requires (prefer THREADKEEPER_METRICS_TOKEN)",
+    )
 
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
@@ -72,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
         "store": args.store,
         "upstream": args.upstream,
         "config": args.config,
+        "metrics-token": args.metrics_token,
     }
     try:
         settings = load_settings(cli, os.environ)

@@ -39,6 +39,8 @@ from pydantic import (
     field_validator,
 )
 
+from proxy.yamlsafe import load_yaml, shown
+
 log = structlog.get_logger(__name__)
 
 DEFAULT_TENANT = "default"
@@ -81,7 +83,7 @@ def _regex(value: str) -> str:
     try:
         re.compile(value)
     except re.error as exc:
-        raise ValueError(f"invalid regex {value!r}: {exc}") from None
+        raise ValueError(f"invalid regex {shown(value)}: {exc}") from None
     return value
 
 
@@ -96,7 +98,7 @@ def _env_var_name(value: str) -> str:
 
 def _http_url(value: str) -> str:
     if not re.match(r"https?://[^/\s]+", value):
-        raise ValueError(f"expected an http(s) URL, got {value!r}")
+        raise ValueError(f"expected an http(s) URL, got {shown(value)}")
     return value.rstrip("/")
 
 
@@ -105,9 +107,9 @@ def _key_template(value: str) -> str:
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
     except ValueError as exc:
-        raise ValueError(f"invalid template {value!r}: {exc}") from None
+        raise ValueError(f"invalid template {shown(value)}: {exc}") from None
     if any(name == "" or name.isdigit() for name in fields):
-        raise ValueError(f"invalid template {value!r}: placeholders must name an argument")
+        raise ValueError(f"invalid template {shown(value)}: placeholders must name an argument")
     return value
 
 
@@ -278,7 +280,7 @@ def _read_text(path: Path) -> str:
 
 def policy_from_text(path: Path, text: str) -> Policy:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise PolicyError(path, "(yaml)", f"invalid YAML: {_one_line(str(exc))}") from None
     if not isinstance(data, dict):
@@ -288,7 +290,7 @@ def policy_from_text(path: Path, text: str) -> Policy:
         raise PolicyError(path, "tenant", f"required field is missing (tenant: {path.stem})")
     if data["tenant"] != path.stem:
         raise PolicyError(
-            path, "tenant", f"must equal the file name {path.stem!r}, got {data['tenant']!r}"
+            path, "tenant", f"must equal the file name {path.stem!r}, got {shown(data['tenant'])}"
         )
     try:
         policy = Policy.model_validate(data)
@@ -328,7 +330,7 @@ def _problem(error: Any, loc: tuple[int | str, ...]) -> str:
     message = str(error["msg"]).removeprefix("Value error, ")
     if kind in ("value_error", "assertion_error"):
         return message
-    return f"{message} (got {error.get('input')!r})"
+    return f"{message} (got {shown(error.get('input'))})"
 
 
 def _unknown_field_problem(loc: tuple[int | str, ...]) -> str:
@@ -475,7 +477,7 @@ class PolicyRegistry:
         self._snapshot = _Snapshot(snapshot.files, snapshot.by_tenant, snapshot.by_key, failed)
         errors += conflicts
         _log_changes(old, self._snapshot)
-        _log_errors(errors)
+        _log_errors(errors, self._snapshot.files)
         return errors
 
     async def watch(self, interval: float) -> None:
@@ -534,18 +536,22 @@ def _snapshot_of(
 ) -> tuple[_Snapshot, list[PolicyError]]:
     """Index the files by tenant and key hash.
 
-    Files that kept their last good policy go first, so a changed file that claims a key
-    (or tenant name) someone else already holds is the one rejected.
+    A key (or tenant name) someone already holds stays theirs: files that kept their last
+    good policy go first, then edited files, then new ones, and a key its holder still
+    lists is reserved for it whatever the order. The file that claims it is the one
+    rejected, so the holder is never dropped by another file's edit.
     """
     kept = [path for path in files if _same_policy(files[path], last_good.get(path))]
-    ordered = kept + [path for path in files if path not in kept]
+    edited = [path for path in files if path not in kept and path in last_good]
+    ordered = kept + edited + [path for path in files if path not in last_good]
+    held = _held_keys(files, last_good)
     accepted: dict[Path, _Loaded] = {}
     by_tenant: dict[str, Policy] = {}
     by_key: dict[str, Policy] = {}
     errors: list[PolicyError] = []
     for path in ordered:
         for candidate in _candidates(files[path], last_good.get(path)):
-            error = _conflict(path, candidate.policy, by_tenant, by_key)
+            error = _conflict(path, candidate.policy, by_tenant, by_key, held)
             if error is None:
                 accepted[path] = candidate
                 by_tenant[candidate.policy.tenant] = candidate.policy
@@ -554,6 +560,21 @@ def _snapshot_of(
             if candidate is files[path]:
                 errors.append(error)
     return _Snapshot(accepted, by_tenant, by_key), errors
+
+
+def _held_keys(
+    files: Mapping[Path, _Loaded], last_good: Mapping[Path, _Loaded]
+) -> dict[str, Policy]:
+    """Keys a tenant held before this reload and its file still lists: only it may list
+    them now."""
+    held: dict[str, Policy] = {}
+    for path, previous in last_good.items():
+        current = files.get(path)
+        if current is None or current.policy.tenant != previous.policy.tenant:
+            continue
+        for key in set(previous.policy.api_keys) & set(current.policy.api_keys):
+            held[key] = previous.policy
+    return held
 
 
 def _same_policy(loaded: _Loaded, previous: _Loaded | None) -> bool:
@@ -565,16 +586,22 @@ def _candidates(new: _Loaded, previous: _Loaded | None) -> list[_Loaded]:
 
 
 def _conflict(
-    path: Path, policy: Policy, by_tenant: Mapping[str, Policy], by_key: Mapping[str, Policy]
+    path: Path,
+    policy: Policy,
+    by_tenant: Mapping[str, Policy],
+    by_key: Mapping[str, Policy],
+    held: Mapping[str, Policy],
 ) -> PolicyError | None:
     if policy.tenant in by_tenant:
         other = by_tenant[policy.tenant].source
         return PolicyError(path, "tenant", f"tenant {policy.tenant!r} is also defined by {other}")
     for index, key in enumerate(policy.api_keys):
-        if key in by_key and by_key[key].tenant != policy.tenant:
-            owner = by_key[key].tenant
+        owner = by_key.get(key) or held.get(key)
+        if owner is not None and owner.tenant != policy.tenant:
             return PolicyError(
-                path, f"api_keys[{index}]", f"key already belongs to tenant {owner!r}"
+                path,
+                f"api_keys[{index}]",
+                f"key already belongs to tenant {owner.tenant!r} ({owner.source})",
             )
     return None
 
@@ -587,10 +614,15 @@ def _log_changes(old: _Snapshot, new: _Snapshot) -> None:
         log.info("policy removed", tenant=tenant)
 
 
-def _log_errors(errors: list[PolicyError]) -> None:
+def _log_errors(errors: list[PolicyError], in_force: Mapping[Path, _Loaded] | None = None) -> None:
+    """`in_force`: the files serving after the reload; a rejected file not among them
+    (a new file) has no last good policy, and the log says so."""
     for error in errors:
+        kept = in_force is None or Path(error.file) in in_force
         log.error(
-            "policy rejected; last good policy stays in force",
+            "policy rejected; last good policy stays in force"
+            if kept
+            else "policy rejected; file not loaded",
             file=error.file,
             field=error.field,
             problem=error.problem,

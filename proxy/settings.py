@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from proxy.yamlsafe import load_yaml, shown
+
 DEFAULT_CONFIG_FILE = Path("config/threadkeeper.yaml")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 STORE_SCHEMES = ("sqlite", "postgresql", "postgres")
@@ -45,6 +47,9 @@ class Settings:
     upstream_pool_size: int = 100
     policy_reload_interval: float = 2.0
     log_level: str = "info"
+    metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
+    store_connect_timeout: float = 5.0  # seconds to open a store connection
+    store_command_timeout: float = 10.0  # seconds one store statement may take
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -52,13 +57,13 @@ class Settings:
 
 def _text(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected a non-empty string, got {value!r}")
+        raise ValueError(f"expected a non-empty string, got {shown(value)}")
     return value.strip()
 
 
 def _integer(value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise ValueError(f"expected an integer, got {shown(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, str):
@@ -66,18 +71,18 @@ def _integer(value: Any) -> int:
             return int(value.strip().replace("_", ""))
         except ValueError:
             pass
-    raise ValueError(f"expected an integer, got {value!r}")
+    raise ValueError(f"expected an integer, got {shown(value)}")
 
 
 def _number(value: Any) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {shown(value)}")
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {value!r}") from None
+        raise ValueError(f"expected a number, got {shown(value)}") from None
     if not math.isfinite(number):
-        raise ValueError(f"expected a finite number, got {value!r}")
+        raise ValueError(f"expected a finite number, got {shown(value)}")
     return number
 
 
@@ -110,7 +115,9 @@ def _store_url(value: Any) -> str:
     url = _text(value)
     scheme = urlsplit(url).scheme
     if scheme not in STORE_SCHEMES:
-        raise ValueError(f"expected sqlite:///path or postgresql://user@host:port/db, got {url!r}")
+        raise ValueError(
+            f"expected sqlite:///path or postgresql://user@host:port/db, got {shown(url)}"
+        )
     return url
 
 
@@ -118,14 +125,14 @@ def _http_url(value: Any) -> str:
     url = _text(value)
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"expected an http(s) URL, got {url!r}")
+        raise ValueError(f"expected an http(s) URL, got {shown(url)}")
     return url.rstrip("/")
 
 
 def _log_level(value: Any) -> str:
     level = _text(value).lower()
     if level not in LOG_LEVELS:
-        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {shown(value)}")
     return level
 
 
@@ -152,6 +159,19 @@ FIELDS: tuple[_Field, ...] = (
     _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),
     _Field("upstream_pool_size", _positive_int, "upstream.pool_size"),
     _Field("policy_reload_interval", _positive_number, "policy_reload_interval"),
+    _Field("metrics_token", _text, "metrics_token", "THREADKEEPER_METRICS_TOKEN", "metrics-token"),
+    _Field(
+        "store_connect_timeout",
+        _positive_number,
+        "store_connect_timeout",
+        "THREADKEEPER_STORE_CONNECT_TIMEOUT",
+    ),
+    _Field(
+        "store_command_timeout",
+        _positive_number,
+        "store_command_timeout",
+        "THREADKEEPER_STORE_COMMAND_TIMEOUT",
+    ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 
@@ -187,7 +207,7 @@ def config_file_path(cli: Mapping[str, Any], env: Mapping[str, str]) -> Path | N
 def read_config_file(path: Path) -> dict[str, Any]:
     """The file's settings flattened to dotted keys; unknown keys are errors (typos)."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise SettingsError(f"{path}: cannot read config file: {exc}") from None
     except yaml.YAMLError as exc:

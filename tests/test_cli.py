@@ -65,3 +65,11 @@ def test_demo_runs_offline_and_checks_what_it_sent() -> None:
     assert [int(row[0]) for row in rows] == [1, 2, 3, 4]
     assert all(int(row[3]) <= 3000 for row in rows)  # tokens sent never above the window
     assert "every tool call went out with its result" in result.stdout
+
+
+def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen = []
+    monkeypatch.setattr("proxy.server.app.run", seen.append)
+    monkeypatch.delenv("THREADKEEPER_METRICS_TOKEN", raising=False)
+    assert main(["serve", "--metrics-token", "m-token", "--policies", "policies"]) in (0, None)
+    assert seen[0].metrics_token == "m-token"

@@ -336,3 +336,114 @@ async def test_watch_reloads_until_cancelled(policies: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert "gamma" in registry.tenants()
+
+
+def test_reload_keeps_the_holder_when_a_new_file_claims_its_key_during_its_edit(
+    policies: Path,
+) -> None:
+    """Issue 8 item 17: tenanta.yaml is edited while a new aaa.yaml (sorted first) lists
+    tenanta's key. The new file is the bad one; tenanta keeps its key and its edit."""
+    write(policies, "tenanta.yaml", tenant_file("tenanta", "sk-tk-tenanta-key"))
+    registry = PolicyRegistry.load(policies)
+    edit = "retry: {max_attempts: 5}\n"
+    write(policies, "tenanta.yaml", tenant_file("tenanta", "sk-tk-tenanta-key", extra=edit))
+    write(policies, "aaa.yaml", tenant_file("aaa", "sk-tk-tenanta-key"))
+    with capture_logs() as logs:
+        [error] = registry.reload()
+    assert (error.file, error.field) == (str(policies / "aaa.yaml"), "api_keys[0]")
+    assert "tenant 'tenanta'" in error.problem and "tenanta.yaml" in error.problem
+    holder = registry.resolve("sk-tk-tenanta-key")
+    assert holder is not None and holder.tenant == "tenanta"
+    assert holder.retry.max_attempts == 5  # its own edit is applied
+    assert registry.tenants() == ["acme", "beta", "tenanta"]
+    [logged] = [entry for entry in logs if entry["log_level"] == "error"]
+    assert logged["file"] == str(policies / "aaa.yaml")
+    assert "tenanta.yaml" in logged["problem"]
+    assert logged["event"] == "policy rejected; file not loaded"  # aaa.yaml had none
+
+
+def test_reload_keeps_the_holder_when_an_edited_tenant_claims_its_key(policies: Path) -> None:
+    """The same race between two existing files: acme.yaml (sorted first) is edited to
+    list beta's key while beta.yml is edited too; acme's edit is rejected, acme keeps its
+    last good policy, beta keeps its key."""
+    registry = PolicyRegistry.load(policies)
+    write(policies, "acme.yaml", tenant_file("acme", ACME_KEY, BETA_KEY))
+    write(policies, "beta.yml", tenant_file("beta", BETA_KEY, extra="retry: {max_attempts: 7}\n"))
+    [error] = registry.reload()
+    assert (error.file, error.field) == (str(policies / "acme.yaml"), "api_keys[1]")
+    assert registry.resolve(BETA_KEY).retry.max_attempts == 7  # type: ignore[union-attr]
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+    assert registry.tenants() == ["acme", "beta"]
+
+
+def test_reload_lets_a_key_move_when_its_holder_gives_it_up(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    write(policies, "beta.yml", tenant_file("beta"))
+    write(policies, "aaa.yaml", tenant_file("aaa", BETA_KEY))
+    assert registry.reload() == []
+    assert registry.resolve(BETA_KEY).tenant == "aaa"  # type: ignore[union-attr]
+
+
+# -- YAML aliases (issue 8 item 8) ---------------------------------------------------------
+
+
+def alias_bomb(tenant: str) -> str:
+    """404 bytes of 'billion laughs': ten levels of ten aliases, 10^7 leaves."""
+    lines = [
+        f"tenant: {tenant}",
+        'a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]',
+    ]
+    for level in range(1, 7):
+        refs = ",".join([f"*a{level - 1}"] * 10)
+        lines.append(f"a{level}: &a{level} [{refs}]")
+    lines.append("memory: {pin_patterns: *a6}")
+    return "\n".join(lines) + "\n"
+
+
+def test_alias_bomb_is_refused_without_being_expanded(tmp_path: Path) -> None:
+    path = write(tmp_path, "bomb.yaml", alias_bomb("bomb"))
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(path)
+    assert raised.value.field == "(yaml)"
+    # Refused at the first anchor, while composing: nothing was built to be expanded.
+    assert "found anchor &a0" in raised.value.problem
+    assert "line 2" in raised.value.problem
+    assert len(str(raised.value)) < 400
+
+
+def test_an_alias_alone_is_refused_too(tmp_path: Path) -> None:
+    from proxy.yamlsafe import load_yaml
+
+    with pytest.raises(Exception) as raised:
+        load_yaml("a: *nowhere\n")
+    assert "found alias *nowhere" in str(raised.value)
+
+
+def test_reload_keeps_last_good_policy_on_an_alias_bomb(policies: Path) -> None:
+    registry = PolicyRegistry.load(policies)
+    write(
+        policies, "acme.yaml", tenant_file("acme", ACME_KEY) + alias_bomb("acme").split("\n", 1)[1]
+    )
+    [error] = registry.reload()
+    assert error.field == "(yaml)" and "anchor" in error.problem
+    assert registry.resolve(ACME_KEY).tenant == "acme"  # type: ignore[union-attr]
+
+
+def test_error_messages_quote_a_bounded_part_of_a_value(tmp_path: Path) -> None:
+    huge = "y" * 1_000_000
+    path = write(tmp_path, "acme.yaml", f"tenant: acme\nupstream: {{base_url: {huge}}}\n")
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(path)
+    assert raised.value.field == "upstream.base_url"
+    assert "yyyy" in raised.value.problem and len(raised.value.problem) < 300
+    wrong_type = write(tmp_path, "beta.yaml", f"tenant: beta\nretry: {{max_attempts: [{huge}]}}\n")
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(wrong_type)
+    assert raised.value.field == "retry.max_attempts" and len(raised.value.problem) < 300
+
+
+def test_an_integer_python_cannot_build_is_a_yaml_error(tmp_path: Path) -> None:
+    path = write(tmp_path, "acme.yaml", f"tenant: acme\nretry: {{max_attempts: {'9' * 5000}}}\n")
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(path)
+    assert raised.value.field == "(yaml)" and "4300 digits" in raised.value.problem

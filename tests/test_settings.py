@@ -174,3 +174,47 @@ def test_bad_file_value_is_ignored_when_a_higher_source_overrides_it(tmp_path: P
     """Only the value actually used is validated: a flag can rescue a broken file entry."""
     config = write_config(tmp_path / "tk.yaml", "port: eighty\n")
     assert load_settings({"config": str(config), "port": 81}, {}).port == 81
+
+
+def test_config_file_alias_bomb_is_refused_without_being_expanded(tmp_path: Path) -> None:
+    """Issue 8 item 8: a 'billion laughs' config file is refused at its first anchor."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{n}: &a{n} [{','.join([f'*a{n - 1}'] * 10)}]" for n in range(1, 7)]
+    config = write_config(tmp_path / "tk.yaml", "\n".join([*lines, "host: *a6"]) + "\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings({"config": str(config)}, {})
+    message = str(raised.value)
+    assert message.startswith(f"{config}: invalid YAML")
+    assert "found anchor &a0" in message and len(message) < 600
+
+
+def test_config_error_quotes_a_bounded_part_of_a_value(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "tk.yaml", f"port: {'9' * 5000}x\n")
+    with pytest.raises(SettingsError) as raised:
+        load_settings({"config": str(config)}, {})
+    message = str(raised.value)
+    assert message.startswith(f"{config}: port: expected an integer, got '9999")
+    assert len(message) < 300
+
+
+def test_metrics_token_and_store_timeouts_from_every_source(tmp_path: Path) -> None:
+    assert Settings().metrics_token is None
+    assert (Settings().store_connect_timeout, Settings().store_command_timeout) == (5.0, 10.0)
+    config = write_config(
+        tmp_path / "tk.yaml",
+        "metrics_token: from-file\nstore_connect_timeout: 1.5\nstore_command_timeout: 3\n",
+    )
+    from_file = load_settings({"config": str(config)}, {})
+    assert from_file.metrics_token == "from-file"
+    assert (from_file.store_connect_timeout, from_file.store_command_timeout) == (1.5, 3.0)
+    env = {
+        "THREADKEEPER_METRICS_TOKEN": "from-env",
+        "THREADKEEPER_STORE_CONNECT_TIMEOUT": "2",
+        "THREADKEEPER_STORE_COMMAND_TIMEOUT": "4",
+    }
+    from_env = load_settings({"config": str(config)}, env)
+    assert (from_env.metrics_token, from_env.store_connect_timeout) == ("from-env", 2.0)
+    assert from_env.store_command_timeout == 4.0
+    assert load_settings({"metrics-token": "from-flag"}, env).metrics_token == "from-flag"
+    with pytest.raises(SettingsError, match="THREADKEEPER_STORE_COMMAND_TIMEOUT: expected"):
+        load_settings({}, {"THREADKEEPER_STORE_COMMAND_TIMEOUT": "0"})

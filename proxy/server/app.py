@@ -140,7 +140,12 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         from proxy.store import open_store
 
-        store = given or await open_store(app[SETTINGS].store_url)
+        settings = app[SETTINGS]
+        store = given or await open_store(
+            settings.store_url,
+            connect_timeout=settings.store_connect_timeout,
+            command_timeout=settings.store_command_timeout,
+        )
         await store.migrate()
         app[STORE] = store
         # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).

@@ -1,12 +1,29 @@
-"""Bearer token -> tenant policy (SPEC section 1, "Tenants and policy files")."""
+"""Bearer token -> tenant policy and store namespace (SPEC section 1, "Tenants and policy
+files").
+
+Every store call of a request reads and writes under `request[NAMESPACE]`, set here and
+nowhere else: a keyed tenant's id, or, for a key no policy lists (passthrough mode,
+`allow_unknown_keys: true`), a namespace of that key alone, so callers of unknown keys
+never see each other's conversations, responses, threads, ledger entries or
+Idempotency-Key records. Metrics and the log's `tenant` keep the policy's tenant (low
+cardinality); the log's `caller` names the key's short hash.
+"""
 
 from __future__ import annotations
+
+import hashlib
 
 from aiohttp import web
 
 from proxy.logs import register_secret
+from proxy.policy import Policy, hash_key
 from proxy.server.errors import ApiError, Handler
-from proxy.server.state import LOG_FIELDS, POLICIES, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, POLICIES, TENANT_POLICY
+
+# ":" cannot appear in a tenant id (policy.Tenant), so no keyed tenant shares a caller's
+# namespace. Domain-separated so the stored value is not the hash a policy file lists.
+CALLER_SEPARATOR = ":"
+CALLER_HASH_PREFIX = b"threadkeeper-caller-namespace\x00"
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -23,6 +40,21 @@ def is_utf8(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def caller_hash(token: str | None) -> str:
+    """128 bits of a domain-separated sha256 of the caller's key ("" when it sent none)."""
+    data = CALLER_HASH_PREFIX + (token or "").encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def store_namespace(policy: Policy, token: str | None) -> str:
+    """The tenant id this caller's local state lives under: the policy's tenant when the
+    key is one the policy lists, else `<tenant>:<caller hash>` (as if the key were a
+    tenant of its own)."""
+    if token is not None and hash_key(token) in policy.api_keys:
+        return policy.tenant
+    return f"{policy.tenant}{CALLER_SEPARATOR}{caller_hash(token)}"
 
 
 @web.middleware
@@ -48,5 +80,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             message = "Incorrect API key provided. This key is not known to this proxy."
         raise ApiError(401, message, code="invalid_api_key")
     request[TENANT_POLICY] = policy
+    namespace = store_namespace(policy, token)
+    request[NAMESPACE] = namespace
     request[LOG_FIELDS]["tenant"] = policy.tenant
+    if namespace != policy.tenant:
+        request[LOG_FIELDS]["caller"] = namespace.rpartition(CALLER_SEPARATOR)[2][:12]
     return await handler(request)

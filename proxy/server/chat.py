@@ -25,7 +25,7 @@ from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
 from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -213,7 +213,7 @@ async def _forward(
 
 
 async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web.StreamResponse:
-    tenant = request[TENANT_POLICY].tenant
+    tenant = request[NAMESPACE]
     request[LOG_FIELDS]["thread_id"] = thread_id
     threads = ThreadService(request.app[STORE], utc_now)
     loaded = await threads.load_or_new(tenant, thread_id, "chat")

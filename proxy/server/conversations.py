@@ -29,7 +29,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.responses import validate_input_item
-from proxy.server.state import LOG_FIELDS, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -239,7 +239,7 @@ async def fork_conversation(request: web.Request) -> web.Response:
 
 
 def tenant_of(request: web.Request) -> str:
-    return request[TENANT_POLICY].tenant
+    return request[NAMESPACE]
 
 
 async def conversation(request: web.Request) -> Thread:

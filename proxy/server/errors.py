@@ -1,8 +1,10 @@
 """OpenAI's error envelope, and the middleware that puts every failure into it.
 
 Every error leaves the proxy as `{"error": {"message", "type", "param", "code"}}` with the
-matching status (SPEC section 1). Bad input is a 4xx naming the problem; an unexpected
-exception is a logged 500 carrying the request id, and the server keeps serving.
+matching status (SPEC section 1). Bad input is a 4xx naming the problem; a store that
+cannot serve (StoreUnavailable: unreachable, past the store timeouts, disk full) is a 503
+with Retry-After; an unexpected exception is a logged 500 carrying the request id, and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import structlog
 from aiohttp import web
 
 from proxy.server.state import REQUEST_ID
+from proxy.store.base import StoreUnavailable
 
 log = structlog.get_logger("threadkeeper.http")
+
+STORE_RETRY_AFTER_SECONDS = 1
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -90,6 +95,18 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> ApiErro
     return ApiError(exc.status, message, type=kind, code=code)
 
 
+def store_unavailable(exc: StoreUnavailable, request_id: str | None) -> ApiError:
+    """The 503 for a store that cannot serve now; the cause is logged, not sent."""
+    log.warning("store_unavailable", request_id=request_id, error=str(exc))
+    return ApiError(
+        503,
+        f"The proxy's store is temporarily unavailable; retry shortly (request id {request_id}).",
+        type="server_error",
+        code="store_unavailable",
+        headers={"Retry-After": str(STORE_RETRY_AFTER_SECONDS)},
+    )
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request_id = request.get(REQUEST_ID)
@@ -101,13 +118,26 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return error_response(from_http_exception(exc, request), request_id)
-    except (ConnectionResetError, ConnectionError):
-        raise
+    except StoreUnavailable as exc:
+        return error_response(store_unavailable(exc, request_id), request_id)
+    except ConnectionError:
+        if _client_gone(request):  # nobody to answer: let aiohttp end the request
+            raise
+        return _unhandled(request, request_id)
     except Exception:
-        log.exception("unhandled_error", request_id=request_id, path=request.path)
-        error = ApiError(
-            500,
-            f"The server had an error while processing your request (request id {request_id}).",
-            type="server_error",
-        )
-        return error_response(error, request_id)
+        return _unhandled(request, request_id)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _unhandled(request: web.Request, request_id: str | None) -> web.Response:
+    log.exception("unhandled_error", request_id=request_id, path=request.path)
+    error = ApiError(
+        500,
+        f"The server had an error while processing your request (request id {request_id}).",
+        type="server_error",
+    )
+    return error_response(error, request_id)

@@ -65,7 +65,7 @@ from proxy.core.idempotency import (
 )
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
-from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
 from proxy.sse import stream_finished
 from proxy.store.base import IdempotencyRecord, Store
 
@@ -121,7 +121,7 @@ async def new_record(request: web.Request, key: str) -> IdempotencyRecord:
     policy = request[TENANT_POLICY]
     now = utc_now()
     return IdempotencyRecord(
-        tenant=policy.tenant,
+        tenant=request[NAMESPACE],
         key=key,
         fingerprint=fingerprint(request.method, request.path_qs, body),
         status="running",

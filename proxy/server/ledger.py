@@ -63,7 +63,7 @@ from proxy.core.ledger import (
 )
 from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
-from proxy.server.state import METRICS, STORE, TENANT_POLICY
+from proxy.server.state import METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict, read_json_object
 from proxy.store.base import LedgerEntry, LedgerStatus
 
@@ -111,7 +111,8 @@ class LedgerGuard:
         self, request: web.Request, *, api: Api, thread_id: str | None, now: Callable[[], str]
     ) -> None:
         policy = request[TENANT_POLICY]
-        self.tenant = policy.tenant
+        self.tenant = policy.tenant  # metrics labels and logs
+        self.namespace = request[NAMESPACE]  # every store call
         self.rules = tool_rules(policy)
         self.max_replays = policy.idempotency.max_replays
         self.store = request.app[STORE]
@@ -132,12 +133,12 @@ class LedgerGuard:
         if not self.active:
             return
         for call_id, output in outputs_in(messages_or_items, self.api):
-            entry = await self.store.ledger_by_call(self.tenant, call_id)
+            entry = await self.store.ledger_by_call(self.namespace, call_id)
             if entry is None or entry.status != "issued" or output is None:
                 continue
             result = ledger_result(output)
             await self.store.ledger_resolve(
-                self.tenant,
+                self.namespace,
                 entry.scope,
                 entry.key,
                 status=output_outcome(output),
@@ -154,7 +155,7 @@ class LedgerGuard:
         for item in new:
             call_id = item.output_for
             if item.kind == "tool_output" and call_id is not None and call_id not in seen:
-                entry = await self.store.ledger_by_call(self.tenant, call_id)
+                entry = await self.store.ledger_by_call(self.namespace, call_id)
                 if entry is not None:
                     restored.append(self._call_item(entry, call_id))
                     seen.add(call_id)
@@ -197,7 +198,7 @@ class LedgerGuard:
         scope = ledger_scope(rule, self.thread_id)
         now = self.now()
         fresh = LedgerEntry(
-            tenant=self.tenant,
+            tenant=self.namespace,
             scope=scope,
             key=rendered.key,
             tool=call.name,
@@ -217,7 +218,7 @@ class LedgerGuard:
             if decision is not Decision.FAILED_BEFORE:
                 return self._verdict(call, decision, entry)
             if await self.store.ledger_rearm(
-                self.tenant, scope, rendered.key, call_id=call.call_id, now=now
+                self.namespace, scope, rendered.key, call_id=call.call_id, now=now
             ):
                 rearmed = replace(
                     entry, status="issued", call_id=call.call_id, result=None, updated_at=now
@@ -424,7 +425,7 @@ def limit_param(value: str | None) -> int:
 
 
 async def list_entries(request: web.Request) -> web.Response:
-    tenant = request[TENANT_POLICY].tenant
+    tenant = request[NAMESPACE]
     status_value = request.query.get("status")
     status = None if status_value is None else status_param(status_value, "status")
     limit = limit_param(request.query.get("limit"))
@@ -433,7 +434,7 @@ async def list_entries(request: web.Request) -> web.Response:
 
 
 async def _entry_or_404(request: web.Request) -> LedgerEntry:
-    tenant = request[TENANT_POLICY].tenant
+    tenant = request[NAMESPACE]
     scope, key = request.match_info["scope"], request.match_info["key"]
     entry = await request.app[STORE].ledger_get(tenant, scope, key)
     if entry is None:

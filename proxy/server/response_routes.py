@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.server.errors import ApiError, invalid
-from proxy.server.state import STORE, TENANT_POLICY
+from proxy.server.state import NAMESPACE, STORE
 from proxy.store.base import StoredItem, StoredResponse
 
 JsonDict = dict[str, Any]
@@ -28,7 +28,7 @@ def add_routes(app: web.Application) -> None:
 
 async def _stored(request: web.Request) -> StoredResponse:
     response_id = request.match_info["response_id"]
-    stored = await request.app[STORE].get_response(request[TENANT_POLICY].tenant, response_id)
+    stored = await request.app[STORE].get_response(request[NAMESPACE], response_id)
     if stored is None:
         raise ApiError(404, f"Response with id '{response_id}' not found.")
     return stored

@@ -42,7 +42,7 @@ from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard
 from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -212,7 +212,7 @@ class Chain:
 
 
 async def resolve_chain(request: web.Request, threads: ThreadService, body: JsonDict) -> Chain:
-    tenant = request[TENANT_POLICY].tenant
+    tenant = request[NAMESPACE]
     conversation = conversation_id(body)
     if conversation is not None:
         loaded = await threads.load(tenant, conversation)
@@ -328,7 +328,7 @@ class ResponseTurn:
         self.new = tuple(new)
         self.counter = counter
         self.projection = projection
-        self.tenant = request[TENANT_POLICY].tenant
+        self.tenant = request[NAMESPACE]
         self.id = new_id("resp")
         self.persist = body.get("store") is not False
         self.kept = False

@@ -26,3 +26,6 @@ ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
 REQUEST_ID = web.RequestKey("request_id", str)
 LOG_FIELDS = web.RequestKey("log_fields", dict)  # extra fields of the request's log line
 TENANT_POLICY = web.RequestKey("tenant_policy", Policy)
+# The tenant id every store call of the request uses (auth.store_namespace): the tenant's
+# own id, or one namespace per caller key in passthrough mode (SPEC section 1).
+NAMESPACE = web.RequestKey("store_namespace", str)

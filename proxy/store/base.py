@@ -50,6 +50,12 @@ class AlreadyExists(StoreError):
     """A row with this key exists (first write wins)."""
 
 
+class StoreUnavailable(StoreError):
+    """The store cannot serve now: unreachable, too slow (the store timeouts), or out of
+    space. Raised by the backends for these causes only (a bug stays a bug); the HTTP
+    layer answers 503 with Retry-After, and the same store recovers without a restart."""
+
+
 @dataclass(frozen=True)
 class NewItem:
     """An item to append. `raw` is the exact JSON the API carried (the source of truth)."""
@@ -177,7 +183,9 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
     async def ping(self) -> None:
-        """Raise if the database is unreachable (readiness probe)."""
+        """Raise StoreUnavailable when the store cannot take a write now: it is
+        unreachable, or a write failed for lack of space within the last
+        FULL_REMEMBERED_SECONDS (readiness probe; /readyz also writes a heartbeat)."""
 
     # threads --------------------------------------------------------------------------
     async def create_thread(

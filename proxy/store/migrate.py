@@ -80,7 +80,7 @@ def pending(migrations: list[Migration], applied: set[int]) -> list[Migration]:
 async def migrate(db: Database) -> list[int]:
     """Apply pending migrations; returns the versions this call applied."""
     migrations = load_migrations(db.dialect)
-    async with db.write() as conn:
+    async with db.write(bounded=False) as conn:  # a long migration is not an outage
         if db.dialect == "postgres":
             await conn.execute(PG_MIGRATION_LOCK)
         await conn.execute(CREATE_SCHEMA_VERSION)

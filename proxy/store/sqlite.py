@@ -5,12 +5,17 @@ asyncio.Lock and run as `BEGIN IMMEDIATE ... COMMIT`, so coroutines never meet
 "database is locked"; other processes on the same file wait on `busy_timeout`. WAL lets
 the reader take consistent snapshots while a write is under way. An in-memory database
 cannot be shared between connections, so there the writer also reads.
+
+Store failures that are the database's state, not a bug (disk full, I/O error, locked
+longer than `busy_timeout`, read-only or unopenable file) raise StoreUnavailable; the next
+statement tries again, so the store recovers when the cause goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
@@ -19,12 +24,24 @@ from typing import Any
 import aiosqlite
 
 from proxy.store import sql
-from proxy.store.base import AlreadyExists
+from proxy.store.base import AlreadyExists, StoreUnavailable
 from proxy.store.sqlstore import SqlStore
 
 MEMORY = ":memory:"
-BUSY_TIMEOUT_MS = 10_000
+DEFAULT_BUSY_TIMEOUT = 10.0  # seconds; the store_command_timeout setting
 _UNIQUE_ERRORS = {"SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
+# Primary result codes (extended code & 0xff) meaning "the database cannot serve now".
+SQLITE_FULL = 13
+_UNAVAILABLE_CODES = {
+    5,  # SQLITE_BUSY: locked by another process past busy_timeout
+    6,  # SQLITE_LOCKED
+    7,  # SQLITE_NOMEM
+    8,  # SQLITE_READONLY
+    10,  # SQLITE_IOERR
+    SQLITE_FULL,
+    14,  # SQLITE_CANTOPEN
+    15,  # SQLITE_PROTOCOL
+}
 
 
 def sqlite_path(url: str) -> str:
@@ -85,18 +102,33 @@ class SqliteDatabase:
         self._connections = [c for c in (writer, reader) if c is not None]
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock() if reader is not None else self._write_lock
+        self.full_at: float | None = None
 
     @asynccontextmanager
-    async def write(self) -> AsyncIterator[SqliteConn]:
-        async with self._write_lock:
+    async def write(self, *, bounded: bool = True) -> AsyncIterator[SqliteConn]:
+        # `bounded` changes nothing here: the busy timeout is the only wait SQLite has.
+        async with self._unavailable_raised(), self._write_lock:
             async with _transaction(self._writer, "BEGIN IMMEDIATE"):
                 yield self._writer
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[SqliteConn]:
-        async with self._read_lock:
+        async with self._unavailable_raised(), self._read_lock:
             async with _transaction(self._reader, "BEGIN"):
                 yield self._reader
+
+    @asynccontextmanager
+    async def _unavailable_raised(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            code = getattr(exc, "sqlite_errorcode", None)
+            if code is None or code & 0xFF not in _UNAVAILABLE_CODES:
+                raise
+            if code & 0xFF == SQLITE_FULL:
+                self.full_at = time.monotonic()
+            name = getattr(exc, "sqlite_errorname", "")
+            raise StoreUnavailable(f"SQLite cannot serve now: {name} ({exc})") from exc
 
     async def close(self) -> None:
         for connection in self._connections:
@@ -124,7 +156,7 @@ async def _rollback(conn: SqliteConn) -> None:
         pass
 
 
-async def _connect(path: str) -> aiosqlite.Connection:
+async def _connect(path: str, busy_timeout: float) -> aiosqlite.Connection:
     # isolation_level=None: we issue BEGIN/COMMIT ourselves (sqlite3's implicit ones would
     # not cover SELECTs or DDL).
     conn = await aiosqlite.connect(path, isolation_level=None)
@@ -133,14 +165,15 @@ async def _connect(path: str) -> aiosqlite.Connection:
         "PRAGMA journal_mode=WAL",
         "PRAGMA synchronous=NORMAL",  # durable across process crashes in WAL mode
         "PRAGMA foreign_keys=ON",
-        f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
+        f"PRAGMA busy_timeout={round(busy_timeout * 1000)}",
     ):
         await conn.execute(pragma)
     return conn
 
 
-async def open_sqlite_store(url: str) -> SqlStore:
+async def open_sqlite_store(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> SqlStore:
+    """`busy_timeout`: how long a statement waits for another process's lock."""
     path = sqlite_path(url)
-    writer = await _connect(path)
-    reader = None if path == MEMORY else await _connect(path)
+    writer = await _connect(path, busy_timeout)
+    reader = None if path == MEMORY else await _connect(path, busy_timeout)
     return SqlStore(SqliteDatabase(writer, reader))

@@ -10,6 +10,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
@@ -28,6 +29,7 @@ from proxy.store.base import (
     ResponseStatus,
     StoredItem,
     StoredResponse,
+    StoreUnavailable,
     Thread,
     ThreadKind,
     VersionConflict,
@@ -50,12 +52,23 @@ class Conn(Protocol):
     async def fetchrow(self, query: str, *args: Any) -> sql.Row | None: ...
 
 
+# How long readiness reports a store that refused a write for lack of space (disk full):
+# an emptied disk is trusted again after this, even with no traffic to prove it.
+FULL_REMEMBERED_SECONDS = 5.0
+
+
 class Database(Protocol):
+    """Raises StoreUnavailable (never a driver error) when the database is unreachable,
+    slower than the store timeouts, or out of space."""
+
     dialect: str  # "sqlite" | "postgres": names the migrations folder
+    full_at: float | None  # time.monotonic() of the last write refused for lack of space
 
     def read(self) -> AbstractAsyncContextManager[Conn]: ...
 
-    def write(self) -> AbstractAsyncContextManager[Conn]: ...
+    def write(self, *, bounded: bool = True) -> AbstractAsyncContextManager[Conn]:
+        """`bounded=False`: no store timeout (migrations at start)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -74,6 +87,9 @@ class SqlStore:
         await self.db.close()
 
     async def ping(self) -> None:
+        full_at = self.db.full_at
+        if full_at is not None and time.monotonic() - full_at < FULL_REMEMBERED_SECONDS:
+            raise StoreUnavailable("a write failed for lack of space (disk full) just now")
         async with self.db.read() as conn:
             await conn.fetchrow("SELECT 1 AS ok")
 

@@ -105,3 +105,26 @@ async def test_unexpected_exception_is_a_logged_500_and_the_server_keeps_serving
         monkeypatch.undo()
         again = await http.post("/v1/chat/completions", json=body, headers=headers)
         assert again.status_code == 200
+
+
+async def test_metrics_token_guards_metrics(make_proxy) -> None:
+    """Issue 8 item 18: with `metrics_token` set, /metrics is a 401 without that bearer."""
+    proxy = await make_proxy(settings={"metrics_token": "metrics-secret-1"})
+    async with proxy.http() as http:
+        await http.post(
+            "/v1/conversations", json={}, headers={"Authorization": f"Bearer {TENANT_KEY}"}
+        )
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Bearer {TENANT_KEY}"},  # a tenant key is not the metrics token
+            {"Authorization": "Basic metrics-secret-1"},
+        ):
+            refused = await http.get("/metrics", headers=headers)
+            assert refused.status_code == 401, headers
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert "acme" not in refused.text
+        allowed = await http.get("/metrics", headers={"Authorization": "Bearer metrics-secret-1"})
+        assert allowed.status_code == 200 and 'tenant="acme"' in allowed.text
+        assert (await http.get("/healthz")).status_code == 200  # probes stay open
+        assert (await http.get("/readyz")).status_code == 200

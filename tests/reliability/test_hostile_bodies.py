@@ -306,27 +306,58 @@ def test_hostile_item_id(live: LiveProxy, route: str, item_id: str) -> None:
     )
 
 
-@pytest.mark.parametrize("route", list(ID_ROUTES))
-def test_duplicate_item_ids_are_refused(live: LiveProxy, route: str) -> None:
-    """Two items with one id in a request, or an id the conversation already holds: a 400
-    before anything is written or the provider is called."""
+def message(item_id: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "user", "content": "hi"}
+
+
+DUPLICATES: dict[str, tuple[str, str, Any]] = {
+    # Two items with one id in a request.
+    "responses.twice": ("POST", "/v1/responses", {"model": "gpt-4o", "input": "@twice"}),
+    "conversations.create.twice": ("POST", "/v1/conversations", {"items": "@twice"}),
+    "conversations.items.create.twice": (
+        "POST",
+        "/v1/conversations/{conv}/items",
+        {"items": "@twice"},
+    ),
+    # An id the conversation already holds.
+    "responses.held": (
+        "POST",
+        "/v1/responses",
+        {"model": "gpt-4o", "conversation": "{conv}", "input": "@held"},
+    ),
+    "conversations.items.create.held": (
+        "POST",
+        "/v1/conversations/{conv}/items",
+        {"items": "@held"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DUPLICATES))
+def test_duplicate_item_ids_are_refused(live: LiveProxy, case: str) -> None:
+    """A duplicate item id is a 400 before anything is written or the provider is called."""
     seeds = make_seeds(live)
-    method, path, template = ID_ROUTES[route]
-    item = b'{"type": "message", "id": "msg_dup", "role": "user", "content": "hi"}'
-    body = fill(template, seeds).replace(SLOT, b'"msg_dup"')
-    twice = body.replace(b"}]}", b"}, " + item + b"]}", 1)
-    assert send(live, method, fill(path, seeds).decode(), twice).status == 400
-    if route == "conversations.items.create":
-        held = body.replace(b'"msg_dup"', json.dumps(seeds.item_id).encode())
-        assert send(live, method, fill(path, seeds).decode(), held).status == 400
-    if route == "responses":
-        threaded = (
-            b'{"model": "gpt-4o", "conversation": "' + seeds.conversation_id.encode() + b'", '
-            b'"input": [{"type": "message", "id": '
-            + json.dumps(seeds.item_id).encode()
-            + b', "role": "user", "content": "hi"}]}'
-        )
-        assert send(live, method, path, threaded).status == 400
+    method, path, template = DUPLICATES[case]
+    items = {
+        "@twice": [message("msg_dup"), message("msg_dup")],
+        "@held": [message(seeds.item_id)],
+    }
+    body = {k: items.get(v, v) for k, v in with_seeds(template, seeds).items()}
+    response = send(live, method, fill(path, seeds).decode(), json.dumps(body).encode())
+    assert response.status == 400, response.body[:300]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("route", list(BODY_ROUTES))
+def test_non_standard_json_is_refused(live: LiveProxy, route: str, value: str) -> None:
+    """NaN and Infinity are not JSON: OpenAI answers 400 (the body could not be parsed),
+    here as `temperature` in an otherwise valid body."""
+    seeds = make_seeds(live)
+    method, path, template = BODY_ROUTES[route]
+    fragment = b"{}" if route == "conversations.fork" else b'"hi"'
+    body = fill(template, seeds).replace(SLOT, fragment)
+    body = b'{"temperature": ' + VALUES[value] + b", " + body[1:]
+    assert send(live, method, fill(path, seeds).decode(), body).status == 400
 
 
 @pytest.mark.parametrize("path_id", list(PATH_IDS))

@@ -360,6 +360,19 @@ def test_non_standard_json_is_refused(live: LiveProxy, route: str, value: str) -
     assert send(live, method, fill(path, seeds).decode(), body).status == 400
 
 
+@pytest.mark.parametrize("type_value", [b"{}", b"[]"])
+@pytest.mark.parametrize("route", list(ID_ROUTES))
+def test_unknown_field_holding_an_object_typed_by_an_object(
+    live: LiveProxy, route: str, type_value: bytes
+) -> None:
+    """Found by the schemathesis coverage phase: `{"x": {"type": {}}}` beside an item's
+    fields reached token counting with an unhashable `type`."""
+    seeds = make_seeds(live)
+    method, path, template = ID_ROUTES[route]
+    body = fill(template, seeds).replace(SLOT, b'"msg_x", "x": {"type": ' + type_value + b"}")
+    send(live, method, fill(path, seeds).decode(), body)
+
+
 @pytest.mark.parametrize("path_id", list(PATH_IDS))
 @pytest.mark.parametrize("route", list(PATH_ROUTES))
 def test_hostile_path_id(live: LiveProxy, route: str, path_id: str) -> None:

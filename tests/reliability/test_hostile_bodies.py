@@ -488,15 +488,19 @@ hostile_text = st.one_of(
     st.text(max_size=20),
     st.sampled_from(["\ud800", "\udfff", "a\x00b", "msg_\ud800", "", " ", "\u2028"]),
 )
+
+
+def json_containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(children, max_size=4) | st.dictionaries(hostile_text, children, max_size=4)
+
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
     | hostile_text,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(hostile_text, children, max_size=4)
-    ),
+    json_containers,
     max_leaves=12,
 )
 

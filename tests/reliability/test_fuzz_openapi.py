@@ -77,12 +77,14 @@ def tally(request: pytest.FixtureRequest) -> Iterator[Tally]:
     counts = Tally()
     yield counts
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     line = (
         f"openapi fuzz: {counts.cases} cases, {counts.server_errors} with status >= 500, "
         f"by status {dict(sorted(counts.by_status.items()))}"
     )
-    if reporter is not None:
-        reporter.write_line(line)
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # the figure the closing note asks for
+            reporter.write_line(line)
 
 
 @pytest.fixture(scope="module")

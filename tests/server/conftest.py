@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,9 @@ async def provider() -> AsyncIterator[FakeProvider]:
 ProxyFactory = Callable[..., "AsyncIterator[Proxy]"]
 
 
-@pytest.fixture
-async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
+@asynccontextmanager
+async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
+    """make_proxy outside pytest's fixtures (tests/reliability runs it on its own loop)."""
     runners = []
     proxies: list[Proxy] = []
 
@@ -116,12 +118,20 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
         proxies.append(proxy)
         return proxy
 
-    yield factory
-    for proxy in proxies:
-        for client in proxy.clients:
-            await client.close()
-    for runner in runners:
-        await runner.cleanup()
+    try:
+        yield factory
+    finally:
+        for proxy in proxies:
+            for client in proxy.clients:
+                await client.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
+    async with proxy_factory(tmp_path, provider) as factory:
+        yield factory
 
 
 @pytest.fixture

@@ -487,7 +487,9 @@ class TokenCounter:
             return sum(self._part(part) for part in value)
         if isinstance(value, Mapping):
             # A lone content part (a computer_call_output's screenshot) is still a part.
-            return self._part(value) if value.get("type") in PART_TYPES else self._fields(value)
+            kind = value.get("type")
+            is_part = isinstance(kind, str) and kind in PART_TYPES
+            return self._part(value) if is_part else self._fields(value)
         return self.text(str(value))
 
     def _fields(self, value: Mapping[str, Any], skip: frozenset[str] = frozenset()) -> int:
@@ -500,6 +502,8 @@ class TokenCounter:
         if not isinstance(part, Mapping):
             return self._value(part)
         kind = part.get("type")
+        if not isinstance(kind, str):  # hostile input: {"type": {}} is data, not a part
+            return self._fields(part)
         if kind in IMAGE_PART_TYPES:
             return self._image(part)
         if kind in TEXT_PART_TYPES:

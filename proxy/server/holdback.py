@@ -417,7 +417,8 @@ class ResponsesHoldback:
     def _guarded_item(self, item: Any) -> bool:
         return (
             isinstance(item, dict)
-            and item.get("type") in CALL_ITEMS
+            and isinstance(item.get("type"), str)
+            and item["type"] in CALL_ITEMS
             and self.guarded.guard.guarded(item.get("name"))
         )
 

@@ -688,3 +688,12 @@ def test_an_item_nested_past_the_structured_depth_is_counted_without_recursion()
     counter = TokenCounter.for_model("gpt-4o")
     leaves = ("message", "user", "needle")  # every leaf's text, plus the message overhead
     assert counter.item(item) == 3 + sum(counter.text(leaf) for leaf in leaves)
+
+
+def test_a_type_that_is_not_a_string_is_counted_as_data() -> None:
+    # Found by the OpenAPI fuzz: {"type": {}} in an unknown field raised TypeError (a 500).
+    counter = TokenCounter.for_model("gpt-4o")
+    hostile = {"type": "message", "role": "user", "content": "hi", "x": {"type": {}}}
+    listed = {"type": "message", "role": "user", "content": [{"type": ["input_text"]}]}
+    assert counter.responses_prompt(items_from_responses_input([hostile]).items, None, []) > 0
+    assert counter.responses_prompt(items_from_responses_input([listed]).items, None, []) > 0

@@ -7,7 +7,7 @@ body, content_type = metrics.render()      # GET /metrics
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # What a rebuild removed from the context (SPEC section 5, in relief order).
@@ -68,6 +68,13 @@ class Metrics:
             "threadkeeper_ledger_unknown_outcome",
             "Side-effecting calls repeated while their first outcome is unknown (SPEC 6).",
             ("tenant", "tool"),
+            registry=self.registry,
+        )
+        # Read at scrape time from the pool (app.py wires it to Upstream.connections_in_use):
+        # a number that does not fall back to 0 between requests is a leak.
+        self.upstream_connections_in_use = Gauge(
+            "threadkeeper_upstream_connections_in_use",
+            "Upstream pool connections busy with a request (connecting, sending or answering).",
             registry=self.registry,
         )
         for kind in TRIM_KINDS:  # export zeros so dashboards see every kind from the start

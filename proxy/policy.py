@@ -146,6 +146,9 @@ BUILTIN_LIMITS = ModelLimits(
 class UpstreamPolicy(_Frozen):
     base_url: Annotated[str, AfterValidator(_http_url)] | None = None
     api_key_env: Annotated[str, AfterValidator(_env_var_name)] | None = None
+    # The longest one client request may spend with the provider, every exchange it makes
+    # together (retries, ledger continuations, headers, the last byte of the body).
+    deadline_seconds: float = Field(default=900.0, gt=0)
 
 
 class BudgetPolicy(_Frozen):

@@ -42,6 +42,8 @@ class Settings:
     upstream_url: str = "https://api.openai.com/v1"
     config_file: Path | None = None
     max_body_bytes: int = 32 * 1024 * 1024
+    max_provider_body_bytes: int = 64 * 1024 * 1024  # what is buffered of a provider answer
+    client_header_timeout: float = 60.0  # seconds for a request's headers, and a JSON body
     upstream_connect_timeout: float = 10.0
     upstream_read_timeout: float = 600.0
     upstream_pool_size: int = 100
@@ -154,6 +156,18 @@ FIELDS: tuple[_Field, ...] = (
     _Field("store_url", _store_url, "store", "THREADKEEPER_STORE", "store"),
     _Field("upstream_url", _http_url, "upstream_url", "THREADKEEPER_UPSTREAM_URL", "upstream"),
     _Field("max_body_bytes", _positive_int, "max_body_bytes", "THREADKEEPER_MAX_BODY_BYTES"),
+    _Field(
+        "max_provider_body_bytes",
+        _positive_int,
+        "max_provider_body_bytes",
+        "THREADKEEPER_MAX_PROVIDER_BODY_BYTES",
+    ),
+    _Field(
+        "client_header_timeout",
+        _positive_number,
+        "client_header_timeout",
+        "THREADKEEPER_CLIENT_HEADER_TIMEOUT",
+    ),
     _Field("log_level", _log_level, "log_level", "THREADKEEPER_LOG_LEVEL"),
     _Field("upstream_connect_timeout", _positive_number, "upstream.connect_timeout"),
     _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),

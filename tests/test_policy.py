@@ -447,3 +447,15 @@ def test_an_integer_python_cannot_build_is_a_yaml_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as raised:
         load_policy_file(path)
     assert raised.value.field == "(yaml)" and "4300 digits" in raised.value.problem
+
+
+def test_upstream_deadline_defaults_to_900_seconds_and_must_be_positive(tmp_path: Path) -> None:
+    policy = load_policy_file(write(tmp_path, "acme.yaml", "tenant: acme\n"))
+    assert policy.upstream.deadline_seconds == 900.0
+    text = "tenant: acme\nupstream: {deadline_seconds: 2.5}\n"
+    assert load_policy_file(write(tmp_path, "acme.yaml", text)).upstream.deadline_seconds == 2.5
+    with pytest.raises(PolicyError) as raised:
+        load_policy_file(
+            write(tmp_path, "acme.yaml", "tenant: acme\nupstream: {deadline_seconds: 0}\n")
+        )
+    assert raised.value.field == "upstream.deadline_seconds"

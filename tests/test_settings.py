@@ -218,3 +218,16 @@ def test_metrics_token_and_store_timeouts_from_every_source(tmp_path: Path) -> N
     assert load_settings({"metrics-token": "from-flag"}, env).metrics_token == "from-flag"
     with pytest.raises(SettingsError, match="THREADKEEPER_STORE_COMMAND_TIMEOUT: expected"):
         load_settings({}, {"THREADKEEPER_STORE_COMMAND_TIMEOUT": "0"})
+
+
+def test_provider_body_cap_and_client_header_timeout_come_from_the_environment() -> None:
+    env = {
+        "THREADKEEPER_MAX_PROVIDER_BODY_BYTES": "1_048_576",
+        "THREADKEEPER_CLIENT_HEADER_TIMEOUT": "2.5",
+    }
+    settings = load_settings(NO_FLAGS, env)
+    assert (settings.max_provider_body_bytes, settings.client_header_timeout) == (1048576, 2.5)
+    with pytest.raises(SettingsError, match="THREADKEEPER_CLIENT_HEADER_TIMEOUT: expected"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_CLIENT_HEADER_TIMEOUT": "0"})
+    with pytest.raises(SettingsError, match="THREADKEEPER_MAX_PROVIDER_BODY_BYTES: expected"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_MAX_PROVIDER_BODY_BYTES": "lots"})

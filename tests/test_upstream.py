@@ -12,8 +12,13 @@ import httpx
 import pytest
 import respx
 
+from proxy.sse import SSEDecoder
 from proxy.upstream import (
+    Closer,
+    EventFrames,
+    ProviderAnswerTooLarge,
     RetrySettings,
+    Scrubber,
     Upstream,
     UpstreamRequest,
     UpstreamUnavailable,
@@ -338,3 +343,138 @@ async def test_create_builds_a_working_pooled_client(router: respx.MockRouter) -
         assert response.status == 200
     finally:
         await upstream.aclose()
+
+
+# -- what comes back: scrubbed, cut into whole events, capped, closed to the end ------------
+
+KEY = "sk-provider-secret-0123456789"
+
+
+def test_a_secret_split_anywhere_across_chunks_is_scrubbed() -> None:
+    text = f'{{"error": "bad key {KEY}", "again": "{KEY}"}}'.encode()
+    for cut in range(len(text) + 1):
+        for second in range(cut, len(text) + 1):
+            scrubber = Scrubber([KEY])
+            parts = [text[:cut], text[cut:second], text[second:]]
+            out = b"".join(scrubber.feed(part) for part in parts) + scrubber.flush()
+            assert out == text.replace(KEY.encode(), b"[redacted]")
+
+
+def test_the_scrubber_holds_back_only_what_could_begin_a_secret() -> None:
+    scrubber = Scrubber([KEY])
+    assert scrubber.feed(b'data: {"a": "s"}\n\n') == b'data: {"a": "s"}\n\n'
+    assert scrubber.feed(b"token sk-prov") == b"token "
+    assert scrubber.feed(b"ider-x") == b"sk-provider-x"
+    assert Scrubber(["short"]).feed(b"short") == b"short"  # too short to be a key
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_event_frames_relay_whole_events_only(newline: str) -> None:
+    stream = "".join(f'data: {{"n": {i}}}{newline}{newline}' for i in range(3)).encode()
+    for cut in range(len(stream) + 1):
+        frames = EventFrames(limit=1000)
+        out = [frames.feed(stream[:cut]), frames.feed(stream[cut:]), frames.flush()]
+        assert b"".join(out) == stream
+        decoder = SSEDecoder()
+        for part in out[:2]:  # what is relayed before the end is whole events
+            assert len(decoder.feed(part)) == part.count(b"data:"), (cut, part)
+
+
+def test_one_event_above_the_cap_is_refused_however_it_is_cut() -> None:
+    frames = EventFrames(limit=100)
+    assert frames.feed(b"data: small\n\n") == b"data: small\n\n"
+    frames.feed(b"data: " + b"x" * 60)
+    with pytest.raises(ProviderAnswerTooLarge) as info:
+        frames.feed(b"x" * 60)
+    assert info.value.status == 502
+    assert "max_provider_body_bytes = 100" in info.value.message
+
+
+async def test_a_body_above_the_cap_is_refused(router: respx.MockRouter) -> None:
+    router.post(URL).mock(return_value=httpx.Response(200, content=b"x" * 101))
+    async with httpx.AsyncClient() as client:
+        with pytest.raises(ProviderAnswerTooLarge):
+            await Upstream(client, max_body_bytes=100).send(post(), FAST)
+
+
+async def test_an_echoed_key_is_scrubbed_from_headers_and_body(router: respx.MockRouter) -> None:
+    router.post(URL).mock(
+        return_value=httpx.Response(401, content=f"bad {KEY}".encode(), headers={"x-k": KEY})
+    )
+    async with httpx.AsyncClient() as client:
+        request = UpstreamRequest("POST", URL, {"authorization": f"Bearer {KEY}"}, BODY)
+        response = await Upstream(client).send(
+            UpstreamRequest(**{**request.__dict__, "secrets": (KEY,)}), FAST
+        )
+    assert await response.aread() == b"bad [redacted]"
+    assert ("x-k", "[redacted]") in response.headers
+
+
+class SlowClose:
+    """An httpx response whose close takes a while and records whether it finished."""
+
+    def __init__(self) -> None:
+        self.is_closed = False
+        self.finished = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def aclose(self) -> None:
+        self.is_closed = True  # as httpx does, before the connection is released
+        self.started.set()
+        await asyncio.sleep(0.01)
+        self.finished.set()
+
+
+async def test_a_close_runs_to_the_end_when_its_caller_is_cancelled() -> None:
+    closer = Closer()
+    response = SlowClose()
+    task = asyncio.create_task(closer.close(response))  # type: ignore[arg-type]
+    await response.started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(response.finished.wait(), timeout=10)
+    await closer.wait()
+
+
+async def answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A minimal HTTP/1.1 server: `{}` to every request on the connection."""
+    try:
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8])
+async def test_requests_cancelled_while_waiting_for_a_connection_leave_no_slot_behind(
+    yields: int,
+) -> None:
+    """httpcore leaves the connection it created for a request cancelled before using it
+    in the pool (encode/httpcore#1093); the pool must reclaim it."""
+    server = await asyncio.start_server(answer_ok, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1/models"
+    upstream = Upstream.create(connect_timeout=2.0, read_timeout=5.0, pool_size=1)
+    try:
+        for _ in range(5):
+            request = UpstreamRequest("GET", url, {})
+            tasks = [asyncio.create_task(upstream.send(request, FAST)) for _ in range(3)]
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            for task in tasks:
+                task.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    continue
+                await result.aclose()
+        assert upstream.connections_in_use() == 0
+        response = await asyncio.wait_for(upstream.send(UpstreamRequest("GET", url, {}), FAST), 10)
+        assert await response.aread() == b"{}"
+    finally:
+        await upstream.aclose()
+        server.close()
+        await server.wait_closed()

@@ -1,8 +1,14 @@
 """The application: `create_app(settings)` builds everything; nothing lives at module level.
 
 Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
-error envelope -> tenant auth -> path and query checks -> Idempotency-Key (replay or record). Resources (upstream
-pool, policy watcher, idempotency purge, owner heartbeat) open and close in cleanup_ctx.
+error envelope -> tenant auth -> path and query checks -> body read deadline ->
+Idempotency-Key (replay or record). Resources (upstream pool, policy watcher, idempotency
+purge, owner heartbeat) open and close in cleanup_ctx.
+
+Slow clients are bounded by `client_header_timeout`: aiohttp's keep-alive timer (started
+when a connection opens, >= 3.14.4, and after each response) closes a connection whose
+next request's headers have not fully arrived in time, and `body_deadline_middleware`
+answers 408 to a buffered body that does not.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from proxy.server import (
     responses,
 )
 from proxy.server.auth import auth_middleware
-from proxy.server.errors import Handler, error_middleware
+from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.recovery import keep_alive
 from proxy.server.state import (
@@ -92,6 +98,27 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
             )
 
 
+@web.middleware
+async def body_deadline_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body the proxy buffers (every one but a streamed passthrough upload, whose chunks
+    passthrough.py bounds) is read here within client_header_timeout; aiohttp keeps it
+    for the handler's own read. A client too slow gets a 408 and the connection closes
+    (after at most client_header_timeout more of reading and dropping the rest)."""
+    try:
+        if request.body_exists and not passthrough.streams_upload(request):
+            timeout = request.app[SETTINGS].client_header_timeout
+            try:
+                async with asyncio.timeout(timeout):
+                    await request.read()
+            except TimeoutError:
+                raise passthrough.ClientTooSlow(timeout) from None
+        return await handler(request)
+    except passthrough.ClientTooSlow as exc:
+        response = error_response(exc, request.get(REQUEST_ID))
+        response.force_close()
+        return response
+
+
 def create_app(
     settings: Settings,
     *,
@@ -106,6 +133,7 @@ def create_app(
             error_middleware,
             auth_middleware,
             url_keys_middleware,
+            body_deadline_middleware,
             idempotency_middleware,
         ],
         client_max_size=settings.max_body_bytes,
@@ -164,8 +192,10 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
             connect_timeout=settings.upstream_connect_timeout,
             read_timeout=settings.upstream_read_timeout,
             pool_size=settings.upstream_pool_size,
+            max_body_bytes=settings.max_provider_body_bytes,
         )
         app[UPSTREAM] = upstream
+        app[METRICS].upstream_connections_in_use.set_function(upstream.connections_in_use)
         yield
         await upstream.aclose()
 
@@ -187,7 +217,15 @@ async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:
 async def start(settings: Settings, app: web.Application | None = None) -> web.AppRunner:
     """Start serving; the caller owns the runner (tests, `demo`, `serve`)."""
     app = app or create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=settings.client_header_timeout,
+        # After an answer sent before its body was read (a 408, a 401), what is left of
+        # the body is read and dropped for at most this long, then the connection closes.
+        lingering_time=min(10.0, settings.client_header_timeout),
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
     await site.start()

@@ -33,10 +33,10 @@ from proxy.server.relay import (
     read_body,
     relay_headers,
     send_upstream,
-    stream_error_event,
+    stream_failure,
     stream_response,
 )
-from proxy.server.state import LOG_FIELDS, TENANT_POLICY
+from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.sse import (
     DONE,
@@ -185,10 +185,7 @@ async def _relay_stream(
     except BadAnswer as exc:  # the provider's event is not what its API streams
         await bad_stream(request, response, guarded.family, exc)
     except Exception as exc:  # the provider cut the stream, or the ledger failed
-        log.warning("guarded_stream_broken", error=repr(exc))
-        request[LOG_FIELDS]["stream_error"] = repr(exc)
-        message = f"The stream was interrupted: {exc!r}"
-        await response.write(stream_error_event(guarded.family, message))
+        await response.write(stream_failure(request, guarded.family, exc))
     finally:
         await upstream.aclose()
     await response.write_eof()

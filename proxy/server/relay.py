@@ -5,15 +5,20 @@ and decoded on the side (proxy/sse.py) so the log line can carry the final usage
 answer passes its API's shape check first (proxy/core/answers.py): a malformed one is a
 502, or in a stream an error event that ends it. A client that goes
 away cancels the handler (handler_cancellation) and with it the upstream request.
+Passthrough bodies are relayed as they arrive too, so nothing but a model answer is
+buffered (and that only up to max_provider_body_bytes, proxy/upstream.py). A stream the
+proxy cannot finish ends with one error event (`stream_failure`).
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterable, Mapping
 from typing import Any, Literal, Protocol
 
+import asyncpg
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
@@ -22,7 +27,7 @@ from proxy.core.answers import BadAnswer, check_answer
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
 from proxy.server.errors import ApiError, error_body
-from proxy.server.state import ENV, LOG_FIELDS, METRICS, SETTINGS, UPSTREAM
+from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
 from proxy.sse import (
     ChatStreamAccumulator,
     EventFramer,
@@ -31,7 +36,14 @@ from proxy.sse import (
     SSEEvent,
     encode_event,
 )
-from proxy.upstream import RetrySettings, UpstreamRequest, UpstreamResponse, UpstreamUnavailable
+from proxy.store.base import StoreError
+from proxy.upstream import (
+    Deadline,
+    RetrySettings,
+    UpstreamRequest,
+    UpstreamResponse,
+    UpstreamUnavailable,
+)
 
 log = structlog.get_logger("threadkeeper.relay")
 
@@ -60,12 +72,24 @@ PROXY_ONLY = frozenset({"x-thread-id", "idempotency-key"})
 # Capture hook of the Idempotency-Key middleware (proxy/server/idempotency.py): when a
 # request carries a tap, every byte its stream sends the client is also appended to it.
 STREAM_TAP: web.RequestKey[list[bytes]] = web.RequestKey("stream_tap", list)
+# One deadline per client request, shared by every exchange it has with the provider.
+DEADLINE = web.RequestKey("upstream_deadline", Deadline)
+# What a store failure looks like, whichever backend raised it.
+STORE_FAILURES: tuple[type[BaseException], ...] = (
+    StoreError,
+    sqlite3.Error,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
 
 
 def stream_response(
     request: web.Request, *, status: int, headers: CIMultiDict[str]
 ) -> web.StreamResponse:
-    """The StreamResponse a relay writes to; tapped when request[STREAM_TAP] is set."""
+    """The StreamResponse a relay writes to; tapped when request[STREAM_TAP] is set. It
+    carries the request id like every other answer (its error event quotes it)."""
+    if REQUEST_ID in request:
+        headers["x-threadkeeper-request-id"] = request[REQUEST_ID]
     tap = request.get(STREAM_TAP)
     if tap is None:
         return web.StreamResponse(status=status, headers=headers)
@@ -91,13 +115,8 @@ def upstream_base(request: web.Request, policy: Policy) -> str:
     return (policy.upstream.base_url or request.app[SETTINGS].upstream_url).rstrip("/")
 
 
-def upstream_headers(request: web.Request, policy: Policy) -> dict[str, str]:
-    """Client headers minus hop-by-hop ones; the tenant's provider key when it has one."""
-    headers = {
-        name: value
-        for name, value in request.headers.items()
-        if name.lower() not in HOP_BY_HOP and name.lower() not in PROXY_ONLY
-    }
+def provider_key(request: web.Request, policy: Policy) -> str | None:
+    """The tenant's provider key; None = the client's own Authorization is forwarded."""
     try:
         key = policy.upstream_key(request.app[ENV])
     except PolicyError as exc:
@@ -111,10 +130,29 @@ def upstream_headers(request: web.Request, policy: Policy) -> dict[str, str]:
         ) from None
     if key is not None:
         register_secret(key)
+    return key
+
+
+def upstream_headers(request: web.Request, key: str | None) -> dict[str, str]:
+    """Client headers minus hop-by-hop ones; the tenant's provider key when it has one."""
+    headers = {
+        name: value
+        for name, value in request.headers.items()
+        if name.lower() not in HOP_BY_HOP and name.lower() not in PROXY_ONLY
+    }
+    if key is not None:
         for name in [n for n in headers if n.lower() == "authorization"]:
             del headers[name]
         headers["Authorization"] = f"Bearer {key}"
     return headers
+
+
+def request_deadline(request: web.Request, policy: Policy) -> Deadline:
+    """Set by the request's first exchange with the provider; later ones (ledger
+    continuations) share what is left of it."""
+    if DEADLINE not in request:
+        request[DEADLINE] = Deadline.after(policy.upstream.deadline_seconds)
+    return request[DEADLINE]
 
 
 def relay_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:
@@ -147,13 +185,16 @@ async def send_upstream(
     route: str,
     retry: bool = True,
 ) -> UpstreamResponse:
+    key = provider_key(request, policy)
     up_request = UpstreamRequest(
         method=request.method,
         url=upstream_base(request, policy) + path,
-        headers=upstream_headers(request, policy),
+        headers=upstream_headers(request, key),
         body=body,
         stream=stream,
         params=request.rel_url.raw_query_string or None,
+        deadline=request_deadline(request, policy),
+        secrets=(key,) if key is not None else (),
     )
     settings = retry_settings(policy) if retry else RetrySettings(max_attempts=1)
     started = time.perf_counter()
@@ -178,8 +219,7 @@ async def send_upstream(
 
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:
-    content_type = next((v for k, v in upstream.headers if k.lower() == "content-type"), "")
-    return "text/event-stream" in content_type
+    return upstream.is_event_stream
 
 
 async def read_body(upstream: UpstreamResponse) -> bytes:
@@ -192,7 +232,7 @@ async def read_body(upstream: UpstreamResponse) -> bytes:
 
 
 def upstream_error(exc: UpstreamUnavailable) -> ApiError:
-    return ApiError(exc.status, exc.message, type="server_error", code="upstream_unavailable")
+    return ApiError(exc.status, exc.message, type="server_error", code=exc.code)
 
 
 BAD_ANSWER = "bad_upstream_answer"
@@ -223,12 +263,37 @@ async def relay_response(
     extra_headers: Mapping[str, str],
 ) -> web.StreamResponse:
     headers = relay_headers(upstream, extra_headers)
+    if family is None and not upstream.closed and not is_event_stream(upstream):
+        return await _relay_body(request, upstream, headers)
     if not is_event_stream(upstream):
         body = await read_body(upstream)
         if family is not None and upstream.status < 400:
             _log_usage(request, family, provider_answer(family, body))
         return web.Response(status=upstream.status, body=body, headers=headers)
     return await _relay_stream(request, upstream, family, headers)
+
+
+async def _relay_body(
+    request: web.Request, upstream: UpstreamResponse, headers: CIMultiDict[str]
+) -> web.StreamResponse:
+    """A passthrough body (a file download, say) as it arrives, never buffered. When the
+    provider fails midway the connection is dropped before the body's end, so the client
+    sees an incomplete body rather than a short one."""
+    response = stream_response(request, status=upstream.status, headers=headers)
+    await response.prepare(request)
+    try:
+        async for chunk in upstream.aiter_bytes():
+            await response.write(chunk)
+    except UpstreamUnavailable as exc:
+        log.warning("upstream_body_broken", error=exc.message)
+        request[LOG_FIELDS]["stream_error"] = exc.message
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the provider's body broke off") from None
+    finally:
+        await upstream.aclose()
+    await response.write_eof()
+    return response
 
 
 async def _relay_stream(
@@ -251,11 +316,7 @@ async def _relay_stream(
     except BadAnswer as exc:
         await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream after we started relaying
-        log.warning("upstream_stream_broken", error=repr(exc))
-        request[LOG_FIELDS]["stream_error"] = repr(exc)
-        await response.write(
-            stream_error_event(family, f"The upstream stream was interrupted: {exc!r}")
-        )
+        await response.write(stream_failure(request, family, exc))
     finally:
         await upstream.aclose()
     if accumulator is not None and family is not None:
@@ -350,9 +411,7 @@ async def _relay_kept_stream(
     except BadAnswer as exc:
         await bad_stream(request, response, family, exc)
     except Exception as exc:  # the provider cut the stream, or keeping the answer failed
-        log.warning("upstream_stream_broken", error=repr(exc))
-        request[LOG_FIELDS]["stream_error"] = repr(exc)
-        await response.write(stream_error_event(family, f"The stream was interrupted: {exc!r}"))
+        await response.write(stream_failure(request, family, exc))
     finally:
         await upstream.aclose()
     _log_usage(request, family, _accumulated(accumulator))
@@ -423,10 +482,32 @@ def _rewritten_event(family: Family, event: str | None, data: str, keeper: Keepe
     return encode_event(data, event=event)
 
 
+def stream_failure(request: web.Request, family: Family | None, exc: Exception) -> bytes:
+    """The error event that ends a stream the proxy could not finish. The exception goes
+    to the log only; the client gets the proxy's own words, the request id, and a code
+    telling an upstream failure (`upstream_stream_error`) from a store failure
+    (`store_error`) and anything else (`internal_error`)."""
+    request[LOG_FIELDS]["stream_error"] = repr(exc)
+    request_id = request.get(REQUEST_ID, "-")
+    if isinstance(exc, UpstreamUnavailable):
+        log.warning("upstream_stream_broken", error=exc.message)
+        message = exc.reason
+        code = "upstream_stream_error"
+    elif isinstance(exc, STORE_FAILURES):
+        log.error("store_failed_mid_stream", error=repr(exc))
+        message = "The proxy could not save this answer, so it was not kept"
+        code = "store_error"
+    else:
+        log.exception("stream_failed", error=repr(exc))
+        message = "The proxy failed while relaying this stream"
+        code = "internal_error"
+    return stream_error_event(family, f"{message.rstrip('.')} (request id {request_id}).", code)
+
+
 def stream_error_event(
     family: Family | None, message: str, code: str = "upstream_stream_error"
 ) -> bytes:
-    """An error event in the shape each API's clients parse."""
+    """An error event in the shape each API's clients parse; the only place one is built."""
     error = error_body(message, "server_error", None, code)["error"]
     if family == "responses":
         # The spec's flat fields, plus the nested object the SDKs read.

@@ -393,6 +393,11 @@ HEADERS: dict[str, tuple[tuple[bytes, bytes], ...]] = {
     "idempotency-key-invalid-utf8": (AUTH, JSON, (b"Idempotency-Key", b"key-\xff\xfe")),
     "content-type-invalid-utf8": (AUTH, (b"Content-Type", b"application/json; charset=\xff")),
     "content-type-utf16": (AUTH, (b"Content-Type", b"application/json; charset=utf-16")),
+    "utf8-header-value": (AUTH, JSON, (b"X-Note", "caf\u00e9 \u2603".encode())),
+}
+# Refused by aiohttp's HTTP parser before any proxy code runs: a plain-text 400, not
+# OpenAI's envelope (README, "Bad input"), but still a 4xx that writes and forwards nothing.
+PARSER_REFUSED: dict[str, tuple[tuple[bytes, bytes], ...]] = {
     "huge-header": (AUTH, JSON, (b"X-Padding", b"p" * 20_000)),
     "many-headers": (AUTH, JSON, *((b"X-H%d" % i, b"v") for i in range(300))),
 }
@@ -404,6 +409,17 @@ def test_hostile_headers(live: LiveProxy, route: str, header: str) -> None:
     method, path, template = BODY_ROUTES[route]
     body = template.replace(SLOT, b'"hi"')
     send(live, method, path, body, headers=HEADERS[header])
+
+
+@pytest.mark.parametrize("header", list(PARSER_REFUSED))
+def test_header_blocks_the_http_parser_refuses(live: LiveProxy, header: str) -> None:
+    before, calls = snapshot(live.store_path), len(live.provider.requests)
+    response = raw_request(
+        live.port, "POST", "/v1/chat/completions", headers=PARSER_REFUSED[header], body=b"{}"
+    )
+    assert response.status == 400, response.body[:200]
+    assert not diff(before, snapshot(live.store_path))
+    assert len(live.provider.requests) == calls
 
 
 # --- hypothesis: random JSON in every field of a valid body ---------------------------------

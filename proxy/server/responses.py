@@ -39,7 +39,7 @@ from proxy.core.tokens import ANY_MODEL, TokenCounter
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
-from proxy.server.ledger import LedgerGuard
+from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
@@ -157,13 +157,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
-    parsed = await _input(body)
-    projection, _ = await _rebuild(request, body, parsed.items)
-    if projection.changed:
+    given = body.get("input") or []
+    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
+    parsed = (await _input(body)).items
+    items: Sequence[Item] = parsed
+    if guard.active:  # a side-effecting call the client never answered (SPEC 6)
+        items = await guard.answer_dangling((), items, unguarded_too=False)
+    projection, _ = await _rebuild(request, body, items)
+    if projection.changed or len(items) != len(parsed):
         body["input"] = responses_input_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
-    await guard.record_outputs(body.get("input") or [])
+    await guard.record_outputs(given)
     upstream = await send_upstream(
         request,
         request[TENANT_POLICY],
@@ -271,16 +275,18 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     new: Sequence[Item] = (await _input(body)).items
     guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
-        new = await guard.restore_calls(chain.loaded.items, new)
+        custom = custom_tool_names(body.get("tools") or ())
+        new = await guard.restore_calls(chain.loaded.items, new, custom)
     orphan = first_orphan(chain.loaded.items, new)
     if orphan is not None:
         raise invalid(
             f"No tool call found for function call output with call_id {orphan}.", param="input"
         )
-    projection, counter = await _rebuild(request, body, new, chain.loaded)
+    turn_items = await guard.answer_dangling(chain.loaded.items, new, unguarded_too=True)
+    projection, counter = await _rebuild(request, body, turn_items, chain.loaded)
     request[LOG_FIELDS].update(budget_log_fields(projection))
     await guard.record_outputs([item.raw for item in new])
-    turn = ResponseTurn(request, body, threads, chain, new, counter, projection)
+    turn = ResponseTurn(request, body, threads, chain, turn_items, counter, projection)
     await turn.begin()
     try:
         sent = upstream_body(body, projection.items)

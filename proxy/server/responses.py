@@ -151,9 +151,52 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
+    if await resolve_references(request, body):
+        raw = json.dumps(body, ensure_ascii=False).encode()
     if body.get("store") is False and not is_stateful(body):
         return await _stateless(request, body, raw)
     return await _stateful(request, body)
+
+
+# Stored items that need their id as input (a reasoning item is replayed by id).
+REFERENCE_KEEPS_ID = frozenset({"reasoning", "compaction"})
+
+
+async def resolve_references(request: web.Request, body: JsonDict) -> bool:
+    """Replaces each `item_reference` of `input` by the tenant's stored item it names, so
+    it is budgeted and forwarded as an item (providers other than OpenAI do not know the
+    reference, nor do they have the item). A 404 names the input index of an unknown id.
+
+    The copy drops the stored item's `id` (except REFERENCE_KEEPS_ID types): it is a new
+    occurrence in this turn, committed under a fresh id, and the provider refuses two
+    items with one id. Returns whether `input` changed."""
+    given = body.get("input")
+    if not isinstance(given, list) or not any(_is_reference(item) for item in given):
+        return False
+    store, tenant = request.app[STORE], request[TENANT_POLICY].tenant
+    resolved: list[JsonDict] = []
+    for index, item in enumerate(given):
+        if not _is_reference(item):
+            resolved.append(item)
+            continue
+        item_id = item.get("id")
+        if not isinstance(item_id, str):
+            raise invalid(
+                f"Missing required parameter: 'input[{index}].id'.",
+                param=f"input[{index}].id",
+                code="missing_required_parameter",
+            )
+        stored = await store.find_item(tenant, item_id)
+        if stored is None or stored.api != "responses":
+            raise ApiError(404, f"Item with id '{item_id}' not found.", param=f"input[{index}]")
+        keep_id = stored.raw.get("type") in REFERENCE_KEEPS_ID
+        resolved.append({k: v for k, v in stored.raw.items() if keep_id or k != "id"})
+    body["input"] = resolved
+    return True
+
+
+def _is_reference(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "item_reference"
 
 
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
@@ -423,6 +466,7 @@ class ResponseTurn:
 async def input_tokens(request: web.Request) -> web.StreamResponse:
     body, _ = await read_json_object(request)
     validate_responses(body)
+    await resolve_references(request, body)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
         threads = ThreadService(request.app[STORE], utc_now)

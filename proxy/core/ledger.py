@@ -16,7 +16,10 @@ Pure functions only. The edge runs them in this order::
         decision = decide(entry.status, created, entry.call_id, call.call_id, rule)
         if decision is not Decision.HAND_OUT: feed model_output(call, decision, ...) back
 
-and, when the client answers, `outputs_in` + `output_outcome` resolve the entries.
+and, when the client answers, `outputs_in` + `output_outcome` resolve the entries. Before
+a request is sent, every call the client left unanswered (`dangling_calls`) gets an answer
+(`dangling_decision` from its entry, or `unanswered_output`) placed by `place_answers`:
+the provider refuses a call without its output.
 """
 
 from __future__ import annotations

@@ -575,32 +575,38 @@ def include_param(request: web.Request) -> frozenset[str]:
 def included(view: JsonDict, include: frozenset[str]) -> JsonDict:
     """The item view without the data its type returns only on request (the spec's
     IncludeEnum): encrypted reasoning, output logprobs, input image URLs, screenshot
-    URLs, hosted tools' results. `view` is already a copy; the store is untouched."""
+    URLs, hosted tools' results. `view` is a shallow copy (item_view): top-level keys are
+    replaced, and a nested value is copied before it changes, so the raw is untouched."""
     kind = view.get("type")
     if kind == "reasoning" and "reasoning.encrypted_content" not in include:
         view.pop("encrypted_content", None)
-    if kind == "message":
-        for part in view.get("content") or ():
-            if not isinstance(part, dict):
-                continue
-            if part.get("type") == "output_text" and "message.output_text.logprobs" not in include:
-                if "logprobs" in part:
-                    part["logprobs"] = []
-            if part.get("type") == "input_image" and "message.input_image.image_url" not in include:
-                if part.get("image_url") is not None:
-                    part["image_url"] = None
+    if kind == "message" and isinstance(view.get("content"), list):
+        view["content"] = [_included_part(part, include) for part in view["content"]]
     output = view.get("output")
     if kind == "computer_call_output" and isinstance(output, dict):
         if "computer_call_output.output.image_url" not in include:
-            output.pop("image_url", None)
+            view["output"] = {k: v for k, v in output.items() if k != "image_url"}
     for item_type, field, name in _HOSTED_RESULTS:
         if kind == item_type and name not in include and view.get(field) is not None:
             view[field] = None
     action = view.get("action")
     if kind == "web_search_call" and isinstance(action, dict):
         if "web_search_call.action.sources" not in include:
-            action.pop("sources", None)
+            view["action"] = {k: v for k, v in action.items() if k != "sources"}
     return view
+
+
+def _included_part(part: Any, include: frozenset[str]) -> Any:
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind == "output_text" and "message.output_text.logprobs" not in include:
+        if "logprobs" in part:
+            return {**part, "logprobs": []}
+    if kind == "input_image" and "message.input_image.image_url" not in include:
+        if part.get("image_url") is not None:
+            return {**part, "image_url": None}
+    return part
 
 
 _HOSTED_RESULTS = (

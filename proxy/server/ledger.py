@@ -223,7 +223,7 @@ class LedgerGuard:
         for the provider to judge (a stateless request's history is the client's)."""
         answers: dict[str, Item] = {}
         for call in dangling_calls(known, new):
-            entry = await self.store.ledger_by_call(self.tenant, call.call_id)
+            entry = await self.store.ledger_by_call(self.namespace, call.call_id)
             if entry is not None:
                 output = self._verdict(call, dangling_decision(entry.status), entry).output
             elif unguarded_too:

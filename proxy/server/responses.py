@@ -173,7 +173,7 @@ async def resolve_references(request: web.Request, body: JsonDict) -> bool:
     given = body.get("input")
     if not isinstance(given, list) or not any(_is_reference(item) for item in given):
         return False
-    store, tenant = request.app[STORE], request[TENANT_POLICY].tenant
+    store, tenant = request.app[STORE], request[NAMESPACE]
     resolved: list[JsonDict] = []
     for index, item in enumerate(given):
         if not _is_reference(item):

@@ -30,7 +30,13 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.core.items import items_from_responses_input, message_text
+from proxy.core.items import (
+    Item,
+    chat_item,
+    items_from_responses_input,
+    message_text,
+    responses_item,
+)
 from proxy.core.tokens import TokenCounter
 from proxy.sse import DONE, encode_event, encode_json_event
 
@@ -168,6 +174,11 @@ class FakeProvider:
         body = (await self._record(request)).json
         if not isinstance(body, dict):
             return error_response(400, "We could not parse the JSON body of your request.")
+        unpaired = unpaired_call_error(request.path, body)
+        if unpaired is not None:  # refused before any reply is generated, as OpenAI does
+            return error_response(
+                400, unpaired, param="messages" if "messages" in body else "input"
+            )
         reply = self._next_reply()
         if reply.delay:
             await asyncio.sleep(reply.delay)
@@ -297,6 +308,28 @@ def _parse_json(raw: bytes) -> Any | None:
 
 
 # --- errors -------------------------------------------------------------------------------
+
+
+def unpaired_call_error(path: str, body: JsonDict) -> str | None:
+    """OpenAI's 400 for a tool call sent without its output (a history left dangling)."""
+    chat = path.endswith("/chat/completions")
+    raws = body.get("messages") if chat else body.get("input")
+    make: Callable[[JsonDict], Item] = chat_item if chat else responses_item
+    if not isinstance(raws, list):
+        return None
+    items: list[Item] = [make(raw) for raw in raws if isinstance(raw, dict)]
+    answered = {item.output_for for item in items if item.output_for is not None}
+    missing = [call_id for item in items for call_id in item.call_ids if call_id not in answered]
+    if not missing:
+        return None
+    if chat:
+        return (
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+            f"response messages: {', '.join(missing)}"
+        )
+    return f"No tool output found for function call {missing[0]}."
+
 
 _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),

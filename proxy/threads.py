@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from proxy.core.checkpoint import cut_to_state, state_to_cut
 from proxy.core.items import Item, chat_item, content_digest, message_text, responses_item
+from proxy.core.ledger import is_synthetic_output
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
@@ -343,11 +344,15 @@ def new_chat_messages(loaded: Loaded, messages: Sequence[JsonDict]) -> list[Json
        system/developer messages identical to ones the thread already pins, which a
        client resends each turn and which are kept once.
 
+    Tool messages the proxy wrote itself (an answer to a call the client left dangling,
+    proxy/server/ledger.py) are not part of the run: the client never saw them.
+
     An empty thread takes all messages. A request that only repeats the window adds
     nothing; the provider still gets the rebuilt history.
     """
     keys = [chat_message_key(m) for m in messages]
-    window = [chat_message_key(s.raw) for s in loaded.stored]
+    # Outputs the proxy wrote for calls the client never answered are never resent.
+    window = [chat_message_key(s.raw) for s in loaded.stored if not is_synthetic_output(s.raw)]
     if not window:
         return list(messages)
     start = _last_run(keys, window)

@@ -326,3 +326,28 @@ async def test_models_embeddings_and_echo(
     assert [r.path for r in provider.requests][-2:] == ["/v1/files/f1", "/v1/audio/raw"]
     assert provider.model_requests == []
     assert json.loads(provider.requests[-2].raw) == {"k": 1}
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses"])
+async def test_unpaired_call_is_refused_like_openai(
+    provider: FakeProvider, http: httpx.AsyncClient, path: str
+) -> None:
+    """OpenAI answers a tool call sent without its output with a 400; so does the fake,
+    without consuming a scripted reply."""
+    call = {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    if path == "/chat/completions":
+        body: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "user", "content": "hi"},
+            ],
+        }
+    else:
+        item = {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"}
+        body = {"model": MODEL, "input": [item, {"role": "user", "content": "hi"}]}
+    provider.script.append(Reply(text="kept"))
+    refused = await http.post(path, json=body)
+    assert refused.status_code == 400
+    assert "call_9" in refused.json()["error"]["message"]
+    assert provider.script == [Reply(text="kept")]

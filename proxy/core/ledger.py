@@ -16,7 +16,10 @@ Pure functions only. The edge runs them in this order::
         decision = decide(entry.status, created, entry.call_id, call.call_id, rule)
         if decision is not Decision.HAND_OUT: feed model_output(call, decision, ...) back
 
-and, when the client answers, `outputs_in` + `output_outcome` resolve the entries.
+and, when the client answers, `outputs_in` + `output_outcome` resolve the entries. Before
+a request is sent, every call the client left unanswered (`dangling_calls`) gets an answer
+(`dangling_decision` from its entry, or `unanswered_output`) placed by `place_answers`:
+the provider refuses a call without its output.
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.core.items import MAX_KEY_LENGTH, Api, canonical_json, legacy_call_id, message_text
+from proxy.core.items import (
+    MAX_KEY_LENGTH,
+    Api,
+    Item,
+    JsonDict,
+    canonical_json,
+    legacy_call_id,
+    message_text,
+)
 
 Scope = Literal["tenant", "thread"]
 OnDuplicate = Literal["replay", "block"]
@@ -124,6 +135,14 @@ def _responses_calls(items: Sequence[Mapping[str, Any]]) -> list[ToolCall]:
             arguments = _arguments_text(raw.get(_ARGUMENTS_FIELD[kind]))
             calls.append(ToolCall(call_id, name, arguments, "responses", kind, index))
     return calls
+
+
+def item_calls(item: Item) -> list[ToolCall]:
+    """The function and custom tool calls one history item makes (legacy Chat
+    `function_call`s, which carry no id, are left out)."""
+    if item.api == "chat":
+        return [c for c in _chat_calls(item.raw) if c.call_id != legacy_call_id(c.name)]
+    return _responses_calls([item.raw])
 
 
 def _arguments_text(value: Any) -> str:
@@ -329,6 +348,65 @@ def decide(
     raise ValueError(f"no ledger entry decision for status {existing_status!r}")
 
 
+def dangling_decision(existing_status: str) -> Decision:
+    """What answers a call left dangling (handed out, never answered, and the thread moved
+    on: the client crashed after receiving it), given its own ledger entry.
+
+    issued: UNKNOWN_OUTCOME (the call may or may not have run; the model must check
+    first). completed / failed: REPLAY of its own recorded result (the output reached the
+    ledger another way: an operator resolved it, or another request carried it).
+    """
+    if existing_status == "issued":
+        return Decision.UNKNOWN_OUTCOME
+    if existing_status in ("completed", "failed"):
+        return Decision.REPLAY
+    raise ValueError(f"no dangling-call decision for status {existing_status!r}")
+
+
+# -- calls left without an output ----------------------------------------------------------
+
+
+def dangling_calls(known: Sequence[Item], new: Sequence[Item]) -> list[ToolCall]:
+    """Function and custom calls of `known` + `new` that no output of either answers, in
+    log order. The provider refuses a request holding one ("No tool output found for
+    function call ..."), so the edge answers each before anything is sent."""
+    answered = {item.output_for for item in (*known, *new) if item.output_for is not None}
+    return [
+        call for item in (*known, *new) for call in item_calls(item) if call.call_id not in answered
+    ]
+
+
+def place_answers(new: Sequence[Item], answers: Mapping[str, Item]) -> list[Item]:
+    """`new` with each answer (keyed by the call id it answers) where the provider expects
+    it: answers to calls of the stored window come first (right after the window, which
+    ends with those calls); an answer to a call inside `new` follows that call and the
+    calls and outputs right after it (Chat: a tool_calls message must be followed by its
+    tool messages)."""
+    position = {call_id: index for index, item in enumerate(new) for call_id in item.call_ids}
+    placed: list[Item] = [answer for call_id, answer in answers.items() if call_id not in position]
+    after: dict[int, list[Item]] = {}
+    for call_id, answer in answers.items():
+        if call_id in position:
+            after.setdefault(_end_of_calls(new, position[call_id]), []).append(answer)
+    for index, item in enumerate(new):
+        placed += [item, *after.get(index, ())]
+    return placed
+
+
+def _end_of_calls(items: Sequence[Item], index: int) -> int:
+    """The last index of the run of outputs (Responses: and parallel calls) after `index`."""
+    seen_output = False
+    while index + 1 < len(items):
+        following = items[index + 1]
+        parallel_call = following.kind == "tool_calls" and following.api == "responses"
+        if following.kind == "tool_output":
+            seen_output = True
+        elif not parallel_call or seen_output:
+            break
+        index += 1
+    return index
+
+
 # -- answers fed back to the model instead of the client's output --------------------------
 
 REPLAY_NOTE = "This action was already performed; this is the recorded result of the earlier call."
@@ -349,6 +427,35 @@ def model_output(
     FAILED_BEFORE have no synthetic output: the call goes to the client.
     """
     text = canonical_json(_output_body(decision, entry_result, earlier_call_id, at, key))
+    return _output_item(call, text)
+
+
+UNANSWERED_NOTE = (
+    "No output was ever recorded for this call: the client did not report running it. "
+    "Do not assume it ran; call the tool again if its result is still needed."
+)
+
+
+def unanswered_output(call: ToolCall) -> dict[str, Any]:
+    """The answer to a dangling call the ledger does not guard (not side-effecting)."""
+    body = {"threadkeeper": "no_output", "call_id": call.call_id, "note": UNANSWERED_NOTE}
+    return _output_item(call, canonical_json(body))
+
+
+SYNTHETIC_KINDS = frozenset({"replay", "blocked", "outcome_unknown", "no_output"})
+
+
+def is_synthetic_output(raw: Mapping[str, Any]) -> bool:
+    """Whether a tool output is one this module wrote (model_output, unanswered_output)
+    rather than the client's: its text is a JSON object tagged "threadkeeper"."""
+    text = raw.get("content") if "role" in raw else raw.get("output")
+    if not isinstance(text, str) or '"threadkeeper"' not in text:
+        return False
+    parsed = _parsed_arguments(text)
+    return isinstance(parsed, Mapping) and parsed.get("threadkeeper") in SYNTHETIC_KINDS
+
+
+def _output_item(call: ToolCall, text: str) -> JsonDict:
     if call.api == "chat":
         return {"role": "tool", "tool_call_id": call.call_id, "content": text}
     item_type = "custom_tool_call_output" if call.kind == "custom" else "function_call_output"

@@ -25,6 +25,7 @@ import base64
 import binascii
 import gzip
 import hashlib
+import io
 import logging
 import math
 import threading
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, ClassVar
 
+import imagesize
 import tiktoken
 from tiktoken_ext import openai_public
 
@@ -240,9 +242,14 @@ def image_tokens(
     detail: str = "auto",
     cost: ImageCost = GPT4O_IMAGE_COST,
 ) -> int:
-    """Tokens of one image. Unknown dimensions (a URL the proxy never fetches) count as
-    the worst case, so the budget never underestimates: 8 tiles (a 768x2048 fit), or
-    1536 patches."""
+    """Tokens of one image. `auto` counts as `high` (OpenAI counts a 1x1 PNG sent with
+    `auto` to gpt-4o as 85 + 170 = 255). Unknown dimensions (a remote URL the proxy never
+    fetches, a file id, a header it cannot read) count as the worst case, so the budget
+    never underestimates: 8 tiles (a 768x2048 fit), or 1536 patches.
+
+    >>> image_tokens(1024, 1024), image_tokens(1024, 1024, "low"), image_tokens(None, None)
+    (765, 85, 1445)
+    """
     if cost.patch_multiplier is not None:
         return math.ceil(_patches(width, height) * cost.patch_multiplier)
     if detail == "low":
@@ -257,6 +264,35 @@ def _tiles(width: int | None, height: int | None) -> int:
     w, h = width * scale, height * scale
     shrink = min(1.0, 768 / min(w, h))
     return math.ceil(w * shrink / 512) * math.ceil(h * shrink / 512)
+
+
+# A JPEG's size sits after its EXIF/ICC segments; 64 KiB covers them in practice. Beyond
+# that the size counts as unknown (the worst case), so a data URL costs bounded work.
+IMAGE_HEADER_BYTES = 64 * 1024
+_HEADER_B64_CHARS = IMAGE_HEADER_BYTES // 3 * 4
+
+
+def data_url_image_size(url: str) -> tuple[int, int] | None:
+    """(width, height) read from the header of a base64 `data:` URL, decoding at most
+    IMAGE_HEADER_BYTES (PNG, JPEG, GIF, WebP and the other formats `imagesize` reads);
+    None for any other URL or an unreadable header.
+
+    >>> png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+    >>> data_url_image_size("data:image/png;base64," + png)
+    (1, 1)
+    """
+    if not url.startswith("data:"):
+        return None
+    media, comma, payload = url[: len("data:") + 256 + _HEADER_B64_CHARS].partition(",")
+    if not comma or not media.endswith(";base64"):
+        return None
+    chunk = "".join(payload[:_HEADER_B64_CHARS].split())
+    try:
+        header = base64.b64decode(chunk[: len(chunk) // 4 * 4])
+    except (binascii.Error, ValueError):
+        return None
+    width, height = imagesize.get(io.BytesIO(header))  # (-1, -1) when unreadable
+    return (width, height) if width > 0 and height > 0 else None
 
 
 def _patches(width: int | None, height: int | None) -> int:
@@ -514,17 +550,16 @@ class TokenCounter:
         return self._fields(part, frozenset({"type"}))
 
     def _image(self, part: Mapping[str, Any]) -> int:
-        image = part.get("image_url")
+        """Chat `image_url` parts ({"image_url": {"url", "detail"}}) and Responses
+        `input_image` / `computer_screenshot` parts ({"image_url": "...", "detail"})."""
+        url = part.get("image_url")
         detail = part.get("detail")
-        if isinstance(image, Mapping):
-            detail = image.get("detail", detail)
-        width, height = part.get("width"), part.get("height")
-        return image_tokens(
-            width if isinstance(width, int) else None,
-            height if isinstance(height, int) else None,
-            str(detail or "auto"),
-            self.image_cost,
-        )
+        if isinstance(url, Mapping):
+            detail = url.get("detail", detail)
+            url = url.get("url")
+        size = data_url_image_size(url) if isinstance(url, str) else None
+        width, height = size if size is not None else (None, None)
+        return image_tokens(width, height, str(detail or "auto"), self.image_cost)
 
     def _file(self, part: Mapping[str, Any]) -> int:
         # Inline file or audio bytes are estimated; names and URLs are text.

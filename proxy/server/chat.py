@@ -22,7 +22,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
-from proxy.server.ledger import LedgerGuard
+from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY
@@ -128,14 +128,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     thread_id = request.headers.get(THREAD_HEADER)
     if thread_id is not None:
         return await _threaded(request, body, thread_id_param(thread_id))
-    messages = body["messages"]
-    items = await off_the_loop(lambda: items_from_chat(messages), messages)
+    given = body["messages"]
+    guard = LedgerGuard(request, api="chat", thread_id=None, now=utc_now)
+    items = await off_the_loop(lambda: items_from_chat(given), given)
+    if guard.active:  # a side-effecting call the client never answered (SPEC 6)
+        items = await guard.answer_dangling((), items, unguarded_too=False)
     projection, _ = await _rebuild(request, body, items)
-    if projection.changed:
+    if projection.changed or len(items) != len(given):
         body["messages"] = chat_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    guard = LedgerGuard(request, api="chat", thread_id=None, now=utc_now)
-    await guard.record_outputs(body["messages"])
+    await guard.record_outputs(given)
     return await _forward(request, body, raw, projection, keeper=None, guard=guard)
 
 
@@ -232,17 +234,18 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
         raise duplicate_item(f"messages[{index}].id", new[taken].raw["id"])
     guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
     if guard.active:
-        new = await guard.restore_calls(loaded.items, new)
+        new = await guard.restore_calls(loaded.items, new, custom_tool_names(_tools(body)))
     orphan = first_orphan(loaded.items, new)
     if orphan is not None:
         raise invalid(
             f"No tool call found for tool message with tool_call_id {orphan}.", param="messages"
         )
-    projection, counter = await _rebuild(request, body, new, loaded)
+    turn_items = await guard.answer_dangling(loaded.items, new, unguarded_too=True)
+    projection, counter = await _rebuild(request, body, turn_items, loaded)
     body["messages"] = chat_from_items(projection.items)
     raw = json.dumps(body, ensure_ascii=False).encode()
     await guard.record_outputs([item.raw for item in new])
-    turn = ChatTurn(request, body, threads, loaded, new, counter, projection)
+    turn = ChatTurn(request, body, threads, loaded, turn_items, counter, projection)
     return await _forward(request, body, raw, projection, turn, guard)
 
 

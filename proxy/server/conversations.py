@@ -12,6 +12,9 @@ Routes (all tenant-scoped: another tenant's conversation is a 404):
     GET    /v1/conversations/{conversation_id}/items/{item_id}    DELETE
     POST   /threadkeeper/v1/conversations/{conversation_id}/fork  {"item_id"?: "..."}
 
+Reading items honours `include` (the spec's IncludeEnum): data OpenAI returns only on
+request is left out of the view otherwise (`included`).
+
 Bad input is a 400 raised before any write, so it changes nothing in the store.
 """
 
@@ -160,6 +163,7 @@ async def list_items(request: web.Request) -> web.Response:
     limit = limit_param(request.query.get("limit"))
     order = order_param(request.query.get("order"))
     after = request.query.get("after") or None
+    include = include_param(request)
     thread = await conversation(request)
     try:
         page = await request.app[STORE].list_items(
@@ -167,7 +171,8 @@ async def list_items(request: web.Request) -> web.Response:
         )
     except NotFound:
         raise item_not_found(after or "", param="after") from None
-    return web.json_response(item_list([item_object(i) for i in page.items], page.has_more))
+    data = [included(item_object(i), include) for i in page.items]
+    return web.json_response(item_list(data, page.has_more))
 
 
 async def create_items(request: web.Request) -> web.Response:
@@ -191,12 +196,13 @@ async def create_items(request: web.Request) -> web.Response:
 
 
 async def retrieve_item(request: web.Request) -> web.Response:
+    include = include_param(request)
     thread = await conversation(request)
     item_id = request.match_info["item_id"]
     stored = await request.app[STORE].get_item(thread.tenant, thread.id, item_id)
     if stored is None:
         raise item_not_found(item_id)
-    return web.json_response(item_object(stored))
+    return web.json_response(included(item_object(stored), include))
 
 
 async def delete_item(request: web.Request) -> web.Response:
@@ -533,6 +539,80 @@ def item_view(raw: Mapping[str, Any], item_id: str) -> JsonDict:
         if isinstance(view.get("content"), str):
             view["content"] = [text_part(view["role"], view["content"])]
     return view
+
+
+# --- include ------------------------------------------------------------------------------
+
+# OpenAI's IncludeEnum: item data returned only when `include` asks for it.
+INCLUDABLE = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+
+
+def include_param(request: web.Request) -> frozenset[str]:
+    """`include` (repeated, or `include[]` as the openai SDK sends arrays); an unknown
+    value is a 400 naming it."""
+    values = [*request.query.getall("include", ()), *request.query.getall("include[]", ())]
+    for value in values:
+        if value not in INCLUDABLE:
+            raise invalid(
+                f"Invalid value: '{value}'. Supported values are: "
+                + ", ".join(f"'{v}'" for v in INCLUDABLE)
+                + ".",
+                param="include",
+                code="invalid_value",
+            )
+    return frozenset(values)
+
+
+def included(view: JsonDict, include: frozenset[str]) -> JsonDict:
+    """The item view without the data its type returns only on request (the spec's
+    IncludeEnum): encrypted reasoning, output logprobs, input image URLs, screenshot
+    URLs, hosted tools' results. `view` is a shallow copy (item_view): top-level keys are
+    replaced, and a nested value is copied before it changes, so the raw is untouched."""
+    kind = view.get("type")
+    if kind == "reasoning" and "reasoning.encrypted_content" not in include:
+        view.pop("encrypted_content", None)
+    if kind == "message" and isinstance(view.get("content"), list):
+        view["content"] = [_included_part(part, include) for part in view["content"]]
+    output = view.get("output")
+    if kind == "computer_call_output" and isinstance(output, dict):
+        if "computer_call_output.output.image_url" not in include:
+            view["output"] = {k: v for k, v in output.items() if k != "image_url"}
+    for item_type, field, name in _HOSTED_RESULTS:
+        if kind == item_type and name not in include and view.get(field) is not None:
+            view[field] = None
+    action = view.get("action")
+    if kind == "web_search_call" and isinstance(action, dict):
+        if "web_search_call.action.sources" not in include:
+            view["action"] = {k: v for k, v in action.items() if k != "sources"}
+    return view
+
+
+def _included_part(part: Any, include: frozenset[str]) -> Any:
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind == "output_text" and "message.output_text.logprobs" not in include:
+        if "logprobs" in part:
+            return {**part, "logprobs": []}
+    if kind == "input_image" and "message.input_image.image_url" not in include:
+        if part.get("image_url") is not None:
+            return {**part, "image_url": None}
+    return part
+
+
+_HOSTED_RESULTS = (
+    ("file_search_call", "results", "file_search_call.results"),
+    ("code_interpreter_call", "outputs", "code_interpreter_call.outputs"),
+)
 
 
 def text_part(role: str, text: str) -> JsonDict:

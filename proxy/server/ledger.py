@@ -7,7 +7,13 @@ Per request, a `LedgerGuard` (tenant policy, store, thread scope):
   says completed or failed); `ledger_resolve` only changes an `issued` entry, so a second
   output for one call id is ignored.
 - `restore_calls`: on a stored thread, an output for a call the thread never saw (its
-  turn was cut off after the call went out) gets the call item back from the ledger.
+  turn was cut off after the call went out) gets the call item back from the ledger, as
+  a function or a custom tool call.
+- `answer_dangling`: a call sent without an output (the client crashed after receiving
+  it, then wrote again) gets one before anything is sent, since the provider refuses an
+  unpaired call: "outcome unknown, check first" from the ledger, or "no output was
+  recorded" for an unguarded call on a stored thread. On stored threads the answer is
+  kept with the turn (Chat reconciliation skips it: the client never saw it).
 - `judge`: every side-effecting call the provider emits is issued in the ledger (write
   ahead, committed before its bytes reach the client) and decided. HAND_OUT goes to the
   client; REPLAY / BLOCK / UNKNOWN_OUTCOME never do: `model_output` answers the model.
@@ -39,7 +45,7 @@ URL-encode them):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -49,17 +55,22 @@ from aiohttp import web
 from proxy.clock import utc_now
 from proxy.core.items import Api, Item, chat_item, responses_item
 from proxy.core.ledger import (
+    CallKind,
     Decision,
     ToolCall,
     ToolRule,
+    dangling_calls,
+    dangling_decision,
     decide,
     ledger_result,
     ledger_scope,
     model_output,
     output_outcome,
     outputs_in,
+    place_answers,
     render_idempotency_key,
     side_effect_calls,
+    unanswered_output,
 )
 from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
@@ -70,10 +81,24 @@ from proxy.store.base import LedgerEntry, LedgerStatus
 log = structlog.get_logger("threadkeeper.ledger")
 
 Family = Literal["chat", "responses"]
+_ARGUMENTS: Mapping[CallKind, str] = {"function": "arguments", "custom": "input"}
 Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
 STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
 MAX_LIST = 1000
+
+
+def custom_tool_names(tools: Iterable[Any]) -> frozenset[str]:
+    """Names of the request's custom tools, in Chat's ({"type": "custom", "custom": {...}})
+    or Responses' ({"type": "custom", "name": ...}) shape."""
+    names: set[str] = set()
+    for tool in tools:
+        if isinstance(tool, Mapping) and tool.get("type") == "custom":
+            nested = tool.get("custom")
+            name = (nested if isinstance(nested, Mapping) else tool).get("name")
+            if isinstance(name, str):
+                names.add(name)
+    return frozenset(names)
 
 
 def tool_rules(policy: Policy) -> dict[str, ToolRule]:
@@ -146,10 +171,16 @@ class LedgerGuard:
                 now=self.now(),
             )
 
-    async def restore_calls(self, known: Iterable[Item], new: Sequence[Item]) -> list[Item]:
+    async def restore_calls(
+        self, known: Iterable[Item], new: Sequence[Item], custom_tools: Collection[str] = ()
+    ) -> list[Item]:
         """`new` with the ledger's call item put back before each output whose call the
         thread never saw (a turn cut off after the call went out). Other orphans stay:
-        first_orphan turns them into the 400 of SPEC 6."""
+        first_orphan turns them into the 400 of SPEC 6.
+
+        The call comes back in the kind it was made: a custom tool call when the output
+        is a custom_tool_call_output or the request declares the tool `custom`
+        (`custom_tools`), else a function call."""
         seen = {call_id for item in (*known, *new) for call_id in item.call_ids}
         restored: list[Item] = []
         for item in new:
@@ -157,27 +188,60 @@ class LedgerGuard:
             if item.kind == "tool_output" and call_id is not None and call_id not in seen:
                 entry = await self.store.ledger_by_call(self.namespace, call_id)
                 if entry is not None:
-                    restored.append(self._call_item(entry, call_id))
+                    custom = item.type == "custom_tool_call_output" or entry.tool in custom_tools
+                    restored.append(
+                        self._call_item(entry, call_id, "custom" if custom else "function")
+                    )
                     seen.add(call_id)
             restored.append(item)
         return restored
 
-    def _call_item(self, entry: LedgerEntry, call_id: str) -> Item:
+    def _call_item(self, entry: LedgerEntry, call_id: str, kind: CallKind) -> Item:
         if self.api == "chat":
-            call = {
-                "id": call_id,
-                "type": "function",
-                "function": {"name": entry.tool, "arguments": entry.arguments},
-            }
+            body = {"name": entry.tool, _ARGUMENTS[kind]: entry.arguments}
+            call = {"id": call_id, "type": kind, kind: body}
             return chat_item({"role": "assistant", "content": None, "tool_calls": [call]})
+        item_type = "custom_tool_call" if kind == "custom" else "function_call"
         return responses_item(
             {
-                "type": "function_call",
+                "type": item_type,
                 "call_id": call_id,
                 "name": entry.tool,
-                "arguments": entry.arguments,
+                _ARGUMENTS[kind]: entry.arguments,
             }
         )
+
+    async def answer_dangling(
+        self, known: Sequence[Item], new: Sequence[Item], *, unguarded_too: bool
+    ) -> list[Item]:
+        """`new` with an output for every call that would otherwise be sent without one
+        (a client that crashed after receiving it, then wrote again): the provider refuses
+        an unpaired call. A call the ledger knows is answered from its entry (issued:
+        "outcome unknown, check first", logged and counted; completed/failed: its recorded
+        result). Any other function/custom call is answered "no output was recorded"
+        when `unguarded_too` (stored threads, which the client cannot edit), else left
+        for the provider to judge (a stateless request's history is the client's)."""
+        answers: dict[str, Item] = {}
+        for call in dangling_calls(known, new):
+            entry = await self.store.ledger_by_call(self.namespace, call.call_id)
+            if entry is not None:
+                output = self._verdict(call, dangling_decision(entry.status), entry).output
+            elif unguarded_too:
+                log.warning(
+                    "unanswered_call_closed",
+                    tenant=self.tenant,
+                    tool=call.name,
+                    call_id=call.call_id,
+                    thread_id=self.thread_id,
+                )
+                output = unanswered_output(call)
+            else:
+                continue
+            if output is not None:
+                answers[call.call_id] = (
+                    chat_item(output) if self.api == "chat" else responses_item(output)
+                )
+        return place_answers(new, answers) if answers else list(new)
 
     async def judge(self, calls: Sequence[ToolCall], response_id: str | None) -> list[Verdict]:
         return [await self.judge_call(call, response_id) for call in calls]

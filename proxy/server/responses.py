@@ -39,7 +39,7 @@ from proxy.core.tokens import ANY_MODEL, TokenCounter
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
-from proxy.server.ledger import LedgerGuard
+from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
@@ -151,19 +151,66 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
+    if await resolve_references(request, body):
+        raw = json.dumps(body, ensure_ascii=False).encode()
     if body.get("store") is False and not is_stateful(body):
         return await _stateless(request, body, raw)
     return await _stateful(request, body)
 
 
+# Stored items that need their id as input (a reasoning item is replayed by id).
+REFERENCE_KEEPS_ID = frozenset({"reasoning", "compaction"})
+
+
+async def resolve_references(request: web.Request, body: JsonDict) -> bool:
+    """Replaces each `item_reference` of `input` by the tenant's stored item it names, so
+    it is budgeted and forwarded as an item (providers other than OpenAI do not know the
+    reference, nor do they have the item). A 404 names the input index of an unknown id.
+
+    The copy drops the stored item's `id` (except REFERENCE_KEEPS_ID types): it is a new
+    occurrence in this turn, committed under a fresh id, and the provider refuses two
+    items with one id. Returns whether `input` changed."""
+    given = body.get("input")
+    if not isinstance(given, list) or not any(_is_reference(item) for item in given):
+        return False
+    store, tenant = request.app[STORE], request[NAMESPACE]
+    resolved: list[JsonDict] = []
+    for index, item in enumerate(given):
+        if not _is_reference(item):
+            resolved.append(item)
+            continue
+        item_id = item.get("id")
+        if not isinstance(item_id, str):
+            raise invalid(
+                f"Missing required parameter: 'input[{index}].id'.",
+                param=f"input[{index}].id",
+                code="missing_required_parameter",
+            )
+        stored = await store.find_item(tenant, item_id)
+        if stored is None or stored.api != "responses":
+            raise ApiError(404, f"Item with id '{item_id}' not found.", param=f"input[{index}]")
+        keep_id = stored.raw.get("type") in REFERENCE_KEEPS_ID
+        resolved.append({k: v for k, v in stored.raw.items() if keep_id or k != "id"})
+    body["input"] = resolved
+    return True
+
+
+def _is_reference(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") == "item_reference"
+
+
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
-    parsed = await _input(body)
-    projection, _ = await _rebuild(request, body, parsed.items)
-    if projection.changed:
+    given = body.get("input") or []
+    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
+    parsed = (await _input(body)).items
+    items: Sequence[Item] = parsed
+    if guard.active:  # a side-effecting call the client never answered (SPEC 6)
+        items = await guard.answer_dangling((), items, unguarded_too=False)
+    projection, _ = await _rebuild(request, body, items)
+    if projection.changed or len(items) != len(parsed):
         body["input"] = responses_input_from_items(projection.items)
         raw = json.dumps(body, ensure_ascii=False).encode()
-    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
-    await guard.record_outputs(body.get("input") or [])
+    await guard.record_outputs(given)
     upstream = await send_upstream(
         request,
         request[TENANT_POLICY],
@@ -271,16 +318,18 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     new: Sequence[Item] = (await _input(body)).items
     guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
-        new = await guard.restore_calls(chain.loaded.items, new)
+        custom = custom_tool_names(body.get("tools") or ())
+        new = await guard.restore_calls(chain.loaded.items, new, custom)
     orphan = first_orphan(chain.loaded.items, new)
     if orphan is not None:
         raise invalid(
             f"No tool call found for function call output with call_id {orphan}.", param="input"
         )
-    projection, counter = await _rebuild(request, body, new, chain.loaded)
+    turn_items = await guard.answer_dangling(chain.loaded.items, new, unguarded_too=True)
+    projection, counter = await _rebuild(request, body, turn_items, chain.loaded)
     request[LOG_FIELDS].update(budget_log_fields(projection))
     await guard.record_outputs([item.raw for item in new])
-    turn = ResponseTurn(request, body, threads, chain, new, counter, projection)
+    turn = ResponseTurn(request, body, threads, chain, turn_items, counter, projection)
     await turn.begin()
     try:
         sent = upstream_body(body, projection.items)
@@ -417,6 +466,7 @@ class ResponseTurn:
 async def input_tokens(request: web.Request) -> web.StreamResponse:
     body, _ = await read_json_object(request)
     validate_responses(body)
+    await resolve_references(request, body)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
         threads = ThreadService(request.app[STORE], utc_now)

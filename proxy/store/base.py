@@ -252,6 +252,10 @@ class Store(Protocol):
 
     async def get_item(self, tenant: str, thread_id: str, item_id: str) -> StoredItem | None: ...
 
+    async def find_item(self, tenant: str, item_id: str) -> StoredItem | None:
+        """The tenant's item with this id in any of its threads (what an `item_reference`
+        names); a fork shares its source's items, and any copy is the same item."""
+
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool: ...
 
     # responses ------------------------------------------------------------------------

@@ -210,6 +210,11 @@ class SqlStore:
             row = await conn.fetchrow(sql.SELECT_ITEM, tenant, thread_id, item_id)
         return None if row is None else sql.item_from_row(row)
 
+    async def find_item(self, tenant: str, item_id: str) -> StoredItem | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.FIND_ITEM, tenant, item_id)
+        return None if row is None else sql.item_from_row(row)
+
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
         async with self.db.write() as conn:
             return await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) > 0

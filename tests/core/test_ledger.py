@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.core.items import canonical_json, legacy_call_id
+from proxy.core.items import canonical_json, chat_item, legacy_call_id, responses_item
 from proxy.core.ledger import (
     REPLAY_NOTE,
     Decision,
@@ -19,13 +19,18 @@ from proxy.core.ledger import (
     ToolCall,
     ToolRule,
     arguments_digest,
+    dangling_calls,
+    dangling_decision,
     decide,
+    is_synthetic_output,
     ledger_scope,
     model_output,
     output_outcome,
     outputs_in,
+    place_answers,
     render_idempotency_key,
     side_effect_calls,
+    unanswered_output,
 )
 
 REFUND = ToolRule(side_effect=True, idempotency_key="refund:{order_id}")
@@ -490,3 +495,79 @@ def test_a_key_the_store_cannot_keep_falls_back_to_the_hash(order_id: str) -> No
     assert rendered.fallback
     assert rendered.key.startswith("refund_order:sha256:")
     assert "NUL, a lone surrogate" in (rendered.reason or "")
+
+
+# --- calls left dangling (issue 8 item 20) -------------------------------------------------
+
+
+def fcall(call_id: str, name: str = "refund_order") -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": "{}"}
+
+
+def fout(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": "done"}
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def test_dangling_calls_are_the_unanswered_function_and_custom_calls() -> None:
+    custom = {"type": "custom_tool_call", "call_id": "c3", "name": "patch", "input": "x"}
+    shell = {"type": "local_shell_call", "call_id": "c4", "action": {}}
+    known = [responses_item(r) for r in (user("go"), fcall("c1"), fcall("c2"), custom, shell)]
+    new = [responses_item(r) for r in (fout("c1"), user("next"))]
+    found = dangling_calls(known, new)
+    assert [(c.call_id, c.kind) for c in found] == [("c2", "function"), ("c3", "custom")]
+    chat_known = [
+        chat_item({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}})
+    ]
+    assert dangling_calls(chat_known, []) == []  # legacy calls carry no id to answer
+
+
+def test_answers_go_after_the_window_or_after_their_calls_outputs() -> None:
+    new = [responses_item(r) for r in (fout("a"), user("u"), fcall("b"), fcall("c"), fout("c"))]
+    new.append(responses_item(user("v")))
+    answers = {
+        "w": responses_item(fout("w")),  # a call of the stored window
+        "b": responses_item(fout("b")),
+    }
+    placed = place_answers(new, answers)
+    order = [i.output_for or i.call_ids or i.raw.get("content") for i in placed]
+    assert order == ["w", "a", "u", ("b",), ("c",), "c", "b", "v"]
+
+
+def test_chat_answer_follows_its_tool_messages_not_the_next_step() -> None:
+    def calls(*ids: str) -> dict[str, Any]:
+        tool_calls = [
+            {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in ids
+        ]
+        return {"role": "assistant", "content": None, "tool_calls": tool_calls}
+
+    def tool(call_id: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": call_id, "content": "ok"}
+
+    new = [chat_item(m) for m in (calls("a", "b"), tool("a"), calls("c"), tool("c"))]
+    answer = chat_item(tool("b"))
+    placed = place_answers(new, {"b": answer})
+    assert placed.index(answer) == 2
+
+
+def test_dangling_decision() -> None:
+    assert dangling_decision("issued") is Decision.UNKNOWN_OUTCOME
+    assert dangling_decision("completed") is Decision.REPLAY
+    assert dangling_decision("failed") is Decision.REPLAY
+    with pytest.raises(ValueError):
+        dangling_decision("bogus")
+
+
+def test_synthetic_outputs_are_recognized_and_client_outputs_are_not() -> None:
+    chat_call = ToolCall("c1", "lookup", "{}", "chat")
+    custom_call = ToolCall("c2", "patch", "x", "responses", "custom")
+    unknown = model_output(chat_call, Decision.UNKNOWN_OUTCOME, None, "c0", "t", "k")
+    no_output = unanswered_output(custom_call)
+    assert no_output["type"] == "custom_tool_call_output"
+    assert is_synthetic_output(unknown) and is_synthetic_output(no_output)
+    assert not is_synthetic_output({"role": "tool", "tool_call_id": "c1", "content": "ok"})
+    fake = {"role": "tool", "tool_call_id": "c", "content": '{"threadkeeper": "mine"}'}
+    assert not is_synthetic_output(fake)

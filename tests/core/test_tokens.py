@@ -31,11 +31,13 @@ from proxy.core.tokens import (
     TokenCounter,
     VocabularyError,
     checked_ranks,
+    data_url_image_size,
     encoding_for_model,
     encoding_name_for_model,
     get_encoding,
     image_tokens,
 )
+from tests import image_headers
 
 # --- the cookbook's published examples ("How to count tokens with tiktoken") --------------
 
@@ -484,6 +486,88 @@ def test_responses_input_image_uses_the_formula() -> None:
     }
     expected = TOKENS_PER_MESSAGE + counter.text("user") + counter.text("what is this?") + 1445
     assert counter.responses_item(raw) == expected
+
+
+# Hand-computed with OpenAI's vision guide (gpt-4o: 85 + 170 per 512-px tile after fitting
+# into 2048x2048, then the shortest side down to 768; never scaled up).
+IMAGE_SIZES = [
+    (1, 1, 85 + 170 * 1),  # no scaling: one tile
+    (512, 512, 85 + 170 * 1),  # no scaling: one tile
+    (1024, 1024, 85 + 170 * 4),  # -> 768x768: 2x2 tiles
+    (2048, 4096, 85 + 170 * 6),  # -> 1024x2048 -> 768x1536: 2x3 tiles
+    (4000, 100, 85 + 170 * 4),  # -> 2048x51.2 (short side stays): 4x1 tiles
+]
+
+
+@pytest.mark.parametrize(("width", "height", "expected"), IMAGE_SIZES)
+@pytest.mark.parametrize("detail", [None, "auto", "high"])
+def test_data_url_image_counts_its_real_size(
+    width: int, height: int, expected: int, detail: str | None
+) -> None:
+    """Issue 8 item 19: `auto` (or no detail) with a readable size counts as `high`; a 1x1
+    PNG was 1,453 tokens where OpenAI counts 255."""
+    counter = gpt4o()
+    url = image_headers.data_url(image_headers.png(width, height))
+    chat_image: dict[str, Any] = {"url": url} if detail is None else {"url": url, "detail": detail}
+    chat = {"role": "user", "content": [{"type": "image_url", "image_url": chat_image}]}
+    responses: dict[str, Any] = {"type": "input_image", "image_url": url}
+    if detail is not None:
+        responses["detail"] = detail
+    base = TOKENS_PER_MESSAGE + counter.text("user")
+    assert counter.chat_message(chat) == base + expected
+    assert counter.responses_item({"role": "user", "content": [responses]}) == base + expected
+    low = {**responses, "detail": "low"}
+    assert counter.responses_item({"role": "user", "content": [low]}) == base + 85
+
+
+@pytest.mark.parametrize(
+    ("image", "media_type"),
+    [
+        (image_headers.png(2048, 4096), "image/png"),
+        (image_headers.jpeg(2048, 4096, exif_bytes=20_000), "image/jpeg"),
+        (image_headers.gif(2048, 4096), "image/gif"),
+        (image_headers.webp(2048, 4096), "image/webp"),
+    ],
+)
+def test_every_common_format_gives_its_size(image: bytes, media_type: str) -> None:
+    url = image_headers.data_url(image, media_type)
+    assert data_url_image_size(url) == (2048, 4096)
+    assert gpt4o()._part({"type": "input_image", "image_url": url}) == 1105
+
+
+def test_image_size_reads_only_a_bounded_header() -> None:
+    """A JPEG whose size comes after 64 KiB of EXIF counts as unknown (the worst case)
+    rather than decoding the whole payload."""
+    within = image_headers.jpeg(300, 200, exif_bytes=tokens.IMAGE_HEADER_BYTES - 1000)
+    beyond = image_headers.jpeg(300, 200, exif_bytes=tokens.IMAGE_HEADER_BYTES + 1000)
+    assert data_url_image_size(image_headers.data_url(within, "image/jpeg")) == (300, 200)
+    assert data_url_image_size(image_headers.data_url(beyond, "image/jpeg")) is None
+    part = {"type": "input_image", "image_url": image_headers.data_url(beyond, "image/jpeg")}
+    assert gpt4o()._part(part) == 85 + 170 * 8
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://example.com/cat.png",  # remote: never fetched
+        "data:image/png;base64,AAAA",  # not an image header
+        "data:image/png;base64,%%%%",  # not base64
+        "data:image/png," + "x" * 100,  # not base64-encoded
+        "data:image/png;base64",  # no payload
+    ],
+)
+def test_unknown_size_counts_the_worst_case(url: str) -> None:
+    assert data_url_image_size(url) is None
+    assert gpt4o()._part({"type": "input_image", "image_url": url}) == 85 + 170 * 8
+    assert gpt4o()._part({"type": "input_image", "image_url": url, "detail": "low"}) == 85
+
+
+def test_real_size_follows_the_model_cost() -> None:
+    url = image_headers.data_url(image_headers.png(1024, 1024))
+    part = {"type": "input_image", "image_url": url}
+    assert TokenCounter.for_model("gpt-4o-mini")._part(part) == 2833 + 5667 * 4
+    assert TokenCounter.for_model("gpt-5")._part(part) == 70 + 140 * 4
+    assert TokenCounter.for_model("gpt-4.1-mini")._part(part) == 1659  # ceil(1024 * 1.62)
 
 
 # --- Responses items ---------------------------------------------------------------------

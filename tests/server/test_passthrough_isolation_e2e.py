@@ -62,6 +62,24 @@ async def test_conversations_are_per_key(http: httpx.AsyncClient) -> None:
     assert (await http.get(path, headers=ALICE)).json()["metadata"] == {}
 
 
+async def test_item_references_are_per_key(http: httpx.AsyncClient, provider: FakeProvider) -> None:
+    created = await http.post("/v1/conversations", json={"items": [MESSAGE]}, headers=ALICE)
+    conv = created.json()["id"]
+    item_id = (await http.get(f"/v1/conversations/{conv}/items", headers=ALICE)).json()["data"][0][
+        "id"
+    ]
+    reference = {"model": "gpt-4o", "input": [{"type": "item_reference", "id": item_id}]}
+    before = len(provider.requests)
+    got = await http.post("/v1/responses", json=reference, headers=MALLORY)
+    assert got.status_code == 404, got.text
+    assert got.json()["error"]["param"] == "input[0]"
+    assert len(provider.requests) == before  # Alice's text never reached the provider
+    provider.script.append(Reply(text="ok"))
+    own = await http.post("/v1/responses", json=reference, headers=ALICE)
+    assert own.status_code == 200, own.text
+    assert provider.requests[-1].json["input"][0]["content"] == MESSAGE["content"]
+
+
 async def test_responses_are_per_key(http: httpx.AsyncClient, provider: FakeProvider) -> None:
     body = {"model": "gpt-4o-mini", "input": "alice's secret plan"}
     first = await http.post("/v1/responses", json=body, headers=ALICE)

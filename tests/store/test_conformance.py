@@ -155,6 +155,18 @@ async def test_delete_thread_removes_its_items(store: Store) -> None:
     assert await store.items_between("acme", "t1", 0, 10) == ()
 
 
+async def test_find_item_looks_in_every_thread_of_the_tenant_only(store: Store) -> None:
+    await thread_with(store, "a", "b")
+    await thread_with(store, "c", tid="t2")
+    await thread_with(store, "d", tenant="other")
+    found = await store.find_item("acme", "c")
+    assert found is not None and (found.item_id, found.raw) == ("c", new_item("c").raw)
+    assert await store.find_item("acme", "d") is None
+    assert await store.find_item("other", "a") is None
+    await store.delete_item("acme", "t2", "c")
+    assert await store.find_item("acme", "c") is None
+
+
 async def test_tenants_never_see_each_other(store: Store) -> None:
     await thread_with(store, "a")
     await store.begin_response(response("resp_1"))

@@ -414,12 +414,12 @@ def relayable_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
-def forwardable_headers(headers: Mapping[str, str]) -> dict[str, bytes]:
+def forwardable_headers(headers: Mapping[str, str]) -> dict[bytes, bytes]:
     """Values go out as the bytes the client sent: aiohttp decodes header bytes as UTF-8
     with surrogateescape, and httpx would refuse (a 500) any value that is not ASCII."""
     dropped = REQUEST_DROP | _connection_tokens(headers.items())
     return {
-        name: value.encode("utf-8", "surrogateescape")
+        name.encode("utf-8", "surrogateescape"): value.encode("utf-8", "surrogateescape")
         for name, value in headers.items()
         if name.lower() not in dropped and not name.lower().startswith("proxy-")
     }

@@ -39,6 +39,7 @@ from proxy.server.validate import (
     list_of_objects,
     read_json_object,
     too_long,
+    unsupported_value,
     wrong_type,
 )
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
@@ -341,13 +342,7 @@ def validate_stored_item(raw: JsonDict, param: str) -> None:
     validate_input_item(raw, param)
     item_type = raw.get("type")
     if item_type is not None and item_type not in ITEM_TYPES:
-        supported = ", ".join(f"'{t}'" for t in ITEM_TYPES[:-1])
-        raise invalid(
-            f"Invalid value: '{item_type}'. Supported values are: {supported}, and "
-            f"'{ITEM_TYPES[-1]}'.",
-            param=f"{param}.type",
-            code="invalid_value",
-        )
+        raise unsupported_value(item_type, ITEM_TYPES, f"{param}.type")
     if item_type in (None, "message"):
         validate_message(raw, param)
     elif item_type == "item_reference":
@@ -371,13 +366,7 @@ def validate_stored_item(raw: JsonDict, param: str) -> None:
 def validate_message(raw: JsonDict, param: str) -> None:
     role = raw["role"]
     if role not in MESSAGE_ROLES:
-        supported = ", ".join(f"'{r}'" for r in MESSAGE_ROLES[:-1])
-        raise invalid(
-            f"Invalid value: '{role}'. Supported values are: {supported}, and "
-            f"'{MESSAGE_ROLES[-1]}'.",
-            param=f"{param}.role",
-            code="invalid_value",
-        )
+        raise unsupported_value(role, MESSAGE_ROLES, f"{param}.role")
     content = raw["content"]
     if isinstance(content, list):
         for index, part in enumerate(content):
@@ -433,11 +422,7 @@ def order_param(value: str | None) -> Literal["asc", "desc"]:
         return "desc"
     if value == "asc":
         return "asc"
-    raise invalid(
-        f"Invalid value: '{value}'. Supported values are: 'asc' and 'desc'.",
-        param="order",
-        code="invalid_value",
-    )
+    raise unsupported_value(value, ("asc", "desc"), "order")
 
 
 def call_ids_in(items: Iterable[Item]) -> frozenset[str]:
@@ -562,13 +547,7 @@ def include_param(request: web.Request) -> frozenset[str]:
     values = [*request.query.getall("include", ()), *request.query.getall("include[]", ())]
     for value in values:
         if value not in INCLUDABLE:
-            raise invalid(
-                f"Invalid value: '{value}'. Supported values are: "
-                + ", ".join(f"'{v}'" for v in INCLUDABLE)
-                + ".",
-                param="include",
-                code="invalid_value",
-            )
+            raise unsupported_value(value, INCLUDABLE, "include")
     return frozenset(values)
 
 

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy.server.errors import ApiError, invalid
 from proxy.server.state import NAMESPACE, STORE
+from proxy.server.validate import unsupported_value
 from proxy.store.base import StoredItem, StoredResponse
 
 JsonDict = dict[str, Any]
@@ -102,11 +103,7 @@ def page_params(request: web.Request) -> tuple[str, int, str | None]:
     query = request.query
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise invalid(
-            f"Invalid value: '{order}'. Supported values are: 'asc' and 'desc'.",
-            param="order",
-            code="invalid_value",
-        )
+        raise unsupported_value(order, ("asc", "desc"), "order")
     raw_limit = query.get("limit", "20")
     try:
         limit = int(raw_limit)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
@@ -274,3 +275,16 @@ def list_of_objects(value: Any, param: str) -> list[JsonDict]:
         if not isinstance(entry, dict):
             raise wrong_type(f"{param}[{index}]", "an object", entry)
     return value
+
+
+def unsupported_value(value: object, allowed: Sequence[str], param: str) -> ApiError:
+    """OpenAI's 400 for a value outside an enum, listing what is allowed."""
+    quoted = [f"'{option}'" for option in allowed]
+    listed = (
+        " and ".join(quoted) if len(quoted) < 3 else ", ".join(quoted[:-1]) + f", and {quoted[-1]}"
+    )
+    return invalid(
+        f"Invalid value: '{value}'. Supported values are: {listed}.",
+        param=param,
+        code="invalid_value",
+    )

@@ -330,8 +330,8 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     request[LOG_FIELDS].update(budget_log_fields(projection))
     await guard.record_outputs([item.raw for item in new])
     turn = ResponseTurn(request, body, threads, chain, turn_items, counter, projection)
-    await turn.begin()
     try:
+        await turn.begin()
         sent = upstream_body(body, projection.items)
         upstream = await send_upstream(
             request,
@@ -381,10 +381,17 @@ class ResponseTurn:
         self.id = new_id("resp")
         self.persist = body.get("store") is not False
         self.kept = False
+        self._begun: asyncio.Future[None] | None = None
 
     async def begin(self) -> None:
+        """Records the response `in_progress`, shielded: a client that goes away while the
+        row is written must not leave it behind unfinished (abandon waits for it)."""
         if not self.persist:
             return
+        self._begun = asyncio.ensure_future(self._record_begin())
+        await asyncio.shield(self._begun)
+
+    async def _record_begin(self) -> None:
         await self.threads.store.begin_response(
             StoredResponse(
                 tenant=self.tenant,
@@ -449,8 +456,13 @@ class ResponseTurn:
         return fresh.state_after(projection.cut)
 
     async def abandon_unless_kept(self) -> None:
-        if self.persist and not self.kept:
-            await self._finish("incomplete", None)
+        if self._begun is None or self.kept:
+            return
+        try:
+            await asyncio.shield(self._begun)  # the row must exist before it is finished
+        except Exception:
+            return  # it was never written: nothing to finish
+        await self._finish("incomplete", None)
 
     async def _finish(self, status: str, result: JsonDict | None) -> None:
         finished = self.threads.store.finish_response(

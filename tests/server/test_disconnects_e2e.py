@@ -6,12 +6,16 @@ later request would fail with a pool timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from proxy.fake_provider import Reply
+from proxy.server.state import STORE
+from proxy.store.base import StoredResponse
 
 from .conftest import TENANT_KEY, Proxy
 from .hostile import IN_USE, disconnect_mid_stream, metric, settled_metric
@@ -107,3 +111,42 @@ async def test_the_gauge_counts_the_connection_of_a_stream_in_flight(
     assert await metric(proxy.base_url, IN_USE) == 1
     await stream.close()
     assert await settled_metric(proxy.base_url, IN_USE, 0) == 0
+
+
+async def test_a_client_gone_while_its_response_is_recorded_leaves_it_incomplete(
+    proxy: Proxy,
+) -> None:
+    """The client resets while the proxy writes the `in_progress` row: the row must still
+    end `incomplete` (it stayed `in_progress` for the life of the process)."""
+    store = proxy.app[STORE]  # type: ignore[index]
+    gate, writing = asyncio.Event(), asyncio.Event()
+    begun: list[StoredResponse] = []
+    original = store.begin_response
+
+    async def held_begin(response: StoredResponse) -> None:
+        begun.append(response)
+        writing.set()
+        await gate.wait()
+        await original(response)
+
+    store.begin_response = held_begin  # type: ignore[method-assign]
+    created = await proxy.client().conversations.create()
+    body = {"model": "gpt-4o", "input": "hi", "conversation": created.id, "stream": True}
+    client = asyncio.create_task(
+        disconnect_mid_stream(
+            proxy.base_url, "/v1/responses", body, {"Authorization": f"Bearer {TENANT_KEY}"}
+        )
+    )
+    await asyncio.wait_for(writing.wait(), timeout=30)
+    client.cancel()  # resets the connection while the row is being written
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
+    gate.set()
+    stored = None
+    for _ in range(300):
+        stored = await store.get_response(begun[0].tenant, begun[0].id)
+        if stored is not None and stored.status != "in_progress":
+            break
+        await asyncio.sleep(0.02)
+    assert stored is not None and stored.status == "incomplete"
+    assert proxy.provider.model_requests == []

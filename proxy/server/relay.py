@@ -448,8 +448,8 @@ async def end_of_stream(
     if accumulator.ended:
         return
     request[LOG_FIELDS]["stream_error"] = "cut_off"
-    message = "The provider's stream ended before its answer was complete."
-    await response.write(stream_error_event(family, message))
+    message = "The provider's stream ended before its answer was complete"
+    await response.write(stream_error_event(family, tagged(request, message)))
 
 
 async def bad_stream(
@@ -458,7 +458,7 @@ async def bad_stream(
     """A malformed event: the client gets an error event naming it and the stream ends."""
     log.warning("upstream_bad_answer", problem=exc.problem)
     request[LOG_FIELDS]["stream_error"] = BAD_ANSWER
-    await response.write(stream_error_event(family, str(exc), code=BAD_ANSWER))
+    await response.write(stream_error_event(family, tagged(request, str(exc)), code=BAD_ANSWER))
 
 
 def _final_answer(
@@ -488,7 +488,6 @@ def stream_failure(request: web.Request, family: Family | None, exc: Exception) 
     telling an upstream failure (`upstream_stream_error`) from a store failure
     (`store_error`) and anything else (`internal_error`)."""
     request[LOG_FIELDS]["stream_error"] = repr(exc)
-    request_id = request.get(REQUEST_ID, "-")
     if isinstance(exc, UpstreamUnavailable):
         log.warning("upstream_stream_broken", error=exc.message)
         message = exc.reason
@@ -501,7 +500,12 @@ def stream_failure(request: web.Request, family: Family | None, exc: Exception) 
         log.exception("stream_failed", error=repr(exc))
         message = "The proxy failed while relaying this stream"
         code = "internal_error"
-    return stream_error_event(family, f"{message.rstrip('.')} (request id {request_id}).", code)
+    return stream_error_event(family, tagged(request, message), code)
+
+
+def tagged(request: web.Request, message: str) -> str:
+    """An error event's message with the request id, so a report can be found in the log."""
+    return f"{message.rstrip('.')} (request id {request.get(REQUEST_ID, '-')})."
 
 
 def stream_error_event(

@@ -168,13 +168,14 @@ def stream_events(body: bytes) -> list[tuple[str | None, str]]:
     return [(e.event, e.data) for e in [*decoder.feed(body), *decoder.flush()]]
 
 
-def assert_ends_with_one_error_event(flow: Flow, body: bytes) -> None:
+def assert_ends_with_one_error_event(flow: Flow, body: bytes, request_id: str) -> None:
     events = stream_events(body)
     assert events, "the stream sent nothing"
     name, data = events[-1]
     payload = json.loads(data)
     error = payload["error"]
     assert error["code"] in ("bad_upstream_answer", "upstream_stream_error"), error
+    assert error["message"].endswith(f"(request id {request_id})."), error
     if flow.family == "responses":
         assert name == "error" and payload["type"] == "error"
     errors = [d for _, d in events if '"error"' in d and "upstream" in d]
@@ -252,7 +253,8 @@ async def test_a_faulty_stream_ends_with_one_error_event_and_commits_nothing(
     proxy.provider.script.extend(STREAM_FAULTS[fault](chosen))
     response = await send(proxy, chosen, stream=True)
     assert response.status_code == 200  # the headers went out before the fault
-    assert_ends_with_one_error_event(chosen, response.content)
+    request_id = response.headers["x-threadkeeper-request-id"]
+    assert_ends_with_one_error_event(chosen, response.content, request_id)
     await assert_nothing_committed(proxy, chosen)
     await assert_still_serving(proxy, chosen)
 

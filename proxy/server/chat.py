@@ -23,7 +23,7 @@ from proxy.policy import Policy
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
-from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
+from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -196,7 +196,6 @@ async def _forward(
     keeper: ChatTurn | None,
     guard: LedgerGuard,
 ) -> web.StreamResponse:
-    request[LOG_FIELDS].update(budget_log_fields(projection))
     upstream = await send_upstream(
         request,
         request[TENANT_POLICY],

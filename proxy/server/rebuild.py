@@ -29,7 +29,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
-from proxy.server.state import METRICS, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.threads import Loaded
 
 # Below this many items and characters a count or projection costs well under a
@@ -160,9 +160,13 @@ async def rebuild_turn(
     observe: bool = True,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
-    position in the log and its sticky cut), or the request alone when stateless."""
+    position in the log and its sticky cut), or the request alone when stateless.
+
+    When `observe`, the projection is the request's own: it goes to the metrics and its
+    budget breakdown to the request's log line (every flow, stateless or not); a restate
+    after a concurrent turn passes False."""
     history = [*loaded.items, *new] if loaded is not None else list(new)
-    return await rebuild(
+    projection, counter = await rebuild(
         request[TENANT_POLICY],
         model,
         history,
@@ -176,6 +180,9 @@ async def rebuild_turn(
         first_position=loaded.first_position if loaded is not None else 0,
         cut=loaded.cut() if loaded is not None else None,
     )
+    if observe:
+        request[LOG_FIELDS].update(budget_log_fields(projection))
+    return projection, counter
 
 
 def context_headers(projection: Projection) -> dict[str, str]:

@@ -40,7 +40,7 @@ from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
-from proxy.server.rebuild import budget_log_fields, context_headers, off_the_loop, rebuild_turn
+from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
 from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
 from proxy.server.validate import (
@@ -327,7 +327,6 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
         )
     turn_items = await guard.answer_dangling(chain.loaded.items, new, unguarded_too=True)
     projection, counter = await _rebuild(request, body, turn_items, chain.loaded)
-    request[LOG_FIELDS].update(budget_log_fields(projection))
     await guard.record_outputs([item.raw for item in new])
     turn = ResponseTurn(request, body, threads, chain, turn_items, counter, projection)
     try:

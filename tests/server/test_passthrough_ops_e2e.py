@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from proxy.logs import configure_logging
 from tests.server.conftest import PROVIDER_KEY, TENANT_KEY
 
@@ -128,3 +130,45 @@ async def test_metrics_token_guards_metrics(make_proxy) -> None:
         assert allowed.status_code == 200 and 'tenant="acme"' in allowed.text
         assert (await http.get("/healthz")).status_code == 200  # probes stay open
         assert (await http.get("/readyz")).status_code == 200
+
+
+FLOWS = {
+    "chat": ("chat.completions", {}, {}),
+    "chat threaded": ("chat.completions", {}, {"X-Thread-Id": "t-log"}),
+    "responses stateless": ("responses", {"store": False}, {}),
+    "responses stored": ("responses", {}, {}),
+}
+
+
+@pytest.mark.parametrize("flow", list(FLOWS))
+async def test_every_flow_logs_its_budget(proxy, flow: str) -> None:
+    """Each flow's request log line carries the budget breakdown (issue 9, drift bug 2:
+    stateless Responses requests logged none)."""
+    route, extra_body, headers = FLOWS[flow]
+    stream = io.StringIO()
+    configure_logging("info", stream)
+    try:
+        client = proxy.client()
+        if route == "responses":
+            await client.responses.create(
+                model="gpt-4o", input="hi", extra_body=extra_body, extra_headers=headers
+            )
+        else:
+            await client.chat.completions.create(
+                model="gpt-4o",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers=headers,
+            )
+    finally:
+        text = stream.getvalue()
+        configure_logging("info")
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    request_lines = [
+        line for line in lines if line.get("event") == "request" and line.get("route") == route
+    ]
+    assert len(request_lines) == 1
+    line = request_lines[0]
+    assert line["status"] == 200
+    assert line["budget"]["window"] == 16000
+    assert line["trimmed_blocks"] == []
+    assert line["rebuilt"] is False

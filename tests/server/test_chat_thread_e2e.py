@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import openai
@@ -11,7 +12,7 @@ from proxy.fake_provider import Reply
 from proxy.server.state import STORE
 from proxy.store.base import Store
 
-from .conftest import Proxy
+from .conftest import TENANT_KEY, Proxy
 
 SYSTEM = {"role": "system", "content": "You track orders."}
 
@@ -82,6 +83,37 @@ async def test_streamed_reply_is_kept_in_the_thread(proxy: Proxy) -> None:
         {"role": "user", "content": "Stream please."},
         {"role": "assistant", "content": text},
         {"role": "user", "content": "Again."},
+    ]
+
+
+async def test_threaded_stream_ending_without_a_blank_line_delivers_done_and_commits(
+    proxy: Proxy,
+) -> None:
+    # Regression (issue 9, drift bug 1): the kept-stream relay did not flush its decoder,
+    # so `data: [DONE]\n` at EOF never reached the client and the turn was not committed.
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        body = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        return f"data: {json.dumps({**body, 'choices': [choice]})}\n\n".encode()
+
+    frames = [
+        chunk({"role": "assistant", "content": "Shipped."}),
+        chunk({}, "stop"),
+        b"data: [DONE]\n",  # some compatible servers end right after the sentinel
+    ]
+    proxy.provider.script.append(Reply(frames=frames))
+    question = {"role": "user", "content": "Where is ORD-1?"}
+    headers = {"Authorization": f"Bearer {TENANT_KEY}", "X-Thread-Id": "t-no-blank"}
+    body = {"model": "gpt-4o", "messages": [question], "stream": True}
+    async with proxy.http() as http:
+        response = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert response.status_code == 200
+    assert response.content.endswith(b"data: [DONE]\n\n")
+    window = await store_of(proxy).load_window("acme", "t-no-blank")
+    assert window is not None
+    assert [item.raw for item in window.items] == [
+        question,
+        {"role": "assistant", "content": "Shipped."},
     ]
 
 

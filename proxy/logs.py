@@ -203,11 +203,6 @@ def is_secret_key(key: str) -> bool:
 DEFAULT_REDACTOR = Redactor()
 
 
-def redact_secrets(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
-    """structlog processor using the process's redactor."""
-    return DEFAULT_REDACTOR(logger, method_name, event_dict)
-
-
 def register_secret(value: str) -> None:
     DEFAULT_REDACTOR.register(value)
 

@@ -125,9 +125,6 @@ class Loaded:
                 return None
         return self.first_position + index
 
-    def call_ids(self) -> set[str]:
-        return {call_id for item in self.items for call_id in item.call_ids}
-
 
 def first_orphan(known: Iterable[Item], new: Sequence[Item]) -> str | None:
     """The call id of the first new tool output that answers no call of the window or of

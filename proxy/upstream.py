@@ -299,7 +299,7 @@ class EventFrames:
 
 
 class UpstreamResponse:
-    """The provider's answer. Close it (or use `async with`) when not read to the end."""
+    """The provider's answer. Close it (`aclose`) when not read to the end."""
 
     def __init__(
         self,
@@ -395,12 +395,6 @@ class UpstreamResponse:
 
     async def aclose(self) -> None:
         await self._closer.close(self._response)
-
-    async def __aenter__(self) -> UpstreamResponse:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:

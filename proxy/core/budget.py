@@ -10,8 +10,6 @@ has to shrink when H > B_H.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 
 def history_budget(
     window: int, system: int, tools: int, current: int, output: int, epsilon: int
@@ -26,21 +24,3 @@ def output_reserve(requested: int | None, reserve: int, model_max: int | None) -
     if model_max is not None:
         return min(wanted, model_max)
     return wanted
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The parts of one request's budget, for computing B_H and logging the breakdown."""
-
-    window: int
-    system: int
-    tools: int
-    current: int
-    output: int
-    epsilon: int
-
-    @property
-    def history(self) -> int:
-        return history_budget(
-            self.window, self.system, self.tools, self.current, self.output, self.epsilon
-        )

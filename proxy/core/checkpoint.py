@@ -22,7 +22,6 @@ from proxy.core.projection import CutPoint
 WINDOW_START = "window_start"
 SUMMARY = "summary"
 COMPRESSED = "compressed"
-CUT_KEYS = (WINDOW_START, SUMMARY, COMPRESSED)
 
 
 def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) -> JsonDict:

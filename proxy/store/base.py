@@ -294,11 +294,6 @@ class Store(Protocol):
 
     async def delete_response(self, tenant: str, response_id: str) -> bool: ...
 
-    async def abandon_in_progress(self, owner: str | None = None) -> int:
-        """Responses left `in_progress` by `owner` (or by anyone, when None) become
-        `incomplete`. Returns how many. With several replicas on one database only
-        `abandon_dead` is safe: None also hits the streams of live replicas."""
-
     # process owners (replica-safe recovery, SPEC sections 7 and 8) -----------------------
     async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
         """Record that process instance `owner` is alive at `now` (upsert; `host` and

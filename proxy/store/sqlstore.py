@@ -275,12 +275,6 @@ class SqlStore:
         async with self.db.write() as conn:
             return await conn.execute(sql.DELETE_RESPONSE, tenant, response_id) > 0
 
-    async def abandon_in_progress(self, owner: str | None = None) -> int:
-        async with self.db.write() as conn:
-            if owner is None:
-                return await conn.execute(sql.ABANDON_ALL)
-            return await conn.execute(sql.ABANDON_OWNED, owner)
-
     async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
         async with self.db.write() as conn:
             await conn.execute(sql.HEARTBEAT, owner, host, pid, now)

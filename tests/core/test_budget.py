@@ -1,14 +1,9 @@
-from proxy.core.budget import Budget, history_budget, output_reserve
+from proxy.core.budget import history_budget, output_reserve
 
 
 def test_history_budget_matches_the_seed_worked_example() -> None:
     # seed section 4.3: W 16000, S 1200, T 1000, U 800, O 2000, eps 500 -> B_H 10500
     assert history_budget(16000, 1200, 1000, 800, 2000, 500) == 10500
-
-
-def test_budget_history_uses_the_formula() -> None:
-    budget = Budget(window=16000, system=1200, tools=1000, current=800, output=2000, epsilon=500)
-    assert budget.history == 10500
 
 
 def test_history_budget_is_negative_when_fixed_parts_overflow() -> None:

@@ -448,23 +448,6 @@ async def test_response_lifecycle(store: Store) -> None:
         await store.finish_response("acme", "resp_1", status="failed", response=None)
 
 
-async def test_abandon_in_progress(store: Store) -> None:
-    await store.begin_response(response("r1", owner="p1"))
-    await store.begin_response(response("r2", owner="p2"))
-    await store.begin_response(response("r3", owner="p2", tenant="other"))
-    await store.begin_response(response("r4", owner="p1"))
-    await store.finish_response("acme", "r4", status="completed", response={})
-
-    assert await store.abandon_in_progress(owner="p1") == 1
-    assert await status_of(store, "acme", "r1") == "incomplete"
-    assert await status_of(store, "acme", "r2") == "in_progress"
-
-    assert await store.abandon_in_progress() == 2
-    assert await status_of(store, "other", "r3") == "incomplete"
-    assert await status_of(store, "acme", "r4") == "completed"
-    assert await store.abandon_in_progress() == 0
-
-
 async def test_abandon_dead_spares_live_owners(store: Store) -> None:
     await store.heartbeat("live", T2)
     await store.heartbeat("stale", T0)

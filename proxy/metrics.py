@@ -60,7 +60,9 @@ class Metrics:
         )
         self.rebuild_seconds = Histogram(
             "threadkeeper_rebuild_seconds",
-            "Time to rebuild one request's context (load, budget, projection, checks).",
+            "Time to project one request's context under its budget: counting its "
+            "instructions and tool definitions, the projection and its invariant check "
+            "(not the thread load, the tokenizer load or a retried commit's restate).",
             buckets=REBUILD_BUCKETS,
             registry=self.registry,
         )

@@ -135,10 +135,21 @@ class SSEDecoder:
         return SSEEvent(event=event or None, data="\n".join(data), id=self._last_id, retry=retry)
 
 
+class EventTooLarge(ValueError):
+    """One event of a framed stream grew above the framer's limit before it ended."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"an event is larger than {limit} bytes")
+        self.limit = limit
+
+
 class EventFramer:
-    """Cuts a relayed byte stream at event boundaries (a blank line), so a relay hands the
-    client whole events only: a malformed or cut-off event is never half-sent, and an
-    error event written after it stays a clean event of its own.
+    """Cuts a relayed byte stream at event boundaries, so a relay hands the client whole
+    events only: a malformed or cut-off event is never half-sent, and an error event
+    written after it stays a clean event of its own. An event ends at a blank line:
+    "\\n\\n", "\\r\\r" or "\\n\\r" (CRLF pairs contain the last; the LF closing one goes
+    with its event). The event being received is held, at most `limit` bytes of it
+    (EventTooLarge above). Linear: each byte is searched once.
 
     >>> framer = EventFramer()
     >>> framer.feed(b"data: 1\\n\\ndata: ")
@@ -147,30 +158,41 @@ class EventFramer:
     b'data: 2\\n\\n'
     """
 
-    _BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r")
-
-    def __init__(self) -> None:
-        self._pending = bytearray()
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self._held: list[bytes] = []
+        self._size = 0
+        self._last = b""  # the previous chunk's last byte: a boundary may straddle chunks
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes of the events this chunk completes (possibly none)."""
-        start = max(0, len(self._pending) - 3)  # a boundary may straddle two chunks
-        self._pending += chunk
-        cut = max(self._end_of_last(boundary, start) for boundary in self._BOUNDARIES)
-        if cut <= 0:
+        if not chunk:
             return b""
-        ready = bytes(self._pending[:cut])
-        del self._pending[:cut]
-        return ready
+        window = self._last + chunk
+        self._last = chunk[-1:]
+        end = max(window.rfind(b"\n\n"), window.rfind(b"\r\r"), window.rfind(b"\n\r"))
+        if end == -1:
+            return self._hold(chunk)
+        cut = end + 2 - (len(window) - len(chunk))
+        if window[end + 1 : end + 2] == b"\r" and chunk[cut : cut + 1] == b"\n":
+            cut += 1  # the LF of a closing CRLF goes with its event
+        done = b"".join([*self._held, chunk[:cut]])
+        self._held, self._size = [], 0
+        self._hold(chunk[cut:])
+        return done
+
+    def _hold(self, data: bytes) -> bytes:
+        if data:
+            self._held.append(data)
+            self._size += len(data)
+        if self.limit is not None and self._size > self.limit:
+            raise EventTooLarge(self.limit)
+        return b""
 
     def rest(self) -> bytes:
         """What is left at the end of the stream (an event without its final blank line)."""
-        rest, self._pending = bytes(self._pending), bytearray()
-        return rest
-
-    def _end_of_last(self, boundary: bytes, start: int) -> int:
-        found = self._pending.rfind(boundary, start)
-        return found + len(boundary) if found >= 0 else 0
+        held, self._held, self._size = b"".join(self._held), [], 0
+        return held
 
 
 def event_payload(event: SSEEvent) -> JsonDict | None:

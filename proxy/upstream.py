@@ -5,7 +5,7 @@ once `send()` returns, the caller relays what it got. A stream request returns a
 the provider's headers arrive; its body is then read chunk by chunk as the network
 delivers it.
 
->>> upstream = Upstream.create(connect_timeout=5, read_timeout=600, pool_size=100)
+>>> upstream = Upstream(connect_timeout=5, read_timeout=600, pool_size=100)
 >>> response = await upstream.send(
 ...     UpstreamRequest("POST", "https://api.openai.com/v1/chat/completions",
 ...                     {"authorization": "Bearer sk-..."}, body, stream=True),
@@ -14,12 +14,18 @@ delivers it.
 >>> async for chunk in response.aiter_bytes():
 ...     ...  # write chunk to the client
 
+The client is aiohttp's: one `ClientSession` per provider origin (scheme, host, port),
+opened on first use and closed by `aclose()` (the app's cleanup). Each pool serves at most
+`pool_size` requests at a time; the bound is a semaphore of this module rather than the
+connector's limit, so a request cancelled while it waits for a slot gives the slot back
+and `connections_in_use()` is exact.
+
 Everything the provider sends back passes `UpstreamResponse`, so the guarantees about it
 live there: what is buffered is capped (`max_body_bytes`; one event of an event stream
 too), the request's `Deadline` bounds the whole exchange, the tenant's provider key
-(`UpstreamRequest.secrets`) is scrubbed from headers, bodies and streams, and closing runs
-to the end even when the task that closes is cancelled (a client that went away), so the
-connection always returns to the pool.
+(`UpstreamRequest.secrets`) is scrubbed from headers, bodies and streams, and releasing
+the connection is synchronous, so a cancelled caller (a client that went away) cannot cut
+it short and the connection always goes back to the pool.
 """
 
 from __future__ import annotations
@@ -30,17 +36,28 @@ import logging
 import random
 import re
 import time
+import urllib.request
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
 
-import httpcore
-import httpx
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_result
+import aiohttp
+from multidict import CIMultiDictProxy
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_any,
+    stop_before_delay,
+)
+from yarl import URL
 
 from proxy.logs import MIN_SECRET_LENGTH, REDACTED
+from proxy.sse import EventFramer, EventTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +75,32 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-# httpx sets these itself; accept-encoding too, so the body is one it can decode.
+# aiohttp sets these itself; accept-encoding too, so the body is one it can decode.
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
 # The proxy relays decoded bytes, so length and encoding no longer describe them.
 RESPONSE_DROP = HOP_BY_HOP | {"content-length", "content-encoding"}
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-RETRY_ERRORS = (
-    httpx.ConnectError,
-    httpx.RemoteProtocolError,
-    httpx.ReadError,
-    httpx.ConnectTimeout,
-    httpx.PoolTimeout,
+
+
+class PoolTimeout(aiohttp.ConnectionTimeoutError):
+    """No connection of the pool came free within connect_timeout."""
+
+
+# Failures before the provider could have acted on the request, or while reading a body
+# that is read whole before `send()` returns: connecting (refused, reset, TLS), the
+# connection dropped before the answer, a body cut off, a connect or pool timeout. A read
+# timeout is not among them: the provider may be generating, and a second try pays twice.
+RETRY_ERRORS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientOSError,  # ClientConnectorError included
+    aiohttp.ClientConnectionResetError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ConnectionTimeoutError,  # PoolTimeout included
 )
 JITTER = 0.25  # backoff is shortened by up to this fraction so clients do not stampede
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+KEEPALIVE_SECONDS = 30.0  # an idle pooled connection is closed after this
 
 
 @dataclass(frozen=True)
@@ -131,7 +159,7 @@ class UpstreamUnavailable(Exception):
 
     @classmethod
     def from_error(cls, error: BaseException, attempts: int = 1) -> UpstreamUnavailable:
-        status = 504 if isinstance(error, httpx.TimeoutException) else 502
+        status = 504 if isinstance(error, TimeoutError) else 502
         reason = "timed out" if status == 504 else "unreachable"
         detail = str(error) or type(error).__name__
         said = "timed out" if status == 504 else "was lost"
@@ -172,47 +200,19 @@ class DeadlineExceeded(UpstreamUnavailable):
 
 @contextlib.asynccontextmanager
 async def within(deadline: Deadline | None) -> AsyncIterator[None]:
-    """Raises DeadlineExceeded when the block runs past the deadline."""
+    """Raises DeadlineExceeded when the block runs past the deadline (and only then: a
+    timeout of the block's own, aiohttp's read timeout say, passes through as it is)."""
     if deadline is None:
         yield
         return
+    scope = asyncio.timeout(deadline.remaining())
     try:
-        async with asyncio.timeout(deadline.remaining()):
+        async with scope:
             yield
     except TimeoutError:
-        raise DeadlineExceeded(deadline.seconds) from None
-
-
-class Closer:
-    """Closes provider responses to the end even when the closing task is cancelled.
-
-    httpx marks a response closed before its connection is released; a cancellation in
-    between (aiohttp cancels the handler of a client that went away) would leave the
-    connection ACTIVE in the pool forever, and later closes do nothing. So the close runs
-    as its own task that the caller only waits for (shielded), and the tasks in flight
-    are kept here so they finish before the pool closes."""
-
-    def __init__(self) -> None:
-        self._closing: set[asyncio.Task[None]] = set()
-
-    async def close(self, response: httpx.Response) -> None:
-        if response.is_closed:
-            return
-        task = asyncio.ensure_future(_close_quietly(response))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
-
-    async def wait(self) -> None:
-        while self._closing:
-            await asyncio.gather(*self._closing)
-
-
-async def _close_quietly(response: httpx.Response) -> None:
-    try:
-        await response.aclose()
-    except Exception as exc:  # the connection is dropped either way
-        log.debug("closing an upstream response failed: %r", exc)
+        if scope.expired():
+            raise DeadlineExceeded(deadline.seconds) from None
+        raise
 
 
 class Scrubber:
@@ -227,6 +227,8 @@ class Scrubber:
         self._held = b""
 
     def text(self, value: str) -> str:
+        if self._pattern is None:
+            return value
         return self.whole(value.encode("utf-8", "surrogateescape")).decode(
             "utf-8", "surrogateescape"
         )
@@ -257,70 +259,30 @@ def _partial_at_end(data: bytes, secret: bytes) -> int:
     return 0
 
 
-class EventFrames:
-    """Cuts an event stream at event boundaries: what is relayed is whole events, and the
-    event being received is held (up to the cap, then ProviderAnswerTooLarge), so an error
-    event the proxy appends never lands inside a half-sent one. An event ends at a blank
-    line: "\n\n", "\r\r" or "\n\r" (CRLF pairs contain the last). Linear: each byte is
-    searched once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: list[bytes] = []
-        self._size = 0
-        self._last = b""  # the previous chunk's last byte: a boundary may straddle chunks
-
-    def feed(self, chunk: bytes) -> bytes:
-        window = self._last + chunk
-        self._last = chunk[-1:]
-        end = max(window.rfind(b"\n\n"), window.rfind(b"\r\r"), window.rfind(b"\n\r"))
-        if end == -1:
-            return self._hold(chunk)
-        cut = end + 2 - (len(window) - len(chunk))
-        if window[end + 1 : end + 2] == b"\r" and chunk[cut : cut + 1] == b"\n":
-            cut += 1  # the LF of a closing CRLF goes with its event
-        done = b"".join([*self._held, chunk[:cut]])
-        self._held, self._size = [], 0
-        self._hold(chunk[cut:])
-        return done
-
-    def _hold(self, data: bytes) -> bytes:
-        if data:
-            self._held.append(data)
-            self._size += len(data)
-        if self._size > self.limit:
-            raise ProviderAnswerTooLarge(self.limit, "stream event")
-        return b""
-
-    def flush(self) -> bytes:
-        """At the end of the stream: an unfinished last event, as it came."""
-        held, self._held, self._size = b"".join(self._held), [], 0
-        return held
-
-
 class UpstreamResponse:
     """The provider's answer. Close it (`aclose`) when not read to the end."""
 
     def __init__(
         self,
-        response: httpx.Response,
+        response: aiohttp.ClientResponse,
         attempts: int = 1,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         deadline: Deadline | None = None,
         secrets: Iterable[str] = (),
-        closer: Closer | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self._response = response
         self._max_body_bytes = max_body_bytes
         self._deadline = deadline
         self._scrubber = Scrubber(secrets)
-        self._closer = closer or Closer()
+        self._on_release = on_release
+        self._released = False
         self._body: bytes | None = None
-        self.status: int = response.status_code
+        self.status: int = response.status
         self.headers: list[tuple[str, str]] = [
             (name, self._scrubber.text(value))
-            for name, value in relayable_headers(response.headers.multi_items())
+            for name, value in relayable_headers(response.headers.items())
         ]
         self.attempts = attempts
 
@@ -329,14 +291,14 @@ class UpstreamResponse:
         return self.attempts - 1
 
     @property
-    def provider_headers(self) -> httpx.Headers:
+    def provider_headers(self) -> CIMultiDictProxy[str]:
         """Every header the provider sent, hop-by-hop ones included (read-only use, never
         relayed: not scrubbed)."""
         return self._response.headers
 
     @property
     def closed(self) -> bool:
-        return self._response.is_closed
+        return self._released
 
     @property
     def is_event_stream(self) -> bool:
@@ -346,7 +308,7 @@ class UpstreamResponse:
         """The whole body, scrubbed; ProviderAnswerTooLarge above max_body_bytes."""
         try:
             return await self._read()
-        except httpx.RequestError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnavailable.from_error(exc, self.attempts) from exc
 
     async def _read(self) -> bytes:
@@ -363,38 +325,55 @@ class UpstreamResponse:
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """Decoded chunks as they arrive, scrubbed; an event stream's in whole events, none
-        above max_body_bytes. The connection is closed however this ends."""
-        events = EventFrames(self._max_body_bytes) if self.is_event_stream else None
+        above max_body_bytes. The connection is released however this ends."""
+        framer = EventFramer(self._max_body_bytes) if self.is_event_stream else None
         scrubber = Scrubber(()) if self._body is not None else self._scrubber
         source = _once(self._body) if self._body is not None else self._chunks()
         try:
             async for chunk in source:
-                if events is not None:
-                    chunk = events.feed(chunk)
+                if framer is not None:
+                    chunk = framer.feed(chunk)
                 if out := scrubber.feed(chunk):
                     yield out
-        except httpx.RequestError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnavailable.from_error(exc, self.attempts) from exc
-        rest = events.flush() if events is not None else b""
+        except EventTooLarge as exc:
+            raise ProviderAnswerTooLarge(exc.limit, "stream event") from None
+        finally:
+            self._release()
+        rest = framer.rest() if framer is not None else b""
         if tail := scrubber.feed(rest) + scrubber.flush():
             yield tail
 
     async def _chunks(self) -> AsyncIterator[bytes]:
-        """The raw decoded body, each read within the deadline; closed however it ends."""
-        chunks = self._response.aiter_bytes()
+        """The raw decoded body, each read within the deadline; released however it ends."""
+        content = self._response.content
         try:
             while True:
-                async with within(self._deadline):
-                    chunk = await anext(chunks, None)
-                if chunk is None:
+                if self._deadline is None:
+                    chunk = await content.readany()
+                else:
+                    async with within(self._deadline):
+                        chunk = await content.readany()
+                if not chunk:
                     return
-                if chunk:
-                    yield chunk
+                yield chunk
         finally:
-            await self.aclose()
+            self._release()
 
     async def aclose(self) -> None:
-        await self._closer.close(self._response)
+        self._release()
+
+    def _release(self) -> None:
+        """Synchronous, so no cancellation can cut it short: before this returns, aiohttp
+        has handed the connection back to its pool (or closed it, when the body was not
+        read to its end) and the pool's slot is free."""
+        if self._released:
+            return
+        self._released = True
+        self._response.release()
+        if self._on_release is not None:
+            self._on_release()
 
 
 async def _once(body: bytes) -> AsyncIterator[bytes]:
@@ -408,15 +387,25 @@ def relayable_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str
     return [(name, value) for name, value in headers if name.lower() not in dropped]
 
 
-def forwardable_headers(headers: Mapping[str, str]) -> dict[bytes, bytes]:
-    """Values go out as the bytes the client sent: aiohttp decodes header bytes as UTF-8
-    with surrogateescape, and httpx would refuse (a 500) any value that is not ASCII."""
+def forwardable_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's headers minus hop-by-hop ones. aiohttp decodes header bytes as UTF-8
+    with surrogateescape and writes values as UTF-8, so a value the client sent in UTF-8
+    goes out as the very bytes it sent; bytes that are not UTF-8 cannot be written and go
+    out as U+FFFD (never a 500)."""
     dropped = REQUEST_DROP | _connection_tokens(headers.items())
     return {
-        name.encode("utf-8", "surrogateescape"): value.encode("utf-8", "surrogateescape")
+        name: value if value.isascii() else _writable(value)
         for name, value in headers.items()
         if name.lower() not in dropped and not name.lower().startswith("proxy-")
     }
+
+
+def _writable(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: the client's bytes were not UTF-8
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return value
 
 
 def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
@@ -430,8 +419,9 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
     }
 
 
-def retry_after_seconds(headers: httpx.Headers, now: float | None = None) -> float | None:
-    """The provider's requested wait: `retry-after-ms`, then `Retry-After` (secs or date)."""
+def retry_after_seconds(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """The provider's requested wait: `retry-after-ms`, then `Retry-After` (secs or date).
+    `headers` looks names up case-insensitively (a CIMultiDict)."""
     millis = headers.get("retry-after-ms")
     if millis is not None:
         try:
@@ -458,31 +448,30 @@ def backoff_seconds(retry: RetrySettings, retries_done: int) -> float:
     return delay * (1 - JITTER * random.random())
 
 
-class _RetryPolicy:
-    """tenacity's wait and stop for one `send()`: provider hints, backoff, a deadline."""
+def retry_wait(retry: RetrySettings) -> Callable[[RetryCallState], float]:
+    """tenacity's wait: the provider's Retry-After / retry-after-ms when its answer gives
+    one, else exponential backoff with jitter."""
 
-    def __init__(
-        self, retry: RetrySettings, replayable: bool, deadline: Deadline | None = None
-    ) -> None:
-        self.retry = retry
-        self.max_attempts = retry.max_attempts if replayable else 1
-        self.deadline = time.monotonic() + retry.max_seconds
-        if deadline is not None:
-            self.deadline = min(self.deadline, deadline.at)
-
-    def wait(self, state: RetryCallState) -> float:
+    def wait(state: RetryCallState) -> float:
         outcome = state.outcome
         if outcome is not None and not outcome.failed:
             hinted = retry_after_seconds(outcome.result().provider_headers)
             if hinted is not None:
                 return hinted
-        return backoff_seconds(self.retry, state.attempt_number - 1)
+        return backoff_seconds(retry, state.attempt_number - 1)
 
-    def stop(self, state: RetryCallState) -> bool:
-        if state.attempt_number >= self.max_attempts:
-            return True
-        # A wait that would end past the deadline is not started: the last answer stands.
-        return time.monotonic() + state.upcoming_sleep > self.deadline
+    return wait
+
+
+def retry_stop(retry: RetrySettings, replayable: bool, deadline: Deadline | None) -> stop_any:
+    """tenacity's stop: the attempts (one for a body that cannot be sent twice), and a wait
+    that would end past max_seconds or the request's deadline is not started (the last
+    answer stands)."""
+    seconds = retry.max_seconds
+    if deadline is not None:
+        seconds = min(seconds, deadline.remaining())
+    attempts = retry.max_attempts if replayable else 1
+    return stop_any(stop_after_attempt(attempts), stop_before_delay(seconds))
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -507,6 +496,56 @@ def _last_outcome(state: RetryCallState) -> Any:
     return state.outcome.result()
 
 
+class _Pool:
+    """The connections to one provider origin: an aiohttp session, and a slot per request
+    on it (at most `size` at a time). The slots are an asyncio.Semaphore, which gives a
+    slot back when a request is cancelled while it waits, even just after it was woken;
+    the connector itself is unbounded and so never makes a request wait."""
+
+    def __init__(self, size: int, timeout: aiohttp.ClientTimeout, proxy: str | None) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_SECONDS),
+            timeout=timeout,
+            cookie_jar=aiohttp.DummyCookieJar(),  # one client for every tenant: no cookies
+            proxy=proxy,
+        )
+        self._slots = asyncio.Semaphore(size)
+        self.in_use = 0
+
+    async def acquire(self, wait: float) -> None:
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(wait):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise PoolTimeout(f"no upstream connection came free within {wait:g} s") from None
+        else:
+            await self._slots.acquire()  # free: returns at once
+        self.in_use += 1
+
+    def release(self) -> None:
+        self.in_use -= 1
+        self._slots.release()
+
+
+class _Upload:
+    """A streamed request body. aiohttp writes it from a task of its own and reports any
+    failure as a lost connection; an error of the body itself (a client too slow, say) is
+    kept here so `send()` raises it as it was."""
+
+    def __init__(self, body: AsyncIterable[bytes]) -> None:
+        self._body = body
+        self.error: Exception | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._body:
+                yield chunk
+        except Exception as exc:
+            self.error = exc
+            raise
+
+
 class Upstream:
     """The only place that talks to the provider.
 
@@ -517,15 +556,25 @@ class Upstream:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
         *,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 600.0,
+        pool_size: int = 100,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self._client = client
-        self._sleep = sleep  # injectable so tests can see the waits without taking them
+        # connect bounds DNS and connecting; sock_read each read, headers included.
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=connect_timeout,
+            sock_connect=connect_timeout,
+            sock_read=read_timeout,
+        )
+        self._connect_timeout = connect_timeout  # also how long to wait for a pool slot
+        self._pool_size = pool_size
         self._max_body_bytes = max_body_bytes
-        self._closer = Closer()
+        self._sleep = sleep  # injectable so tests can see the waits without taking them
+        self._pools: dict[tuple[str, str | None, int | None], _Pool] = {}
 
     @classmethod
     def create(
@@ -535,48 +584,33 @@ class Upstream:
         pool_size: int,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> Upstream:
-        client = httpx.AsyncClient(
-            http1=True,
-            http2=False,
-            follow_redirects=False,
-            timeout=httpx.Timeout(
-                connect=connect_timeout,
-                read=read_timeout,
-                write=read_timeout,
-                pool=connect_timeout,
-            ),
-            limits=httpx.Limits(
-                max_connections=pool_size,
-                max_keepalive_connections=pool_size,
-                keepalive_expiry=30.0,
-            ),
+        return cls(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            pool_size=pool_size,
+            max_body_bytes=max_body_bytes,
         )
-        pool = _pool_of(client)
-        if type(pool) is httpcore.AsyncConnectionPool:
-            pool.__class__ = ReclaimingPool  # same state, one more rule (below)
-        return cls(client, max_body_bytes=max_body_bytes)
 
     def connections_in_use(self) -> int:
         """Pool connections busy with a request (connecting, sending or answering): what
-        a leaked response would hold forever. 0 for a client without httpcore's pool."""
-        connections = getattr(_pool_of(self._client), "connections", ())
-        return sum(1 for c in connections if not c.is_idle() and not c.is_closed())
+        a leaked response would hold forever."""
+        return sum(pool.in_use for pool in self._pools.values())
 
     async def aclose(self) -> None:
-        await self._closer.wait()
-        await self._client.aclose()
+        pools, self._pools = list(self._pools.values()), {}
+        await asyncio.gather(*(pool.session.close() for pool in pools))
 
     async def send(self, request: UpstreamRequest, retry: RetrySettings) -> UpstreamResponse:
+        url = _url_with_query(request.url, request.params)
         # A body that is an async iterable is consumed by the first try: it cannot be sent
         # twice, so such a request gets exactly one attempt.
         replayable = not isinstance(request.body, AsyncIterable)
-        policy = _RetryPolicy(retry, replayable, request.deadline)
         attempts = 0
 
         async def attempt() -> UpstreamResponse:
             nonlocal attempts
             attempts += 1
-            return await self._attempt(request, attempts)
+            return await self._attempt(request, url, attempts)
 
         retrying = AsyncRetrying(
             sleep=self._sleep,
@@ -584,15 +618,15 @@ class Upstream:
                 retry_if_exception_type(RETRY_ERRORS)
                 | retry_if_result(lambda response: response.status in RETRY_STATUSES)
             ),
-            wait=policy.wait,
-            stop=policy.stop,
+            wait=retry_wait(retry),
+            stop=retry_stop(retry, replayable, request.deadline),
             before_sleep=_log_retry,
             retry_error_callback=_last_outcome,
         )
         try:
             async with within(request.deadline):
                 response: UpstreamResponse = await retrying(attempt)
-        except httpx.RequestError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnavailable.from_error(exc, attempts) from exc
         except UpstreamUnavailable as exc:
             exc.attempts = attempts
@@ -600,69 +634,66 @@ class Upstream:
         response.attempts = attempts
         return response
 
-    async def _attempt(self, request: UpstreamRequest, number: int) -> UpstreamResponse:
-        outgoing = self._client.build_request(
-            request.method,
-            _url_with_query(request.url, request.params),
-            headers=forwardable_headers(request.headers),
-            content=request.body,
-        )
-        response = await self._client.send(outgoing, stream=True)
+    async def _attempt(self, request: UpstreamRequest, url: URL, number: int) -> UpstreamResponse:
+        pool = self._pool(url)
+        await pool.acquire(self._connect_timeout)
+        body = request.body
+        upload = _Upload(body) if isinstance(body, AsyncIterable) else None
+        try:
+            response = await pool.session.request(
+                request.method,
+                url,
+                headers=forwardable_headers(request.headers),
+                data=upload if upload is not None else body,
+                allow_redirects=False,
+                skip_auto_headers=("Content-Type",),  # none unless the client sent one
+            )
+        except BaseException:
+            pool.release()
+            if upload is not None and upload.error is not None:
+                raise upload.error from None
+            raise
         answer = UpstreamResponse(
             response,
             number,
             max_body_bytes=self._max_body_bytes,
             deadline=request.deadline,
             secrets=request.secrets,
-            closer=self._closer,
+            on_release=pool.release,
         )
         try:
             # Error bodies are small and decide the retry; a stream's success body is
             # left unread so it can be relayed as it arrives.
-            if not request.stream or response.status_code >= 400:
+            if not request.stream or answer.status >= 400:
                 await answer._read()  # a failed read is retried like a failed connect
         except BaseException:
             await answer.aclose()
             raise
         return answer
 
-
-def _pool_of(client: httpx.AsyncClient) -> Any:
-    """httpcore's pool behind an httpx client (httpx has no public accessor), or None."""
-    return getattr(getattr(client, "_transport", None), "_pool", None)
-
-
-class ReclaimingPool(httpcore.AsyncConnectionPool):
-    """httpcore's pool, minus a leak (httpcore 1.0.9, encode/httpcore#1093): a request
-    cancelled after the pool gave it a connection, but before it used it (still
-    connecting, or connected and NEW), leaves that connection in the pool forever: being
-    neither closed, idle nor available, it holds a slot until the pool is full and every
-    request times out. Every connection in use is held by a request of the pool (until
-    its response is closed), so one that no request holds and that is neither idle nor
-    closed is such an orphan: it is dropped and closed whenever the pool reassigns its
-    requests, which httpcore does right after removing the cancelled one."""
-
-    def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
-        held = {id(r.connection) for r in self._requests if r.connection is not None}
-        orphans = [
-            connection
-            for connection in self._connections
-            if id(connection) not in held
-            and not connection.is_idle()
-            and not connection.is_closed()
-        ]
-        for connection in orphans:
-            self._connections.remove(connection)
-        return [*orphans, *super()._assign_requests_to_connections()]
+    def _pool(self, url: URL) -> _Pool:
+        key = (url.scheme, url.host, url.port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(self._pool_size, self._timeout, _env_proxy(url))
+        return pool
 
 
-def _url_with_query(url: str, params: str | None) -> httpx.URL:
-    parsed = httpx.URL(url)
-    if params:
-        # The raw query goes through as is (re-encoding could change what it means); only
-        # characters a URL cannot carry literally are percent-encoded.
-        raw = "".join(
-            c if c.isascii() and c.isprintable() and c != " " else quote(c) for c in params
-        )
-        parsed = parsed.copy_with(query=raw.lstrip("?").encode("ascii"))
-    return parsed
+def _env_proxy(url: URL) -> str | None:
+    """HTTP(S)_PROXY / NO_PROXY, read once per pool. (aiohttp's trust_env would read them
+    per request, and ~/.netrc too, whose credentials replace the client's Authorization.)"""
+    if url.host is None or urllib.request.proxy_bypass(url.host):
+        return None
+    return urllib.request.getproxies().get(url.scheme)
+
+
+def _url_with_query(url: str, params: str | None) -> URL:
+    parsed = URL(url)
+    if not params:
+        return parsed
+    # The raw query goes through as is (re-encoding could change what it means); only
+    # characters a URL cannot carry literally are percent-encoded.
+    raw = "".join(
+        c if c.isascii() and c.isprintable() and c not in " #" else quote(c) for c in params
+    )
+    return URL(f"{parsed.with_query(None)}?{raw.lstrip('?')}", encoded=True)

@@ -15,6 +15,7 @@ from proxy.sse import (
     DONE,
     ChatStreamAccumulator,
     EventFramer,
+    EventTooLarge,
     ResponsesStreamAccumulator,
     SSEDecoder,
     SSEEvent,
@@ -386,6 +387,28 @@ def test_framer_hands_out_whole_events_only() -> None:
     assert framer.feed(b"\n") == b""
     assert framer.rest() == b"data: 3\n"  # the end of a stream without its blank line
     assert framer.rest() == b""
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_framer_relays_whole_events_only_however_the_stream_is_cut(newline: str) -> None:
+    stream = "".join(f'data: {{"n": {i}}}{newline}{newline}' for i in range(3)).encode()
+    for cut in range(len(stream) + 1):
+        framer = EventFramer(limit=1000)
+        out = [framer.feed(stream[:cut]), framer.feed(stream[cut:]), framer.rest()]
+        assert b"".join(out) == stream
+        decoder = SSEDecoder()
+        for part in out[:2]:  # what is relayed before the end is whole events
+            assert len(decoder.feed(part)) == part.count(b"data:"), (cut, part)
+
+
+def test_one_event_above_the_framers_limit_is_refused_however_it_is_cut() -> None:
+    framer = EventFramer(limit=100)
+    assert framer.feed(b"data: small\n\n") == b"data: small\n\n"
+    framer.feed(b"data: " + b"x" * 60)
+    with pytest.raises(EventTooLarge) as info:
+        framer.feed(b"x" * 60)
+    assert info.value.limit == 100
+    assert EventFramer().feed(b"data: " + b"x" * 10_000) == b""  # no limit: held
 
 
 @given(st.lists(st.binary(max_size=40), max_size=20))

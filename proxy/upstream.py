@@ -587,6 +587,7 @@ class Upstream:
         self._max_body_bytes = max_body_bytes
         self._sleep = sleep  # injectable so tests can see the waits without taking them
         self._pools: dict[tuple[str, str | None, int | None], _Pool] = {}
+        self._closed = False
 
     @classmethod
     def create(
@@ -609,6 +610,7 @@ class Upstream:
         return sum(pool.in_use for pool in self._pools.values())
 
     async def aclose(self) -> None:
+        self._closed = True
         pools, self._pools = list(self._pools.values()), {}
         await asyncio.gather(*(pool.session.close() for pool in pools))
 
@@ -688,6 +690,8 @@ class Upstream:
         key = (url.scheme, url.host, url.port)
         pool = self._pools.get(key)
         if pool is None:
+            if self._closed:  # shutting down: no new session that nothing would close
+                raise aiohttp.ClientConnectionError("the upstream client is closed")
             pool = self._pools[key] = _Pool(self._pool_size, self._timeout, _env_proxy(url))
         return pool
 

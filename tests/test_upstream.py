@@ -564,6 +564,15 @@ async def test_create_builds_a_working_pooled_client(provider: Provider) -> None
         await upstream.aclose()
 
 
+async def test_a_closed_upstream_opens_no_new_pool(provider: Provider) -> None:
+    upstream = Upstream()
+    await upstream.aclose()
+    with pytest.raises(UpstreamUnavailable) as caught:
+        await upstream.send(post(provider), RetrySettings(max_attempts=1))
+    assert caught.value.status == 502
+    assert provider.calls == []
+
+
 async def test_one_pool_per_provider_origin(provider: Provider) -> None:
     """A second provider (another tenant's base_url) gets a pool of its own: a held
     connection to one leaves the other's slots free."""

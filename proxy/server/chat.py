@@ -20,6 +20,7 @@ from proxy.core.items import Item, chat_from_items, chat_item, items_from_chat
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.policy import Policy
+from proxy.server.api import CHAT
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
@@ -129,7 +130,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if thread_id is not None:
         return await _threaded(request, body, thread_id_param(thread_id))
     given = body["messages"]
-    guard = LedgerGuard(request, api="chat", thread_id=None, now=utc_now)
+    guard = LedgerGuard(request, api=CHAT, thread_id=None, now=utc_now)
     items = await off_the_loop(lambda: items_from_chat(given), given)
     if guard.active:  # a side-effecting call the client never answered (SPEC 6)
         items = await guard.answer_dangling((), items, unguarded_too=False)
@@ -206,11 +207,11 @@ async def _forward(
     )
     extra = context_headers(projection)
     if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
-        guarded = Guarded(request, "chat", guard, body, keeper)
+        guarded = Guarded(request, CHAT, guard, body, keeper)
         return await relay_guarded(upstream, guarded, extra_headers=extra)
     if keeper is None:
-        return await relay_response(request, upstream, family="chat", extra_headers=extra)
-    return await relay_kept(request, upstream, family="chat", extra_headers=extra, keeper=keeper)
+        return await relay_response(request, upstream, api=CHAT, extra_headers=extra)
+    return await relay_kept(request, upstream, api=CHAT, extra_headers=extra, keeper=keeper)
 
 
 async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web.StreamResponse:
@@ -231,7 +232,7 @@ async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web
     if taken is not None:  # `new` is a suffix of the request's messages
         index = len(messages) - len(new) + taken
         raise duplicate_item(f"messages[{index}].id", new[taken].raw["id"])
-    guard = LedgerGuard(request, api="chat", thread_id=thread_id, now=utc_now)
+    guard = LedgerGuard(request, api=CHAT, thread_id=thread_id, now=utc_now)
     if guard.active:
         new = await guard.restore_calls(loaded.items, new, custom_tool_names(_tools(body)))
     orphan = first_orphan(loaded.items, new)

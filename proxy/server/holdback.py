@@ -16,54 +16,32 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from aiohttp import web
 
-from proxy.core.answers import BadAnswer, check_answer
+from proxy.core.answers import BadAnswer
 from proxy.core.ledger import CallKind, ToolCall
+from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError
-from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
+from proxy.server.ledger import LedgerGuard, Settled, Verdict, settle
 from proxy.server.relay import (
-    bad_stream,
-    end_of_stream,
+    EventTransformer,
+    Keeper,
     is_event_stream,
     provider_answer,
     read_body,
     relay_headers,
+    relay_stream,
     send_upstream,
-    stream_failure,
-    stream_response,
 )
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
-from proxy.sse import (
-    DONE,
-    ChatStreamAccumulator,
-    ResponsesStreamAccumulator,
-    SSEDecoder,
-    SSEEvent,
-    encode_event,
-    encode_json_event,
-    event_payload,
-)
+from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event
 from proxy.upstream import UpstreamResponse, UpstreamUnavailable
 
 log = structlog.get_logger("threadkeeper.holdback")
-
-PATHS = {"chat": "/chat/completions", "responses": "/responses"}
-ROUTES = {"chat": "chat.completions", "responses": "responses"}
-
-
-class GuardedKeeper(Protocol):
-    """relay.Keeper, plus the thread log of a turn the ledger continued."""
-
-    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]: ...
-
-    async def keep(
-        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
-    ) -> None: ...
 
 
 class Guarded:
@@ -73,14 +51,14 @@ class Guarded:
     def __init__(
         self,
         request: web.Request,
-        family: Family,
+        api: ApiShape,
         guard: LedgerGuard,
         sent: JsonDict,
-        keeper: GuardedKeeper | None = None,
+        keeper: Keeper | None = None,
         response_id: str | None = None,
     ) -> None:
         self.request = request
-        self.family = family
+        self.api = api
         self.guard = guard
         self.sent = sent
         self.keeper = keeper
@@ -94,10 +72,10 @@ class Guarded:
             upstream = await send_upstream(
                 self.request,
                 self.request[TENANT_POLICY],
-                path=PATHS[self.family],
+                path=self.api.path,
                 body=raw,
                 stream=False,
-                route=ROUTES[self.family],
+                route=self.api.route,
             )
             answer = _json_or_none(await upstream.aread())
         except (ApiError, UpstreamUnavailable) as exc:
@@ -107,7 +85,7 @@ class Guarded:
             log.warning("ledger_continuation_failed", status=upstream.status)
             return None
         try:
-            return check_answer(self.family, answer)
+            return self.api.check_answer(answer)
         except BadAnswer as exc:
             log.warning("ledger_continuation_failed", problem=exc.problem)
             return None
@@ -115,7 +93,7 @@ class Guarded:
     async def settle(self, answer: JsonDict, verdicts: Sequence[Verdict] | None) -> Settled:
         return await settle(
             self.guard,
-            self.family,
+            self.api,
             self.sent,
             answer,
             self.ask,
@@ -136,60 +114,18 @@ async def relay_guarded(
     upstream: UpstreamResponse, guarded: Guarded, *, extra_headers: Mapping[str, str]
 ) -> web.StreamResponse:
     headers = relay_headers(upstream, extra_headers)
+    api = guarded.api
     if is_event_stream(upstream):
-        return await _relay_stream(upstream, guarded, headers)
+        holdback = api.holdback(guarded)
+        return await relay_stream(guarded.request, upstream, api, holdback, headers)
     body = await read_body(upstream)
     if upstream.status >= 400:
         return web.Response(status=upstream.status, body=body, headers=headers)
-    answer = provider_answer(guarded.family, body)
+    answer = provider_answer(api, body)
     settled = await guarded.settle(answer, None)
     final = await guarded.keep(settled.answer, settled.log if settled.withheld else None)
     body = json.dumps(final, ensure_ascii=False).encode()
     return web.Response(status=upstream.status, body=body, headers=headers)
-
-
-class Holdback(Protocol):
-    @property
-    def upstream(self) -> ChatStreamAccumulator | ResponsesStreamAccumulator:
-        """What the provider streamed so far."""
-        ...
-
-    async def event(self, event: SSEEvent) -> list[bytes]: ...
-
-    async def end(self) -> list[bytes]: ...
-
-
-async def _relay_stream(
-    upstream: UpstreamResponse, guarded: Guarded, headers: Any
-) -> web.StreamResponse:
-    request = guarded.request
-    response = stream_response(request, status=upstream.status, headers=headers)
-    await response.prepare(request)
-    decoder = SSEDecoder()
-    holdback: Holdback = (
-        ChatHoldback(guarded) if guarded.family == "chat" else ResponsesHoldback(guarded)
-    )
-    try:
-        async for chunk in upstream.aiter_bytes():
-            for event in decoder.feed(chunk):
-                for frame in await holdback.event(event):
-                    await response.write(frame)
-        for event in decoder.flush():
-            for frame in await holdback.event(event):
-                await response.write(frame)
-        for frame in await holdback.end():
-            await response.write(frame)
-        await end_of_stream(request, response, guarded.family, holdback.upstream)
-    except (ConnectionError, ApiError):
-        raise
-    except BadAnswer as exc:  # the provider's event is not what its API streams
-        await bad_stream(request, response, guarded.family, exc)
-    except Exception as exc:  # the provider cut the stream, or the ledger failed
-        await response.write(stream_failure(request, guarded.family, exc))
-    finally:
-        await upstream.aclose()
-    await response.write_eof()
-    return response
 
 
 # -- Chat Completions ---------------------------------------------------------------------------
@@ -197,13 +133,13 @@ async def _relay_stream(
 CHUNK_META = ("id", "object", "created", "model", "system_fingerprint", "service_tier")
 
 
-class ChatHoldback:
+class ChatHoldback(EventTransformer):
     """Choice 0's guarded tool_call deltas are held per index; an index is complete when
     the next index starts or the finish_reason comes (OpenAI streams calls in order)."""
 
     def __init__(self, guarded: Guarded) -> None:
+        super().__init__(guarded.api)  # self.upstream: what the provider said
         self.guarded = guarded
-        self.upstream = ChatStreamAccumulator()  # what the provider said
         self.client = ChatStreamAccumulator()  # what the client got
         self.base: JsonDict = {"object": "chat.completion.chunk"}
         self.held: dict[int, list[JsonDict]] = {}
@@ -218,11 +154,10 @@ class ChatHoldback:
     def withheld(self) -> list[Verdict]:
         return [v for v in self.verdicts if v.withheld]
 
-    async def event(self, event: SSEEvent) -> list[bytes]:
-        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
         if event.data == DONE:
             return await self._done()
-        chunk = event_payload(event)
+        chunk = payload
         if chunk is None:
             return []
         self.base.update({k: chunk[k] for k in CHUNK_META if k in chunk})
@@ -282,7 +217,7 @@ class ChatHoldback:
         call_id = next((d["id"] for d in deltas if d.get("id")), "")
         name = "".join((d.get("function") or {}).get("name") or "" for d in deltas)
         arguments = "".join((d.get("function") or {}).get("arguments") or "" for d in deltas)
-        call = ToolCall(call_id, name, arguments, "chat", "function", index)
+        call = ToolCall(call_id, name, arguments, self.api.name, "function", index)
         verdict = await self.guarded.guard.judge_call(call, self._response_id())
         self.verdicts.append(verdict)
         if verdict.withheld:
@@ -370,12 +305,12 @@ SNAPSHOTS = frozenset({"response.created", "response.in_progress", "response.que
 TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-class ResponsesHoldback:
+class ResponsesHoldback(EventTransformer):
     """A guarded call item's events are held from output_item.added to output_item.done."""
 
     def __init__(self, guarded: Guarded) -> None:
+        super().__init__(guarded.api)
         self.guarded = guarded
-        self.upstream = ResponsesStreamAccumulator()
         self.held: dict[int, list[tuple[str, JsonDict]]] = {}
         self.client_index: dict[int, int] = {}  # upstream output_index -> the client's
         self.allocated = 0  # output indexes the client has seen
@@ -384,9 +319,8 @@ class ResponsesHoldback:
         self.sequence = 0
         self.response_id: str | None = guarded.response_id
 
-    async def event(self, event: SSEEvent) -> list[bytes]:
-        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
-        data = event_payload(event)
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        data = payload
         if data is None:
             return [encode_event(event.data, event.event)] if event.data else []
         kind = event.event or str(data.get("type", ""))
@@ -424,7 +358,7 @@ class ResponsesHoldback:
         item = events[-1][1]["item"]
         kind = CALL_ITEMS[item["type"]]
         arguments = item.get("arguments" if kind == "function" else "input") or ""
-        call = ToolCall(item["call_id"], item["name"], arguments, "responses", kind, index)
+        call = ToolCall(item["call_id"], item["name"], arguments, self.api.name, kind, index)
         verdict = await self.guarded.guard.judge_call(call, self.response_id)
         self.verdicts.append(verdict)
         if verdict.withheld:
@@ -450,7 +384,7 @@ class ResponsesHoldback:
             else:
                 final = settled.answer
         elif withheld:
-            final = stripped("responses", final, withheld)
+            final = self.api.stripped(final, withheld)
         final = await self.guarded.keep(final, log_items)
         return [*frames, self._emit(kind, {**data, "response": final})]
 
@@ -498,9 +432,6 @@ class ResponsesHoldback:
         data = {**data, "sequence_number": self.sequence}
         self.sequence += 1
         return encode_json_event(data, event=kind)
-
-    async def end(self) -> list[bytes]:
-        return []
 
 
 def _json_or_none(body: bytes) -> Any:

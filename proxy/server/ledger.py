@@ -47,13 +47,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from proxy.clock import utc_now
-from proxy.core.items import Api, Item, chat_item, responses_item
+from proxy.core.items import Item
 from proxy.core.ledger import (
     CallKind,
     Decision,
@@ -69,10 +69,10 @@ from proxy.core.ledger import (
     outputs_in,
     place_answers,
     render_idempotency_key,
-    side_effect_calls,
     unanswered_output,
 )
 from proxy.policy import Policy
+from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
 from proxy.server.state import METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict, read_json_object
@@ -80,8 +80,6 @@ from proxy.store.base import LedgerEntry, LedgerStatus
 
 log = structlog.get_logger("threadkeeper.ledger")
 
-Family = Literal["chat", "responses"]
-_ARGUMENTS: Mapping[CallKind, str] = {"function": "arguments", "custom": "input"}
 Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
 STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
@@ -133,7 +131,12 @@ class LedgerGuard:
     """The ledger's rules for one request; `active` is false when no tool is guarded."""
 
     def __init__(
-        self, request: web.Request, *, api: Api, thread_id: str | None, now: Callable[[], str]
+        self,
+        request: web.Request,
+        *,
+        api: ApiShape,
+        thread_id: str | None,
+        now: Callable[[], str],
     ) -> None:
         policy = request[TENANT_POLICY]
         self.tenant = policy.tenant  # metrics labels and logs
@@ -157,7 +160,7 @@ class LedgerGuard:
         """The client's outputs complete their issued entries; a repeat changes nothing."""
         if not self.active:
             return
-        for call_id, output in outputs_in(messages_or_items, self.api):
+        for call_id, output in outputs_in(messages_or_items, self.api.name):
             entry = await self.store.ledger_by_call(self.namespace, call_id)
             if entry is None or entry.status != "issued" or output is None:
                 continue
@@ -197,19 +200,7 @@ class LedgerGuard:
         return restored
 
     def _call_item(self, entry: LedgerEntry, call_id: str, kind: CallKind) -> Item:
-        if self.api == "chat":
-            body = {"name": entry.tool, _ARGUMENTS[kind]: entry.arguments}
-            call = {"id": call_id, "type": kind, kind: body}
-            return chat_item({"role": "assistant", "content": None, "tool_calls": [call]})
-        item_type = "custom_tool_call" if kind == "custom" else "function_call"
-        return responses_item(
-            {
-                "type": item_type,
-                "call_id": call_id,
-                "name": entry.tool,
-                _ARGUMENTS[kind]: entry.arguments,
-            }
-        )
+        return self.api.call_item(entry.tool, call_id, entry.arguments, kind)
 
     async def answer_dangling(
         self, known: Sequence[Item], new: Sequence[Item], *, unguarded_too: bool
@@ -238,9 +229,7 @@ class LedgerGuard:
             else:
                 continue
             if output is not None:
-                answers[call.call_id] = (
-                    chat_item(output) if self.api == "chat" else responses_item(output)
-                )
+                answers[call.call_id] = self.api.item(output)
         return place_answers(new, answers) if answers else list(new)
 
     async def judge(self, calls: Sequence[ToolCall], response_id: str | None) -> list[Verdict]:
@@ -321,75 +310,6 @@ class LedgerGuard:
         return Verdict(call, decision, entry, output)
 
 
-# -- answers: the shape of each API -----------------------------------------------------------
-
-
-def answer_calls(family: Family, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
-    if family == "chat":
-        return side_effect_calls(chat_message(answer), rules)
-    return side_effect_calls(list(answer.get("output") or ()), rules)
-
-
-def call_count(family: Family, answer: JsonDict) -> int:
-    """Every tool call of the answer, guarded or not."""
-    if family == "chat":
-        message = chat_message(answer)
-        return len(message.get("tool_calls") or ()) + bool(message.get("function_call"))
-    kinds = ("function_call", "custom_tool_call")
-    return sum(1 for item in answer.get("output") or () if item.get("type") in kinds)
-
-
-def chat_message(answer: JsonDict) -> JsonDict:
-    choices = answer.get("choices") or [{}]
-    message = choices[0].get("message")
-    return message if isinstance(message, dict) else {}
-
-
-def stripped(family: Family, answer: JsonDict, call_ids: set[str]) -> JsonDict:
-    """The answer without the withheld calls (the client never receives them)."""
-    if not call_ids:
-        return answer
-    if family == "responses":
-        output = [i for i in answer.get("output") or () if i.get("call_id") not in call_ids]
-        return {**answer, "output": output}
-    choice = dict((answer.get("choices") or [{}])[0])
-    message = dict(chat_message(answer))
-    calls = [c for c in message.get("tool_calls") or () if c.get("id") not in call_ids]
-    if calls:
-        message["tool_calls"] = calls
-    else:
-        message.pop("tool_calls", None)
-        if choice.get("finish_reason") == "tool_calls":
-            choice["finish_reason"] = "stop"
-    choice["message"] = message
-    return {**answer, "choices": [choice, *(answer.get("choices") or [])[1:]]}
-
-
-def answer_items(family: Family, answer: JsonDict) -> list[JsonDict]:
-    """What the answer adds to the context of a continued request."""
-    if family == "responses":
-        return [dict(item) for item in answer.get("output") or ()]
-    message = chat_message(answer)
-    kept = ("role", "content", "refusal", "tool_calls", "function_call")
-    reply = {k: message[k] for k in kept if message.get(k) is not None}
-    reply.setdefault("role", "assistant")
-    reply.setdefault("content", None)
-    return [reply]
-
-
-def continued_body(family: Family, sent: JsonDict, added: Sequence[JsonDict]) -> JsonDict:
-    """The next provider request of the turn: the sent context plus `added`, not streamed."""
-    body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
-    if family == "chat":
-        body["messages"] = [*sent.get("messages", ()), *added]
-        return body
-    given = sent.get("input")
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    body["input"] = [*(given or ()), *added]
-    return body
-
-
 @dataclass(frozen=True)
 class Settled:
     """The turn's end: what the client gets, and (Responses) what the thread logs."""
@@ -402,7 +322,7 @@ class Settled:
 
 async def settle(
     guard: LedgerGuard,
-    family: Family,
+    api: ApiShape,
     sent: JsonDict,
     answer: JsonDict,
     ask: Ask,
@@ -417,29 +337,23 @@ async def settle(
     rounds = 0
     while True:
         if verdicts is None:
-            calls = answer_calls(family, answer, guard.rules)
+            calls = api.calls(answer, guard.rules)
             verdicts = await guard.judge(calls, response_id or first_id)
         withheld = [v for v in verdicts if v.withheld]
         withheld_all.extend(withheld)
         outputs = [v.output for v in withheld if v.output is not None]
-        log_items += [*answer_items(family, answer), *outputs]
+        log_items += [*api.answer_items(answer), *outputs]
         ids = {v.call.call_id for v in withheld}
-        done = not withheld or len(withheld) < call_count(family, answer)
-        if done or rounds >= guard.max_replays or not _finished(family, answer):
-            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
-        sent = continued_body(family, sent, [*answer_items(family, answer), *outputs])
+        done = not withheld or len(withheld) < api.call_count(answer)
+        if done or rounds >= guard.max_replays or not api.finished(answer):
+            return Settled(api.stripped(answer, ids), log_items, tuple(withheld_all), rounds)
+        sent = api.continued_body(sent, [*api.answer_items(answer), *outputs])
         following = await ask(sent)
         if following is None:
-            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
+            return Settled(api.stripped(answer, ids), log_items, tuple(withheld_all), rounds)
         answer = {**following, "id": first_id}
         verdicts = None
         rounds += 1
-
-
-def _finished(family: Family, answer: JsonDict) -> bool:
-    if family == "responses":
-        return answer.get("status", "completed") == "completed"
-    return True
 
 
 # -- operator endpoints -----------------------------------------------------------------------

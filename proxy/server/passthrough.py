@@ -65,4 +65,4 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         route="passthrough",
         retry=isinstance(body, bytes | None),
     )
-    return await relay_response(request, upstream, family=None, extra_headers={})
+    return await relay_response(request, upstream, api=None, extra_headers={})

@@ -37,6 +37,7 @@ from proxy.core.items import (
 from proxy.core.projection import Projection
 from proxy.core.tokens import ANY_MODEL, TokenCounter
 from proxy.ids import new_id
+from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
@@ -201,7 +202,7 @@ def _is_reference(item: Any) -> bool:
 
 async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
     given = body.get("input") or []
-    guard = LedgerGuard(request, api="responses", thread_id=None, now=utc_now)
+    guard = LedgerGuard(request, api=RESPONSES, thread_id=None, now=utc_now)
     parsed = (await _input(body)).items
     items: Sequence[Item] = parsed
     if guard.active:  # a side-effecting call the client never answered (SPEC 6)
@@ -221,9 +222,9 @@ async def _stateless(request: web.Request, body: JsonDict, raw: bytes) -> web.St
     )
     extra = context_headers(projection)
     if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
-        guarded = Guarded(request, "responses", guard, body)
+        guarded = Guarded(request, RESPONSES, guard, body)
         return await relay_guarded(upstream, guarded, extra_headers=extra)
-    return await relay_response(request, upstream, family="responses", extra_headers=extra)
+    return await relay_response(request, upstream, api=RESPONSES, extra_headers=extra)
 
 
 async def _rebuild(
@@ -316,7 +317,7 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
     if taken is not None:
         raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
     new: Sequence[Item] = (await _input(body)).items
-    guard = LedgerGuard(request, api="responses", thread_id=chain.loaded.thread_id, now=utc_now)
+    guard = LedgerGuard(request, api=RESPONSES, thread_id=chain.loaded.thread_id, now=utc_now)
     if guard.active:
         custom = custom_tool_names(body.get("tools") or ())
         new = await guard.restore_calls(chain.loaded.items, new, custom)
@@ -341,13 +342,13 @@ async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
             route="responses",
         )
         if guard.active:  # SPEC 6: side-effecting calls pass the ledger first
-            guarded = Guarded(request, "responses", guard, sent, turn, response_id=turn.id)
+            guarded = Guarded(request, RESPONSES, guard, sent, turn, response_id=turn.id)
             extra = context_headers(projection)
             return await relay_guarded(upstream, guarded, extra_headers=extra)
         return await relay_kept(
             request,
             upstream,
-            family="responses",
+            api=RESPONSES,
             extra_headers=context_headers(projection),
             keeper=turn,
         )

@@ -144,7 +144,7 @@ class ApiShape(ABC):
         """Whether the answer is complete (a continuation may follow it)."""
 
     @abstractmethod
-    def reply_items(self, answer: JsonDict) -> list[Item] | None:
+    def reply(self, answer: JsonDict) -> list[JsonDict] | None:
         """The answer as the thread keeps it; None when there is nothing to keep."""
 
     # -- streams -------------------------------------------------------------------------
@@ -268,11 +268,11 @@ class ChatApi(ApiShape):
     def finished(self, answer: JsonDict) -> bool:
         return True
 
-    def reply_items(self, answer: JsonDict) -> list[Item] | None:
+    def reply(self, answer: JsonDict) -> list[JsonDict] | None:
         choices = answer.get("choices") or []
         if not choices or not isinstance(choices[0].get("message"), dict):
             return None
-        return [chat_item(reply_message(choices[0]["message"]))]
+        return [reply_message(choices[0]["message"])]
 
     def accumulator(self) -> ChatStreamAccumulator:
         return ChatStreamAccumulator()
@@ -370,8 +370,8 @@ class ResponsesApi(ApiShape):
     def finished(self, answer: JsonDict) -> bool:
         return answer.get("status", "completed") == "completed"
 
-    def reply_items(self, answer: JsonDict) -> list[Item] | None:
-        return [responses_item(raw) for raw in answer.get("output") or ()]
+    def reply(self, answer: JsonDict) -> list[JsonDict] | None:
+        return list(answer.get("output") or ())
 
     def accumulator(self) -> ResponsesStreamAccumulator:
         return ResponsesStreamAccumulator()

@@ -1,7 +1,7 @@
 """Relaying an answer whose side-effecting calls the ledger guards (SPEC 6).
 
-Used instead of relay.relay_response / relay.relay_kept when the tenant's policy names a
-side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
+The relay's transformer (relay.Transformer, chosen by hooks/ledger.py) when the tenant's
+policy names a side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
 event by event as they arrive, except a guarded call's own events (Chat: the tool_call
 deltas of its index; Responses: its output_item.added, argument deltas and done,
 output_item.done): those are held until the call's arguments are complete and its
@@ -15,7 +15,7 @@ renumbered so a dropped call leaves no gap the SDKs would trip on.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -29,17 +29,12 @@ from proxy.server.ledger import LedgerGuard, Settled, Verdict, settle
 from proxy.server.relay import (
     EventTransformer,
     Keeper,
-    is_event_stream,
-    provider_answer,
-    read_body,
-    relay_headers,
-    relay_stream,
     send_upstream,
 )
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event
-from proxy.upstream import UpstreamResponse, UpstreamUnavailable
+from proxy.upstream import UpstreamUnavailable
 
 log = structlog.get_logger("threadkeeper.holdback")
 
@@ -110,22 +105,17 @@ class Guarded:
         return answer
 
 
-async def relay_guarded(
-    upstream: UpstreamResponse, guarded: Guarded, *, extra_headers: Mapping[str, str]
-) -> web.StreamResponse:
-    headers = relay_headers(upstream, extra_headers)
-    api = guarded.api
-    if is_event_stream(upstream):
-        holdback = api.holdback(guarded)
-        return await relay_stream(guarded.request, upstream, api, holdback, headers)
-    body = await read_body(upstream)
-    if upstream.status >= 400:
-        return web.Response(status=upstream.status, body=body, headers=headers)
-    answer = provider_answer(api, body)
-    settled = await guarded.settle(answer, None)
-    final = await guarded.keep(settled.answer, settled.log if settled.withheld else None)
-    body = json.dumps(final, ensure_ascii=False).encode()
-    return web.Response(status=upstream.status, body=body, headers=headers)
+class Holdback(EventTransformer):
+    """The relay's transformer for a guarded answer: a whole answer is settled at once
+    (ledger.settle); a stream is held back call by call (the subclasses, one per API)."""
+
+    def __init__(self, guarded: Guarded) -> None:
+        super().__init__(guarded.api)  # self.upstream: what the provider said
+        self.guarded = guarded
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        settled = await self.guarded.settle(answer, None)
+        return await self.guarded.keep(settled.answer, settled.log if settled.withheld else None)
 
 
 # -- Chat Completions ---------------------------------------------------------------------------
@@ -133,13 +123,12 @@ async def relay_guarded(
 CHUNK_META = ("id", "object", "created", "model", "system_fingerprint", "service_tier")
 
 
-class ChatHoldback(EventTransformer):
+class ChatHoldback(Holdback):
     """Choice 0's guarded tool_call deltas are held per index; an index is complete when
     the next index starts or the finish_reason comes (OpenAI streams calls in order)."""
 
     def __init__(self, guarded: Guarded) -> None:
-        super().__init__(guarded.api)  # self.upstream: what the provider said
-        self.guarded = guarded
+        super().__init__(guarded)
         self.client = ChatStreamAccumulator()  # what the client got
         self.base: JsonDict = {"object": "chat.completion.chunk"}
         self.held: dict[int, list[JsonDict]] = {}
@@ -305,12 +294,11 @@ SNAPSHOTS = frozenset({"response.created", "response.in_progress", "response.que
 TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-class ResponsesHoldback(EventTransformer):
+class ResponsesHoldback(Holdback):
     """A guarded call item's events are held from output_item.added to output_item.done."""
 
     def __init__(self, guarded: Guarded) -> None:
-        super().__init__(guarded.api)
-        self.guarded = guarded
+        super().__init__(guarded)
         self.held: dict[int, list[tuple[str, JsonDict]]] = {}
         self.client_index: dict[int, int] = {}  # upstream output_index -> the client's
         self.allocated = 0  # output indexes the client has seen

@@ -1,7 +1,9 @@
 """Forwarding to the provider and relaying its answer back, streamed or not.
 
-Streams are relayed as they arrive (never buffered to the end), whole events at a time,
-and decoded on the side (proxy/sse.py) so the log line can carry the final usage. Every
+Streams are relayed as they arrive (never buffered to the end) by one loop,
+`relay_stream`: each event is decoded and parsed once, checked, and handed with its dict
+to the turn's `Transformer` (`Passthrough`: the bytes untouched; `Keep`: a stored turn,
+kept before its end reaches the client; the ledger's holdback, proxy/server/holdback.py). Every
 answer passes its API's shape check first (proxy/core/answers.py): a malformed one is a
 502, or in a stream an error event that ends it. A client that goes
 away cancels the handler (handler_cancellation) and with it the upstream request.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import asyncpg
@@ -248,22 +250,35 @@ def bad_answer(exc: BadAnswer) -> ApiError:
     return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
 
 
-async def relay_response(
+# Where a relayed model answer (or a stream's usage holder) is reported (turn hooks).
+OnAnswer = Callable[[JsonDict], None]
+
+
+async def relay_answer(
     request: web.Request,
     upstream: UpstreamResponse,
-    *,
     api: ApiShape | None,
+    transformer: Transformer,
+    *,
     extra_headers: Mapping[str, str],
+    on_answer: OnAnswer | None = None,
 ) -> web.StreamResponse:
-    """The provider's answer as it is; `api` None: a passthrough (no model answer)."""
+    """The provider's answer through `transformer`: a stream event by event as it
+    arrives, a whole answer checked and handed to `transformer.answer` (a provider error
+    as it is). `api` None: a passthrough endpoint, whose body is not a model answer."""
     headers = relay_headers(upstream, extra_headers)
     if is_event_stream(upstream):
-        return await relay_stream(request, upstream, api, Passthrough(api), headers)
+        return await relay_stream(request, upstream, api, transformer, headers, on_answer)
     if api is None and not upstream.closed:
         return await _relay_body(request, upstream, headers)
     body = await read_body(upstream)
     if api is not None and upstream.status < 400:
-        log_usage(request, api, provider_answer(api, body))
+        answer = provider_answer(api, body)
+        if on_answer is not None:
+            on_answer(answer)
+        final = await transformer.answer(answer)
+        if final is not answer:
+            body = json.dumps(final, ensure_ascii=False).encode()
     return web.Response(status=upstream.status, body=body, headers=headers)
 
 
@@ -297,7 +312,8 @@ class Transformer(Protocol):
     """What one stream becomes on its way to the client. The relay loop decodes each
     event once, feeds it (checked) to `upstream`, then hands it with its parsed data to
     `event`; `passed` gets each raw chunk after its events; `end` runs at the provider's
-    EOF (after the decoder's flush). Each returns the bytes the client gets next."""
+    EOF (after the decoder's flush). Each returns the bytes the client gets next. A
+    transformer takes a non-streamed answer whole (`answer`)."""
 
     @property
     def upstream(self) -> Any:
@@ -309,6 +325,11 @@ class Transformer(Protocol):
     def passed(self, chunk: bytes) -> bytes: ...
 
     async def end(self) -> list[bytes]: ...
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        """A whole (non-streamed) answer as the client gets it; the same object when
+        it is relayed as the provider sent it."""
+        ...
 
 
 class EventTransformer:
@@ -326,6 +347,9 @@ class EventTransformer:
 
     async def end(self) -> list[bytes]:
         return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
 
 
 class Passthrough:
@@ -345,6 +369,9 @@ class Passthrough:
 
     async def end(self) -> list[bytes]:
         return [self.framer.rest()] if self.framer is not None else []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
 
 
 class Keeper(Protocol):
@@ -384,28 +411,10 @@ class Keep(EventTransformer):
                 data = json.dumps(rewritten, ensure_ascii=False)
         return [encode_event(data, event=event.event)]
 
-
-async def relay_kept(
-    request: web.Request,
-    upstream: UpstreamResponse,
-    *,
-    api: ApiShape,
-    extra_headers: Mapping[str, str],
-    keeper: Keeper,
-) -> web.StreamResponse:
-    """relay_response for a stateful turn: response objects are rewritten by the keeper,
-    and the answer is kept before the client sees its end."""
-    headers = relay_headers(upstream, extra_headers)
-    if is_event_stream(upstream):
-        return await relay_stream(request, upstream, api, Keep(api, keeper), headers)
-    body = await read_body(upstream)
-    if upstream.status < 400:
-        payload = provider_answer(api, body)
-        log_usage(request, api, payload)
-        payload = keeper.rewrite(payload)
-        await keeper.keep(payload)
-        body = json.dumps(payload, ensure_ascii=False).encode()
-    return web.Response(status=upstream.status, body=body, headers=headers)
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        final = self.keeper.rewrite(answer)
+        await self.keeper.keep(final)
+        return final
 
 
 async def relay_stream(
@@ -414,6 +423,7 @@ async def relay_stream(
     api: ApiShape | None,
     transformer: Transformer,
     headers: CIMultiDict[str],
+    on_answer: OnAnswer | None = None,
 ) -> web.StreamResponse:
     """The one stream relay loop: events as they arrive through `transformer`; a stream
     the proxy cannot finish ends with one error event (`stream_failure`)."""
@@ -429,8 +439,8 @@ async def relay_stream(
         await response.write(stream_failure(request, api, exc))
     finally:
         await upstream.aclose()
-    if api is not None:
-        log_usage(request, api, api.usage_holder(transformer.upstream))
+    if api is not None and on_answer is not None:
+        on_answer(api.usage_holder(transformer.upstream))
     await response.write_eof()
     return response
 
@@ -524,9 +534,3 @@ def stream_error_event(
 ) -> bytes:
     """An error event in the shape each API's clients parse (Chat's for a passthrough)."""
     return (api or CHAT).error_event(message, code)
-
-
-def log_usage(request: web.Request, api: ApiShape, answer: Any) -> None:
-    tokens = api.usage_input_tokens(answer)
-    if tokens is not None:
-        request[LOG_FIELDS]["usage_input_tokens"] = tokens

@@ -22,10 +22,11 @@ import structlog
 from aiohttp import web
 
 from proxy.core.answers import BadAnswer
+from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError
-from proxy.server.ledger import LedgerGuard, Settled, Verdict, settle
+from proxy.server.ledger import LedgerDecision, LedgerGuard, settle
 from proxy.server.relay import (
     EventTransformer,
     Keeper,
@@ -85,7 +86,7 @@ class Guarded:
             log.warning("ledger_continuation_failed", problem=exc.problem)
             return None
 
-    async def settle(self, answer: JsonDict, verdicts: Sequence[Verdict] | None) -> Settled:
+    async def settle(self, answer: JsonDict, decisions: Sequence[LedgerDecision] | None) -> Settled:
         return await settle(
             self.guard,
             self.api,
@@ -93,7 +94,7 @@ class Guarded:
             answer,
             self.ask,
             response_id=self.response_id,
-            verdicts=verdicts,
+            judged=decisions,
         )
 
     async def keep(self, answer: JsonDict, log_items: Sequence[JsonDict] | None) -> JsonDict:
@@ -134,14 +135,14 @@ class ChatHoldback(Holdback):
         self.held: dict[int, list[JsonDict]] = {}
         self.client_index: dict[int, int] = {}
         self.current: int | None = None
-        self.verdicts: list[Verdict] = []
+        self.decisions: list[LedgerDecision] = []
         self.finish: JsonDict | None = None  # the finish choice, held while calls are withheld
         self.tail: list[JsonDict] = []  # chunks after a held finish (usage)
         self.done = False
 
     @property
-    def withheld(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.withheld]
+    def withheld(self) -> list[LedgerDecision]:
+        return [v for v in self.decisions if v.withheld]
 
     async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
         if event.data == DONE:
@@ -207,9 +208,9 @@ class ChatHoldback(Holdback):
         name = "".join((d.get("function") or {}).get("name") or "" for d in deltas)
         arguments = "".join((d.get("function") or {}).get("arguments") or "" for d in deltas)
         call = ToolCall(call_id, name, arguments, self.api.name, "function", index)
-        verdict = await self.guarded.guard.judge_call(call, self._response_id())
-        self.verdicts.append(verdict)
-        if verdict.withheld:
+        judged = await self.guarded.guard.judge_call(call, self._response_id())
+        self.decisions.append(judged)
+        if judged.withheld:
             return []
         self.client_index[index] = len(self.client_index)
         whole = {
@@ -246,10 +247,10 @@ class ChatHoldback(Holdback):
         """The withheld calls are answered; what the client gets instead of the finish."""
         assert self.finish is not None
         answer = {**self.upstream.result(), "id": self.base.get("id")}
-        settled = await self.guarded.settle(answer, self.verdicts)
+        settled = await self.guarded.settle(answer, self.decisions)
         final = settled.answer
         frames: list[bytes] = []
-        if _continued(settled):
+        if settled.continued:
             frames += self._continuation(final)
         else:
             finish = dict(self.finish)
@@ -281,12 +282,6 @@ class ChatHoldback(Holdback):
         return await self._done()  # a server that never sent [DONE]
 
 
-def _continued(settled: Settled) -> bool:
-    """Whether the turn went back to the provider (every call of the first answer was
-    withheld) rather than only stripping withheld calls."""
-    return settled.rounds > 0
-
-
 # -- Responses ----------------------------------------------------------------------------------
 
 CALL_ITEMS: dict[str, CallKind] = {"function_call": "function", "custom_tool_call": "custom"}
@@ -303,7 +298,7 @@ class ResponsesHoldback(Holdback):
         self.client_index: dict[int, int] = {}  # upstream output_index -> the client's
         self.allocated = 0  # output indexes the client has seen
         self.items: dict[int, JsonDict] = {}  # client index -> the finished item it got
-        self.verdicts: list[Verdict] = []
+        self.decisions: list[LedgerDecision] = []
         self.sequence = 0
         self.response_id: str | None = guarded.response_id
 
@@ -347,9 +342,9 @@ class ResponsesHoldback(Holdback):
         kind = CALL_ITEMS[item["type"]]
         arguments = item.get("arguments" if kind == "function" else "input") or ""
         call = ToolCall(item["call_id"], item["name"], arguments, self.api.name, kind, index)
-        verdict = await self.guarded.guard.judge_call(call, self.response_id)
-        self.verdicts.append(verdict)
-        if verdict.withheld:
+        judged = await self.guarded.guard.judge_call(call, self.response_id)
+        self.decisions.append(judged)
+        if judged.withheld:
             return []
         client_index = self.client_index[index] = self._allocate()
         self.items[client_index] = item
@@ -360,11 +355,11 @@ class ResponsesHoldback(Holdback):
         assert isinstance(final, dict)
         frames: list[bytes] = []
         log_items: list[JsonDict] | None = None
-        withheld = {v.call.call_id for v in self.verdicts if v.withheld}
+        withheld = {v.call.call_id for v in self.decisions if v.withheld}
         if withheld and kind == "response.completed":
-            settled = await self.guarded.settle(final, self.verdicts)
+            settled = await self.guarded.settle(final, self.decisions)
             log_items = settled.log
-            if _continued(settled):
+            if settled.continued:
                 for item in settled.answer.get("output") or ():
                     frames += self._item_events(item)
                 output = [self.items[i] for i in sorted(self.items)]

@@ -19,11 +19,10 @@ Per request, a `LedgerGuard` (tenant policy, store, thread scope):
   client; REPLAY / BLOCK / UNKNOWN_OUTCOME never do: `model_output` answers the model.
   FAILED_BEFORE re-arms the failed entry (conditional failed -> issued, new call id,
   attempts + 1) and hands the call out when that update won; a loser decides again.
-- `settle`: the non-streamed answer loop: while every call of an answer is withheld, the
-  turn continues upstream with the synthetic outputs (at most
-  `policy.idempotency.max_replays` rounds); the client gets the last answer with the
-  withheld calls stripped. When a withheld call sits beside a handed-out one the turn
-  cannot continue (the handed-out call has no output yet): the withheld call is stripped.
+- `settle`: runs the continuation rules (proxy/core/continuation.py): while every call
+  of an answer is withheld, the turn continues upstream with the synthetic outputs (at
+  most `policy.idempotency.max_replays` rounds); the client gets the last answer with
+  the withheld calls stripped.
 
 Stored threads: Responses threads (conversation, previous_response_id) log the whole
 trajectory (every round's output items and the synthetic outputs), so the model sees
@@ -53,6 +52,7 @@ import structlog
 from aiohttp import web
 
 from proxy.clock import utc_now
+from proxy.core.continuation import Judge, Settled, continuation
 from proxy.core.items import Item
 from proxy.core.ledger import (
     CallKind,
@@ -114,7 +114,7 @@ def tool_rules(policy: Policy) -> dict[str, ToolRule]:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LedgerDecision:
     """One emitted call, decided. `output` is the model's answer when it is withheld."""
 
     call: ToolCall
@@ -216,7 +216,7 @@ class LedgerGuard:
         for call in dangling_calls(known, new):
             entry = await self.store.ledger_by_call(self.namespace, call.call_id)
             if entry is not None:
-                output = self._verdict(call, dangling_decision(entry.status), entry).output
+                output = self._decided(call, dangling_decision(entry.status), entry).output
             elif unguarded_too:
                 log.warning(
                     "unanswered_call_closed",
@@ -232,10 +232,12 @@ class LedgerGuard:
                 answers[call.call_id] = self.api.item(output)
         return place_answers(new, answers) if answers else list(new)
 
-    async def judge(self, calls: Sequence[ToolCall], response_id: str | None) -> list[Verdict]:
+    async def judge(
+        self, calls: Sequence[ToolCall], response_id: str | None
+    ) -> list[LedgerDecision]:
         return [await self.judge_call(call, response_id) for call in calls]
 
-    async def judge_call(self, call: ToolCall, response_id: str | None) -> Verdict:
+    async def judge_call(self, call: ToolCall, response_id: str | None) -> LedgerDecision:
         """Write ahead, then decide (ledger.decide's table); the entry is committed when
         this returns, so the caller may hand the call out."""
         rule = self.rules[call.name]
@@ -269,20 +271,20 @@ class LedgerGuard:
             entry, created = await self.store.ledger_issue(fresh)
             decision = decide(entry.status, created, entry.call_id, call.call_id, rule)
             if decision is not Decision.FAILED_BEFORE:
-                return self._verdict(call, decision, entry)
+                return self._decided(call, decision, entry)
             if await self.store.ledger_rearm(
                 self.namespace, scope, rendered.key, call_id=call.call_id, now=now
             ):
                 rearmed = replace(
                     entry, status="issued", call_id=call.call_id, result=None, updated_at=now
                 )
-                return self._verdict(call, Decision.HAND_OUT, rearmed)
+                return self._decided(call, Decision.HAND_OUT, rearmed)
         # Re-arms kept losing to other replicas: never risk a second hand-out.
-        return self._verdict(call, Decision.UNKNOWN_OUTCOME, entry)
+        return self._decided(call, Decision.UNKNOWN_OUTCOME, entry)
 
-    def _verdict(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> Verdict:
+    def _decided(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> LedgerDecision:
         if decision is Decision.HAND_OUT:
-            return Verdict(call, decision, entry, None)
+            return LedgerDecision(call, decision, entry, None)
         if decision is Decision.UNKNOWN_OUTCOME:
             log.warning(
                 "ledger_unknown_outcome",
@@ -307,17 +309,7 @@ class LedgerGuard:
         output = model_output(
             call, decision, entry.result, entry.call_id, entry.created_at, entry.key
         )
-        return Verdict(call, decision, entry, output)
-
-
-@dataclass(frozen=True)
-class Settled:
-    """The turn's end: what the client gets, and (Responses) what the thread logs."""
-
-    answer: JsonDict
-    log: list[JsonDict]
-    withheld: tuple[Verdict, ...]
-    rounds: int  # continuation requests sent upstream
+        return LedgerDecision(call, decision, entry, output)
 
 
 async def settle(
@@ -328,32 +320,24 @@ async def settle(
     ask: Ask,
     *,
     response_id: str | None,
-    verdicts: Sequence[Verdict] | None = None,
+    judged: Sequence[LedgerDecision] | None = None,
 ) -> Settled:
-    """Decide the answer's calls; continue the turn upstream while all are withheld."""
-    first_id = answer.get("id")
-    log_items: list[JsonDict] = []
-    withheld_all: list[Verdict] = []
-    rounds = 0
-    while True:
-        if verdicts is None:
-            calls = api.calls(answer, guard.rules)
-            verdicts = await guard.judge(calls, response_id or first_id)
-        withheld = [v for v in verdicts if v.withheld]
-        withheld_all.extend(withheld)
-        outputs = [v.output for v in withheld if v.output is not None]
-        log_items += [*api.answer_items(answer), *outputs]
-        ids = {v.call.call_id for v in withheld}
-        done = not withheld or len(withheld) < api.call_count(answer)
-        if done or rounds >= guard.max_replays or not api.finished(answer):
-            return Settled(api.stripped(answer, ids), log_items, tuple(withheld_all), rounds)
-        sent = api.continued_body(sent, [*api.answer_items(answer), *outputs])
-        following = await ask(sent)
-        if following is None:
-            return Settled(api.stripped(answer, ids), log_items, tuple(withheld_all), rounds)
-        answer = {**following, "id": first_id}
-        verdicts = None
-        rounds += 1
+    """Runs the continuation rules (proxy/core/continuation.py) against the ledger and
+    the provider: the guard judges, `ask` sends a continuation upstream."""
+    flow = continuation(
+        api, sent, answer, guard.rules, max_replays=guard.max_replays, judged=judged
+    )
+    reply: Any = None
+    try:
+        while True:
+            command = flow.send(reply)
+            if isinstance(command, Judge):
+                reply = await guard.judge(command.calls, response_id or command.answer_id)
+            else:
+                reply = await ask(command.body)
+    except StopIteration as stop:
+        settled: Settled = stop.value
+        return settled
 
 
 # -- operator endpoints -----------------------------------------------------------------------

@@ -476,10 +476,16 @@ async def _events(
 ) -> None:
     assert api is not None
     for event in events:
-        payload = event_payload(event)  # the only parse of this event's data
-        api.feed(transformer.upstream, event, payload)  # checked first (core/answers.py)
-        for frame in await transformer.event(event, payload):
+        for frame in await transformed(api, transformer, event):
             await response.write(frame)
+
+
+async def transformed(api: ApiShape, transformer: Transformer, event: SSEEvent) -> list[bytes]:
+    """One decoded event through the transformer: its data parsed once, checked and fed
+    to the transformer's accumulator first (BadAnswer when it is not what `api` streams)."""
+    payload = event_payload(event)
+    api.feed(transformer.upstream, event, payload)
+    return await transformer.event(event, payload)
 
 
 async def end_of_stream(

@@ -75,13 +75,19 @@ class BudgetInputs:
 
 class ApiShape(ABC):
     """One API family's shapes. `name` is the family stored with items and ledger calls;
-    `path` the provider path; `route` the metrics label; `history` the request field
-    holding the history (and the `param` of its errors)."""
+    `path` the provider path; `history` the request field holding the history (and the
+    `param` of its errors)."""
+
+    @property
+    def route(self) -> str:
+        """The route's name (proxy/server/app.py) and metrics label: the path, dotted."""
+        return self.path.strip("/").replace("/", ".")
 
     name: Api
     path: str
-    route: str
     history: str
+    usage_key: str  # the answer's `usage` field counting the prompt
+    orphan_text: str  # the 400 for a tool output whose call is nowhere (SPEC 6)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -104,9 +110,8 @@ class ApiShape(ABC):
     def call_item(self, tool: str, call_id: str, arguments: str, kind: CallKind) -> Item:
         """A tool call as history, rebuilt from the ledger (restored calls)."""
 
-    @abstractmethod
     def orphan_message(self, call_id: str) -> str:
-        """The 400's message for a tool output whose call is nowhere (SPEC 6)."""
+        return self.orphan_text.format(call_id=call_id)
 
     # -- answers -------------------------------------------------------------------------
 
@@ -114,9 +119,11 @@ class ApiShape(ABC):
     def check_answer(self, answer: Any) -> JsonDict:
         """A whole answer, checked (proxy/core/answers.py); BadAnswer otherwise."""
 
-    @abstractmethod
     def usage_input_tokens(self, answer: Any) -> int | None:
         """The prompt tokens the provider reports in an answer (or its usage holder)."""
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        value = usage.get(self.usage_key) if isinstance(usage, dict) else None
+        return value if isinstance(value, int) else None
 
     @abstractmethod
     def calls(self, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
@@ -202,8 +209,9 @@ def reply_message(message: JsonDict, fields: Sequence[str] = REPLY_FIELDS) -> Js
 class ChatApi(ApiShape):
     name = "chat"
     path = "/chat/completions"
-    route = "chat.completions"
     history = "messages"
+    usage_key = "prompt_tokens"
+    orphan_text = "No tool call found for tool message with tool_call_id {call_id}."
 
     def items(self, body: JsonDict) -> list[Item]:
         return items_from_chat(body["messages"])
@@ -226,14 +234,8 @@ class ChatApi(ApiShape):
         call = {"id": call_id, "type": kind, kind: {"name": tool, ARGUMENTS_FIELD[kind]: arguments}}
         return chat_item({"role": "assistant", "content": None, "tool_calls": [call]})
 
-    def orphan_message(self, call_id: str) -> str:
-        return f"No tool call found for tool message with tool_call_id {call_id}."
-
     def check_answer(self, answer: Any) -> JsonDict:
         return check_chat_completion(answer)
-
-    def usage_input_tokens(self, answer: Any) -> int | None:
-        return _usage_field(answer, "prompt_tokens")
 
     def calls(self, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
         return side_effect_calls(chat_message(answer), rules)
@@ -309,8 +311,9 @@ class ChatApi(ApiShape):
 class ResponsesApi(ApiShape):
     name = "responses"
     path = "/responses"
-    route = "responses"
     history = "input"
+    usage_key = "input_tokens"
+    orphan_text = "No tool call found for function call output with call_id {call_id}."
 
     def items(self, body: JsonDict) -> list[Item]:
         value = body.get("input")
@@ -334,14 +337,8 @@ class ResponsesApi(ApiShape):
         raw = {"type": item_type, "call_id": call_id, "name": tool}
         return responses_item({**raw, ARGUMENTS_FIELD[kind]: arguments})
 
-    def orphan_message(self, call_id: str) -> str:
-        return f"No tool call found for function call output with call_id {call_id}."
-
     def check_answer(self, answer: Any) -> JsonDict:
         return check_response(answer)
-
-    def usage_input_tokens(self, answer: Any) -> int | None:
-        return _usage_field(answer, "input_tokens")
 
     def calls(self, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
         return side_effect_calls(list(answer.get("output") or ()), rules)
@@ -414,12 +411,6 @@ class ResponsesApi(ApiShape):
 
 def _unstreamed(sent: JsonDict) -> JsonDict:
     return {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
-
-
-def _usage_field(answer: Any, key: str) -> int | None:
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    value = usage.get(key) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) else None
 
 
 CHAT = ChatApi()

@@ -218,13 +218,8 @@ class LedgerGuard:
             if entry is not None:
                 output = self._decided(call, dangling_decision(entry.status), entry).output
             elif unguarded_too:
-                log.warning(
-                    "unanswered_call_closed",
-                    tenant=self.tenant,
-                    tool=call.name,
-                    call_id=call.call_id,
-                    thread_id=self.thread_id,
-                )
+                closed = {"call_id": call.call_id, "thread_id": self.thread_id}
+                self._log(log.warning, "unanswered_call_closed", call, **closed)
                 output = unanswered_output(call)
             else:
                 continue
@@ -243,12 +238,8 @@ class LedgerGuard:
         rule = self.rules[call.name]
         rendered = render_idempotency_key(rule, call)
         if rendered.fallback:
-            log.warning(
-                "ledger_fallback_key",
-                tenant=self.tenant,
-                tool=call.name,
-                key=rendered.key,
-                reason=rendered.reason,
+            self._log(
+                log.warning, "ledger_fallback_key", call, key=rendered.key, reason=rendered.reason
             )
         scope = ledger_scope(rule, self.thread_id)
         now = self.now()
@@ -282,30 +273,29 @@ class LedgerGuard:
         # Re-arms kept losing to other replicas: never risk a second hand-out.
         return self._decided(call, Decision.UNKNOWN_OUTCOME, entry)
 
+    def _log(self, level: Callable[..., Any], event: str, call: ToolCall, **fields: Any) -> None:
+        level(event, tenant=self.tenant, tool=call.name, **fields)
+
     def _decided(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> LedgerDecision:
         if decision is Decision.HAND_OUT:
             return LedgerDecision(call, decision, entry, None)
+        about = {
+            "tenant": self.tenant,
+            "tool": call.name,
+            "key": entry.key,
+            "call_id": call.call_id,
+        }
         if decision is Decision.UNKNOWN_OUTCOME:
             log.warning(
                 "ledger_unknown_outcome",
-                tenant=self.tenant,
-                tool=call.name,
-                key=entry.key,
+                **about,
                 scope=entry.scope,
                 earlier_call_id=entry.call_id,
                 issued_at=entry.created_at,
-                call_id=call.call_id,
             )
             self.metrics.ledger_unknown_outcome.labels(self.tenant, call.name).inc()
         else:
-            log.info(
-                "ledger_duplicate_withheld",
-                tenant=self.tenant,
-                tool=call.name,
-                key=entry.key,
-                decision=decision.value,
-                call_id=call.call_id,
-            )
+            log.info("ledger_duplicate_withheld", **about, decision=decision.value)
         output = model_output(
             call, decision, entry.result, entry.call_id, entry.created_at, entry.key
         )

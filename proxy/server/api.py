@@ -92,8 +92,8 @@ class ApiShape(ABC):
     # -- requests ------------------------------------------------------------------------
 
     @abstractmethod
-    def items(self, body: JsonDict) -> list[Item]:
-        """The request's history as items."""
+    def items(self, history: Any) -> list[Item]:
+        """A request's history (its `history` field's value, or a part of it) as items."""
 
     @abstractmethod
     def with_items(self, body: JsonDict, items: Sequence[Item]) -> JsonDict:
@@ -213,8 +213,8 @@ class ChatApi(ApiShape):
     usage_key = "prompt_tokens"
     orphan_text = "No tool call found for tool message with tool_call_id {call_id}."
 
-    def items(self, body: JsonDict) -> list[Item]:
-        return items_from_chat(body["messages"])
+    def items(self, history: Any) -> list[Item]:
+        return items_from_chat(history)
 
     def with_items(self, body: JsonDict, items: Sequence[Item]) -> JsonDict:
         body["messages"] = [item.raw for item in items]
@@ -315,9 +315,8 @@ class ResponsesApi(ApiShape):
     usage_key = "input_tokens"
     orphan_text = "No tool call found for function call output with call_id {call_id}."
 
-    def items(self, body: JsonDict) -> list[Item]:
-        value = body.get("input")
-        return list(items_from_responses_input(value if value is not None else []).items)
+    def items(self, history: Any) -> list[Item]:
+        return list(items_from_responses_input(history).items)
 
     def with_items(self, body: JsonDict, items: Sequence[Item]) -> JsonDict:
         body["input"] = responses_input_from_items(items)

@@ -158,7 +158,9 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     body, _ = await read_json_object(request)
     validate_responses(body)
     await resolve_references(request, body)
-    items = await off_the_loop(lambda: RESPONSES.items(body), body.get("input"))
+    given = body.get("input")
+    history = given if given is not None else []
+    items = await off_the_loop(lambda: RESPONSES.items(history), history)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
         threads = ThreadService(request.app[STORE], utc_now)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -50,9 +51,10 @@ class Turn:
     body: JsonDict  # the client's request (its history replaced before forwarding)
     raw: bytes  # the client's bytes: forwarded as they are when nothing changed
     loaded: Loaded | None = None  # the stored thread's window; None: stateless
+    history: Any = None  # the client's history entries that are new (raw)
     new: list[Item] = field(default_factory=list)  # the request's new items
     given: int = 0  # how many items the client's history held
-    outputs: Sequence[JsonDict] | str = ()  # where the client's tool outputs are
+    outputs: Sequence[JsonDict] | str = ()  # where the client's new tool outputs are
     projection: Projection | None = None
     sent: JsonDict | None = None  # the provider's request (a continuation extends it)
     counter: TokenCounter | None = None
@@ -69,7 +71,8 @@ class TurnHook:
     """A cross-cutting step of the turn. Every method is optional (these do nothing)."""
 
     async def load(self, turn: Turn) -> None:
-        """Read the stored thread into `turn.loaded` and reconcile `turn.new` with it."""
+        """Read the stored thread into `turn.loaded`; `turn.history` may become the part
+        of the client's history the thread does not hold yet."""
 
     async def restore(self, turn: Turn) -> None:
         """Put back calls the thread lost before their outputs (before the orphan check)."""
@@ -110,12 +113,12 @@ async def run_turn(
 
 async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
     """Everything before the provider's body: the turn's items and their projection."""
-    history = turn.body.get(turn.api.history)
-    turn.new = await off_the_loop(lambda: turn.api.items(turn.body), history)
-    turn.given = len(turn.new)
-    turn.outputs = history if history is not None else []
+    turn.history = turn.body.get(turn.api.history)
     for hook in hooks:
         await hook.load(turn)
+    history = turn.outputs = turn.history if turn.history is not None else []
+    turn.new = await off_the_loop(lambda: turn.api.items(history), history)
+    turn.given = len(turn.new)
     for hook in hooks:
         await hook.restore(turn)
     if turn.loaded is not None:

@@ -104,8 +104,7 @@ class ChatThread(StoredTurn):
         taken = await self.threads.first_taken_id(loaded, new)
         if taken is not None:
             raise duplicate_item(f"messages[{skipped + taken}].id", new[taken]["id"])
-        turn.new, turn.outputs = turn.new[skipped:], new
-        turn.loaded, turn.keeper, self.turn = loaded, self, turn
+        turn.history, turn.loaded, turn.keeper, self.turn = new, loaded, self, turn
 
     async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
         """Commits what the client saw; `log` (a ledger-continued turn's trajectory) is
@@ -203,7 +202,6 @@ class ResponseChain(StoredTurn):
         taken = await self.threads.first_taken_id(chain.loaded, raws)
         if taken is not None:
             raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
-        turn.outputs = [item.raw for item in turn.new]
         turn.loaded, turn.keeper, turn.response_id, self.turn = chain.loaded, self, self.id, turn
 
     def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:

@@ -80,7 +80,7 @@ from proxy.store.base import LedgerEntry, LedgerStatus
 
 log = structlog.get_logger("threadkeeper.ledger")
 
-Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
+AskUpstream = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
 STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
 MAX_LIST = 1000
@@ -307,7 +307,7 @@ async def settle(
     api: ApiShape,
     sent: JsonDict,
     answer: JsonDict,
-    ask: Ask,
+    ask: AskUpstream,
     *,
     response_id: str | None,
     judged: Sequence[LedgerDecision] | None = None,

@@ -16,7 +16,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from proxy.core.answers import check_chat_completion, check_response
 from proxy.core.items import (
@@ -51,16 +51,6 @@ REPLY_FIELDS = ("role", "content", "refusal", "name", "tool_calls", "function_ca
 # What a continuation adds to the context (a reply's `name` is left out, as the provider sent).
 CONTINUED_FIELDS = ("role", "content", "refusal", "tool_calls", "function_call")
 Rewrite = Callable[[JsonDict], JsonDict]
-
-
-class Accumulator(Protocol):
-    """A stream accumulator of proxy/sse.py: what the provider streamed so far."""
-
-    @property
-    def ended(self) -> bool: ...
-
-    @property
-    def finished(self) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -5,21 +5,23 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     auth (bearer -> tenant policy)            proxy/server/auth.py, proxy/policy.py
     Idempotency-Key (a retry gets the first   proxy/server/idempotency.py,
       answer)                                 proxy/core/idempotency.py
-    parse + validate                          proxy/server/chat.py, proxy/server/responses.py
+    parse + validate, pick API + hooks        proxy/server/chat.py, proxy/server/responses.py
+    the turn, once for every API and mode     proxy/server/turn.py (run_turn), hooks in
+                                              proxy/server/hooks/, API shapes in api.py
     items view of the history                 proxy/core/items.py
-    load the thread (X-Thread-Id, stored      proxy/threads.py
+    load the thread (X-Thread-Id, stored      proxy/threads.py, proxy/server/hooks/persist.py
       responses, conversations)
-    side-effect ledger: restore calls, judge  proxy/server/ledger.py, proxy/core/ledger.py,
-      repeated calls, record tool outputs     proxy/server/holdback.py (guarded relay)
+    side-effect ledger: restore calls, judge  proxy/server/hooks/ledger.py, server/ledger.py,
+      repeated calls, record tool outputs     proxy/core/ledger.py, server/holdback.py
     orphan check (output for an unknown call) proxy/threads.py (first_orphan)
     budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress)
     invariant check (never send a broken one) proxy/core/invariants.py
     forward upstream, retries                 proxy/upstream.py
     check the answer's shape (else 502)       proxy/core/answers.py
-    relay (streams decoded on the side)       proxy/sse.py, proxy/server/relay.py
-    commit the turn (new items + reply, OCC)  proxy/threads.py, ChatTurn / ResponseTurn in
-                                              proxy/server/chat.py, responses.py
+    relay (one loop, pluggable transformers)  proxy/sse.py, proxy/server/relay.py
+    commit the turn (new items + reply, OCC)  proxy/threads.py, ChatThread / ResponseChain
+                                              in proxy/server/hooks/persist.py
     log the budget breakdown, metrics         proxy/server/rebuild.py, proxy/logs.py,
                                               proxy/metrics.py
 

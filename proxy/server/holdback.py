@@ -1,7 +1,7 @@
 """Relaying an answer whose side-effecting calls the ledger guards (SPEC 6).
 
-Used instead of relay.relay_response / relay.relay_kept when the tenant's policy names a
-side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
+The relay's transformer (relay.Transformer, chosen by hooks/ledger.py) when the tenant's
+policy names a side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
 event by event as they arrive, except a guarded call's own events (Chat: the tool_call
 deltas of its index; Responses: its output_item.added, argument deltas and done,
 output_item.done): those are held until the call's arguments are complete and its
@@ -15,55 +15,29 @@ renumbered so a dropped call leaves no gap the SDKs would trip on.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import structlog
 from aiohttp import web
 
-from proxy.core.answers import BadAnswer, check_answer
+from proxy.core.answers import BadAnswer
+from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
+from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError
-from proxy.server.ledger import Family, LedgerGuard, Settled, Verdict, settle, stripped
+from proxy.server.ledger import LedgerDecision, LedgerGuard, settle
 from proxy.server.relay import (
-    bad_stream,
-    end_of_stream,
-    is_event_stream,
-    provider_answer,
-    read_body,
-    relay_headers,
+    EventTransformer,
+    Keeper,
     send_upstream,
-    stream_failure,
-    stream_response,
 )
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
-from proxy.sse import (
-    DONE,
-    ChatStreamAccumulator,
-    ResponsesStreamAccumulator,
-    SSEDecoder,
-    SSEEvent,
-    encode_event,
-    encode_json_event,
-    event_payload,
-)
-from proxy.upstream import UpstreamResponse, UpstreamUnavailable
+from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event
+from proxy.upstream import UpstreamUnavailable
 
 log = structlog.get_logger("threadkeeper.holdback")
-
-PATHS = {"chat": "/chat/completions", "responses": "/responses"}
-ROUTES = {"chat": "chat.completions", "responses": "responses"}
-
-
-class GuardedKeeper(Protocol):
-    """relay.Keeper, plus the thread log of a turn the ledger continued."""
-
-    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]: ...
-
-    async def keep(
-        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
-    ) -> None: ...
 
 
 class Guarded:
@@ -73,14 +47,14 @@ class Guarded:
     def __init__(
         self,
         request: web.Request,
-        family: Family,
+        api: ApiShape,
         guard: LedgerGuard,
         sent: JsonDict,
-        keeper: GuardedKeeper | None = None,
+        keeper: Keeper | None = None,
         response_id: str | None = None,
     ) -> None:
         self.request = request
-        self.family = family
+        self.api = api
         self.guard = guard
         self.sent = sent
         self.keeper = keeper
@@ -94,10 +68,10 @@ class Guarded:
             upstream = await send_upstream(
                 self.request,
                 self.request[TENANT_POLICY],
-                path=PATHS[self.family],
+                path=self.api.path,
                 body=raw,
                 stream=False,
-                route=ROUTES[self.family],
+                route=self.api.route,
             )
             answer = _json_or_none(await upstream.aread())
         except (ApiError, UpstreamUnavailable) as exc:
@@ -107,20 +81,20 @@ class Guarded:
             log.warning("ledger_continuation_failed", status=upstream.status)
             return None
         try:
-            return check_answer(self.family, answer)
+            return self.api.check_answer(answer)
         except BadAnswer as exc:
             log.warning("ledger_continuation_failed", problem=exc.problem)
             return None
 
-    async def settle(self, answer: JsonDict, verdicts: Sequence[Verdict] | None) -> Settled:
+    async def settle(self, answer: JsonDict, decisions: Sequence[LedgerDecision] | None) -> Settled:
         return await settle(
             self.guard,
-            self.family,
+            self.api,
             self.sent,
             answer,
             self.ask,
             response_id=self.response_id,
-            verdicts=verdicts,
+            judged=decisions,
         )
 
     async def keep(self, answer: JsonDict, log_items: Sequence[JsonDict] | None) -> JsonDict:
@@ -132,64 +106,17 @@ class Guarded:
         return answer
 
 
-async def relay_guarded(
-    upstream: UpstreamResponse, guarded: Guarded, *, extra_headers: Mapping[str, str]
-) -> web.StreamResponse:
-    headers = relay_headers(upstream, extra_headers)
-    if is_event_stream(upstream):
-        return await _relay_stream(upstream, guarded, headers)
-    body = await read_body(upstream)
-    if upstream.status >= 400:
-        return web.Response(status=upstream.status, body=body, headers=headers)
-    answer = provider_answer(guarded.family, body)
-    settled = await guarded.settle(answer, None)
-    final = await guarded.keep(settled.answer, settled.log if settled.withheld else None)
-    body = json.dumps(final, ensure_ascii=False).encode()
-    return web.Response(status=upstream.status, body=body, headers=headers)
+class Holdback(EventTransformer):
+    """The relay's transformer for a guarded answer: a whole answer is settled at once
+    (ledger.settle); a stream is held back call by call (the subclasses, one per API)."""
 
+    def __init__(self, guarded: Guarded) -> None:
+        super().__init__(guarded.api)  # self.upstream: what the provider said
+        self.guarded = guarded
 
-class Holdback(Protocol):
-    @property
-    def upstream(self) -> ChatStreamAccumulator | ResponsesStreamAccumulator:
-        """What the provider streamed so far."""
-        ...
-
-    async def event(self, event: SSEEvent) -> list[bytes]: ...
-
-    async def end(self) -> list[bytes]: ...
-
-
-async def _relay_stream(
-    upstream: UpstreamResponse, guarded: Guarded, headers: Any
-) -> web.StreamResponse:
-    request = guarded.request
-    response = stream_response(request, status=upstream.status, headers=headers)
-    await response.prepare(request)
-    decoder = SSEDecoder()
-    holdback: Holdback = (
-        ChatHoldback(guarded) if guarded.family == "chat" else ResponsesHoldback(guarded)
-    )
-    try:
-        async for chunk in upstream.aiter_bytes():
-            for event in decoder.feed(chunk):
-                for frame in await holdback.event(event):
-                    await response.write(frame)
-        for event in decoder.flush():
-            for frame in await holdback.event(event):
-                await response.write(frame)
-        for frame in await holdback.end():
-            await response.write(frame)
-        await end_of_stream(request, response, guarded.family, holdback.upstream)
-    except (ConnectionError, ApiError):
-        raise
-    except BadAnswer as exc:  # the provider's event is not what its API streams
-        await bad_stream(request, response, guarded.family, exc)
-    except Exception as exc:  # the provider cut the stream, or the ledger failed
-        await response.write(stream_failure(request, guarded.family, exc))
-    finally:
-        await upstream.aclose()
-    await response.write_eof()
-    return response
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        settled = await self.guarded.settle(answer, None)
+        return await self.guarded.keep(settled.answer, settled.log if settled.withheld else None)
 
 
 # -- Chat Completions ---------------------------------------------------------------------------
@@ -197,32 +124,30 @@ async def _relay_stream(
 CHUNK_META = ("id", "object", "created", "model", "system_fingerprint", "service_tier")
 
 
-class ChatHoldback:
+class ChatHoldback(Holdback):
     """Choice 0's guarded tool_call deltas are held per index; an index is complete when
     the next index starts or the finish_reason comes (OpenAI streams calls in order)."""
 
     def __init__(self, guarded: Guarded) -> None:
-        self.guarded = guarded
-        self.upstream = ChatStreamAccumulator()  # what the provider said
+        super().__init__(guarded)
         self.client = ChatStreamAccumulator()  # what the client got
         self.base: JsonDict = {"object": "chat.completion.chunk"}
         self.held: dict[int, list[JsonDict]] = {}
         self.client_index: dict[int, int] = {}
         self.current: int | None = None
-        self.verdicts: list[Verdict] = []
+        self.decisions: list[LedgerDecision] = []
         self.finish: JsonDict | None = None  # the finish choice, held while calls are withheld
         self.tail: list[JsonDict] = []  # chunks after a held finish (usage)
         self.done = False
 
     @property
-    def withheld(self) -> list[Verdict]:
-        return [v for v in self.verdicts if v.withheld]
+    def withheld(self) -> list[LedgerDecision]:
+        return [v for v in self.decisions if v.withheld]
 
-    async def event(self, event: SSEEvent) -> list[bytes]:
-        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
         if event.data == DONE:
             return await self._done()
-        chunk = event_payload(event)
+        chunk = payload
         if chunk is None:
             return []
         self.base.update({k: chunk[k] for k in CHUNK_META if k in chunk})
@@ -282,10 +207,10 @@ class ChatHoldback:
         call_id = next((d["id"] for d in deltas if d.get("id")), "")
         name = "".join((d.get("function") or {}).get("name") or "" for d in deltas)
         arguments = "".join((d.get("function") or {}).get("arguments") or "" for d in deltas)
-        call = ToolCall(call_id, name, arguments, "chat", "function", index)
-        verdict = await self.guarded.guard.judge_call(call, self._response_id())
-        self.verdicts.append(verdict)
-        if verdict.withheld:
+        call = ToolCall(call_id, name, arguments, self.api.name, "function", index)
+        judged = await self.guarded.guard.judge_call(call, self._response_id())
+        self.decisions.append(judged)
+        if judged.withheld:
             return []
         self.client_index[index] = len(self.client_index)
         whole = {
@@ -322,10 +247,10 @@ class ChatHoldback:
         """The withheld calls are answered; what the client gets instead of the finish."""
         assert self.finish is not None
         answer = {**self.upstream.result(), "id": self.base.get("id")}
-        settled = await self.guarded.settle(answer, self.verdicts)
+        settled = await self.guarded.settle(answer, self.decisions)
         final = settled.answer
         frames: list[bytes] = []
-        if _continued(settled):
+        if settled.continued:
             frames += self._continuation(final)
         else:
             finish = dict(self.finish)
@@ -357,12 +282,6 @@ class ChatHoldback:
         return await self._done()  # a server that never sent [DONE]
 
 
-def _continued(settled: Settled) -> bool:
-    """Whether the turn went back to the provider (every call of the first answer was
-    withheld) rather than only stripping withheld calls."""
-    return settled.rounds > 0
-
-
 # -- Responses ----------------------------------------------------------------------------------
 
 CALL_ITEMS: dict[str, CallKind] = {"function_call": "function", "custom_tool_call": "custom"}
@@ -370,23 +289,21 @@ SNAPSHOTS = frozenset({"response.created", "response.in_progress", "response.que
 TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-class ResponsesHoldback:
+class ResponsesHoldback(Holdback):
     """A guarded call item's events are held from output_item.added to output_item.done."""
 
     def __init__(self, guarded: Guarded) -> None:
-        self.guarded = guarded
-        self.upstream = ResponsesStreamAccumulator()
+        super().__init__(guarded)
         self.held: dict[int, list[tuple[str, JsonDict]]] = {}
         self.client_index: dict[int, int] = {}  # upstream output_index -> the client's
         self.allocated = 0  # output indexes the client has seen
         self.items: dict[int, JsonDict] = {}  # client index -> the finished item it got
-        self.verdicts: list[Verdict] = []
+        self.decisions: list[LedgerDecision] = []
         self.sequence = 0
         self.response_id: str | None = guarded.response_id
 
-    async def event(self, event: SSEEvent) -> list[bytes]:
-        self.upstream.feed_event(event)  # checked first (proxy/core/answers.py)
-        data = event_payload(event)
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        data = payload
         if data is None:
             return [encode_event(event.data, event.event)] if event.data else []
         kind = event.event or str(data.get("type", ""))
@@ -424,10 +341,10 @@ class ResponsesHoldback:
         item = events[-1][1]["item"]
         kind = CALL_ITEMS[item["type"]]
         arguments = item.get("arguments" if kind == "function" else "input") or ""
-        call = ToolCall(item["call_id"], item["name"], arguments, "responses", kind, index)
-        verdict = await self.guarded.guard.judge_call(call, self.response_id)
-        self.verdicts.append(verdict)
-        if verdict.withheld:
+        call = ToolCall(item["call_id"], item["name"], arguments, self.api.name, kind, index)
+        judged = await self.guarded.guard.judge_call(call, self.response_id)
+        self.decisions.append(judged)
+        if judged.withheld:
             return []
         client_index = self.client_index[index] = self._allocate()
         self.items[client_index] = item
@@ -438,11 +355,11 @@ class ResponsesHoldback:
         assert isinstance(final, dict)
         frames: list[bytes] = []
         log_items: list[JsonDict] | None = None
-        withheld = {v.call.call_id for v in self.verdicts if v.withheld}
+        withheld = {v.call.call_id for v in self.decisions if v.withheld}
         if withheld and kind == "response.completed":
-            settled = await self.guarded.settle(final, self.verdicts)
+            settled = await self.guarded.settle(final, self.decisions)
             log_items = settled.log
-            if _continued(settled):
+            if settled.continued:
                 for item in settled.answer.get("output") or ():
                     frames += self._item_events(item)
                 output = [self.items[i] for i in sorted(self.items)]
@@ -450,7 +367,7 @@ class ResponsesHoldback:
             else:
                 final = settled.answer
         elif withheld:
-            final = stripped("responses", final, withheld)
+            final = self.api.stripped(final, withheld)
         final = await self.guarded.keep(final, log_items)
         return [*frames, self._emit(kind, {**data, "response": final})]
 
@@ -498,9 +415,6 @@ class ResponsesHoldback:
         data = {**data, "sequence_number": self.sequence}
         self.sequence += 1
         return encode_json_event(data, event=kind)
-
-    async def end(self) -> list[bytes]:
-        return []
 
 
 def _json_or_none(body: bytes) -> Any:

@@ -63,10 +63,10 @@ from proxy.core.idempotency import (
     validate_key,
     verdict,
 )
+from proxy.server.api import for_route
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
 from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
-from proxy.sse import stream_finished
 from proxy.store.base import IdempotencyRecord, Store
 
 log = structlog.get_logger("threadkeeper.idempotency")
@@ -78,8 +78,6 @@ PURGE_INTERVAL_SECONDS = 60.0
 MAX_BUFFERED_PASSTHROUGH_BODY = 1024 * 1024
 KEYED_PREFIXES = ("/v1/", "/threadkeeper/v1/")
 NOT_REPLAYED = HOP_BY_HOP | {"date", "server", "x-threadkeeper-request-id", REPLAYED.lower()}
-# Routes whose streams are a model answer that must be finished to be kept.
-STREAM_FAMILIES = {"chat.completions": "chat", "responses": "responses"}
 
 StoredResponse = tuple[int, list[tuple[str, str]], bytes]
 
@@ -187,8 +185,8 @@ def stored_response(
 
 
 def _finished_stream(request: web.Request, content: bytes) -> bool:
-    family = STREAM_FAMILIES.get(request.match_info.route.name or "")
-    return family is None or stream_finished(family, content)
+    api = for_route(request.match_info.route.name)  # a model answer must be finished
+    return api is None or api.stream_finished(content)
 
 
 def replayed_response(record: IdempotencyRecord) -> web.Response:

@@ -19,11 +19,10 @@ Per request, a `LedgerGuard` (tenant policy, store, thread scope):
   client; REPLAY / BLOCK / UNKNOWN_OUTCOME never do: `model_output` answers the model.
   FAILED_BEFORE re-arms the failed entry (conditional failed -> issued, new call id,
   attempts + 1) and hands the call out when that update won; a loser decides again.
-- `settle`: the non-streamed answer loop: while every call of an answer is withheld, the
-  turn continues upstream with the synthetic outputs (at most
-  `policy.idempotency.max_replays` rounds); the client gets the last answer with the
-  withheld calls stripped. When a withheld call sits beside a handed-out one the turn
-  cannot continue (the handed-out call has no output yet): the withheld call is stripped.
+- `settle`: runs the continuation rules (proxy/core/continuation.py): while every call
+  of an answer is withheld, the turn continues upstream with the synthetic outputs (at
+  most `policy.idempotency.max_replays` rounds); the client gets the last answer with
+  the withheld calls stripped.
 
 Stored threads: Responses threads (conversation, previous_response_id) log the whole
 trajectory (every round's output items and the synthetic outputs), so the model sees
@@ -47,13 +46,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from proxy.clock import utc_now
-from proxy.core.items import Api, Item, chat_item, responses_item
+from proxy.core.continuation import Judge, Settled, continuation
+from proxy.core.items import Item
 from proxy.core.ledger import (
     CallKind,
     Decision,
@@ -69,10 +69,10 @@ from proxy.core.ledger import (
     outputs_in,
     place_answers,
     render_idempotency_key,
-    side_effect_calls,
     unanswered_output,
 )
 from proxy.policy import Policy
+from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
 from proxy.server.state import METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict, read_json_object
@@ -80,9 +80,7 @@ from proxy.store.base import LedgerEntry, LedgerStatus
 
 log = structlog.get_logger("threadkeeper.ledger")
 
-Family = Literal["chat", "responses"]
-_ARGUMENTS: Mapping[CallKind, str] = {"function": "arguments", "custom": "input"}
-Ask = Callable[[JsonDict], Awaitable[JsonDict | None]]
+AskUpstream = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
 STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
 MAX_LIST = 1000
@@ -116,7 +114,7 @@ def tool_rules(policy: Policy) -> dict[str, ToolRule]:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class LedgerDecision:
     """One emitted call, decided. `output` is the model's answer when it is withheld."""
 
     call: ToolCall
@@ -133,7 +131,12 @@ class LedgerGuard:
     """The ledger's rules for one request; `active` is false when no tool is guarded."""
 
     def __init__(
-        self, request: web.Request, *, api: Api, thread_id: str | None, now: Callable[[], str]
+        self,
+        request: web.Request,
+        *,
+        api: ApiShape,
+        thread_id: str | None,
+        now: Callable[[], str],
     ) -> None:
         policy = request[TENANT_POLICY]
         self.tenant = policy.tenant  # metrics labels and logs
@@ -157,7 +160,7 @@ class LedgerGuard:
         """The client's outputs complete their issued entries; a repeat changes nothing."""
         if not self.active:
             return
-        for call_id, output in outputs_in(messages_or_items, self.api):
+        for call_id, output in outputs_in(messages_or_items, self.api.name):
             entry = await self.store.ledger_by_call(self.namespace, call_id)
             if entry is None or entry.status != "issued" or output is None:
                 continue
@@ -197,19 +200,7 @@ class LedgerGuard:
         return restored
 
     def _call_item(self, entry: LedgerEntry, call_id: str, kind: CallKind) -> Item:
-        if self.api == "chat":
-            body = {"name": entry.tool, _ARGUMENTS[kind]: entry.arguments}
-            call = {"id": call_id, "type": kind, kind: body}
-            return chat_item({"role": "assistant", "content": None, "tool_calls": [call]})
-        item_type = "custom_tool_call" if kind == "custom" else "function_call"
-        return responses_item(
-            {
-                "type": item_type,
-                "call_id": call_id,
-                "name": entry.tool,
-                _ARGUMENTS[kind]: entry.arguments,
-            }
-        )
+        return self.api.call_item(entry.tool, call_id, entry.arguments, kind)
 
     async def answer_dangling(
         self, known: Sequence[Item], new: Sequence[Item], *, unguarded_too: bool
@@ -225,39 +216,30 @@ class LedgerGuard:
         for call in dangling_calls(known, new):
             entry = await self.store.ledger_by_call(self.namespace, call.call_id)
             if entry is not None:
-                output = self._verdict(call, dangling_decision(entry.status), entry).output
+                output = self._decided(call, dangling_decision(entry.status), entry).output
             elif unguarded_too:
-                log.warning(
-                    "unanswered_call_closed",
-                    tenant=self.tenant,
-                    tool=call.name,
-                    call_id=call.call_id,
-                    thread_id=self.thread_id,
-                )
+                closed = {"call_id": call.call_id, "thread_id": self.thread_id}
+                self._log(log.warning, "unanswered_call_closed", call, **closed)
                 output = unanswered_output(call)
             else:
                 continue
             if output is not None:
-                answers[call.call_id] = (
-                    chat_item(output) if self.api == "chat" else responses_item(output)
-                )
+                answers[call.call_id] = self.api.item(output)
         return place_answers(new, answers) if answers else list(new)
 
-    async def judge(self, calls: Sequence[ToolCall], response_id: str | None) -> list[Verdict]:
+    async def judge(
+        self, calls: Sequence[ToolCall], response_id: str | None
+    ) -> list[LedgerDecision]:
         return [await self.judge_call(call, response_id) for call in calls]
 
-    async def judge_call(self, call: ToolCall, response_id: str | None) -> Verdict:
+    async def judge_call(self, call: ToolCall, response_id: str | None) -> LedgerDecision:
         """Write ahead, then decide (ledger.decide's table); the entry is committed when
         this returns, so the caller may hand the call out."""
         rule = self.rules[call.name]
         rendered = render_idempotency_key(rule, call)
         if rendered.fallback:
-            log.warning(
-                "ledger_fallback_key",
-                tenant=self.tenant,
-                tool=call.name,
-                key=rendered.key,
-                reason=rendered.reason,
+            self._log(
+                log.warning, "ledger_fallback_key", call, key=rendered.key, reason=rendered.reason
             )
         scope = ledger_scope(rule, self.thread_id)
         now = self.now()
@@ -280,166 +262,72 @@ class LedgerGuard:
             entry, created = await self.store.ledger_issue(fresh)
             decision = decide(entry.status, created, entry.call_id, call.call_id, rule)
             if decision is not Decision.FAILED_BEFORE:
-                return self._verdict(call, decision, entry)
+                return self._decided(call, decision, entry)
             if await self.store.ledger_rearm(
                 self.namespace, scope, rendered.key, call_id=call.call_id, now=now
             ):
                 rearmed = replace(
                     entry, status="issued", call_id=call.call_id, result=None, updated_at=now
                 )
-                return self._verdict(call, Decision.HAND_OUT, rearmed)
+                return self._decided(call, Decision.HAND_OUT, rearmed)
         # Re-arms kept losing to other replicas: never risk a second hand-out.
-        return self._verdict(call, Decision.UNKNOWN_OUTCOME, entry)
+        return self._decided(call, Decision.UNKNOWN_OUTCOME, entry)
 
-    def _verdict(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> Verdict:
+    def _log(self, level: Callable[..., Any], event: str, call: ToolCall, **fields: Any) -> None:
+        level(event, tenant=self.tenant, tool=call.name, **fields)
+
+    def _decided(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> LedgerDecision:
         if decision is Decision.HAND_OUT:
-            return Verdict(call, decision, entry, None)
+            return LedgerDecision(call, decision, entry, None)
+        about = {
+            "tenant": self.tenant,
+            "tool": call.name,
+            "key": entry.key,
+            "call_id": call.call_id,
+        }
         if decision is Decision.UNKNOWN_OUTCOME:
             log.warning(
                 "ledger_unknown_outcome",
-                tenant=self.tenant,
-                tool=call.name,
-                key=entry.key,
+                **about,
                 scope=entry.scope,
                 earlier_call_id=entry.call_id,
                 issued_at=entry.created_at,
-                call_id=call.call_id,
             )
             self.metrics.ledger_unknown_outcome.labels(self.tenant, call.name).inc()
         else:
-            log.info(
-                "ledger_duplicate_withheld",
-                tenant=self.tenant,
-                tool=call.name,
-                key=entry.key,
-                decision=decision.value,
-                call_id=call.call_id,
-            )
+            log.info("ledger_duplicate_withheld", **about, decision=decision.value)
         output = model_output(
             call, decision, entry.result, entry.call_id, entry.created_at, entry.key
         )
-        return Verdict(call, decision, entry, output)
-
-
-# -- answers: the shape of each API -----------------------------------------------------------
-
-
-def answer_calls(family: Family, answer: JsonDict, rules: Mapping[str, ToolRule]) -> list[ToolCall]:
-    if family == "chat":
-        return side_effect_calls(chat_message(answer), rules)
-    return side_effect_calls(list(answer.get("output") or ()), rules)
-
-
-def call_count(family: Family, answer: JsonDict) -> int:
-    """Every tool call of the answer, guarded or not."""
-    if family == "chat":
-        message = chat_message(answer)
-        return len(message.get("tool_calls") or ()) + bool(message.get("function_call"))
-    kinds = ("function_call", "custom_tool_call")
-    return sum(1 for item in answer.get("output") or () if item.get("type") in kinds)
-
-
-def chat_message(answer: JsonDict) -> JsonDict:
-    choices = answer.get("choices") or [{}]
-    message = choices[0].get("message")
-    return message if isinstance(message, dict) else {}
-
-
-def stripped(family: Family, answer: JsonDict, call_ids: set[str]) -> JsonDict:
-    """The answer without the withheld calls (the client never receives them)."""
-    if not call_ids:
-        return answer
-    if family == "responses":
-        output = [i for i in answer.get("output") or () if i.get("call_id") not in call_ids]
-        return {**answer, "output": output}
-    choice = dict((answer.get("choices") or [{}])[0])
-    message = dict(chat_message(answer))
-    calls = [c for c in message.get("tool_calls") or () if c.get("id") not in call_ids]
-    if calls:
-        message["tool_calls"] = calls
-    else:
-        message.pop("tool_calls", None)
-        if choice.get("finish_reason") == "tool_calls":
-            choice["finish_reason"] = "stop"
-    choice["message"] = message
-    return {**answer, "choices": [choice, *(answer.get("choices") or [])[1:]]}
-
-
-def answer_items(family: Family, answer: JsonDict) -> list[JsonDict]:
-    """What the answer adds to the context of a continued request."""
-    if family == "responses":
-        return [dict(item) for item in answer.get("output") or ()]
-    message = chat_message(answer)
-    kept = ("role", "content", "refusal", "tool_calls", "function_call")
-    reply = {k: message[k] for k in kept if message.get(k) is not None}
-    reply.setdefault("role", "assistant")
-    reply.setdefault("content", None)
-    return [reply]
-
-
-def continued_body(family: Family, sent: JsonDict, added: Sequence[JsonDict]) -> JsonDict:
-    """The next provider request of the turn: the sent context plus `added`, not streamed."""
-    body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
-    if family == "chat":
-        body["messages"] = [*sent.get("messages", ()), *added]
-        return body
-    given = sent.get("input")
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    body["input"] = [*(given or ()), *added]
-    return body
-
-
-@dataclass(frozen=True)
-class Settled:
-    """The turn's end: what the client gets, and (Responses) what the thread logs."""
-
-    answer: JsonDict
-    log: list[JsonDict]
-    withheld: tuple[Verdict, ...]
-    rounds: int  # continuation requests sent upstream
+        return LedgerDecision(call, decision, entry, output)
 
 
 async def settle(
     guard: LedgerGuard,
-    family: Family,
+    api: ApiShape,
     sent: JsonDict,
     answer: JsonDict,
-    ask: Ask,
+    ask: AskUpstream,
     *,
     response_id: str | None,
-    verdicts: Sequence[Verdict] | None = None,
+    judged: Sequence[LedgerDecision] | None = None,
 ) -> Settled:
-    """Decide the answer's calls; continue the turn upstream while all are withheld."""
-    first_id = answer.get("id")
-    log_items: list[JsonDict] = []
-    withheld_all: list[Verdict] = []
-    rounds = 0
-    while True:
-        if verdicts is None:
-            calls = answer_calls(family, answer, guard.rules)
-            verdicts = await guard.judge(calls, response_id or first_id)
-        withheld = [v for v in verdicts if v.withheld]
-        withheld_all.extend(withheld)
-        outputs = [v.output for v in withheld if v.output is not None]
-        log_items += [*answer_items(family, answer), *outputs]
-        ids = {v.call.call_id for v in withheld}
-        done = not withheld or len(withheld) < call_count(family, answer)
-        if done or rounds >= guard.max_replays or not _finished(family, answer):
-            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
-        sent = continued_body(family, sent, [*answer_items(family, answer), *outputs])
-        following = await ask(sent)
-        if following is None:
-            return Settled(stripped(family, answer, ids), log_items, tuple(withheld_all), rounds)
-        answer = {**following, "id": first_id}
-        verdicts = None
-        rounds += 1
-
-
-def _finished(family: Family, answer: JsonDict) -> bool:
-    if family == "responses":
-        return answer.get("status", "completed") == "completed"
-    return True
+    """Runs the continuation rules (proxy/core/continuation.py) against the ledger and
+    the provider: the guard judges, `ask` sends a continuation upstream."""
+    flow = continuation(
+        api, sent, answer, guard.rules, max_replays=guard.max_replays, judged=judged
+    )
+    reply: Any = None
+    try:
+        while True:
+            command = flow.send(reply)
+            if isinstance(command, Judge):
+                reply = await guard.judge(command.calls, response_id or command.answer_id)
+            else:
+                reply = await ask(command.body)
+    except StopIteration as stop:
+        settled: Settled = stop.value
+        return settled
 
 
 # -- operator endpoints -----------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.server.errors import ApiError
-from proxy.server.relay import relay_response, send_upstream
+from proxy.server.relay import Passthrough, relay_answer, send_upstream
 from proxy.server.state import SETTINGS, TENANT_POLICY
 
 # Bodies up to this size are read so a failed attempt can be retried; larger ones (and
@@ -65,4 +65,4 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         route="passthrough",
         retry=isinstance(body, bytes | None),
     )
-    return await relay_response(request, upstream, family=None, extra_headers={})
+    return await relay_answer(request, upstream, None, Passthrough(None), extra_headers={})

@@ -1,7 +1,9 @@
 """Forwarding to the provider and relaying its answer back, streamed or not.
 
-Streams are relayed as they arrive (never buffered to the end), whole events at a time,
-and decoded on the side (proxy/sse.py) so the log line can carry the final usage. Every
+Streams are relayed as they arrive (never buffered to the end) by one loop,
+`relay_stream`: each event is decoded and parsed once, checked, and handed with its dict
+to the turn's `Transformer` (`Passthrough`: the bytes untouched; `Keep`: a stored turn,
+kept before its end reaches the client; the ledger's holdback, proxy/server/holdback.py). Every
 answer passes its API's shape check first (proxy/core/answers.py): a malformed one is a
 502, or in a stream an error event that ends it. A client that goes
 away cancels the handler (handler_cancellation) and with it the upstream request.
@@ -15,27 +17,22 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterable, Mapping
-from typing import Any, Literal, Protocol
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import asyncpg
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.core.answers import BadAnswer, check_answer
+from proxy.core.answers import BadAnswer
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
-from proxy.server.errors import ApiError, error_body
+from proxy.server.api import CHAT, ApiShape
+from proxy.server.errors import ApiError
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
-from proxy.sse import (
-    ChatStreamAccumulator,
-    EventFramer,
-    ResponsesStreamAccumulator,
-    SSEDecoder,
-    SSEEvent,
-    encode_event,
-)
+from proxy.server.validate import JsonDict
+from proxy.sse import EventFramer, SSEDecoder, SSEEvent, encode_event, event_payload
 from proxy.store.base import StoreError
 from proxy.upstream import (
     Deadline,
@@ -46,8 +43,6 @@ from proxy.upstream import (
 )
 
 log = structlog.get_logger("threadkeeper.relay")
-
-Family = Literal["chat", "responses"]
 
 HOP_BY_HOP = frozenset(
     {
@@ -238,7 +233,7 @@ def upstream_error(exc: UpstreamUnavailable) -> ApiError:
 BAD_ANSWER = "bad_upstream_answer"
 
 
-def provider_answer(family: Family, body: bytes) -> dict[str, Any]:
+def provider_answer(api: ApiShape, body: bytes) -> dict[str, Any]:
     """A successful non-streamed answer, parsed and checked (proxy/core/answers.py): the
     one gate before any flow reads or keeps it. A malformed one is a 502."""
     try:
@@ -246,7 +241,7 @@ def provider_answer(family: Family, body: bytes) -> dict[str, Any]:
     except (ValueError, RecursionError):
         raise bad_answer(BadAnswer("it is not JSON")) from None
     try:
-        return check_answer(family, answer)
+        return api.check_answer(answer)
     except BadAnswer as exc:
         raise bad_answer(exc) from None
 
@@ -255,22 +250,36 @@ def bad_answer(exc: BadAnswer) -> ApiError:
     return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
 
 
-async def relay_response(
+# Where a relayed model answer (or a stream's usage holder) is reported (turn hooks).
+OnAnswer = Callable[[JsonDict], None]
+
+
+async def relay_answer(
     request: web.Request,
     upstream: UpstreamResponse,
+    api: ApiShape | None,
+    transformer: Transformer,
     *,
-    family: Family | None,
     extra_headers: Mapping[str, str],
+    on_answer: OnAnswer | None = None,
 ) -> web.StreamResponse:
+    """The provider's answer through `transformer`: a stream event by event as it
+    arrives, a whole answer checked and handed to `transformer.answer` (a provider error
+    as it is). `api` None: a passthrough endpoint, whose body is not a model answer."""
     headers = relay_headers(upstream, extra_headers)
-    if family is None and not upstream.closed and not is_event_stream(upstream):
+    if is_event_stream(upstream):
+        return await relay_stream(request, upstream, api, transformer, headers, on_answer)
+    if api is None and not upstream.closed:
         return await _relay_body(request, upstream, headers)
-    if not is_event_stream(upstream):
-        body = await read_body(upstream)
-        if family is not None and upstream.status < 400:
-            _log_usage(request, family, provider_answer(family, body))
-        return web.Response(status=upstream.status, body=body, headers=headers)
-    return await _relay_stream(request, upstream, family, headers)
+    body = await read_body(upstream)
+    if api is not None and upstream.status < 400:
+        answer = provider_answer(api, body)
+        if on_answer is not None:
+            on_answer(answer)
+        final = await transformer.answer(answer)
+        if final is not answer:
+            body = json.dumps(final, ensure_ascii=False).encode()
+    return web.Response(status=upstream.status, body=body, headers=headers)
 
 
 async def _relay_body(
@@ -296,57 +305,73 @@ async def _relay_body(
     return response
 
 
-async def _relay_stream(
-    request: web.Request,
-    upstream: UpstreamResponse,
-    family: Family | None,
-    headers: CIMultiDict[str],
-) -> web.StreamResponse:
-    response = stream_response(request, status=upstream.status, headers=headers)
-    await response.prepare(request)
-    accumulator = _accumulator(family)
-    try:
-        if family is None or accumulator is None:  # no API shape: bytes as they come
-            async for chunk in upstream.aiter_bytes():
-                await response.write(chunk)
-        else:
-            await _relay_events(request, response, upstream, family, accumulator)
-    except (ConnectionError, ApiError):
-        raise
-    except BadAnswer as exc:
-        await bad_stream(request, response, family, exc)
-    except Exception as exc:  # the provider cut the stream after we started relaying
-        await response.write(stream_failure(request, family, exc))
-    finally:
-        await upstream.aclose()
-    if accumulator is not None and family is not None:
-        _log_usage(request, family, _accumulated(accumulator))
-    await response.write_eof()
-    return response
+# -- the stream relay: one loop, pluggable transformers ------------------------------------
 
 
-async def _relay_events(
-    request: web.Request,
-    response: web.StreamResponse,
-    upstream: UpstreamResponse,
-    family: Family,
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
-) -> None:
-    """The provider's bytes, each event checked before it is relayed (untouched), whole
-    events at a time: a malformed event is never sent, and an error event after it is a
-    clean event of its own."""
-    decoder = SSEDecoder()
-    framer = EventFramer()
-    async for chunk in upstream.aiter_bytes():
-        for event in decoder.feed(chunk):
-            accumulator.feed_event(event)
-        if ready := framer.feed(chunk):
-            await response.write(ready)
-    for event in decoder.flush():
-        accumulator.feed_event(event)
-    if rest := framer.rest():
-        await response.write(rest)
-    await end_of_stream(request, response, family, accumulator)
+class Transformer(Protocol):
+    """What one stream becomes on its way to the client. The relay loop decodes each
+    event once, feeds it (checked) to `upstream`, then hands it with its parsed data to
+    `event`; `passed` gets each raw chunk after its events; `end` runs at the provider's
+    EOF (after the decoder's flush). Each returns the bytes the client gets next. A
+    transformer takes a non-streamed answer whole (`answer`)."""
+
+    @property
+    def upstream(self) -> Any:
+        """The accumulator of what the provider streamed (ApiShape.accumulator)."""
+        ...
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]: ...
+
+    def passed(self, chunk: bytes) -> bytes: ...
+
+    async def end(self) -> list[bytes]: ...
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        """A whole (non-streamed) answer as the client gets it; the same object when
+        it is relayed as the provider sent it."""
+        ...
+
+
+class EventTransformer:
+    """A transformer that writes events it builds itself (raw chunks are not passed)."""
+
+    def __init__(self, api: ApiShape) -> None:
+        self.api = api
+        self.upstream = api.accumulator()
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        raise NotImplementedError
+
+    def passed(self, chunk: bytes) -> bytes:
+        return b""
+
+    async def end(self) -> list[bytes]:
+        return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
+
+
+class Passthrough:
+    """The provider's bytes untouched, whole events at a time: a malformed event is never
+    sent, and an error event after it is a clean event of its own. Without an API shape
+    (a passthrough endpoint) the bytes go as they come, not decoded."""
+
+    def __init__(self, api: ApiShape | None) -> None:
+        self.upstream = api.accumulator() if api is not None else None
+        self.framer = EventFramer() if api is not None else None
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        return []
+
+    def passed(self, chunk: bytes) -> bytes:
+        return self.framer.feed(chunk) if self.framer is not None else chunk
+
+    async def end(self) -> list[bytes]:
+        return [self.framer.rest()] if self.framer is not None else []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
 
 
 class Keeper(Protocol):
@@ -357,91 +382,114 @@ class Keeper(Protocol):
         """A provider Response / chat.completion object as the proxy returns it."""
         ...
 
-    async def keep(self, result: dict[str, Any]) -> None:
-        """Persist the final (rewritten) answer; called at most once."""
+    async def keep(
+        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
+    ) -> None:
+        """Persist the final (rewritten) answer; called at most once. `log` replaces the
+        answer's output as the thread's items when the ledger continued the turn."""
         ...
 
 
-async def relay_kept(
-    request: web.Request,
-    upstream: UpstreamResponse,
-    *,
-    family: Family,
-    extra_headers: Mapping[str, str],
-    keeper: Keeper,
-) -> web.StreamResponse:
-    """relay_response for a stateful turn: response objects are rewritten by the keeper,
-    and the answer is kept before the client sees its end. Streams are relayed event by
-    event as they arrive."""
-    headers = relay_headers(upstream, extra_headers)
-    if is_event_stream(upstream):
-        return await _relay_kept_stream(request, upstream, family, headers, keeper)
-    body = await read_body(upstream)
-    if upstream.status < 400:
-        payload = provider_answer(family, body)
-        _log_usage(request, family, payload)
-        payload = keeper.rewrite(payload)
-        await keeper.keep(payload)
-        body = json.dumps(payload, ensure_ascii=False).encode()
-    return web.Response(status=upstream.status, body=body, headers=headers)
+class Keep(EventTransformer):
+    """A stateful turn's stream: response objects rewritten by the keeper, and the answer
+    kept before the event that ends it reaches the client."""
+
+    def __init__(self, api: ApiShape, keeper: Keeper) -> None:
+        super().__init__(api)
+        self.keeper = keeper
+        self.kept = False
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        final = self.api.final_answer(self.upstream, event)
+        if final is not None and not self.kept:
+            await self.keeper.keep(self.keeper.rewrite(final))
+            self.kept = True
+        data = event.data
+        if payload is not None:
+            rewritten = self.api.rewritten_payload(payload, self.keeper.rewrite)
+            if rewritten is not None:
+                data = json.dumps(rewritten, ensure_ascii=False)
+        return [encode_event(data, event=event.event)]
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        final = self.keeper.rewrite(answer)
+        await self.keeper.keep(final)
+        return final
 
 
-async def _relay_kept_stream(
+async def relay_stream(
     request: web.Request,
     upstream: UpstreamResponse,
-    family: Family,
+    api: ApiShape | None,
+    transformer: Transformer,
     headers: CIMultiDict[str],
-    keeper: Keeper,
+    on_answer: OnAnswer | None = None,
 ) -> web.StreamResponse:
+    """The one stream relay loop: events as they arrive through `transformer`; a stream
+    the proxy cannot finish ends with one error event (`stream_failure`)."""
     response = stream_response(request, status=upstream.status, headers=headers)
     await response.prepare(request)
-    decoder = SSEDecoder()
-    accumulator = _accumulator(family)
-    assert accumulator is not None
-    kept = False
     try:
-        async for chunk in upstream.aiter_bytes():
-            for event in decoder.feed(chunk):
-                kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
-        for event in decoder.flush():
-            kept = await _relay_kept_event(response, family, accumulator, keeper, event, kept)
-        await end_of_stream(request, response, family, accumulator)
+        await _pump(request, response, upstream, api, transformer)
     except (ConnectionError, ApiError):
         raise
-    except BadAnswer as exc:
-        await bad_stream(request, response, family, exc)
-    except Exception as exc:  # the provider cut the stream, or keeping the answer failed
-        await response.write(stream_failure(request, family, exc))
+    except BadAnswer as exc:  # the provider's event is not what its API streams
+        await bad_stream(request, response, api, exc)
+    except Exception as exc:  # the provider cut the stream, or the store or ledger failed
+        await response.write(stream_failure(request, api, exc))
     finally:
         await upstream.aclose()
-    _log_usage(request, family, _accumulated(accumulator))
+    if api is not None and on_answer is not None:
+        on_answer(api.usage_holder(transformer.upstream))
     await response.write_eof()
     return response
 
 
-async def _relay_kept_event(
+async def _pump(
+    request: web.Request,
     response: web.StreamResponse,
-    family: Family,
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
-    keeper: Keeper,
-    event: SSEEvent,
-    kept: bool,
-) -> bool:
-    """Relays one event, keeping the answer first when this event ends it; whether the
-    answer is kept now."""
-    final = _final_answer(accumulator, event)
-    if final is not None and not kept:
-        await keeper.keep(keeper.rewrite(final))
-        kept = True
-    await response.write(_rewritten_event(family, event.event, event.data, keeper))
-    return kept
+    upstream: UpstreamResponse,
+    api: ApiShape | None,
+    transformer: Transformer,
+) -> None:
+    """Decodes each event once and always flushes the decoder at the provider's EOF (a
+    stream may end right after `data: [DONE]\\n`, SSEDecoder's docstring)."""
+    decoder = SSEDecoder() if api is not None else None
+    async for chunk in upstream.aiter_bytes():
+        if decoder is not None:
+            await _events(response, api, transformer, decoder.feed(chunk))
+        if passed := transformer.passed(chunk):
+            await response.write(passed)
+    if decoder is not None:
+        await _events(response, api, transformer, decoder.flush())
+    for frame in await transformer.end():
+        await response.write(frame)
+    if api is not None:
+        await end_of_stream(request, response, api, transformer.upstream)
+
+
+async def _events(
+    response: web.StreamResponse,
+    api: ApiShape | None,
+    transformer: Transformer,
+    events: Sequence[SSEEvent],
+) -> None:
+    assert api is not None
+    for event in events:
+        for frame in await transformed(api, transformer, event):
+            await response.write(frame)
+
+
+async def transformed(api: ApiShape, transformer: Transformer, event: SSEEvent) -> list[bytes]:
+    """One decoded event through the transformer: its data parsed once, checked and fed
+    to the transformer's accumulator first (BadAnswer when it is not what `api` streams)."""
+    payload = event_payload(event)
+    api.feed(transformer.upstream, event, payload)
+    return await transformer.event(event, payload)
 
 
 async def end_of_stream(
-    request: web.Request,
-    response: web.StreamResponse,
-    family: Family,
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator,
+    request: web.Request, response: web.StreamResponse, api: ApiShape, accumulator: Any
 ) -> None:
     """At the provider's EOF: an error event when the stream stopped before its answer
     said its last word (a chat `[DONE]`, a Responses terminal or error event)."""
@@ -449,40 +497,19 @@ async def end_of_stream(
         return
     request[LOG_FIELDS]["stream_error"] = "cut_off"
     message = "The provider's stream ended before its answer was complete"
-    await response.write(stream_error_event(family, tagged(request, message)))
+    await response.write(stream_error_event(api, tagged(request, message)))
 
 
 async def bad_stream(
-    request: web.Request, response: web.StreamResponse, family: Family | None, exc: BadAnswer
+    request: web.Request, response: web.StreamResponse, api: ApiShape | None, exc: BadAnswer
 ) -> None:
     """A malformed event: the client gets an error event naming it and the stream ends."""
     log.warning("upstream_bad_answer", problem=exc.problem)
     request[LOG_FIELDS]["stream_error"] = BAD_ANSWER
-    await response.write(stream_error_event(family, tagged(request, str(exc)), code=BAD_ANSWER))
+    await response.write(stream_error_event(api, tagged(request, str(exc)), code=BAD_ANSWER))
 
 
-def _final_answer(
-    accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator, event: SSEEvent
-) -> dict[str, Any] | None:
-    """Feeds one event; the whole answer once this event ends it (a chat stream's [DONE]
-    after a finish_reason, a Responses terminal event)."""
-    accumulator.feed_event(event)
-    if isinstance(accumulator, ChatStreamAccumulator):
-        return accumulator.result() if accumulator.finished and event.data == "[DONE]" else None
-    return accumulator.result() if accumulator.terminal else None
-
-
-def _rewritten_event(family: Family, event: str | None, data: str, keeper: Keeper) -> bytes:
-    """The event as the client gets it: Responses snapshots carry the proxy's own ids."""
-    if family == "responses" and data.startswith("{"):
-        payload = _json_or_none(data.encode())
-        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
-            payload["response"] = keeper.rewrite(payload["response"])
-            data = json.dumps(payload, ensure_ascii=False)
-    return encode_event(data, event=event)
-
-
-def stream_failure(request: web.Request, family: Family | None, exc: Exception) -> bytes:
+def stream_failure(request: web.Request, api: ApiShape | None, exc: Exception) -> bytes:
     """The error event that ends a stream the proxy could not finish. The exception goes
     to the log only; the client gets the proxy's own words, the request id, and a code
     telling an upstream failure (`upstream_stream_error`) from a store failure
@@ -500,7 +527,7 @@ def stream_failure(request: web.Request, family: Family | None, exc: Exception) 
         log.exception("stream_failed", error=repr(exc))
         message = "The proxy failed while relaying this stream"
         code = "internal_error"
-    return stream_error_event(family, tagged(request, message), code)
+    return stream_error_event(api, tagged(request, message), code)
 
 
 def tagged(request: web.Request, message: str) -> str:
@@ -509,52 +536,7 @@ def tagged(request: web.Request, message: str) -> str:
 
 
 def stream_error_event(
-    family: Family | None, message: str, code: str = "upstream_stream_error"
+    api: ApiShape | None, message: str, code: str = "upstream_stream_error"
 ) -> bytes:
-    """An error event in the shape each API's clients parse; the only place one is built."""
-    error = error_body(message, "server_error", None, code)["error"]
-    if family == "responses":
-        # The spec's flat fields, plus the nested object the SDKs read.
-        payload: dict[str, Any] = {
-            "type": "error",
-            "code": error["code"],
-            "message": error["message"],
-            "param": error["param"],
-            "error": error,
-        }
-        return encode_event(json.dumps(payload), event="error")
-    return encode_event(json.dumps({"error": error}))
-
-
-def _accumulator(
-    family: Family | None,
-) -> ChatStreamAccumulator | ResponsesStreamAccumulator | None:
-    if family == "chat":
-        return ChatStreamAccumulator()
-    if family == "responses":
-        return ResponsesStreamAccumulator()
-    return None
-
-
-def _accumulated(accumulator: ChatStreamAccumulator | ResponsesStreamAccumulator) -> Any:
-    if isinstance(accumulator, ChatStreamAccumulator):
-        return accumulator.result()
-    return {"usage": accumulator.usage()}
-
-
-def _json_or_none(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _log_usage(request: web.Request, family: Family, payload: Any) -> None:
-    if not isinstance(payload, dict):
-        return
-    usage = payload.get("usage")
-    if not isinstance(usage, dict):
-        return
-    key = "prompt_tokens" if family == "chat" else "input_tokens"
-    if isinstance(usage.get(key), int):
-        request[LOG_FIELDS]["usage_input_tokens"] = usage[key]
+    """An error event in the shape each API's clients parse (Chat's for a passthrough)."""
+    return (api or CHAT).error_event(message, code)

@@ -1,0 +1,297 @@
+"""A stored turn's persistence (SPEC 7): the thread is loaded before the turn and its new
+items commit with the answer, in one write, before the answer's end reaches the client.
+A cut-off answer adds nothing.
+
+- `ChatThread`: Chat Completions with `X-Thread-Id`; the request's messages are
+  reconciled with the thread (proxy/threads.py, new_chat_messages).
+- `ResponseChain`: Responses with `conversation`, `previous_response_id` or `store`
+  not false; the response is recorded `in_progress` before the provider is called and
+  finished `incomplete` when the turn ends without being kept.
+
+Each is the turn's keeper (relay.Keeper): `rewrite` is the answer as the client sees it,
+`keep` commits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.clock import utc_now
+from proxy.ids import new_id
+from proxy.server.errors import ApiError, invalid
+from proxy.server.rebuild import off_the_loop
+from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE
+from proxy.server.turn import Turn, TurnHook, project
+from proxy.server.validate import JsonDict, duplicate_item
+from proxy.store.base import NewItem, StoredResponse
+from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
+
+THREAD_HEADER = "X-Thread-Id"
+REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+
+class StoredTurn(TurnHook):
+    """What both keepers share: the thread service, and the commit's items and state."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.threads = ThreadService(request.app[STORE], utc_now)
+        self.turn: Turn | None = None
+
+    def rewrite(self, response: JsonDict) -> JsonDict:
+        return response
+
+    async def turn_items(
+        self, turn: Turn, reply: Sequence[JsonDict], response_id: str | None = None
+    ) -> list[NewItem]:
+        """The turn's new items (input) and the reply (output), counted once here."""
+        assert turn.counter is not None
+        counter, api = turn.counter, turn.api
+        return await off_the_loop(
+            lambda: [
+                *new_items(turn.new, counter, role="input", response_id=response_id),
+                *new_items(
+                    [api.item(raw) for raw in reply],
+                    counter,
+                    role="output",
+                    response_id=response_id,
+                ),
+            ],
+            list(reply),
+        )
+
+    def state(self, turn: Turn) -> JsonDict:
+        assert turn.loaded is not None and turn.projection is not None
+        return turn.loaded.state_after(turn.projection.cut)
+
+    async def restate(self, fresh: Loaded) -> JsonDict:
+        """The state after a lost race: the cut recomputed over the new window."""
+        assert self.turn is not None
+        try:
+            projection, _ = await project(self.turn, fresh, observe=False)
+        except ApiError:
+            return fresh.state
+        return fresh.state_after(projection.cut)
+
+
+class ChatThread(StoredTurn):
+    """A threaded chat turn: the new messages and the reply commit together once the
+    reply is complete."""
+
+    def __init__(self, request: web.Request, thread_id: str) -> None:
+        super().__init__(request)
+        self.thread_id = thread_id
+
+    async def load(self, turn: Turn) -> None:
+        request, thread_id = self.request, self.thread_id
+        request[LOG_FIELDS]["thread_id"] = thread_id
+        loaded = await self.threads.load_or_new(request[NAMESPACE], thread_id, "chat")
+        if loaded.kind != "chat":
+            raise invalid(
+                f"Thread '{thread_id}' holds Responses items and cannot be continued with "
+                "Chat Completions.",
+                param=THREAD_HEADER,
+                code="invalid_value",
+            )
+        messages = turn.body["messages"]
+        new = new_chat_messages(loaded, messages)  # a suffix of the request's messages
+        skipped = len(messages) - len(new)
+        taken = await self.threads.first_taken_id(loaded, new)
+        if taken is not None:
+            raise duplicate_item(f"messages[{skipped + taken}].id", new[taken]["id"])
+        turn.history, turn.loaded, turn.keeper, self.turn = new, loaded, self, turn
+
+    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+        """Commits what the client saw; `log` (a ledger-continued turn's trajectory) is
+        not kept on Chat threads (see proxy/server/ledger.py)."""
+        turn = self.turn
+        assert turn is not None and turn.loaded is not None
+        reply = turn.api.reply(result)
+        if reply is None:
+            return
+        items = await self.turn_items(turn, reply)
+        await self.threads.commit(turn.loaded, items, state=self.state(turn), restate=self.restate)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Where a stateful request reads and writes: the thread, and the ids it echoes."""
+
+    loaded: Loaded
+    conversation: str | None = None
+    previous_response_id: str | None = None
+
+
+def conversation_id(body: JsonDict) -> str | None:
+    value = body.get("conversation")
+    if isinstance(value, dict):
+        inner = value.get("id")
+        if not isinstance(inner, str) or not inner:
+            raise invalid(
+                "Missing required parameter: 'conversation.id'.",
+                param="conversation.id",
+                code="missing_required_parameter",
+            )
+        return inner
+    return value
+
+
+async def resolve_chain(request: web.Request, threads: ThreadService, body: JsonDict) -> Chain:
+    tenant = request[NAMESPACE]
+    conversation = conversation_id(body)
+    if conversation is not None:
+        loaded = await threads.load(tenant, conversation)
+        if loaded is None or loaded.kind != "conversation":
+            raise ApiError(
+                404, f"Conversation with id '{conversation}' not found.", param="conversation"
+            )
+        return Chain(loaded, conversation=conversation)
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return Chain(Loaded(tenant, new_id("thread"), "responses", None))
+    return Chain(await _continued(threads, tenant, previous), previous_response_id=previous)
+
+
+async def _continued(threads: ThreadService, tenant: str, previous: str) -> Loaded:
+    """The chain a previous response ends: its own thread while it is the head, else a
+    branch of it (a fork written with the turn) that later responses never see."""
+    stored = await threads.store.get_response(tenant, previous)
+    thread = None
+    if stored is not None and stored.status == "completed" and stored.thread_id is not None:
+        thread = await threads.load(tenant, stored.thread_id)
+    if stored is None or thread is None or thread.thread is None:
+        raise ApiError(
+            400,
+            f"Previous response with id '{previous}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    if thread.kind == "responses" and thread.thread.head_response_id == previous:
+        return thread
+    through = stored.output_last_seq if stored.output_last_seq is not None else -1
+    return await threads.branch(tenant, thread.thread_id, through)
+
+
+def is_reasoning_model(model: str) -> bool:
+    return model.startswith(REASONING_PREFIXES)
+
+
+class ResponseChain(StoredTurn):
+    """One stateful response: recorded before forwarding, kept when it completes,
+    marked incomplete otherwise. `store: false` reads the chain and writes nothing."""
+
+    def __init__(self, request: web.Request, body: JsonDict) -> None:
+        super().__init__(request)
+        self.body = body
+        self.chain: Chain | None = None
+        self.tenant = request[NAMESPACE]
+        self.id = new_id("resp")
+        self.persist = body.get("store") is not False
+        self.kept = False
+        self._begun: asyncio.Future[None] | None = None
+
+    async def load(self, turn: Turn) -> None:
+        self.chain = chain = await resolve_chain(self.request, self.threads, turn.body)
+        given = turn.body.get("input")
+        raws = given if isinstance(given, list) else []
+        taken = await self.threads.first_taken_id(chain.loaded, raws)
+        if taken is not None:
+            raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
+        turn.loaded, turn.keeper, turn.response_id, self.turn = chain.loaded, self, self.id, turn
+
+    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
+        """The stateless request the provider gets (SPEC 3)."""
+        sent = {k: v for k, v in body.items() if k not in ("conversation", "previous_response_id")}
+        sent["store"] = False
+        if is_reasoning_model(body.get("model") or ""):
+            # Reasoning items can only be replayed statelessly with their encrypted content.
+            include = list(body.get("include") or [])
+            if ENCRYPTED_REASONING not in include:
+                include.append(ENCRYPTED_REASONING)
+            sent["include"] = include
+        return sent
+
+    async def before_forward(self, turn: Turn) -> None:
+        """Records the response `in_progress`, shielded: a client that goes away while the
+        row is written must not leave it behind unfinished (`finished` waits for it)."""
+        if not self.persist:
+            return
+        self._begun = asyncio.ensure_future(self._record_begin())
+        await asyncio.shield(self._begun)
+
+    async def _record_begin(self) -> None:
+        assert self.chain is not None
+        await self.threads.store.begin_response(
+            StoredResponse(
+                tenant=self.tenant,
+                id=self.id,
+                thread_id=self.chain.loaded.thread_id,
+                previous_response_id=self.chain.previous_response_id,
+                status="in_progress",
+                request={k: v for k, v in self.body.items() if k != "input"},
+                response=None,
+                created_at=utc_now(),
+                owner=self.request.app[OWNER],
+            )
+        )
+
+    def rewrite(self, response: JsonDict) -> JsonDict:
+        """The provider's Response as the client sees it: this proxy's id and chain."""
+        assert self.chain is not None
+        conversation = self.chain.conversation
+        return {
+            **response,
+            "id": self.id,
+            "previous_response_id": self.chain.previous_response_id,
+            "conversation": {"id": conversation} if conversation is not None else None,
+            "store": self.persist,
+        }
+
+    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+        """Commits the turn; `log` replaces the response's output as the thread's items
+        when the ledger continued the turn (withheld calls and their synthetic outputs)."""
+        turn = self.turn
+        assert turn is not None and turn.loaded is not None
+        if not self.persist:
+            self.kept = True
+            return
+        status = result.get("status") or "completed"
+        if status != "completed":
+            await self._finish(status, result)
+            return
+        logged = log if log is not None else turn.api.reply(result) or ()
+        items = await self.turn_items(turn, logged, self.id)
+        await self.threads.commit(
+            turn.loaded,
+            items,
+            state=self.state(turn),
+            restate=self.restate,
+            response_id=self.id,
+            response=result,
+        )
+        self.kept = True
+
+    async def finished(self, turn: Turn) -> None:
+        """A response begun and never kept is marked incomplete."""
+        if self._begun is None or self.kept:
+            return
+        try:
+            await asyncio.shield(self._begun)  # the row must exist before it is finished
+        except Exception:
+            return  # it was never written: nothing to finish
+        await self._finish("incomplete", None)
+
+    async def _finish(self, status: str, result: JsonDict | None) -> None:
+        finished = self.threads.store.finish_response(
+            self.tenant,
+            self.id,
+            status=status,  # type: ignore[arg-type]
+            response=result,
+        )
+        await asyncio.shield(finished)
+        self.kept = True

@@ -1,0 +1,194 @@
+"""One model turn, the SPEC's request path written once for both APIs and every mode.
+
+    load the thread (when stored)     hooks: load
+    restore ledger calls              hooks: restore
+    orphan check (SPEC 6)             here, on a stored thread
+    answer dangling calls             hooks: close_calls
+    budget + projection (SPEC 4-5)    rebuild.rebuild_turn (logs the budget breakdown)
+    the provider's body               here; hooks: upstream_body
+    ledger outputs, begin the turn    hooks: before_forward
+    forward                           relay.send_upstream
+    relay (+ commit)                  relay.relay_answer with the hooks' transformer
+    always, at the end                hooks: finished
+
+What differs between Chat and Responses is the adapter's (proxy/server/api.py). What
+differs between modes is which hooks a handler passes: the ledger guard
+(hooks/ledger.py), a persistence hook for a stored thread (hooks/persist.py), usage
+logging (hooks/usage.py). Hooks are plain objects like mitmproxy's addons: each method
+is a named point of the turn, called on every hook in the order given.
+
+    >>> hooks = [LedgerHook(request, CHAT), UsageHook(request)]   # a stateless Chat turn
+    >>> await run_turn(request, CHAT, body, raw, hooks)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.core.items import Item
+from proxy.core.projection import Projection
+from proxy.core.tokens import TokenCounter
+from proxy.server.api import ApiShape
+from proxy.server.errors import invalid
+from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
+from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
+from proxy.server.state import TENANT_POLICY
+from proxy.server.validate import JsonDict
+from proxy.threads import Loaded, first_orphan
+
+
+@dataclass
+class Turn:
+    """One request on its way through run_turn; the hooks read and fill it in."""
+
+    request: web.Request
+    api: ApiShape
+    body: JsonDict  # the client's request (its history replaced before forwarding)
+    raw: bytes  # the client's bytes: forwarded as they are when nothing changed
+    loaded: Loaded | None = None  # the stored thread's window; None: stateless
+    history: Any = None  # the client's history entries that are new (raw)
+    new: list[Item] = field(default_factory=list)  # the request's new items
+    given: int = 0  # how many items the client's history held
+    outputs: Sequence[JsonDict] | str = ()  # where the client's new tool outputs are
+    projection: Projection | None = None
+    sent: JsonDict | None = None  # the provider's request (a continuation extends it)
+    counter: TokenCounter | None = None
+    keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
+    response_id: str | None = None  # the proxy's own id of this answer, when it has one
+
+    @property
+    def known(self) -> Sequence[Item]:
+        """The stored window the new items follow (empty when stateless)."""
+        return self.loaded.items if self.loaded is not None else ()
+
+
+class TurnHook:
+    """A cross-cutting step of the turn. Every method is optional (these do nothing)."""
+
+    async def load(self, turn: Turn) -> None:
+        """Read the stored thread into `turn.loaded`; `turn.history` may become the part
+        of the client's history the thread does not hold yet."""
+
+    async def restore(self, turn: Turn) -> None:
+        """Put back calls the thread lost before their outputs (before the orphan check)."""
+
+    async def close_calls(self, turn: Turn) -> None:
+        """Answer calls that would otherwise reach the provider without an output."""
+
+    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
+        """The provider's request, once its history is the projection's."""
+        return body
+
+    async def before_forward(self, turn: Turn) -> None:
+        """The last step before the provider is called (record outputs, begin a turn)."""
+
+    def transformer(self, turn: Turn, current: Transformer) -> Transformer:
+        """The relay's transformer; `current` is what the hooks before chose."""
+        return current
+
+    def answered(self, turn: Turn, answer: JsonDict) -> None:
+        """A whole answer, or a stream's usage holder, as the provider sent it."""
+
+    async def finished(self, turn: Turn) -> None:
+        """Always, once the turn is over (relayed, refused or failed)."""
+
+
+async def run_turn(
+    request: web.Request, api: ApiShape, body: JsonDict, raw: bytes, hooks: Sequence[TurnHook]
+) -> web.StreamResponse:
+    """The request path (SPEC 3-7) for a validated body of `api`."""
+    turn = Turn(request, api, body, raw)
+    try:
+        await _prepare(turn, hooks)
+        return await _forward(turn, hooks)
+    finally:
+        for hook in hooks:
+            await hook.finished(turn)
+
+
+async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
+    """Everything before the provider's body: the turn's items and their projection."""
+    turn.history = turn.body.get(turn.api.history)
+    for hook in hooks:
+        await hook.load(turn)
+    history = turn.outputs = turn.history if turn.history is not None else []
+    turn.new = await off_the_loop(lambda: turn.api.items(history), history)
+    turn.given = len(turn.new)
+    for hook in hooks:
+        await hook.restore(turn)
+    if turn.loaded is not None:
+        orphan = first_orphan(turn.loaded.items, turn.new)
+        if orphan is not None:
+            raise invalid(turn.api.orphan_message(orphan), param=turn.api.history)
+    for hook in hooks:
+        await hook.close_calls(turn)
+    turn.projection, turn.counter = await project(turn)
+
+
+async def project(
+    turn: Turn, loaded: Loaded | None = None, *, observe: bool = True
+) -> tuple[Projection, TokenCounter]:
+    """The projection of the window plus the new items (SPEC 3-5); `loaded` replaces the
+    turn's window (a restate after a lost race, which is not observed)."""
+    inputs = turn.api.budget_inputs(turn.body)
+    return await rebuild_turn(
+        turn.request,
+        inputs.model,
+        turn.new,
+        loaded or turn.loaded,
+        tools=inputs.tools,
+        requested_output=inputs.requested_output,
+        instructions=inputs.instructions,
+        param=turn.api.history,
+        route=turn.api.route,
+        observe=observe,
+    )
+
+
+def sent_body(turn: Turn, hooks: Sequence[TurnHook]) -> tuple[JsonDict, bytes]:
+    """The provider's request: the client's own bytes when the projection changed
+    nothing on a stateless request, else the body with the projection as its history."""
+    assert turn.projection is not None
+    unchanged = turn.loaded is None and not turn.projection.changed
+    if unchanged and len(turn.new) == turn.given:
+        return turn.body, turn.raw
+    sent = turn.api.with_items(turn.body, turn.projection.items)
+    for hook in hooks:
+        sent = hook.upstream_body(turn, sent)
+    return sent, json.dumps(sent, ensure_ascii=False).encode()
+
+
+async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
+    assert turn.projection is not None
+    sent, raw = sent_body(turn, hooks)
+    turn.sent = sent
+    for hook in hooks:
+        await hook.before_forward(turn)
+    request, api = turn.request, turn.api
+    upstream = await send_upstream(
+        request,
+        request[TENANT_POLICY],
+        path=api.path,
+        body=raw,
+        stream=bool(sent.get("stream")),
+        route=api.route,
+    )
+    transformer: Transformer = (
+        Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
+    )
+    for hook in hooks:
+        transformer = hook.transformer(turn, transformer)
+
+    def answered(answer: JsonDict) -> None:
+        for hook in hooks:
+            hook.answered(turn, answer)
+
+    extra = context_headers(turn.projection)
+    return await relay_answer(
+        request, upstream, api, transformer, extra_headers=extra, on_answer=answered
+    )

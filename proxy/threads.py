@@ -54,7 +54,11 @@ Restate = Callable[["Loaded"], Awaitable[JsonDict]]
 
 
 def stored_item_view(stored: StoredItem) -> Item:
-    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+    """The item as the store kept it: its digest and token count are read, not computed
+    again (an item never counted, encoding "", is counted when first needed)."""
+    view = chat_item if stored.api == "chat" else responses_item
+    tokens = stored.tokens if stored.encoding else None
+    return view(stored.raw, digest=stored.digest, tokens=tokens, encoding=stored.encoding)
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,7 @@ def new_items(
             encoding=counter.encoding.name,
             response_id=response_id,
             role=role,
+            digest=item.digest,
         )
         for item in items
     ]

@@ -387,7 +387,10 @@ class TokenCounter:
         return len(self.encoding.encode(value, disallowed_special=()))
 
     def item(self, item: Item) -> int:
-        """Tokens one history item costs in the prompt, overhead included; cached."""
+        """Tokens one history item costs in the prompt, overhead included: the count stored
+        with the item when it was counted with this encoding, else counted once and cached."""
+        if item.tokens is not None and item.encoding == self.encoding.name:
+            return item.tokens
         key = _Key(item.api, self.encoding.name, item.digest)
         cached = self._cache.get(key)
         if cached is not None:

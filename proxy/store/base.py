@@ -64,9 +64,10 @@ class NewItem:
     raw: JsonDict
     api: Literal["chat", "responses"]
     tokens: int = 0  # counted once, stored with the item, never recounted on rebuild
-    encoding: str = ""
+    encoding: str = ""  # "" when not counted: the reader counts it
     response_id: str | None = None  # the response this item was input to or output of
     role: Literal["input", "output"] = "input"
+    digest: str = ""  # proxy.core.items.content_digest(raw); computed at write when ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class StoredItem:
     response_id: str | None
     role: Literal["input", "output"]
     created_at: str
+    digest: str = ""  # content_digest(raw), stored beside `tokens`; "" when unknown
 
 
 @dataclass(frozen=True)

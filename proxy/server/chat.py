@@ -25,7 +25,7 @@ from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, WINDOWS
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -216,7 +216,7 @@ async def _forward(
 async def _threaded(request: web.Request, body: JsonDict, thread_id: str) -> web.StreamResponse:
     tenant = request[NAMESPACE]
     request[LOG_FIELDS]["thread_id"] = thread_id
-    threads = ThreadService(request.app[STORE], utc_now)
+    threads = ThreadService(request.app[STORE], utc_now, cache=request.app[WINDOWS])
     loaded = await threads.load_or_new(tenant, thread_id, "chat")
     if loaded.kind != "chat":
         raise invalid(

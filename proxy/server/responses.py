@@ -42,7 +42,7 @@ from proxy.server.holdback import Guarded, relay_guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
 from proxy.server.relay import relay_kept, relay_response, send_upstream
-from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY, WINDOWS
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -309,7 +309,7 @@ def upstream_body(body: JsonDict, items: Sequence[Item]) -> JsonDict:
 
 
 async def _stateful(request: web.Request, body: JsonDict) -> web.StreamResponse:
-    threads = ThreadService(request.app[STORE], utc_now)
+    threads = ThreadService(request.app[STORE], utc_now, cache=request.app[WINDOWS])
     chain = await resolve_chain(request, threads, body)
     raws = body["input"] if isinstance(body.get("input"), list) else []
     taken = await threads.first_taken_id(chain.loaded, raws)
@@ -480,7 +480,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     await resolve_references(request, body)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
-        threads = ThreadService(request.app[STORE], utc_now)
+        threads = ThreadService(request.app[STORE], utc_now, cache=request.app[WINDOWS])
         chain = await resolve_chain(request, threads, body)
         items = (await _input(body)).items
         projection, _ = await _rebuild(request, body, items, chain.loaded)

@@ -48,7 +48,7 @@ def loads(text: str | None) -> Any:
 # threads -------------------------------------------------------------------------------
 
 THREAD_COLUMNS = (
-    "tenant, id, kind, metadata, created_at, version, next_seq, state, head_response_id"
+    "tenant, id, kind, metadata, created_at, version, next_seq, state, head_response_id, epoch"
 )
 
 INSERT_THREAD = f"""
@@ -116,6 +116,7 @@ SELECT_ITEM = (
 FIND_ITEM = f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND item_id = $2 LIMIT 1"
 
 DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
+BUMP_EPOCH = "UPDATE threads SET epoch = epoch + 1 WHERE tenant = $1 AND id = $2"
 
 
 def page_query(order: str, *, after: bool) -> str:
@@ -279,6 +280,7 @@ def thread_from_row(row: Row) -> Thread:
         next_seq=row["next_seq"],
         state=loads(row["state"]),
         head_response_id=row["head_response_id"],
+        epoch=row["epoch"],
     )
 
 

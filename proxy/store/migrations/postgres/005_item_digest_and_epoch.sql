@@ -4,3 +4,7 @@
 -- migration): computed when the row is loaded.
 
 ALTER TABLE items ADD COLUMN digest TEXT;
+
+-- Bumped whenever an item leaves the thread's log (a deleted conversation item), which the
+-- version does not count: a process holding the window in memory reloads it whole then.
+ALTER TABLE threads ADD COLUMN epoch BIGINT NOT NULL DEFAULT 0;

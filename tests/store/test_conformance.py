@@ -303,6 +303,27 @@ async def test_each_item_digest_is_stored_beside_its_count(store: Store) -> None
     assert [i.digest for i in forked] == [i.digest for i in window.items]
 
 
+async def test_load_window_from_seq_reads_only_what_is_new(store: Store) -> None:
+    await thread_with(store, "a", "b", "c")
+    window = await store.load_window("acme", "t1", from_seq=1)
+    assert window is not None and ids_of(window.items) == ["b", "c"]
+    await store.append_items("acme", "t1", items("d"), state={"window_start": 3}, now=T1)
+    later = await store.load_window("acme", "t1", from_seq=1)  # the window start wins
+    assert later is not None and ids_of(later.items) == ["d"]
+    past_end = await store.load_window("acme", "t1", from_seq=4)
+    assert past_end is not None and past_end.items == () and past_end.thread.next_seq == 4
+
+
+async def test_deleting_an_item_bumps_the_epoch_not_the_version(store: Store) -> None:
+    await thread_with(store, "a", "b")
+    before = await store.get_thread("acme", "t1")
+    assert before is not None and before.epoch == 0
+    assert await store.delete_item("acme", "t1", "a")
+    assert not await store.delete_item("acme", "t1", "a")
+    after = await store.get_thread("acme", "t1")
+    assert after is not None and (after.epoch, after.version) == (1, before.version)
+
+
 async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)

@@ -354,16 +354,19 @@ class ThreadService:
         for attempt in range(self.attempts):
             try:
                 thread = loaded.thread or await self._create(loaded)
-                return await self.store.commit_turn(
+                now = self.clock()
+                committed = await self.store.commit_turn(
                     loaded.tenant,
                     loaded.thread_id,
                     expected_version=thread.version,
                     items=items,
                     state=state,
-                    now=self.clock(),
+                    now=now,
                     response_id=response_id,
                     response=response,
                 )
+                self._remember(loaded, committed, items, now, response_id)
+                return committed
             except (VersionConflict, _LostCreate):
                 await asyncio.sleep(random.uniform(0, min(self.pause * (attempt + 1), MAX_PAUSE)))
                 loaded = await self._reload(loaded)
@@ -371,6 +374,59 @@ class ThreadService:
         raise VersionConflict(
             f"thread {loaded.thread_id} kept changing: {self.attempts} commits lost the race"
         )
+
+    def _remember(
+        self,
+        loaded: Loaded,
+        thread: Thread,
+        items: Sequence[NewItem],
+        now: str,
+        response_id: str | None,
+    ) -> None:
+        """Add a turn this process committed to the window it holds, as the store wrote
+        it, so the next load reads only the thread row. Only a window read from the
+        cache and committed right after (no other write between) is extended."""
+        cache = self.cache
+        held = cache.get(loaded.tenant, loaded.thread_id) if cache is not None else None
+        if cache is None or held is None or held.stored is not loaded.stored:
+            return
+        first_seq = thread.next_seq - len(items)
+        if (thread.version, first_seq) != (held.version + 1, held.next_seq):
+            return
+        if (thread.created_at, thread.epoch) != (held.created_at, held.epoch):
+            return
+        start = sql.window_start(thread.state)
+        added = tuple(
+            StoredItem(
+                first_seq + offset,
+                item.item_id,
+                item.raw,
+                item.api,
+                item.tokens,
+                item.encoding,
+                item.response_id or response_id,
+                item.role,
+                now,
+                item.digest or content_digest(item.raw),
+            )
+            for offset, item in enumerate(items)
+        )
+        stored = tuple(s for s in (*held.stored, *added) if s.seq >= start)
+        kept = len(held.stored) + len(added) - len(stored)  # left behind by the window start
+        items_now = (*held.items, *map(stored_item_view, added))[kept:]
+        sizes = (*held.sizes, *(_json_size(s.raw) for s in added))[kept:]
+        entry = _Window(
+            thread.created_at,
+            thread.version,
+            thread.epoch,
+            start,
+            thread.next_seq,
+            stored,
+            items_now,
+            sizes,
+        )
+        if held.window_start <= start:
+            cache.put(loaded.tenant, loaded.thread_id, entry)
 
     async def _create(self, loaded: Loaded) -> Thread:
         """The thread's first commit creates it; a concurrent first commit that created it

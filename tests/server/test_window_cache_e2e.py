@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from proxy.clock import utc_now
 from proxy.server.state import STORE, WINDOWS
-from proxy.threads import WindowCache
+from proxy.threads import ThreadService, WindowCache
 
 from .conftest import Proxy
 from .pg import StartProxy, pg_store_url, start_proxy  # noqa: F401
@@ -81,6 +82,11 @@ async def alternate_chat_turns(proxies: list[Proxy]) -> None:
         assert sent == [text for k in range(n) for text in (f"chat {k}", f"ok: chat {k}")] + [
             f"chat {n}"
         ]
+    for proxy in proxies:  # each instance's window is what the store holds
+        store = proxy.app[STORE]  # type: ignore[index]
+        held = await ThreadService(store, utc_now, cache=cache_of(proxy)).load("acme", "t-shared")
+        fresh = await ThreadService(store, utc_now).load("acme", "t-shared")
+        assert held is not None and fresh is not None and held.stored == fresh.stored
 
 
 async def two_instances(make_proxy: Any, store_url: str) -> list[Proxy]:
@@ -103,8 +109,12 @@ async def test_two_instances_on_one_postgres(
 
 
 async def test_a_cached_turn_reads_only_what_is_new(
-    proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+    make_proxy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """Turns of this instance are added to its window when committed: the next turn reads
+    the thread row only. The other instance's turn is read as new rows."""
+    store_url = f"sqlite:///{tmp_path / 'shared.db'}"
+    proxy, other = await two_instances(make_proxy, store_url)
     store = proxy.app[STORE]  # type: ignore[index]
     client = proxy.client()
     conversation = await client.conversations.create()
@@ -118,10 +128,25 @@ async def test_a_cached_turn_reads_only_what_is_new(
         return window
 
     monkeypatch.setattr(store, "load_window", load_window)
-    for text in ("two", "three", "four"):
+    for text in ("two", "three"):
         await client.responses.create(model="gpt-4o", conversation=conversation.id, input=text)
-    assert read == [2, 2, 2]  # the previous turn's input and output, not the whole window
+    await other.client().responses.create(
+        model="gpt-4o", conversation=conversation.id, input="from the other instance"
+    )
+    await client.responses.create(model="gpt-4o", conversation=conversation.id, input="four")
+    assert read == [0, 0, 2]  # the other instance's input and output, not the whole window
+    assert "from the other instance" in texts_sent(proxy)
     assert cache_of(proxy).bytes > 0
+
+    # What this instance added to its window is what the store holds, field for field.
+    monkeypatch.setattr(store, "load_window", original)
+    await client.responses.create(model="gpt-4o", conversation=conversation.id, input="five")
+    held = await ThreadService(store, utc_now, cache=cache_of(proxy)).load("acme", conversation.id)
+    fresh = await ThreadService(store, utc_now).load("acme", conversation.id)
+    assert held is not None and fresh is not None
+    assert held.stored == fresh.stored and len(held.stored) == 12
+    assert held.items == fresh.items
+    assert [i.tokens for i in held.items] == [i.tokens for i in fresh.items]
 
 
 async def test_no_cache_when_its_size_is_zero(make_proxy: Any) -> None:

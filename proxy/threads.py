@@ -16,6 +16,12 @@ reloads the window, recomputes the derived state with `restate` and retries: app
 commute, the state is rebuilt. An item id the thread already holds is no race: the
 store's AlreadyExists goes to the caller at once (callers refuse such ids up front with
 `first_taken_id`).
+
+Stored items come back with the digest and token count written beside them, so a load
+never re-serializes or recounts them. With a `WindowCache` (one per process, the app's
+WINDOWS key) a load of a thread this process served reads the thread row and only the
+rows past what it holds; the row's version, epoch and created_at say when that is not
+enough and the window is read whole.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ lists included, has bearer/basic credentials, OpenAI-style keys (sk-..., sk-proj
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -76,6 +77,8 @@ RECOMPILE_SECONDS = 1.0
 # Texts up to this long are remembered after redaction, at most this many at a time.
 SEEN_MAX_LENGTH = 200
 SEEN_MAX_ENTRIES = 4096
+# Values that are never redacted, whatever their name (context_tokens=1234 stays).
+_PLAIN = frozenset({int, float, bool, type(None)})
 
 
 class Redactor:
@@ -104,22 +107,38 @@ class Redactor:
             self._seen = {}
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
-        return {key: self.value(key, value) for key, value in event_dict.items()}
+        value = self.value
+        return {key: value(key, entry) for key, entry in event_dict.items()}
 
     def value(self, key: Any, value: Any) -> Any:
-        """`value` with credentials removed; `key` is the name it is logged under."""
-        if isinstance(value, bool | int | float) or value is None:
+        """`value` with credentials removed; `key` is the name it is logged under.
+
+        Only strings are redacted (numbers, booleans and None pass as they are, even under
+        a secret-looking name); containers are rebuilt only to reach the strings in them."""
+        kind = type(value)
+        if kind in _PLAIN:
             return value
-        if isinstance(key, str) and is_secret_key(key):
+        if key.__class__ is str and is_secret_key(key):
+            if isinstance(value, bool | int | float):
+                return value
             return REDACTED
+        if kind is str:
+            return self.text(value)
+        if kind is dict or isinstance(value, Mapping):
+            text = self.text
+            entry = self.value
+            return {
+                text(k if k.__class__ is str else str(k)): entry(k, v) for k, v in value.items()
+            }
+        if kind is list or isinstance(value, tuple | set | frozenset):
+            entry = self.value
+            return [entry(None, item) for item in value]
+        if isinstance(value, bool | int | float):
+            return value
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, bytes | bytearray):
             return self.text(bytes(value).decode("utf-8", errors="replace"))
-        if isinstance(value, Mapping):
-            return {self.text(str(k)): self.value(k, v) for k, v in value.items()}
-        if isinstance(value, list | tuple | set | frozenset):
-            return [self.value(None, item) for item in value]
         return self.text(str(value))
 
     def text(self, text: str) -> str:
@@ -194,6 +213,7 @@ def _secrets_pattern(secrets: Iterable[str]) -> re.Pattern[str]:
         return re.compile("|".join(map(re.escape, _longest_first(secrets))))
 
 
+@functools.lru_cache(maxsize=4096)  # field names repeat on every line
 def is_secret_key(key: str) -> bool:
     return SECRET_KEY.search(key.lower().replace("-", "_").replace(".", "_")) is not None
 
@@ -231,7 +251,9 @@ def configure_logging(
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=False,
+        # Loggers are built once, not on every call. Safe across reconfiguration: the
+        # stream and the redactor live on the stdlib handler, replaced below.
+        cache_logger_on_first_use=True,
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,

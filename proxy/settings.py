@@ -52,6 +52,8 @@ class Settings:
     metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
     store_connect_timeout: float = 5.0  # seconds to open a store connection
     store_command_timeout: float = 10.0  # seconds one store statement may take
+    # Hot threads' windows kept in memory per process (bytes of item JSON; 0: none).
+    thread_cache_bytes: int = 16 * 1024 * 1024
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -99,6 +101,13 @@ def _positive_int(value: Any) -> int:
     number = _integer(value)
     if number <= 0:
         raise ValueError(f"expected an integer > 0, got {number}")
+    return number
+
+
+def _non_negative_int(value: Any) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise ValueError(f"expected an integer >= 0, got {number}")
     return number
 
 
@@ -185,6 +194,12 @@ FIELDS: tuple[_Field, ...] = (
         _positive_number,
         "store_command_timeout",
         "THREADKEEPER_STORE_COMMAND_TIMEOUT",
+    ),
+    _Field(
+        "thread_cache_bytes",
+        _non_negative_int,
+        "thread_cache_bytes",
+        "THREADKEEPER_THREAD_CACHE_BYTES",
     ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}

@@ -16,16 +16,27 @@ reloads the window, recomputes the derived state with `restate` and retries: app
 commute, the state is rebuilt. An item id the thread already holds is no race: the
 store's AlreadyExists goes to the caller at once (callers refuse such ids up front with
 `first_taken_id`).
+
+Stored items come back with the digest and token count written beside them, so a load
+never re-serializes or recounts them. With a `WindowCache` (one per process, the app's
+WINDOWS key) a load of a thread this process served reads the thread row and only the
+rows past what it holds; the row's version, epoch and created_at say when that is not
+enough and the window is read whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Literal
+
+import orjson
 
 from proxy.core.checkpoint import cut_to_state, state_to_cut
 from proxy.core.items import Item, chat_item, content_digest, message_text, responses_item
@@ -33,6 +44,7 @@ from proxy.core.ledger import is_synthetic_output
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
+from proxy.store import sql
 from proxy.store.base import (
     AlreadyExists,
     JsonDict,
@@ -54,7 +66,11 @@ Restate = Callable[["Loaded"], Awaitable[JsonDict]]
 
 
 def stored_item_view(stored: StoredItem) -> Item:
-    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+    """The item as the store kept it: its digest and token count are read, not computed
+    again (an item never counted, encoding "", is counted when first needed)."""
+    view = chat_item if stored.api == "chat" else responses_item
+    tokens = stored.tokens if stored.encoding else None
+    return view(stored.raw, digest=stored.digest, tokens=tokens, encoding=stored.encoding)
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,11 @@ class Loaded:
         return self.stored[0].seq if self.stored else self.next_seq
 
     def cut(self) -> CutPoint | None:
-        """The stored cut in the projection's positions."""
+        """The stored cut in the projection's positions (read once per Loaded)."""
+        return self._cut
+
+    @cached_property
+    def _cut(self) -> CutPoint | None:
         cut = state_to_cut(self.state)
         if cut is None:
             return None
@@ -115,8 +135,12 @@ class Loaded:
             return self.stored[max(index, 0)].seq
         return self.next_seq + index - len(self.stored)
 
+    @cached_property
+    def _seqs(self) -> list[int]:
+        return [s.seq for s in self.stored]
+
     def _position_of(self, seq: int, *, exact: bool = False) -> int | None:
-        seqs = [s.seq for s in self.stored]
+        seqs = self._seqs
         if seq >= self.next_seq:
             index = len(seqs) + seq - self.next_seq
         else:
@@ -153,14 +177,89 @@ def new_items(
             encoding=counter.encoding.name,
             response_id=response_id,
             role=role,
+            digest=item.digest,
         )
         for item in items
     ]
 
 
+@dataclass(frozen=True)
+class _Window:
+    """A thread's live window as one process last read it, and what it was read at."""
+
+    created_at: str  # a thread deleted and created again under its id is another thread
+    version: int
+    epoch: int
+    window_start: int
+    next_seq: int
+    stored: tuple[StoredItem, ...]
+    items: tuple[Item, ...]
+    sizes: tuple[int, ...]  # bytes of each item's JSON text
+
+    def extends_to(self, thread: Thread) -> bool:
+        """Whether `thread` is this window's thread, moved on by appends only: then the
+        items held stay valid and what is new starts at `next_seq`."""
+        return (
+            thread.created_at == self.created_at
+            and thread.epoch == self.epoch
+            and thread.version >= self.version
+            and thread.next_seq >= self.next_seq
+            and sql.window_start(thread.state) >= self.window_start
+        )
+
+
+def _json_size(raw: JsonDict) -> int:
+    try:
+        return len(orjson.dumps(raw))
+    except TypeError:  # a lone surrogate or an integer beyond 64 bits: the stdlib writes it
+        return len(json.dumps(raw))
+
+
+class WindowCache:
+    """Hot threads' windows, per process, bounded by the bytes of their items' JSON text
+    (Python objects take a few times more), least recently used first out.
+
+    An entry is checked against the thread row on every load (ThreadService.load): rows
+    only ever get appended under a new version, and anything else (a deleted item: the
+    epoch; a thread created again: created_at) makes the load read the window whole. So
+    replicas and worker processes sharing a store stay correct; the cache only saves
+    reading and parsing rows this process has seen."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[str, str], _Window] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, tenant: str, thread_id: str) -> _Window | None:
+        entry = self._entries.get((tenant, thread_id))
+        if entry is not None:
+            self._entries.move_to_end((tenant, thread_id))
+        return entry
+
+    def put(self, tenant: str, thread_id: str, entry: _Window) -> None:
+        self.drop(tenant, thread_id)
+        size = sum(entry.sizes)
+        if size > self.max_bytes or self.max_bytes == 0:
+            return
+        self._entries[(tenant, thread_id)] = entry
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.bytes -= sum(evicted.sizes)
+
+    def drop(self, tenant: str, thread_id: str) -> None:
+        entry = self._entries.pop((tenant, thread_id), None)
+        if entry is not None:
+            self.bytes -= sum(entry.sizes)
+
+
 class ThreadService:
     """Loads windows and commits turns; every commit is shielded from cancellation so a
-    client that disconnects cannot leave half a turn written (SPEC 7)."""
+    client that disconnects cannot leave half a turn written (SPEC 7). With a
+    `WindowCache`, a load of a thread this process holds reads its row and what is new."""
 
     def __init__(
         self,
@@ -169,18 +268,56 @@ class ThreadService:
         *,
         attempts: int = COMMIT_ATTEMPTS,
         pause: float = 0.005,
+        cache: WindowCache | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.attempts = attempts
         self.pause = pause
+        self.cache = cache
 
     async def load(self, tenant: str, thread_id: str) -> Loaded | None:
-        window = await self.store.load_window(tenant, thread_id)
+        if self.cache is None:
+            window = await self.store.load_window(tenant, thread_id)
+            if window is None:
+                return None
+            items = tuple(stored_item_view(s) for s in window.items)
+            thread = window.thread
+            return Loaded(tenant, thread_id, thread.kind, thread, window.items, items)
+        return await self._load_cached(self.cache, tenant, thread_id)
+
+    async def _load_cached(self, cache: WindowCache, tenant: str, thread_id: str) -> Loaded | None:
+        held = cache.get(tenant, thread_id)
+        from_seq = held.next_seq if held is not None else 0
+        window = await self.store.load_window(tenant, thread_id, from_seq=from_seq)
+        if window is not None and held is not None and not held.extends_to(window.thread):
+            held = None
+            window = await self.store.load_window(tenant, thread_id)
         if window is None:
+            cache.drop(tenant, thread_id)
             return None
-        items = tuple(stored_item_view(s) for s in window.items)
-        return Loaded(tenant, thread_id, window.thread.kind, window.thread, window.items, items)
+        thread = window.thread
+        start = sql.window_start(thread.state)
+        stored = window.items
+        items = tuple(map(stored_item_view, stored))
+        sizes = tuple(_json_size(s.raw) for s in stored)
+        if held is not None:
+            keep = bisect_left([s.seq for s in held.stored], start)
+            stored = held.stored[keep:] + stored
+            items = held.items[keep:] + items
+            sizes = held.sizes[keep:] + sizes
+        entry = _Window(
+            thread.created_at,
+            thread.version,
+            thread.epoch,
+            start,
+            thread.next_seq,
+            stored,
+            items,
+            sizes,
+        )
+        cache.put(tenant, thread_id, entry)
+        return Loaded(tenant, thread_id, thread.kind, thread, stored, items)
 
     async def load_or_new(self, tenant: str, thread_id: str, kind: ThreadKind) -> Loaded:
         """The thread, or an empty one the first commit creates."""
@@ -223,16 +360,19 @@ class ThreadService:
         for attempt in range(self.attempts):
             try:
                 thread = loaded.thread or await self._create(loaded)
-                return await self.store.commit_turn(
+                now = self.clock()
+                committed = await self.store.commit_turn(
                     loaded.tenant,
                     loaded.thread_id,
                     expected_version=thread.version,
                     items=items,
                     state=state,
-                    now=self.clock(),
+                    now=now,
                     response_id=response_id,
                     response=response,
                 )
+                self._remember(loaded, committed, items, now, response_id)
+                return committed
             except (VersionConflict, _LostCreate):
                 await asyncio.sleep(random.uniform(0, min(self.pause * (attempt + 1), MAX_PAUSE)))
                 loaded = await self._reload(loaded)
@@ -240,6 +380,59 @@ class ThreadService:
         raise VersionConflict(
             f"thread {loaded.thread_id} kept changing: {self.attempts} commits lost the race"
         )
+
+    def _remember(
+        self,
+        loaded: Loaded,
+        thread: Thread,
+        items: Sequence[NewItem],
+        now: str,
+        response_id: str | None,
+    ) -> None:
+        """Add a turn this process committed to the window it holds, as the store wrote
+        it, so the next load reads only the thread row. Only a window read from the
+        cache and committed right after (no other write between) is extended."""
+        cache = self.cache
+        held = cache.get(loaded.tenant, loaded.thread_id) if cache is not None else None
+        if cache is None or held is None or held.stored is not loaded.stored:
+            return
+        first_seq = thread.next_seq - len(items)
+        if (thread.version, first_seq) != (held.version + 1, held.next_seq):
+            return
+        if (thread.created_at, thread.epoch) != (held.created_at, held.epoch):
+            return
+        start = sql.window_start(thread.state)
+        added = tuple(
+            StoredItem(
+                first_seq + offset,
+                item.item_id,
+                item.raw,
+                item.api,
+                item.tokens,
+                item.encoding,
+                item.response_id or response_id,
+                item.role,
+                now,
+                item.digest or content_digest(item.raw),
+            )
+            for offset, item in enumerate(items)
+        )
+        stored = tuple(s for s in (*held.stored, *added) if s.seq >= start)
+        kept = len(held.stored) + len(added) - len(stored)  # left behind by the window start
+        items_now = (*held.items, *map(stored_item_view, added))[kept:]
+        sizes = (*held.sizes, *(_json_size(s.raw) for s in added))[kept:]
+        entry = _Window(
+            thread.created_at,
+            thread.version,
+            thread.epoch,
+            start,
+            thread.next_seq,
+            stored,
+            items_now,
+            sizes,
+        )
+        if held.window_start <= start:
+            cache.put(loaded.tenant, loaded.thread_id, entry)
 
     async def _create(self, loaded: Loaded) -> Thread:
         """The thread's first commit creates it; a concurrent first commit that created it
@@ -326,6 +519,22 @@ def chat_message_key(message: Mapping[str, Any]) -> str:
     )
 
 
+# chat_message_key of stored messages by content digest: a thread's window is compared
+# with every request, and its messages do not change.
+_message_keys: dict[str, str] = {}
+MESSAGE_KEYS_MAX = 1 << 16
+
+
+def _stored_message_key(item: Item) -> str:
+    key = _message_keys.get(item.digest)
+    if key is None:
+        key = chat_message_key(item.raw)
+        if len(_message_keys) >= MESSAGE_KEYS_MAX:
+            _message_keys.clear()
+        _message_keys[item.digest] = key
+    return key
+
+
 def new_chat_messages(loaded: Loaded, messages: Sequence[JsonDict]) -> list[JsonDict]:
     """The messages of a Chat request that are new to its thread (header X-Thread-Id).
 
@@ -349,7 +558,11 @@ def new_chat_messages(loaded: Loaded, messages: Sequence[JsonDict]) -> list[Json
     """
     keys = [chat_message_key(m) for m in messages]
     # Outputs the proxy wrote for calls the client never answered are never resent.
-    window = [chat_message_key(s.raw) for s in loaded.stored if not is_synthetic_output(s.raw)]
+    window = [
+        _stored_message_key(item)
+        for stored, item in zip(loaded.stored, loaded.items, strict=True)
+        if not is_synthetic_output(stored.raw)
+    ]
     if not window:
         return list(messages)
     start = _last_run(keys, window)

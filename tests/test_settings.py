@@ -231,3 +231,13 @@ def test_provider_body_cap_and_client_header_timeout_come_from_the_environment()
         load_settings(NO_FLAGS, {"THREADKEEPER_CLIENT_HEADER_TIMEOUT": "0"})
     with pytest.raises(SettingsError, match="THREADKEEPER_MAX_PROVIDER_BODY_BYTES: expected"):
         load_settings(NO_FLAGS, {"THREADKEEPER_MAX_PROVIDER_BODY_BYTES": "lots"})
+
+
+def test_thread_cache_bytes_from_file_and_environment(tmp_path: Path) -> None:
+    assert Settings().thread_cache_bytes == 16 * 1024 * 1024
+    config = write_config(tmp_path / "tk.yaml", "thread_cache_bytes: 1_000\n")
+    assert load_settings({"config": str(config)}, {}).thread_cache_bytes == 1000
+    env = {"THREADKEEPER_THREAD_CACHE_BYTES": "0"}  # 0: no cache
+    assert load_settings({"config": str(config)}, env).thread_cache_bytes == 0
+    with pytest.raises(SettingsError, match="THREADKEEPER_THREAD_CACHE_BYTES: expected"):
+        load_settings({}, {"THREADKEEPER_THREAD_CACHE_BYTES": "-1"})

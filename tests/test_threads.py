@@ -15,6 +15,8 @@ from proxy.store.base import NewItem, StoredItem, Thread, VersionConflict, Windo
 from proxy.threads import (
     Loaded,
     ThreadService,
+    WindowCache,
+    _Window,
     first_orphan,
     new_chat_messages,
     new_items,
@@ -183,3 +185,52 @@ async def test_first_taken_id_reads_the_whole_log_and_skips_item_references(
         assert await service.first_taken_id(outside, [{"id": "msg_old"}]) == 0
     finally:
         await store.close()
+
+
+# --- the hot-thread cache -----------------------------------------------------------------
+
+
+async def test_cached_windows_follow_appends_cuts_and_a_recreated_thread(tmp_path: Path) -> None:
+    store = await open_store(f"sqlite:///{tmp_path / 'cache.db'}")
+    await store.migrate()
+    cache = WindowCache(1 << 20)
+    service = ThreadService(store, clock, cache=cache)
+    message = {"role": "user", "content": "hi"}
+    try:
+        await store.create_thread(
+            "acme", "t1", kind="chat", items=[NewItem("m0", message, "chat")], now=NOW
+        )
+        first = await service.load("acme", "t1")
+        assert first is not None and [s.item_id for s in first.stored] == ["m0"]
+        await store.append_items(
+            "acme", "t1", [NewItem(f"m{n}", message, "chat") for n in (1, 2)],
+            state={"window_start": 2}, now=NOW,
+        )  # fmt: skip
+        moved = await service.load("acme", "t1")
+        assert moved is not None and [s.item_id for s in moved.stored] == ["m2"]
+        assert moved.first_position == 2 and moved.items[0].tokens is None  # never counted
+
+        await store.delete_thread("acme", "t1")
+        assert await service.load("acme", "t1") is None
+        assert len(cache) == 0
+        await store.create_thread(
+            "acme", "t1", kind="chat", items=[NewItem("new", message, "chat")], now="2026"
+        )
+        again = await service.load("acme", "t1")
+        assert again is not None and [s.item_id for s in again.stored] == ["new"]
+    finally:
+        await store.close()
+
+
+def test_window_cache_is_bounded_by_bytes_least_recent_out() -> None:
+    cache = WindowCache(100)
+    entry = _Window("now", 1, 0, 0, 1, (), (), (40,))
+    for thread_id in ("a", "b"):
+        cache.put("acme", thread_id, entry)
+    assert cache.get("acme", "a") is entry  # "a" is now the most recent
+    cache.put("acme", "c", entry)
+    assert (cache.get("acme", "b"), len(cache), cache.bytes) == (None, 2, 80)
+    cache.put("acme", "big", replace(entry, sizes=(101,)))
+    assert cache.get("acme", "big") is None and cache.bytes == 80
+    cache.drop("acme", "a")
+    assert (len(cache), cache.bytes) == (1, 40)

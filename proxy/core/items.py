@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 Api = Literal["chat", "responses"]
 JsonDict = dict[str, Any]
@@ -58,6 +61,10 @@ class Item:
     call_ids: tuple[str, ...] = ()
     output_for: str | None = None
     digest: str = ""
+    # The count stored with the item (NewItem.tokens) and the encoding it was counted
+    # with: TokenCounter.item returns it for that encoding instead of counting again.
+    tokens: int | None = field(default=None, compare=False)
+    encoding: str = field(default="", compare=False)
 
     @property
     def is_instruction(self) -> bool:
@@ -90,39 +97,95 @@ def message_text(content: Any) -> str:
 
 
 def canonical_json(value: Any) -> str:
-    """Stable serialization used for hashing and for idempotency fingerprints."""
+    """Stable serialization used for hashing and for idempotency fingerprints: sorted
+    keys, no spaces, non-ASCII as itself. Persisted values (ledger keys, fingerprints,
+    stored item digests) depend on these exact bytes; do not change them."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+# In orjson's output with the strings taken out, a float is a digit before "." or an
+# exponent (orjson and json format floats differently); "null" may be a NaN or infinity.
+_FLOAT = re.compile(rb"\d[.eE]")
+# What the stdlib cannot write (dataclasses, datetimes, subclasses) must not pass either.
+_ORJSON_OPTIONS = (
+    orjson.OPT_SORT_KEYS
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
+
+def canonical_bytes(value: Any) -> bytes:
+    """`canonical_json(value)` as UTF-8 (a lone surrogate passes as itself), byte for byte.
+
+    orjson writes the same bytes as the stdlib for everything but floats, NaN and
+    infinities, and raises on what it cannot write (lone surrogates, integers beyond 64
+    bits, nesting past 255 levels); those go to the stdlib, so the result never depends
+    on orjson's version (tests/core/test_persisted_forms.py compares the two).
+    """
+    try:
+        fast = orjson.dumps(value, option=_ORJSON_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError
+        return _stdlib_bytes(value)
+    if _FLOAT.search(fast) is None and b"null" not in fast:  # not even inside strings
+        return fast
+    outside = b"".join(fast.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
+    if _FLOAT.search(outside) or (b"null" in outside and orjson.loads(fast) != value):
+        return _stdlib_bytes(value)
+    return fast
+
+
+def _stdlib_bytes(value: Any) -> bytes:
+    return canonical_json(value).encode("utf-8", "surrogatepass")
+
+
 def content_digest(raw: Any) -> str:
-    """Key order does not change the digest: it names the content, not the bytes. A lone
-    surrogate (JSON may escape one: "\\ud800") is hashed as itself, never an error."""
-    return hashlib.sha256(canonical_json(raw).encode("utf-8", "surrogatepass")).hexdigest()
+    """sha256 of `canonical_bytes(raw)`: the digest stored with each item (column
+    `items.digest`), so its form is fixed across processes and versions. Key order does
+    not change the digest: it names the content, not the bytes. A lone surrogate (JSON may
+    escape one: "\\ud800") is hashed as itself, never an error."""
+    return hashlib.sha256(canonical_bytes(raw)).hexdigest()
 
 
 def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def chat_item(message: JsonDict) -> Item:
+def chat_item(
+    message: JsonDict, *, digest: str = "", tokens: int | None = None, encoding: str = ""
+) -> Item:
     """View of one Chat Completions message.
 
     An assistant message with `tool_calls` (or a legacy `function_call`) is a
     "tool_calls" item; a `tool` or legacy `function` message is a "tool_output".
+    `digest`, `tokens` and `encoding` are what the store kept for the message, if any.
     """
     role = _str_or_none(message.get("role"))
     name = _str_or_none(message.get("name"))
-    view = Item(
-        message, "chat", "message", None, role=role, name=name, digest=content_digest(message)
-    )
+    kind = "message"
+    call_ids: tuple[str, ...] = ()
+    output_for = None
     if role == "assistant" and (call_ids := chat_call_ids(message)):
-        return replace(view, kind="tool_calls", call_ids=call_ids)
-    if role == "tool":
-        answers = _str_or_none(message.get("tool_call_id"))
-        return replace(view, kind="tool_output", output_for=answers)
-    if role == "function":
-        return replace(view, kind="tool_output", output_for=legacy_call_id(name or ""))
-    return view
+        kind = "tool_calls"
+    elif role == "tool":
+        kind, output_for = "tool_output", _str_or_none(message.get("tool_call_id"))
+    elif role == "function":
+        kind, output_for = "tool_output", legacy_call_id(name or "")
+    return Item(
+        message,
+        "chat",
+        kind,
+        None,
+        role,
+        None,
+        None,
+        name,
+        call_ids,
+        output_for,
+        digest or content_digest(message),
+        tokens,
+        encoding,
+    )
 
 
 def chat_call_ids(message: Mapping[str, Any]) -> tuple[str, ...]:
@@ -144,38 +207,47 @@ def legacy_call_id(function_name: str) -> str:
     return f"legacy-function:{function_name}"
 
 
-def responses_item(raw: JsonDict) -> Item:
+def responses_item(
+    raw: JsonDict, *, digest: str = "", tokens: int | None = None, encoding: str = ""
+) -> Item:
     """View of one Responses input or output item.
 
     A message may omit `type` (EasyInputMessage). Calls and their outputs pair by
     `call_id`; local_shell_call_output names its call by `id` (OpenAI spec), so `id`
     is the fallback. reasoning, compaction and item_reference keep their type as kind;
-    any other type is "other" and keeps its place untouched.
+    any other type is "other" and keeps its place untouched. `digest`, `tokens` and
+    `encoding` are what the store kept for the item, if any.
     """
     item_type = _str_or_none(raw.get("type"))
     item_id = _str_or_none(raw.get("id"))
     role = _str_or_none(raw.get("role"))
-    view = Item(
-        raw,
-        "responses",
-        "other",
-        item_type,
-        role=role,
-        id=item_id,
-        status=_str_or_none(raw.get("status")),
-        name=_str_or_none(raw.get("name")),
-        digest=content_digest(raw),
-    )
+    kind = "other"
+    call_ids: tuple[str, ...] = ()
+    output_for = None
     call_id = _str_or_none(raw.get("call_id")) or item_id
     if item_type in (None, "message") and role is not None:
-        return replace(view, kind="message", type="message")
-    if item_type in CALL_TYPES:
-        return replace(view, kind="tool_calls", call_ids=(call_id,) if call_id else ())
-    if item_type in OUTPUT_TO_CALL_TYPE:
-        return replace(view, kind="tool_output", output_for=call_id)
-    if item_type in ("reasoning", "compaction", "item_reference"):
-        return replace(view, kind=item_type)
-    return view
+        kind, item_type = "message", "message"
+    elif item_type in CALL_TYPES:
+        kind, call_ids = "tool_calls", (call_id,) if call_id else ()
+    elif item_type in OUTPUT_TO_CALL_TYPE:
+        kind, output_for = "tool_output", call_id
+    elif item_type in ("reasoning", "compaction", "item_reference"):
+        kind = item_type
+    return Item(
+        raw,
+        "responses",
+        kind,
+        item_type,
+        role,
+        item_id,
+        _str_or_none(raw.get("status")),
+        _str_or_none(raw.get("name")),
+        call_ids,
+        output_for,
+        digest or content_digest(raw),
+        tokens,
+        encoding,
+    )
 
 
 def items_from_chat(messages: Iterable[JsonDict]) -> list[Item]:

@@ -40,7 +40,7 @@ import imagesize
 import tiktoken
 from tiktoken_ext import openai_public
 
-from proxy.core.items import Item, canonical_json
+from proxy.core.items import Item, canonical_json, content_digest
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +371,9 @@ class TokenCounter:
     # Shared by every counter of the process: an item's count never changes.
     _cache: ClassVar[dict[_Key, int]] = {}
     _CACHE_MAX: ClassVar[int] = 1 << 20
+    # Tool lists by digest: clients resend the same definitions with every request.
+    _tools_cache: ClassVar[dict[_Key, int]] = {}
+    _TOOLS_CACHE_MAX: ClassVar[int] = 4096
 
     def __init__(self, model: str, encoding: tiktoken.Encoding) -> None:
         self.model = model
@@ -387,7 +390,10 @@ class TokenCounter:
         return len(self.encoding.encode(value, disallowed_special=()))
 
     def item(self, item: Item) -> int:
-        """Tokens one history item costs in the prompt, overhead included; cached."""
+        """Tokens one history item costs in the prompt, overhead included: the count stored
+        with the item when it was counted with this encoding, else counted once and cached."""
+        if item.tokens is not None and item.encoding == self.encoding.name:
+            return item.tokens
         key = _Key(item.api, self.encoding.name, item.digest)
         cached = self._cache.get(key)
         if cached is not None:
@@ -477,7 +483,17 @@ class TokenCounter:
         Responses shape. Built-in and custom tools count their JSON definition as text."""
         if not tools:
             return 0
-        return sum(self._tool(tool) for tool in tools) + 12  # func_end
+        try:
+            key = _Key("tools", self.encoding.name, content_digest(tools))
+        except (TypeError, ValueError, RecursionError):  # not JSON: counted, not cached
+            return sum(self._tool(tool) for tool in tools) + 12
+        cached = self._tools_cache.get(key)
+        if cached is None:
+            cached = sum(self._tool(tool) for tool in tools) + 12  # func_end
+            if len(self._tools_cache) >= self._TOOLS_CACHE_MAX:
+                self._tools_cache.clear()
+            self._tools_cache[key] = cached
+        return cached
 
     def _tool(self, tool: Mapping[str, Any]) -> int:
         func_init = 7 if self.is_gpt4o_family else 10

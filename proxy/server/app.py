@@ -48,10 +48,12 @@ from proxy.server.state import (
     SETTINGS,
     STORE,
     UPSTREAM,
+    WINDOWS,
 )
 from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
+from proxy.threads import WindowCache
 from proxy.upstream import Upstream
 
 log = structlog.get_logger("threadkeeper.request")
@@ -143,6 +145,7 @@ def create_app(
     app[METRICS] = Metrics()
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
+    app[WINDOWS] = WindowCache(settings.thread_cache_bytes)
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())

@@ -43,7 +43,7 @@ from proxy.server.validate import (
     wrong_type,
 )
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
-from proxy.threads import Loaded, ThreadService
+from proxy.threads import Loaded, ThreadService, stored_item_view
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
 MAX_METADATA_PAIRS = 16
@@ -182,9 +182,7 @@ async def create_items(request: web.Request) -> web.Response:
     thread = await conversation(request)
     store = request.app[STORE]
     history = await all_items(request, thread) if needs_history(raws) else ()
-    check_outputs_answer_calls(
-        raws, known_calls=call_ids_in(responses_item(i.raw) for i in history)
-    )
+    check_outputs_answer_calls(raws, known_calls=call_ids_in(stored_item_view(i) for i in history))
     await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
     items = new_items(raws)
     try:
@@ -464,15 +462,17 @@ async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[Js
 def new_items(raws: Sequence[JsonDict]) -> list[NewItem]:
     """Items to store as sent, with their ids and token counts (counted once, here)."""
     counter = TokenCounter.for_model(COUNTING_MODEL)
+    views = [responses_item(raw) for raw in raws]
     return [
         NewItem(
-            item_id=item_id_for(raw),
-            raw=raw,
+            item_id=item_id_for(view.raw),
+            raw=view.raw,
             api="responses",
-            tokens=counter.item(responses_item(raw)),
+            tokens=counter.item(view),
             encoding=counter.encoding.name,
+            digest=view.digest,
         )
-        for raw in raws
+        for view in views
     ]
 
 

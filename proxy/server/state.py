@@ -10,6 +10,7 @@ from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
 from proxy.settings import Settings
 from proxy.store.base import Store
+from proxy.threads import WindowCache
 from proxy.upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -17,6 +18,7 @@ POLICIES = web.AppKey("policies", PolicyRegistry)
 UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
+WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"

@@ -64,9 +64,10 @@ class NewItem:
     raw: JsonDict
     api: Literal["chat", "responses"]
     tokens: int = 0  # counted once, stored with the item, never recounted on rebuild
-    encoding: str = ""
+    encoding: str = ""  # "" when not counted: the reader counts it
     response_id: str | None = None  # the response this item was input to or output of
     role: Literal["input", "output"] = "input"
+    digest: str = ""  # proxy.core.items.content_digest(raw); computed at write when ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class StoredItem:
     response_id: str | None
     role: Literal["input", "output"]
     created_at: str
+    digest: str = ""  # content_digest(raw), stored beside `tokens`; "" when unknown
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Thread:
     next_seq: int  # seq the next appended item gets
     state: JsonDict  # checkpoint: window start, summary items, compressed forms (SPEC 2)
     head_response_id: str | None = None  # last completed response on this thread
+    epoch: int = 0  # bumped when an item leaves the log (delete_item); the version is not
 
 
 @dataclass(frozen=True)
@@ -230,9 +233,11 @@ class Store(Protocol):
         version. With expected_version, VersionConflict if the thread moved on. NotFound
         if the thread does not exist. Returns the updated thread."""
 
-    async def load_window(self, tenant: str, thread_id: str) -> Window | None:
-        """The thread plus its items with seq >= state["window_start"] (0 when absent),
-        in seq order. Cost follows the live window, not the whole history."""
+    async def load_window(self, tenant: str, thread_id: str, *, from_seq: int = 0) -> Window | None:
+        """The thread plus its items with seq >= state["window_start"] (0 when absent)
+        and >= from_seq, in seq order, read in one snapshot. Cost follows the live window,
+        not the whole history; with from_seq (a window held in memory up to there), only
+        what is new."""
 
     async def list_items(
         self,
@@ -256,7 +261,8 @@ class Store(Protocol):
         """The tenant's item with this id in any of its threads (what an `item_reference`
         names); a fork shares its source's items, and any copy is the same item."""
 
-    async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool: ...
+    async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
+        """Remove one item; the thread's `epoch` goes up (its version does not)."""
 
     # responses ------------------------------------------------------------------------
     async def begin_response(self, response: StoredResponse) -> None:

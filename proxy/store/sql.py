@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy.core import fastjson
+from proxy.core.items import content_digest
 from proxy.store.base import (
     Heartbeat,
     IdempotencyRecord,
@@ -40,13 +42,13 @@ def dumps(value: Any) -> str:
 
 
 def loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+    return None if text is None else fastjson.loads(text)
 
 
 # threads -------------------------------------------------------------------------------
 
 THREAD_COLUMNS = (
-    "tenant, id, kind, metadata, created_at, version, next_seq, state, head_response_id"
+    "tenant, id, kind, metadata, created_at, version, next_seq, state, head_response_id, epoch"
 )
 
 INSERT_THREAD = f"""
@@ -81,18 +83,19 @@ ADVANCE_THREAD_AT_VERSION = _ADVANCE_THREAD.format(guard=" AND version = $6")
 
 # items ---------------------------------------------------------------------------------
 
-ITEM_COLUMNS = "seq, item_id, raw, api, tokens, encoding, response_id, role, created_at"
+ITEM_COLUMNS = "seq, item_id, raw, api, tokens, encoding, response_id, role, created_at, digest"
 
 INSERT_ITEM = """
-INSERT INTO items
-    (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+INSERT INTO items (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id,
+    role, created_at, digest)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 """
 
 COPY_ITEMS = """
-INSERT INTO items
-    (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at)
-SELECT tenant, $3, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at
+INSERT INTO items (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, response_id,
+    role, created_at, digest)
+SELECT tenant, $3, seq, item_id, raw, api, tokens, encoding, response_id, role, created_at,
+    digest
 FROM items WHERE tenant = $1 AND thread_id = $2 AND seq <= $4
 """
 
@@ -113,6 +116,7 @@ SELECT_ITEM = (
 FIND_ITEM = f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND item_id = $2 LIMIT 1"
 
 DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
+BUMP_EPOCH = "UPDATE threads SET epoch = epoch + 1 WHERE tenant = $1 AND id = $2"
 
 
 def page_query(order: str, *, after: bool) -> str:
@@ -276,20 +280,24 @@ def thread_from_row(row: Row) -> Thread:
         next_seq=row["next_seq"],
         state=loads(row["state"]),
         head_response_id=row["head_response_id"],
+        epoch=row["epoch"],
     )
 
 
 def item_from_row(row: Row) -> StoredItem:
+    raw = loads(row["raw"])
     return StoredItem(
         seq=row["seq"],
         item_id=row["item_id"],
-        raw=loads(row["raw"]),
+        raw=raw,
         api=row["api"],
         tokens=row["tokens"],
         encoding=row["encoding"],
         response_id=row["response_id"],
         role=row["role"],
         created_at=row["created_at"],
+        # Rows from before migration 005 have none: computed here, the same function.
+        digest=row["digest"] or content_digest(raw),
     )
 
 
@@ -369,6 +377,7 @@ def item_params(
             item.response_id or response_id,
             item.role,
             now,
+            item.digest or content_digest(item.raw),
         )
         for offset, item in enumerate(items)
     ]

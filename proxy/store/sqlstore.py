@@ -162,12 +162,14 @@ class SqlStore:
             await _insert_items(conn, sql.item_params(tenant, thread_id, first_seq, items, now))
         return thread
 
-    async def load_window(self, tenant: str, thread_id: str) -> Window | None:
+    async def load_window(self, tenant: str, thread_id: str, *, from_seq: int = 0) -> Window | None:
         async with self.db.read() as conn:
             thread = await _thread(conn, tenant, thread_id)
             if thread is None:
                 return None
-            start = sql.window_start(thread.state)
+            start = max(sql.window_start(thread.state), from_seq)
+            if start >= thread.next_seq:
+                return Window(thread=thread, items=())
             rows = await conn.fetch(sql.SELECT_ITEMS_FROM, tenant, thread_id, start)
         return Window(thread=thread, items=tuple(map(sql.item_from_row, rows)))
 
@@ -217,7 +219,10 @@ class SqlStore:
 
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
         async with self.db.write() as conn:
-            return await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) > 0
+            if await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) == 0:
+                return False
+            await conn.execute(sql.BUMP_EPOCH, tenant, thread_id)
+        return True
 
     # responses ------------------------------------------------------------------------
     async def begin_response(self, response: StoredResponse) -> None:

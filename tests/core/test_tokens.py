@@ -781,3 +781,29 @@ def test_a_type_that_is_not_a_string_is_counted_as_data() -> None:
     listed = {"type": "message", "role": "user", "content": [{"type": ["input_text"]}]}
     assert counter.responses_prompt(items_from_responses_input([hostile]).items, None, []) > 0
     assert counter.responses_prompt(items_from_responses_input([listed]).items, None, []) > 0
+
+
+def test_tool_definitions_are_counted_once_per_content(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TokenCounter, "_tools_cache", {})
+    counter = gpt4o()
+    encoded: list[str] = []
+    original = TokenCounter.text
+
+    def text(self: TokenCounter, value: str) -> int:
+        encoded.append(value)
+        return original(self, value)
+
+    monkeypatch.setattr(TokenCounter, "text", text)
+    first = counter.tools(WEATHER_TOOLS)
+    calls = len(encoded)
+    assert calls > 0
+    assert counter.tools(copy.deepcopy(WEATHER_TOOLS)) == first  # same content: cached
+    assert TokenCounter.for_model("gpt-4o-mini").tools(WEATHER_TOOLS) == first
+    assert len(encoded) == calls
+    changed = copy.deepcopy(WEATHER_TOOLS)
+    changed[0]["function"]["description"] = "Something else entirely"
+    assert counter.tools(changed) != first
+    assert len(encoded) > calls
+    assert TokenCounter.for_model("gpt-4").tools(WEATHER_TOOLS) == 105 - 3 - sum(
+        TokenCounter.for_model("gpt-4").chat_message(m) for m in WEATHER_MESSAGES
+    )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import suppress
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from proxy.core.items import content_digest
 from proxy.store.base import (
     AlreadyExists,
     Heartbeat,
@@ -287,6 +289,69 @@ async def test_tokens_and_item_fields_are_stored(store: Store) -> None:
         T0,
         0,
     )
+
+
+async def test_each_item_digest_is_stored_beside_its_count(store: Store) -> None:
+    given = new_item("m1", tokens=5, encoding="o200k_base", digest="d" * 64)
+    await store.create_thread("acme", "t1", kind="conversation", items=[given], now=T0)
+    await store.append_items("acme", "t1", [new_item("m2")], now=T1)  # digest computed
+    window = await store.load_window("acme", "t1")
+    assert window is not None
+    assert [i.digest for i in window.items] == ["d" * 64, content_digest(message("m2"))]
+    await store.fork_thread("acme", "t1", "t2", through_seq=1, now=T2)
+    forked = await store.items_between("acme", "t2", 0, 1)
+    assert [i.digest for i in forked] == [i.digest for i in window.items]
+
+
+async def test_load_window_from_seq_reads_only_what_is_new(store: Store) -> None:
+    await thread_with(store, "a", "b", "c")
+    window = await store.load_window("acme", "t1", from_seq=1)
+    assert window is not None and ids_of(window.items) == ["b", "c"]
+    await store.append_items("acme", "t1", items("d"), state={"window_start": 3}, now=T1)
+    later = await store.load_window("acme", "t1", from_seq=1)  # the window start wins
+    assert later is not None and ids_of(later.items) == ["d"]
+    past_end = await store.load_window("acme", "t1", from_seq=4)
+    assert past_end is not None and past_end.items == () and past_end.thread.next_seq == 4
+
+
+async def test_deleting_an_item_bumps_the_epoch_not_the_version(store: Store) -> None:
+    await thread_with(store, "a", "b")
+    before = await store.get_thread("acme", "t1")
+    assert before is not None and before.epoch == 0
+    assert await store.delete_item("acme", "t1", "a")
+    assert not await store.delete_item("acme", "t1", "a")
+    after = await store.get_thread("acme", "t1")
+    assert after is not None and (after.epoch, after.version) == (1, before.version)
+
+
+async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 005
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in [m for m in migrations if m.version < 5]:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        await conn.execute(
+            "INSERT INTO threads (tenant, id, kind, created_at, next_seq) "
+            "VALUES ('acme', 't1', 'conversation', $1, 1)",
+            T0,
+        )
+        await conn.execute(
+            "INSERT INTO items (tenant, thread_id, seq, item_id, raw, api, tokens, encoding, "
+            "role, created_at) VALUES ('acme', 't1', 0, 'm_old', $1, 'responses', 7, "
+            "'o200k_base', 'input', $2)",
+            json.dumps(message("old")),
+            T0,
+        )
+
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 5]
+    window = await store.load_window("acme", "t1")
+    assert window is not None
+    [old] = window.items
+    assert (old.digest, old.tokens) == (content_digest(message("old")), 7)
 
 
 async def test_stale_version_conflicts_and_writes_nothing(store: Store) -> None:

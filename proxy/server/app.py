@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator, Mapping
 import structlog
 from aiohttp import web
 
+from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.ids import new_id
 from proxy.metrics import Metrics
+from proxy.periodic import running
 from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
@@ -39,6 +41,7 @@ from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.recovery import keep_alive
 from proxy.server.state import (
+    CLOCK,
     ENV,
     LOG_FIELDS,
     METRICS,
@@ -126,7 +129,9 @@ def create_app(
     upstream: Upstream | None = None,
     store: Store | None = None,
     env: Mapping[str, str] | None = None,
+    clock: Clock | None = None,
 ) -> web.Application:
+    """`clock` defaults to the system clock; tests pass a ManualClock to move time."""
     app = web.Application(
         middlewares=[
             context_middleware,
@@ -143,6 +148,7 @@ def create_app(
     app[METRICS] = Metrics()
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
+    app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
@@ -177,7 +183,7 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
         await store.migrate()
         app[STORE] = store
         # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).
-        async with keep_alive(store, app[OWNER]):
+        async with keep_alive(store, app[OWNER], app[CLOCK]):
             yield
         if given is None:
             await store.close()
@@ -204,14 +210,11 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
 
 async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:
     interval = app[SETTINGS].policy_reload_interval
-    task = asyncio.create_task(app[POLICIES].watch(interval)) if interval > 0 else None
-    yield
-    if task is not None:
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+    if interval <= 0:
+        yield
+        return
+    async with running(app[POLICIES].watch(interval, app[CLOCK])):
+        yield
 
 
 async def start(settings: Settings, app: web.Application | None = None) -> web.AppRunner:

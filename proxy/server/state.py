@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from proxy.clock import Clock
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
 from proxy.settings import Settings
@@ -17,6 +18,7 @@ POLICIES = web.AppKey("policies", PolicyRegistry)
 UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
+CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"

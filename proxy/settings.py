@@ -52,6 +52,7 @@ class Settings:
     metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
     store_connect_timeout: float = 5.0  # seconds to open a store connection
     store_command_timeout: float = 10.0  # seconds one store statement may take
+    workers: int = 1  # serving processes on the one port (proxy/server/workers.py)
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -186,6 +187,7 @@ FIELDS: tuple[_Field, ...] = (
         "store_command_timeout",
         "THREADKEEPER_STORE_COMMAND_TIMEOUT",
     ),
+    _Field("workers", _positive_int, "workers", "THREADKEEPER_WORKERS", "workers"),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

@@ -231,3 +231,16 @@ def test_provider_body_cap_and_client_header_timeout_come_from_the_environment()
         load_settings(NO_FLAGS, {"THREADKEEPER_CLIENT_HEADER_TIMEOUT": "0"})
     with pytest.raises(SettingsError, match="THREADKEEPER_MAX_PROVIDER_BODY_BYTES: expected"):
         load_settings(NO_FLAGS, {"THREADKEEPER_MAX_PROVIDER_BODY_BYTES": "lots"})
+
+
+def test_workers_from_every_source(tmp_path: Path) -> None:
+    assert Settings().workers == 1
+    config = write_config(tmp_path / "tk.yaml", "workers: 3\n")
+    assert load_settings({"config": str(config)}, {}).workers == 3
+    env = {"THREADKEEPER_WORKERS": "4"}
+    assert load_settings({"config": str(config)}, env).workers == 4
+    assert load_settings({"config": str(config), "workers": "2"}, env).workers == 2
+    with pytest.raises(SettingsError, match="THREADKEEPER_WORKERS: expected an integer > 0"):
+        load_settings({}, {"THREADKEEPER_WORKERS": "0"})
+    with pytest.raises(SettingsError, match="--workers: expected an integer"):
+        load_settings({"workers": "many"}, {})

@@ -14,10 +14,12 @@ answers 408 to a buffered body that does not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import structlog
 from aiohttp import web
@@ -97,6 +99,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
                 path=request.path,
                 status=status,
                 latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                pid=os.getpid(),  # which worker process served it (serve --workers N)
                 **fields,
             )
 
@@ -218,7 +221,9 @@ async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def start(settings: Settings, app: web.Application | None = None) -> web.AppRunner:
-    """Start serving; the caller owns the runner (tests, `demo`, `serve`)."""
+    """Start serving; the caller owns the runner (tests, `demo`, `serve`). With several
+    workers each process binds the port with SO_REUSEPORT and the kernel spreads new
+    connections among them."""
     app = app or create_app(settings)
     runner = web.AppRunner(
         app,
@@ -230,7 +235,9 @@ async def start(settings: Settings, app: web.Application | None = None) -> web.A
         lingering_time=min(10.0, settings.client_header_timeout),
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    site = web.TCPSite(
+        runner, settings.host, settings.port, reuse_address=True, reuse_port=settings.workers > 1
+    )
     await site.start()
     return runner
 
@@ -245,15 +252,33 @@ def bound_port(runner: web.AppRunner) -> int:
 
 
 def run(settings: Settings) -> None:
+    """Serve in this process until SIGTERM or SIGINT, then shut down cleanly (in-flight
+    requests finish or are cut, own in_progress responses end `incomplete`)."""
+
     async def main() -> None:
         runner = await start(settings)
-        log.info("listening", host=settings.host, port=bound_port(runner))
+        log.info("listening", host=settings.host, port=bound_port(runner), pid=os.getpid())
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
+                loop.add_signal_handler(signum, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(main())
     except KeyboardInterrupt:
         pass
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (a dependency on Linux), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]

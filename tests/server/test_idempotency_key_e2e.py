@@ -252,9 +252,9 @@ async def test_a_client_that_goes_away_mid_stream_frees_the_key(proxy) -> None:
 
 async def test_an_expired_key_runs_again_and_is_purged(make_proxy) -> None:
     clock = ManualClock()
-    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 60}\n")
+    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 30}\n")
     first = await post(proxy, "/v1/chat/completions", CHAT, "short-lived")
-    clock.advance(timedelta(seconds=59))
+    clock.advance(timedelta(seconds=29))  # (the background purge sleeps 60 s)
     assert await purge_expired(proxy.app[STORE], clock) == 0
     clock.advance(timedelta(seconds=2))
     assert await purge_expired(proxy.app[STORE], clock) == 1
@@ -269,9 +269,9 @@ async def test_an_expired_key_runs_again_and_is_purged(make_proxy) -> None:
 
 async def test_an_expired_record_is_replaced_when_its_key_returns(make_proxy) -> None:
     clock = ManualClock()
-    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 60}\n")
+    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 30}\n")
     await post(proxy, "/v1/chat/completions", CHAT, "replaced")
-    clock.advance(timedelta(seconds=61))
+    clock.advance(timedelta(seconds=31))
     again = await post(proxy, "/v1/chat/completions", CHAT, "replaced")
     assert again.headers["Idempotent-Replayed"] == "false"
     assert len(proxy.provider.requests) == 2

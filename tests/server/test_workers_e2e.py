@@ -165,6 +165,27 @@ async def test_a_killed_worker_is_replaced_and_its_stream_ends_incomplete(
     assert not any(pid_exists(pid) for pid in worker_pids(server))
 
 
+async def test_workers_do_not_outlive_a_killed_supervisor(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """Linux: each worker asked for SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
+    server = workers(tmp_path, provider)
+    with running(server):
+        await server.wait_ready()
+        for _ in range(500):
+            if len(worker_pids(server)) == 2:
+                break
+            await asyncio.sleep(0.02)
+        pids = worker_pids(server)
+        assert len(pids) == 2
+        server.kill()
+    for _ in range(1000):
+        if not any(pid_exists(pid) for pid in pids):
+            break
+        await asyncio.sleep(0.02)
+    assert not any(pid_exists(pid) for pid in pids)
+
+
 def test_workers_that_keep_dying_end_the_supervisor_with_exit_1() -> None:
     """A crash loop is not restarted forever: the process manager above gets exit 1."""
     context = multiprocessing.get_context("fork")

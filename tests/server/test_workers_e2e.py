@@ -165,6 +165,30 @@ async def test_a_killed_worker_is_replaced_and_its_stream_ends_incomplete(
     assert not any(pid_exists(pid) for pid in worker_pids(server))
 
 
+@pytest.mark.parametrize("count", ["1", "2"])
+async def test_sigterm_is_a_clean_shutdown_that_retires_every_process(
+    tmp_path: Path, provider: FakeProvider, count: str
+) -> None:
+    """One process or a supervisor with workers: exit 0, and each process retired its
+    heartbeat row on the way out (its cleanup ran, it was not just killed)."""
+    write_policies(tmp_path / "policies")
+    assert provider.base_url is not None
+    server = Server(tmp_path, provider.base_url, args=["--workers", count])
+    with running(server):
+        await server.wait_ready()
+        store = await open_store(server.store_url)
+        try:
+            for _ in range(500):
+                if len(await store.heartbeats()) == int(count):
+                    break
+                await asyncio.sleep(0.02)
+            assert len(await store.heartbeats()) == int(count)
+            assert await stop(server) == 0, server.output()
+            assert len(await store.heartbeats()) == 0
+        finally:
+            await store.close()
+
+
 async def test_workers_do_not_outlive_a_killed_supervisor(
     tmp_path: Path, provider: FakeProvider
 ) -> None:

@@ -35,7 +35,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -62,6 +62,8 @@ def serve(settings: Settings) -> int:
         return 0
     if not hasattr(socket, "SO_REUSEPORT") or "fork" not in multiprocessing.get_all_start_methods():
         raise SettingsError("--workers: more than one worker needs fork and SO_REUSEPORT (Linux)")
+    if settings.store_url.endswith(":memory:"):
+        raise SettingsError("--workers: an in-memory SQLite store cannot be shared by workers")
     PolicyRegistry.load(settings.policies_dir)  # a bad policy stops the start: exit 2
     asyncio.run(_migrate(settings))
     with _reserved_port(settings) as port:
@@ -93,7 +95,7 @@ async def _migrate(settings: Settings) -> None:
 
 
 @contextlib.contextmanager
-def _reserved_port(settings: Settings):  # type: ignore[no-untyped-def]
+def _reserved_port(settings: Settings) -> Iterator[int]:
     """Binds (without listening) with SO_REUSEPORT: a port another program holds fails the
     start here, and port 0 becomes one real port all workers share. A socket that does not
     listen gets no connections."""

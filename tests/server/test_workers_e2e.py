@@ -22,7 +22,8 @@ from structlog.testing import capture_logs
 
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.server.recovery import pid_exists
-from proxy.server.workers import MAX_RESTARTS, Supervisor
+from proxy.server.workers import MAX_RESTARTS, Supervisor, serve
+from proxy.settings import Settings, SettingsError
 from proxy.store import open_store
 
 from .conftest import TENANT_KEY, write_policies
@@ -259,3 +260,8 @@ def test_more_than_one_worker_refuses_a_port_another_program_holds(tmp_path: Pat
         )
     assert result.returncode == 2
     assert f"--port: cannot bind 127.0.0.1:{port}" in result.stderr
+
+
+def test_workers_refuse_an_in_memory_store() -> None:
+    with pytest.raises(SettingsError, match="in-memory SQLite"):
+        serve(Settings(workers=2, store_url="sqlite:///:memory:"))

@@ -25,6 +25,7 @@ from proxy.server.recovery import pid_exists
 from proxy.server.workers import MAX_RESTARTS, Supervisor, serve
 from proxy.settings import Settings, SettingsError
 from proxy.store import open_store
+from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, write_policies
 from .pg import fresh_schema_url
@@ -118,40 +119,86 @@ async def test_two_workers_serve_one_port_and_commit_every_turn_once(
     assert log_lines(server)[-1]["event"] == "workers_stopped"
 
 
-async def test_a_killed_worker_is_replaced_and_its_stream_ends_incomplete(
+class SlowTurn:
+    """A streamed turn on its own conversation, read up to its first text."""
+
+    def __init__(self, conversation_id: str, stream: Any, response_id: str) -> None:
+        self.conversation_id = conversation_id
+        self.stream = stream
+        self.response_id = response_id
+
+    @classmethod
+    async def start(cls, client: openai.AsyncOpenAI, provider: FakeProvider) -> SlowTurn:
+        conversation = await client.conversations.create()
+        provider.script.append(Reply(text=SLOW_TEXT, stream_chunk_delay=0.1))
+        stream = await client.responses.create(
+            model="gpt-4o", conversation=conversation.id, input="A long story.", stream=True
+        )
+        response_id = ""
+        async with asyncio.timeout(STREAM_TIMEOUT):
+            async for event in stream:
+                if event.type == "response.created":
+                    response_id = event.response.id
+                if event.type == "response.output_text.delta":
+                    break
+        return cls(conversation.id, stream, response_id)
+
+    async def finish(self) -> None:
+        async with asyncio.timeout(STREAM_TIMEOUT):
+            async for _ in self.stream:
+                pass
+
+
+async def one_turn_per_worker(
+    client: openai.AsyncOpenAI, provider: FakeProvider, store: Store
+) -> dict[int, SlowTurn]:
+    """Slow turns, opened until each worker (by pid) runs one; extras are abandoned."""
+    by_pid: dict[int, SlowTurn] = {}
+    for _ in range(16):  # new connections land on either worker
+        turn = await SlowTurn.start(client, provider)
+        stored = await store.get_response("acme", turn.response_id)
+        assert stored is not None and stored.status == "in_progress"
+        [pid] = [b.pid for b in await store.heartbeats() if b.owner == stored.owner]
+        if pid in by_pid:
+            await turn.stream.close()
+        else:
+            by_pid[pid] = turn
+        if len(by_pid) == 2:
+            return by_pid
+    raise AssertionError("every slow turn landed on one worker")
+
+
+async def status_becomes(store: Store, response_id: str, status: str) -> bool:
+    for _ in range(1000):
+        stored = await store.get_response("acme", response_id)
+        if stored is not None and stored.status == status:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_killed_worker_is_replaced_and_only_its_own_stream_ends_incomplete(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
+    """The replacement's start-up sweep ends the killed worker's response at once (its pid
+    is gone) and leaves the sibling's running stream alone, which completes."""
     server = workers(tmp_path, provider)
     with running(server):
         await server.wait_ready()
         client = client_of(server)
         store = await open_store(server.store_url)
         try:
-            conversation = await client.conversations.create()
-            response_id = ""
-            provider.script.append(Reply(text=SLOW_TEXT, stream_chunk_delay=0.3))
-            stream = await client.responses.create(
-                model="gpt-4o", conversation=conversation.id, input="A long story.", stream=True
-            )
-            async with asyncio.timeout(STREAM_TIMEOUT):
-                async for event in stream:
-                    if event.type == "response.output_text.delta":
-                        break
-                    if event.type == "response.created":
-                        response_id = event.response.id
-            stored = await store.get_response("acme", response_id)
-            assert stored is not None and stored.status == "in_progress"
-            [killed] = [b.pid for b in await store.heartbeats() if b.owner == stored.owner]
+            turns = await one_turn_per_worker(client, provider, store)
+            killed, survivor = list(turns)
             os.kill(killed, signal.SIGKILL)
-            await stream.close()
+            await turns[killed].stream.close()
+            cut, alive = turns[killed], turns[survivor]
 
-            for _ in range(1000):  # the replacement's start-up sweep ends it
-                stored = await store.get_response("acme", response_id)
-                if stored is not None and stored.status == "incomplete":
-                    break
-                await asyncio.sleep(0.02)
-            assert stored is not None and stored.status == "incomplete"
-            assert await conversation_texts(client, conversation.id) == []
+            assert await status_becomes(store, cut.response_id, "incomplete")
+            await alive.finish()
+            assert await status_becomes(store, alive.response_id, "completed")
+            assert await conversation_texts(client, cut.conversation_id) == []
+            assert len(await conversation_texts(client, alive.conversation_id)) == 2
             for n in range(4):  # both workers (the replacement included) keep serving
                 await talk(client, n)
         finally:

@@ -276,7 +276,7 @@ def run(settings: Settings) -> None:
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is installed (a dependency on Linux), else asyncio's default."""
+    """uvloop's loop when it is installed (a dependency but on Windows), else asyncio's default."""
     try:
         import uvloop
     except ImportError:

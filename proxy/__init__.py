@@ -25,6 +25,11 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     log the budget breakdown, metrics         proxy/server/rebuild.py, proxy/logs.py,
                                               proxy/metrics.py
 
+Around the requests: `serve --workers N` forks N processes on one port under a supervisor
+(proxy/server/workers.py); every handler and background task reads time from the app's one
+clock (proxy/clock.py, app key CLOCK); background loops (heartbeats and recovery sweeps in
+proxy/server/recovery.py, the idempotency purge, policy reloads) run on proxy/periodic.py.
+
 proxy/core/ is pure Python (no network, database, web framework, environment or clock),
 enforced by the banned-import rule in proxy/core/ruff.toml. Everything with I/O sits at
 the edges: the aiohttp handlers, the upstream client and the store.

@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--upstream", help="provider base URL, e.g. https://api.openai.com/v1")
     serve.add_argument("--config", help="YAML config file")
     serve.add_argument(
+        "--workers",
+        help="serving processes on the one port (SO_REUSEPORT), default 1",
+    )
+    serve.add_argument(
         "--metrics-token",
         help="bearer token GET /metrics requires (prefer THREADKEEPER_METRICS_TOKEN)",
     )
@@ -66,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from proxy.logs import configure_logging
     from proxy.policy import PolicyError
-    from proxy.server.app import run
+    from proxy.server.workers import serve
     from proxy.settings import SettingsError, load_settings
 
     cli = {
@@ -77,15 +81,15 @@ def _serve(args: argparse.Namespace) -> int:
         "upstream": args.upstream,
         "config": args.config,
         "metrics-token": args.metrics_token,
+        "workers": args.workers,
     }
     try:
         settings = load_settings(cli, os.environ)
         configure_logging(settings.log_level)
-        run(settings)
+        return serve(settings)
     except (SettingsError, PolicyError) as exc:
         print(f"threadkeeper: cannot start: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 def _load_request(path: Path, model: str | None) -> dict[str, Any]:

@@ -39,6 +39,8 @@ from pydantic import (
     field_validator,
 )
 
+from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.periodic import every
 from proxy.yamlsafe import load_yaml, shown
 
 log = structlog.get_logger(__name__)
@@ -483,11 +485,9 @@ class PolicyRegistry:
         _log_errors(errors, self._snapshot.files)
         return errors
 
-    async def watch(self, interval: float) -> None:
+    async def watch(self, interval: float, clock: Clock = SYSTEM_CLOCK) -> None:
         """Reload every `interval` seconds until cancelled (a task in the app's cleanup_ctx)."""
-        while True:
-            await asyncio.sleep(interval)
-            await asyncio.to_thread(self.reload)
+        await every("policy_reload", interval, lambda: asyncio.to_thread(self.reload), clock)
 
 
 def _policy_paths(directory: Path) -> list[Path]:

@@ -54,6 +54,7 @@ class Settings:
     store_command_timeout: float = 10.0  # seconds one store statement may take
     # Hot threads' windows kept in memory per process (bytes of item JSON; 0: none).
     thread_cache_bytes: int = 16 * 1024 * 1024
+    workers: int = 1  # serving processes on the one port (proxy/server/workers.py)
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -201,6 +202,7 @@ FIELDS: tuple[_Field, ...] = (
         "thread_cache_bytes",
         "THREADKEEPER_THREAD_CACHE_BYTES",
     ),
+    _Field("workers", _positive_int, "workers", "THREADKEEPER_WORKERS", "workers"),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

@@ -73,3 +73,21 @@ def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: igno
     monkeypatch.delenv("THREADKEEPER_METRICS_TOKEN", raising=False)
     assert main(["serve", "--metrics-token", "m-token", "--policies", "policies"]) in (0, None)
     assert seen[0].metrics_token == "m-token"
+
+
+def test_serve_passes_the_workers_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen = []
+    monkeypatch.setattr("proxy.server.app.run", seen.append)
+    monkeypatch.delenv("THREADKEEPER_WORKERS", raising=False)
+    assert main(["serve", "--workers", "1", "--policies", "policies"]) == 0
+    assert seen[0].workers == 1
+
+
+def test_serve_runs_on_uvloop_when_importable_and_falls_back_silently(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import uvloop
+
+    from proxy.server.app import event_loop_factory
+
+    assert event_loop_factory() is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    assert event_loop_factory() is None

@@ -241,3 +241,16 @@ def test_thread_cache_bytes_from_file_and_environment(tmp_path: Path) -> None:
     assert load_settings({"config": str(config)}, env).thread_cache_bytes == 0
     with pytest.raises(SettingsError, match="THREADKEEPER_THREAD_CACHE_BYTES: expected"):
         load_settings({}, {"THREADKEEPER_THREAD_CACHE_BYTES": "-1"})
+
+
+def test_workers_from_every_source(tmp_path: Path) -> None:
+    assert Settings().workers == 1
+    config = write_config(tmp_path / "tk.yaml", "workers: 3\n")
+    assert load_settings({"config": str(config)}, {}).workers == 3
+    env = {"THREADKEEPER_WORKERS": "4"}
+    assert load_settings({"config": str(config)}, env).workers == 4
+    assert load_settings({"config": str(config), "workers": "2"}, env).workers == 2
+    with pytest.raises(SettingsError, match="THREADKEEPER_WORKERS: expected an integer > 0"):
+        load_settings({}, {"THREADKEEPER_WORKERS": "0"})
+    with pytest.raises(SettingsError, match="--workers: expected an integer"):
+        load_settings({"workers": "many"}, {})

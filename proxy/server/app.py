@@ -14,16 +14,20 @@ answers 408 to a buffered body that does not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import signal
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import structlog
 from aiohttp import web
 
+from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.ids import new_id
 from proxy.metrics import Metrics
+from proxy.periodic import running
 from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
@@ -39,6 +43,7 @@ from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.recovery import keep_alive
 from proxy.server.state import (
+    CLOCK,
     ENV,
     LOG_FIELDS,
     METRICS,
@@ -96,6 +101,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
                 path=request.path,
                 status=status,
                 latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                pid=os.getpid(),  # which worker process served it (serve --workers N)
                 **fields,
             )
 
@@ -128,7 +134,9 @@ def create_app(
     upstream: Upstream | None = None,
     store: Store | None = None,
     env: Mapping[str, str] | None = None,
+    clock: Clock | None = None,
 ) -> web.Application:
+    """`clock` defaults to the system clock; tests pass a ManualClock to move time."""
     app = web.Application(
         middlewares=[
             context_middleware,
@@ -146,6 +154,7 @@ def create_app(
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)
+    app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
@@ -180,7 +189,7 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
         await store.migrate()
         app[STORE] = store
         # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).
-        async with keep_alive(store, app[OWNER]):
+        async with keep_alive(store, app[OWNER], app[CLOCK]):
             yield
         if given is None:
             await store.close()
@@ -207,18 +216,17 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
 
 async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:
     interval = app[SETTINGS].policy_reload_interval
-    task = asyncio.create_task(app[POLICIES].watch(interval)) if interval > 0 else None
-    yield
-    if task is not None:
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+    if interval <= 0:
+        yield
+        return
+    async with running(app[POLICIES].watch(interval, app[CLOCK])):
+        yield
 
 
 async def start(settings: Settings, app: web.Application | None = None) -> web.AppRunner:
-    """Start serving; the caller owns the runner (tests, `demo`, `serve`)."""
+    """Start serving; the caller owns the runner (tests, `demo`, `serve`). With several
+    workers each process binds the port with SO_REUSEPORT and the kernel spreads new
+    connections among them."""
     app = app or create_app(settings)
     runner = web.AppRunner(
         app,
@@ -230,7 +238,9 @@ async def start(settings: Settings, app: web.Application | None = None) -> web.A
         lingering_time=min(10.0, settings.client_header_timeout),
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    site = web.TCPSite(
+        runner, settings.host, settings.port, reuse_address=True, reuse_port=settings.workers > 1
+    )
     await site.start()
     return runner
 
@@ -245,15 +255,33 @@ def bound_port(runner: web.AppRunner) -> int:
 
 
 def run(settings: Settings) -> None:
+    """Serve in this process until SIGTERM or SIGINT, then shut down cleanly (in-flight
+    requests finish or are cut, own in_progress responses end `incomplete`)."""
+
     async def main() -> None:
         runner = await start(settings)
-        log.info("listening", host=settings.host, port=bound_port(runner))
+        log.info("listening", host=settings.host, port=bound_port(runner), pid=os.getpid())
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
+                loop.add_signal_handler(signum, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(main())
     except KeyboardInterrupt:
         pass
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (a dependency but on Windows), else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]

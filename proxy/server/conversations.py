@@ -26,13 +26,12 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from proxy.clock import utc_now
 from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.responses import validate_input_item
-from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, thread_service
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -43,7 +42,7 @@ from proxy.server.validate import (
     wrong_type,
 )
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
-from proxy.threads import Loaded, ThreadService, stored_item_view
+from proxy.threads import Loaded, stored_item_view
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
 MAX_METADATA_PAIRS = 16
@@ -128,7 +127,7 @@ async def create_conversation(request: web.Request) -> web.Response:
         kind="conversation",
         metadata=metadata,
         items=new_items(raws),
-        now=utc_now(),
+        now=request.app[CLOCK].iso(),
     )
     return web.json_response(conversation_object(thread))
 
@@ -186,7 +185,7 @@ async def create_items(request: web.Request) -> web.Response:
     await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
     items = new_items(raws)
     try:
-        await store.append_items(thread.tenant, thread.id, items, now=utc_now())
+        await store.append_items(thread.tenant, thread.id, items, now=request.app[CLOCK].iso())
     except NotFound:
         raise conversation_not_found(thread.id) from None
     except AlreadyExists:
@@ -233,7 +232,7 @@ async def fork_conversation(request: web.Request) -> web.Response:
     request[LOG_FIELDS]["conversation_id"] = fork_id
     try:
         fork = await store.fork_thread(
-            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=utc_now()
+            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=request.app[CLOCK].iso()
         )
     except NotFound:
         raise conversation_not_found(thread.id) from None
@@ -450,7 +449,7 @@ def check_outputs_answer_calls(raws: Sequence[JsonDict], *, known_calls: frozens
 
 async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[JsonDict]) -> None:
     """Client-chosen ids must be new to the conversation and to the request."""
-    threads = ThreadService(request.app[STORE], utc_now)
+    threads = thread_service(request.app)
     taken = await threads.first_taken_id(loaded, raws)
     if taken is not None:
         raise duplicate_item(f"items[{taken}].id", raws[taken]["id"])

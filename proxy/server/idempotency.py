@@ -54,7 +54,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.clock import utc_now
+from proxy.clock import Clock
 from proxy.core.idempotency import (
     Verdict,
     expires_at,
@@ -63,10 +63,11 @@ from proxy.core.idempotency import (
     validate_key,
     verdict,
 )
+from proxy.periodic import every, running
 from proxy.server.api import for_route
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
-from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
 from proxy.store.base import IdempotencyRecord, Store
 
 log = structlog.get_logger("threadkeeper.idempotency")
@@ -117,7 +118,7 @@ async def new_record(request: web.Request, key: str) -> IdempotencyRecord:
         )
     body = await request.read()
     policy = request[TENANT_POLICY]
-    now = utc_now()
+    now = request.app[CLOCK].iso()
     return IdempotencyRecord(
         tenant=request[NAMESPACE],
         key=key,
@@ -236,9 +237,9 @@ def key_in_progress(key: str) -> ApiError:
     )
 
 
-async def purge_expired(store: Store) -> int:
-    """Delete expired records now; how many went."""
-    return await store.idempotency_purge(utc_now())
+async def purge_expired(store: Store, clock: Clock) -> int:
+    """Delete the records expired by `clock`'s now; how many went."""
+    return await store.idempotency_purge(clock.iso())
 
 
 def purge_ctx(
@@ -247,22 +248,13 @@ def purge_ctx(
     """cleanup_ctx: purge expired records at start and then every `interval` seconds."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.create_task(_purge_forever(app[STORE], interval))
-        yield
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        store, clock = app[STORE], app[CLOCK]
+
+        async def purge() -> None:
+            if purged := await purge_expired(store, clock):
+                log.info("idempotency_records_purged", count=purged)
+
+        async with running(every("idempotency_purge", interval, purge, clock, first_now=True)):
+            yield
 
     return ctx
-
-
-async def _purge_forever(store: Store, interval: float) -> None:
-    while True:
-        try:
-            if purged := await purge_expired(store):
-                log.info("idempotency_records_purged", count=purged)
-        except Exception:
-            log.exception("idempotency_purge_failed")
-        await asyncio.sleep(interval)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from datetime import UTC, datetime
 
 import structlog
 from aiohttp import web
@@ -13,7 +12,7 @@ from proxy.logs import register_secret
 from proxy.server.auth import bearer_token
 from proxy.server.errors import ApiError
 from proxy.server.recovery import heartbeat
-from proxy.server.state import METRICS, OWNER, POLICIES, SETTINGS, STORE
+from proxy.server.state import CLOCK, METRICS, OWNER, POLICIES, SETTINGS, STORE
 
 log = structlog.get_logger("threadkeeper.ops")
 
@@ -38,7 +37,7 @@ async def _store_ok(request: web.Request) -> bool:
     try:
         async with asyncio.timeout(request.app[SETTINGS].store_connect_timeout):
             await store.ping()
-            await heartbeat(store, request.app[OWNER], now=datetime.now(UTC))
+            await heartbeat(store, request.app[OWNER], now=request.app[CLOCK].now())
     except Exception as exc:  # readiness reports, it does not raise
         log.warning("store_not_ready", error=repr(exc))
         return False

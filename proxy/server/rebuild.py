@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from proxy.clock import utc_hour
 from proxy.core.budget import output_reserve
 from proxy.core.items import Item
 from proxy.core.projection import (
@@ -29,7 +28,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
-from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY
+from proxy.server.state import CLOCK, LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.threads import Loaded
 
 # Below this many items and characters a count or projection costs well under a
@@ -173,7 +172,7 @@ async def rebuild_turn(
         tools=tools,
         requested_output=requested_output,
         instructions=instructions,
-        now=utc_hour(),
+        now=request.app[CLOCK].hour(),
         param=param,
         metrics=request.app[METRICS] if observe else None,
         route=route,

@@ -22,18 +22,18 @@ clock skew between replicas does not make a live replica look dead.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import cache
 from pathlib import Path
 
 import structlog
 
-from proxy.clock import utc_iso
+from proxy.clock import Clock, utc_iso
+from proxy.periodic import every, running
 from proxy.store.base import Heartbeat, Store
 
 log = structlog.get_logger("threadkeeper.recovery")
@@ -93,34 +93,25 @@ async def sweep(
 
 
 @asynccontextmanager
-async def keep_alive(store: Store, owner: str) -> AsyncIterator[None]:
-    """While the body runs, `owner` heartbeats and sweeps dead owners; on exit it retires."""
-    await heartbeat(store, owner, now=_now())
-    await sweep(store, owner, now=_now())
-    tasks = [
-        asyncio.create_task(_every(HEARTBEAT_EVERY, lambda: heartbeat(store, owner, now=_now()))),
-        asyncio.create_task(_every(SWEEP_EVERY, lambda: sweep(store, owner, now=_now()))),
-    ]
+async def keep_alive(store: Store, owner: str, clock: Clock) -> AsyncIterator[None]:
+    """While the body runs, `owner` heartbeats and sweeps dead owners; on exit it retires.
+    Times and intervals come from `clock` (the app's CLOCK)."""
+    await heartbeat(store, owner, now=clock.now())
+    await sweep(store, owner, now=clock.now())
     try:
-        yield
+        async with running(
+            every(
+                "heartbeat",
+                HEARTBEAT_EVERY,
+                lambda: heartbeat(store, owner, now=clock.now()),
+                clock,
+            ),
+            every(
+                "recovery_sweep", SWEEP_EVERY, lambda: sweep(store, owner, now=clock.now()), clock
+            ),
+        ):
+            yield
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         leftovers = await store.retire(owner)
         if leftovers:
             log.warning("own_responses_marked_incomplete_at_shutdown", count=leftovers)
-
-
-async def _every(interval: timedelta, step: Callable[[], Awaitable[object]]) -> None:
-    """Run `step` every `interval`; a failed step (database blip) is logged, not fatal."""
-    while True:
-        await asyncio.sleep(interval.total_seconds())
-        try:
-            await step()
-        except Exception:
-            log.exception("recovery_step_failed")
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)

@@ -23,7 +23,6 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.clock import utc_now
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
@@ -31,7 +30,7 @@ from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE
+from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
     JsonDict,
@@ -42,7 +41,6 @@ from proxy.server.validate import (
     required_string,
     wrong_type,
 )
-from proxy.threads import ThreadService
 
 
 def validate_responses(body: JsonDict) -> None:
@@ -163,7 +161,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
-        threads = ThreadService(request.app[STORE], utc_now)
+        threads = thread_service(request.app)
         chain = await resolve_chain(request, threads, body)
         turn = Turn(request, RESPONSES, body, b"", chain.loaded, items)
         projection, _ = await project(turn)

@@ -6,11 +6,12 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from proxy.clock import Clock
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
 from proxy.settings import Settings
 from proxy.store.base import Store
-from proxy.threads import WindowCache
+from proxy.threads import ThreadService, WindowCache
 from proxy.upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -19,6 +20,7 @@ UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
+CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"
@@ -31,3 +33,8 @@ TENANT_POLICY = web.RequestKey("tenant_policy", Policy)
 # The tenant id every store call of the request uses (auth.store_namespace): the tenant's
 # own id, or one namespace per caller key in passthrough mode (SPEC section 1).
 NAMESPACE = web.RequestKey("store_namespace", str)
+
+
+def thread_service(app: web.Application) -> ThreadService:
+    """The one way handlers reach threads: the app's store, clock and hot-window cache."""
+    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS])

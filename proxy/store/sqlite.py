@@ -162,10 +162,11 @@ async def _connect(path: str, busy_timeout: float) -> aiosqlite.Connection:
     conn = await aiosqlite.connect(path, isolation_level=None)
     conn.row_factory = sqlite3.Row
     for pragma in (
+        # First: the next pragmas (WAL recovery after a crash) may wait on other processes.
+        f"PRAGMA busy_timeout={round(busy_timeout * 1000)}",
         "PRAGMA journal_mode=WAL",
         "PRAGMA synchronous=NORMAL",  # durable across process crashes in WAL mode
         "PRAGMA foreign_keys=ON",
-        f"PRAGMA busy_timeout={round(busy_timeout * 1000)}",
     ):
         await conn.execute(pragma)
     return conn

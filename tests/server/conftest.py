@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from proxy.clock import Clock
 from proxy.fake_provider import FakeProvider
 from proxy.server.app import bound_port, create_app, start
 from proxy.settings import Settings
@@ -98,8 +99,10 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
         store_url: str | None = None,
         settings: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        clock: Clock | None = None,
     ) -> Proxy:
-        """`settings` overrides any Settings field; `env` replaces the process environment."""
+        """`settings` overrides any Settings field; `env` replaces the process environment;
+        `clock` (a ManualClock) replaces the system clock."""
         policies = tmp_path / f"policies{len(proxies)}"
         write_policies(policies, allow_unknown=allow_unknown, window=window, acme_extra=acme_extra)
         config = Settings(
@@ -111,7 +114,11 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
             store_url=store_url or f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
         )
         config = replace(config, **(settings or {}))
-        app = create_app(config, env=env if env is not None else {"ACME_OPENAI_KEY": PROVIDER_KEY})
+        app = create_app(
+            config,
+            env=env if env is not None else {"ACME_OPENAI_KEY": PROVIDER_KEY},
+            clock=clock,
+        )
         runner = await start(config, app)
         runners.append(runner)
         proxy = Proxy(f"http://127.0.0.1:{bound_port(runner)}/v1", provider, policies, app)

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,21 @@ def free_port() -> int:
 
 
 class Server:
-    """One `python -m proxy serve` child process on the test's SQLite file."""
+    """One `python -m proxy serve` child process on the test's SQLite file (or the given
+    store), with any extra flags."""
 
-    def __init__(self, workdir: Path, upstream: str) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        upstream: str,
+        *,
+        store_url: str | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self.workdir = workdir
         self.upstream = upstream
+        self.store_url = store_url or f"sqlite:///{workdir / 'tk.db'}"
+        self.args = list(args)
         self.port = free_port()
         self.log = workdir / f"server-{self.port}.log"
         self.process: subprocess.Popen[bytes] | None = None
@@ -60,14 +70,16 @@ class Server:
             "--port",
             str(self.port),
             "--store",
-            f"sqlite:///{self.workdir / 'tk.db'}",
+            self.store_url,
             "--policies",
             str(self.workdir / "policies"),
             "--upstream",
             self.upstream,
+            *self.args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("THREADKEEPER_")}
         env["ACME_OPENAI_KEY"] = PROVIDER_KEY
+        env["PYTHONUNBUFFERED"] = "1"  # log lines of several workers stay whole
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
                 command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT

@@ -10,12 +10,12 @@ from typing import Any
 
 import httpx
 
-from proxy.clock import utc_iso
+from proxy.clock import ManualClock, utc_iso
 from proxy.core.idempotency import fingerprint
 from proxy.fake_provider import Reply
 from proxy.server import recovery
 from proxy.server.idempotency import purge_expired
-from proxy.server.state import OWNER, POLICIES, STORE
+from proxy.server.state import OWNER, STORE
 from proxy.store.base import IdempotencyRecord
 from tests.server.conftest import TENANT_KEY, Proxy
 
@@ -250,13 +250,14 @@ async def test_a_client_that_goes_away_mid_stream_frees_the_key(proxy) -> None:
     assert len(proxy.provider.requests) == 2
 
 
-async def test_an_expired_key_runs_again_and_is_purged(proxy) -> None:
-    with (proxy.policies_dir / "acme.yaml").open("a") as policy:
-        policy.write("idempotency: {retention_seconds: 1}\n")
-    assert proxy.app[POLICIES].reload() == []
+async def test_an_expired_key_runs_again_and_is_purged(make_proxy) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 30}\n")
     first = await post(proxy, "/v1/chat/completions", CHAT, "short-lived")
-    await asyncio.sleep(1.1)
-    assert await purge_expired(proxy.app[STORE]) == 1
+    clock.advance(timedelta(seconds=29))  # (the background purge sleeps 60 s)
+    assert await purge_expired(proxy.app[STORE], clock) == 0
+    clock.advance(timedelta(seconds=2))
+    assert await purge_expired(proxy.app[STORE], clock) == 1
     assert await proxy.app[STORE].idempotency_get("acme", "short-lived") is None
     other = {**CHAT, "messages": [{"role": "user", "content": "Something else."}]}
     again = await post(proxy, "/v1/chat/completions", other, "short-lived")
@@ -266,12 +267,11 @@ async def test_an_expired_key_runs_again_and_is_purged(proxy) -> None:
     assert len(proxy.provider.requests) == 2
 
 
-async def test_an_expired_record_is_replaced_when_its_key_returns(proxy) -> None:
-    with (proxy.policies_dir / "acme.yaml").open("a") as policy:
-        policy.write("idempotency: {retention_seconds: 1}\n")
-    assert proxy.app[POLICIES].reload() == []
+async def test_an_expired_record_is_replaced_when_its_key_returns(make_proxy) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(clock=clock, acme_extra="idempotency: {retention_seconds: 30}\n")
     await post(proxy, "/v1/chat/completions", CHAT, "replaced")
-    await asyncio.sleep(1.1)
+    clock.advance(timedelta(seconds=31))
     again = await post(proxy, "/v1/chat/completions", CHAT, "replaced")
     assert again.headers["Idempotent-Replayed"] == "false"
     assert len(proxy.provider.requests) == 2

@@ -6,16 +6,17 @@ THREADKEEPER_TEST_PG_DSN is set, on PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from aiohttp import web
 
-from proxy.clock import utc_iso
+from proxy.clock import ManualClock, utc_iso
 from proxy.server import recovery
 from proxy.server.app import create_app, start
 from proxy.server.state import OWNER, STORE
@@ -42,6 +43,9 @@ class Replicas:
         self.store_url = store_url
         self.policies = policies
         self.runners: dict[int, web.AppRunner] = {}
+        # One clock for all replicas; periodic heartbeats and sweeps run only when a test
+        # advances it.
+        self.clock = ManualClock()
 
     async def start(self) -> web.Application:
         settings = Settings(
@@ -51,7 +55,7 @@ class Replicas:
             policy_reload_interval=0,
             store_url=self.store_url,
         )
-        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY})
+        app = create_app(settings, env={"ACME_OPENAI_KEY": PROVIDER_KEY}, clock=self.clock)
         self.runners[id(app)] = await start(settings, app)
         return app
 
@@ -61,13 +65,7 @@ class Replicas:
 
 
 @pytest.fixture
-async def replicas(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[Replicas]:
-    """Periodic heartbeats and sweeps are pushed out of the test's reach: the test drives
-    those steps itself."""
-    monkeypatch.setattr(recovery, "HEARTBEAT_EVERY", timedelta(hours=1))
-    monkeypatch.setattr(recovery, "SWEEP_EVERY", timedelta(hours=1))
+async def replicas(store_url: str, tmp_path: Path) -> AsyncIterator[Replicas]:
     write_policies(tmp_path / "policies")
     running = Replicas(store_url, tmp_path / "policies")
     yield running
@@ -113,7 +111,7 @@ async def test_a_starting_replica_spares_a_live_replica_and_sweeps_it_once_silen
     assert await status_of(store, "resp_streaming") == "in_progress"
     assert await status_of(store, "resp_of_dead") == "incomplete"
 
-    now = datetime.now(UTC)
+    now = replicas.clock.now()
     await store.heartbeat(a[OWNER], utc_iso(now - 2 * recovery.STALE_AFTER))
     assert await recovery.sweep(store, b[OWNER], now=now) == 1
     assert await status_of(store, "resp_streaming") == "incomplete"
@@ -124,7 +122,7 @@ async def test_a_restart_on_the_same_host_ends_a_killed_process_at_once(
 ) -> None:
     """No waiting for staleness: the killed process's pid is gone from this host."""
     a = await replicas.start()
-    now = utc_iso(datetime.now(UTC))
+    now = replicas.clock.iso()
     await a[STORE].heartbeat("proc_killed", now, host=recovery.this_host(), pid=dead_pid())
     await a[STORE].begin_response(in_progress("resp_killed", "proc_killed"))
     await a[STORE].begin_response(in_progress("resp_a", a[OWNER]))
@@ -139,7 +137,7 @@ async def test_a_sweep_spares_its_own_and_fresh_responses(replicas: Replicas) ->
     await a[STORE].begin_response(in_progress("resp_a", a[OWNER]))
     await b[STORE].begin_response(in_progress("resp_b", b[OWNER]))
 
-    now = datetime.now(UTC)
+    now = replicas.clock.now()
     await recovery.heartbeat(a[STORE], a[OWNER], now=now)
     await b[STORE].heartbeat(b[OWNER], utc_iso(now - 2 * recovery.STALE_AFTER))
     assert await recovery.sweep(b[STORE], b[OWNER], now=now) == 0
@@ -155,3 +153,36 @@ async def test_a_clean_shutdown_ends_only_its_own_leftovers(replicas: Replicas) 
     await replicas.stop(a)
     assert await status_of(b[STORE], "resp_a") == "incomplete"
     assert await status_of(b[STORE], "resp_b") == "in_progress"
+
+
+async def until(condition: Callable[[], Awaitable[bool]]) -> bool:
+    """Lets the woken periodic tasks run until `condition` holds (bounded)."""
+    for _ in range(500):
+        if await condition():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_the_periodic_sweep_ends_a_silent_replica_once_time_passes(
+    replicas: Replicas,
+) -> None:
+    """No restart and no real waiting: the running replica's own sweep, every SWEEP_EVERY
+    of its clock, ends the responses of a replica on another host that fell silent, and
+    spares one that still heartbeats."""
+    a = await replicas.start()
+    store, clock = a[STORE], replicas.clock
+    await store.heartbeat("proc_silent", clock.iso(), host="another-host", pid=1)
+    await store.heartbeat("proc_alive", clock.iso(), host="another-host", pid=2)
+    await store.begin_response(in_progress("resp_silent", "proc_silent"))
+    await store.begin_response(in_progress("resp_alive", "proc_alive"))
+
+    later = clock.now() + recovery.STALE_AFTER + recovery.SWEEP_EVERY
+    await store.heartbeat("proc_alive", utc_iso(later), host="another-host", pid=2)
+    clock.advance(recovery.STALE_AFTER + recovery.SWEEP_EVERY)
+    assert await until(lambda: status_is(store, "resp_silent", "incomplete"))
+    assert await status_of(store, "resp_alive") == "in_progress"
+
+
+async def status_is(store: Store, response_id: str, status: str) -> bool:
+    return await status_of(store, response_id) == status

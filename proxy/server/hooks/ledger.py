@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.clock import utc_now
 from proxy.server.api import ApiShape
 from proxy.server.holdback import Guarded
 from proxy.server.ledger import LedgerGuard, custom_tool_names
 from proxy.server.relay import Transformer
+from proxy.server.state import CLOCK
 from proxy.server.turn import Turn, TurnHook
 
 
 class LedgerHook(TurnHook):
     def __init__(self, request: web.Request, api: ApiShape) -> None:
-        self.guard = LedgerGuard(request, api=api, thread_id=None, now=utc_now)
+        self.guard = LedgerGuard(request, api=api, thread_id=None, now=request.app[CLOCK].iso)
 
     async def restore(self, turn: Turn) -> None:
         """On a stored thread: the ledger's call before an output the thread never saw."""

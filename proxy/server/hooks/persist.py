@@ -20,11 +20,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.clock import utc_now
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import LOG_FIELDS, NAMESPACE, OWNER, STORE
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, thread_service
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict, duplicate_item
 from proxy.store.base import NewItem, StoredResponse
@@ -40,7 +39,7 @@ class StoredTurn(TurnHook):
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
-        self.threads = ThreadService(request.app[STORE], utc_now)
+        self.threads = thread_service(request.app)
         self.turn: Turn | None = None
 
     def rewrite(self, response: JsonDict) -> JsonDict:
@@ -235,7 +234,7 @@ class ResponseChain(StoredTurn):
                 status="in_progress",
                 request={k: v for k, v in self.body.items() if k != "input"},
                 response=None,
-                created_at=utc_now(),
+                created_at=self.request.app[CLOCK].iso(),
                 owner=self.request.app[OWNER],
             )
         )

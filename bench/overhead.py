@@ -383,11 +383,12 @@ def start_proxy(
     ]
     if workers is not None:
         command += ["--workers", str(workers)]
+    # the worker count is the command line's alone
+    proxy_env = {k: v for k, v in env().items() if k != "THREADKEEPER_WORKERS"}
+    proxy_env["THREADKEEPER_LOG_LEVEL"] = "info"
     log = Path(tmp, f"{name}.log")
     with log.open("wb") as sink:  # the child keeps its own descriptor
-        process = subprocess.Popen(
-            command, env={**env(), "THREADKEEPER_LOG_LEVEL": "info"}, stdout=sink, stderr=sink
-        )
+        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink)
     server = Server(name, f"http://127.0.0.1:{port}", process)
     wait_ready(f"{server.base}/healthz", 60, process, log)
     return server
@@ -492,6 +493,7 @@ class Run:
     rss: dict[str, float] = field(default_factory=dict)
     profile: list[str] = field(default_factory=list)
     profile_note: str = ""
+    load: float = 0.0  # of the machine when the run started: other work skews the figures
 
     def cell(self, case: str, target: str) -> Cell:
         return self.cells.get((case, target)) or skipped("not run")
@@ -500,6 +502,7 @@ class Run:
 def measure(args: argparse.Namespace, tmp: Path) -> Run:
     python, litellm_note = litellm_python(args.litellm_python)
     run = Run(args.seconds, serve_supports_workers(), litellm_note)
+    run.load = os.getloadavg()[0]
     stub = start_stub()
     servers: list[Server] = [stub]
     try:
@@ -593,6 +596,12 @@ def profile(run: Run, stub: Server, tmp: Path) -> None:
         run.profile_note = "skipped: pyinstrument wrote no session (did the proxy exit cleanly?)"
         return
     samples = handler_samples(Session.load(str(session_file)).frame_records)
+    if not samples:
+        run.profile_note = (
+            "skipped: no samples inside the profiled process's event loop (does `serve` "
+            "run its requests in child processes?)"
+        )
+        return
     requests = len(hammered.latencies) + WARMUP
     run.profile = profile_report(samples, requests)
 
@@ -644,7 +653,7 @@ def package_of(stack: Sequence[str]) -> str:
 
 
 def profile_report(samples: Sequence[Sample], requests: int) -> list[str]:
-    total = sum(seconds for _, seconds in samples) or 1.0
+    total = sum(seconds for _, seconds in samples)
     tree: dict[str, Any] = {}
     for stack, seconds in samples:
         # pyinstrument's folding: a library frame shows only where project code calls it
@@ -794,7 +803,8 @@ def render(run: Run) -> str:
         "## Overhead",
         "",
         f"`python bench/overhead.py --write` ({run.seconds:g} s per cell, Python "
-        f"{sys.version.split()[0]}, {os.cpu_count()} cores). The provider stub, each proxy "
+        f"{sys.version.split()[0]}, {os.cpu_count()} cores, 1-minute load average {run.load:.1f} "
+        "when it started). The provider stub, each proxy "
         "and the aiohttp client are separate processes on one machine shared with other "
         "work, so absolute figures are noisy: read the ratios, which come from one run with "
         'the targets measured in turn cell by cell. "+x" is the p50 added over direct.',

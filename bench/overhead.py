@@ -1,12 +1,30 @@
-"""Proxy overhead: direct to the provider stub vs through threadkeeper, in one run.
+"""Proxy overhead: direct to the provider stub vs through threadkeeper (and LiteLLM), one run.
 
-    python bench/overhead.py [--seconds 6] [--write]
+    python bench/overhead.py [--seconds 3] [--write] [--litellm-python PATH]
 
-Three processes on loopback: the scripted provider stub, the proxy (`threadkeeper serve`)
-and this client (httpx). Scenarios: a 20-message chat that fits (passthrough) and a
-200-item Responses request that must be trimmed, each at concurrency 1 and 32, each
-bounded in time. Reports p50/p99 latency, requests/s and the proxy/direct ratios, and
-with --write replaces the "## Overhead" section of bench/RESULTS.md.
+Every figure of issue 9's "Measurement" section, from one run on loopback. The provider
+stub (`proxy.fake_provider.FakeProvider`), each proxy (`python -m proxy serve`, and
+LiteLLM's proxy when `litellm[proxy]` imports) and this client run as separate
+processes; the client is an `aiohttp.ClientSession` with one pooled connection per
+concurrent client, so the direct figure is the stub's, not the client's. Cells, each
+run against every target in turn so load drift hits them alike:
+
+- chat passthrough: 20 messages that fit, no thread; 1 client (p50) and 32 clients
+  (requests/s), through `serve` with 1 worker and, when the build has `--workers`, 2;
+- a Responses turn on a stored conversation of 200 prior items (`POST /v1/responses`
+  with `conversation`, one new user message; each conversation is seeded through the
+  proxy and takes at most TURNS_PER_CONVERSATION turns, so it stays at 200-220 items)
+  against a direct stateless request of the same 200 items; LiteLLM gets the stateless
+  request too (it keeps no conversations);
+- streamed chat: time to the first body bytes (the first SSE event);
+- the proxy's resident memory (VmRSS of it and its child processes) after the run;
+- a profile: a fresh proxy under pyinstrument, the passthrough hammered for a few
+  seconds, the heaviest frames of the call tree and of self time.
+
+LiteLLM is looked for in this interpreter, then in `.venv-litellm/` at the repo root
+(`python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`),
+or where `--litellm-python` points; without it its column says why. --write replaces
+the "## Overhead" section of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -15,30 +33,46 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from results import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
+MODEL = "gpt-4o-mini"
+HEADERS = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
+WARMUP = 20
+PRIOR_ITEMS = 200
+TURNS_PER_CONVERSATION = 10
+SINGLE_CONVERSATIONS = 10  # 1 client: up to 100 turns
+CONVERSATIONS_PER_CLIENT = 2  # 32 clients: up to 640 turns
+MANY = 32
+PROFILE_CLIENTS = 8
+PROFILE_LINES = 15
 
+# A window the 200-item conversation fits in: the cell measures the turn, not a trim.
 POLICY = """\
 tenant: default
 allow_unknown_keys: true
 models:
-  "*": {context_window: 8000, max_output_tokens: 1000}
+  "*": {context_window: 128000, max_output_tokens: 1000}
 budget: {reserve_output_tokens: 1000, safety_margin_tokens: 200}
 memory: {keep_recent_turns: 2, tool_result_max_tokens: 200}
 """
 
+# The stub records every request; clearing the record keeps its memory flat over a run.
 STUB = """
 import asyncio, sys
 from proxy.fake_provider import FakeProvider
@@ -46,18 +80,38 @@ async def main():
     provider = FakeProvider()
     await provider.start(port=int(sys.argv[1]))
     print("ready", flush=True)
-    await asyncio.Event().wait()
+    while True:
+        await asyncio.sleep(1)
+        provider.requests.clear()
 asyncio.run(main())
 """
 
+LITELLM_CONFIG = """\
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: openai/{model}
+      api_base: http://127.0.0.1:{stub_port}/v1
+      api_key: sk-bench
+litellm_settings:
+  telemetry: false
+  set_verbose: false
+"""
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+TARGETS = {
+    "chat_1": "chat passthrough, 20 messages, 1 client: added p50",
+    "chat_32": "chat passthrough, 32 clients: requests/s (share of direct)",
+    "responses_1": "Responses turn, 200-item conversation, 1 client: added p50",
+    "responses_32": "Responses turn, 200-item conversation, 32 clients: requests/s",
+    "ttfb": "streamed chat, 1 client: time to first byte added",
+    "rss": "proxy resident memory after the run",
+}
 
 
-def chat_body() -> dict[str, Any]:
+# --- request bodies -------------------------------------------------------------------------
+
+
+def chat_body(*, stream: bool = False) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
     for turn in range(9):
         messages += [
@@ -65,12 +119,16 @@ def chat_body() -> dict[str, Any]:
             {"role": "assistant", "content": f"Order {turn} is on its way."},
         ]
     messages.append({"role": "user", "content": "And the last one?"})
-    return {"model": "gpt-4o-mini", "messages": messages}
+    body: dict[str, Any] = {"model": MODEL, "messages": messages}
+    if stream:
+        body["stream"] = True
+    return body
 
 
-def responses_body() -> dict[str, Any]:
+def history_items(count: int) -> list[dict[str, Any]]:
+    """An agent's history: question, tool call, tool result, answer, thanks (5 per turn)."""
     items: list[dict[str, Any]] = []
-    for turn in range(40):
+    for turn in range((count + 4) // 5):
         items += [
             {"role": "user", "content": f"Check order ORD-{turn}."},
             {
@@ -93,14 +151,33 @@ def responses_body() -> dict[str, Any]:
             },
             {"role": "user", "content": "thanks"},
         ]
-    return {"model": "gpt-4o-mini", "input": items, "store": False}
+    return items[:count]
+
+
+NEXT_QUESTION = {"role": "user", "content": "And the next order?"}
+
+
+def stateless_responses_body() -> dict[str, Any]:
+    """What a client without stored state sends for the same turn: all 200 items again."""
+    return {"model": MODEL, "input": [*history_items(PRIOR_ITEMS), NEXT_QUESTION], "store": False}
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+# --- measuring ------------------------------------------------------------------------------
 
 
 @dataclass
-class Result:
-    latencies: list[float]
-    seconds: float
-    self_ms: list[float] = field(default_factory=list)
+class Cell:
+    latencies: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.latencies)
 
     @property
     def p50(self) -> float:
@@ -116,164 +193,678 @@ class Result:
         return len(self.latencies) / self.seconds
 
 
-async def drive(base: str, path: str, body: bytes, concurrency: int, seconds: float) -> Result:
-    latencies: list[float] = []
-    deadline = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+def skipped(note: str) -> Cell:
+    return Cell(note=note)
 
-        async def worker() -> None:
+
+Request = Callable[[aiohttp.ClientSession], Awaitable[float]]
+
+
+def post(url: str, body: bytes) -> Request:
+    """A full request: status, headers and the whole body."""
+
+    async def send(session: aiohttp.ClientSession) -> float:
+        started = time.perf_counter()
+        async with session.post(url, data=body, headers=HEADERS) as response:
+            payload = await response.read()
+            if response.status != 200:
+                raise SystemExit(f"{url}: {response.status} {payload[:300]!r}")
+        return time.perf_counter() - started
+
+    return send
+
+
+def first_byte(url: str, body: bytes) -> Request:
+    """A streamed request timed to its first body bytes; the rest is read untimed."""
+
+    async def send(session: aiohttp.ClientSession) -> float:
+        started = time.perf_counter()
+        async with session.post(url, data=body, headers=HEADERS) as response:
+            if response.status != 200:
+                raise SystemExit(f"{url}: {response.status} {(await response.read())[:300]!r}")
+            await response.content.readany()
+            elapsed = time.perf_counter() - started
+            await response.read()
+        return elapsed
+
+    return send
+
+
+def session(concurrency: int) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
+
+
+async def timed(request: Request, concurrency: int, seconds: float) -> Cell:
+    """`concurrency` clients repeat `request` until `seconds` have passed."""
+    async with session(concurrency) as http:
+        for _ in range(WARMUP):
+            await request(http)
+        latencies: list[float] = []
+        deadline = time.perf_counter() + seconds
+
+        async def client() -> None:
             while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                response = await client.post(path, content=body, headers=headers)
-                if response.status_code != 200:
-                    raise SystemExit(f"{base}{path}: {response.status_code} {response.text[:200]}")
-                latencies.append(time.perf_counter() - started)
+                latencies.append(await request(http))
 
-        for _ in range(20):  # warm connections, caches and the token counter
-            await client.post(path, content=body, headers=headers)
         begin = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return Result(latencies, time.perf_counter() - begin)
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return Cell(latencies, time.perf_counter() - begin)
 
 
-def wait_ready(url: str) -> None:
-    for _ in range(200):
+async def conversation_turns(
+    base: str, conversations: Sequence[str], concurrency: int, seconds: float
+) -> Cell:
+    """Each client takes its own conversations, TURNS_PER_CONVERSATION turns each, until
+    they are used up or `seconds` have passed."""
+    async with session(concurrency) as http:
+        latencies: list[float] = []
+        deadline = time.perf_counter() + seconds
+
+        async def client(mine: Sequence[str]) -> None:
+            for conversation in mine:
+                turn = post(f"{base}/v1/responses", turn_body(conversation))
+                for _ in range(TURNS_PER_CONVERSATION):
+                    if time.perf_counter() >= deadline:
+                        return
+                    latencies.append(await turn(http))
+
+        begin = time.perf_counter()
+        await asyncio.gather(*(client(conversations[i::concurrency]) for i in range(concurrency)))
+        return Cell(latencies, time.perf_counter() - begin)
+
+
+def turn_body(conversation: str) -> bytes:
+    return encode({"model": MODEL, "conversation": conversation, "input": [NEXT_QUESTION]})
+
+
+async def seed_conversations(base: str, count: int) -> list[str]:
+    """Conversations of exactly PRIOR_ITEMS items, made through the proxy's own API: an
+    empty conversation, then one turn carrying all but the last item (the reply is it)."""
+    seed = history_items(PRIOR_ITEMS - 1)
+    ids: list[str] = []
+    async with session(8) as http:
+
+        async def one() -> None:
+            async with http.post(f"{base}/v1/conversations", json={}, headers=HEADERS) as made:
+                conversation = (await made.json())["id"]
+            body = {"model": MODEL, "conversation": conversation, "input": seed}
+            await post(f"{base}/v1/responses", encode(body))(http)
+            ids.append(conversation)
+
+        for start in range(0, count, 8):
+            await asyncio.gather(*(one() for _ in range(min(8, count - start))))
+    return ids
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, seconds: float, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise SystemExit(f"{process.args!r} exited with {process.returncode}:\n{tail}")
         try:
-            httpx.get(url, timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.05)
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # up, if unhappy with a bare GET
+        except OSError:
+            time.sleep(0.1)
     raise SystemExit(f"{url} never came up")
+
+
+@dataclass
+class Server:
+    name: str
+    base: str
+    process: subprocess.Popen[bytes]
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def start_stub() -> Server:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    process.stdout.readline()
+    return Server("direct", f"http://127.0.0.1:{port}", process)
+
+
+def serve_supports_workers() -> bool:
+    shown = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--help"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "--workers" in shown.stdout
+
+
+def start_proxy(
+    name: str, stub: Server, tmp: Path, *, workers: int | None, prefix: Sequence[str] = ()
+) -> Server:
+    port = free_port()
+    command = [
+        *(prefix or [sys.executable]),
+        "-m",
+        "proxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        f"{stub.base}/v1",
+        "--policies",
+        str(tmp / "policies"),
+        "--store",
+        f"sqlite:///{tmp}/{name}.db",
+    ]
+    if workers is not None:
+        command += ["--workers", str(workers)]
+    # the worker count is the command line's alone
+    proxy_env = {k: v for k, v in env().items() if k != "THREADKEEPER_WORKERS"}
+    proxy_env["THREADKEEPER_LOG_LEVEL"] = "info"
+    log = Path(tmp, f"{name}.log")
+    with log.open("wb") as sink:  # the child keeps its own descriptor
+        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink)
+    server = Server(name, f"http://127.0.0.1:{port}", process)
+    wait_ready(f"{server.base}/healthz", 60, process, log)
+    return server
+
+
+def litellm_python(requested: str | None) -> tuple[str | None, str]:
+    """An interpreter that imports `litellm.proxy.proxy_server`, or why there is none."""
+    candidates = (
+        [requested] if requested else [sys.executable, str(ROOT / ".venv-litellm/bin/python")]
+    )
+    for python in candidates:
+        if not Path(python).exists():
+            continue
+        probe = subprocess.run(
+            [
+                python,
+                "-c",
+                "import litellm.proxy.proxy_server, importlib.metadata as m;"
+                "print(m.version('litellm'))",
+            ],
+            env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.returncode == 0:
+            return python, probe.stdout.strip().splitlines()[-1]
+    return None, "skipped: `litellm[proxy]` does not import here (see bench/overhead.py)"
+
+
+def start_litellm(python: str, stub: Server, tmp: Path) -> Server:
+    port = free_port()
+    config = Path(tmp, "litellm.yaml")
+    config.write_text(LITELLM_CONFIG.format(model=MODEL, stub_port=stub.base.rsplit(":", 1)[1]))
+    log = Path(tmp, "litellm.log")
+    sink = log.open("wb")
+    process = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "litellm.proxy.proxy_cli",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ],
+        env={
+            **os.environ,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+            # its lightest setup: no master key, so no per-request key check
+            "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+        },
+        stdout=sink,
+        stderr=sink,
+    )
+    sink.close()  # the child keeps its own descriptor
+    server = Server("litellm", f"http://127.0.0.1:{port}", process)
+    wait_ready(f"{server.base}/health/liveliness", 120, process, log)
+    return server
+
+
+def resident_mb(pid: int) -> float:
+    """VmRSS of `pid` and every process under it, in MB (worker processes count too)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    total_kb, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total_kb += int(line.split()[1])
+    return total_kb / 1024
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    seconds: float
+    workers_supported: bool
+    litellm_version: str
+    cells: dict[tuple[str, str], Cell] = field(default_factory=dict)
+    rss: dict[str, float] = field(default_factory=dict)
+    profile: list[str] = field(default_factory=list)
+    profile_note: str = ""
+    load: float = 0.0  # of the machine when the run started: other work skews the figures
+
+    def cell(self, case: str, target: str) -> Cell:
+        return self.cells.get((case, target)) or skipped("not run")
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> Run:
+    python, litellm_note = litellm_python(args.litellm_python)
+    run = Run(args.seconds, serve_supports_workers(), litellm_note)
+    run.load = os.getloadavg()[0]
+    stub = start_stub()
+    servers: list[Server] = [stub]
+    try:
+        Path(tmp, "policies").mkdir()
+        Path(tmp, "policies", "default.yaml").write_text(POLICY)
+        one = start_proxy("threadkeeper", stub, tmp, workers=1 if run.workers_supported else None)
+        servers.append(one)
+        two = None
+        if run.workers_supported:
+            two = start_proxy("threadkeeper-2w", stub, tmp, workers=2)
+            servers.append(two)
+        litellm = start_litellm(python, stub, tmp) if python else None
+        if litellm:
+            servers.append(litellm)
+        asyncio.run(run_cells(run, stub, one, two, litellm))
+        run.rss["threadkeeper"] = resident_mb(one.process.pid)
+        if litellm:
+            run.rss["litellm"] = resident_mb(litellm.process.pid)
+        for server in servers[1:]:
+            server.stop()
+        del servers[1:]
+        profile(run, stub, tmp)
+    finally:
+        for server in servers:
+            server.stop()
+    return run
+
+
+async def run_cells(
+    run: Run, stub: Server, one: Server, two: Server | None, litellm: Server | None
+) -> None:
+    seconds = run.seconds
+    chat, streamed = encode(chat_body()), encode(chat_body(stream=True))
+    stateless = encode(stateless_responses_body())
+    chat_path, responses_path = "/v1/chat/completions", "/v1/responses"
+    unsupported = skipped("not supported by this build")
+    no_litellm = skipped("skipped")
+    passthrough = [stub, one, two, litellm]
+    for label, concurrency in (("chat_1", 1), ("chat_32", MANY)):
+        for server in passthrough:
+            if server is not None:
+                request = post(server.base + chat_path, chat)
+                run.cells[(label, server.name)] = await timed(request, concurrency, seconds)
+        run.cells.setdefault((label, "threadkeeper-2w"), unsupported)
+        run.cells.setdefault((label, "litellm"), no_litellm)
+    for server in passthrough:
+        if server is not None:
+            request = first_byte(server.base + chat_path, streamed)
+            run.cells[("ttfb", server.name)] = await timed(request, 1, seconds)
+    run.cells.setdefault(("ttfb", "threadkeeper-2w"), unsupported)
+    run.cells.setdefault(("ttfb", "litellm"), no_litellm)
+
+    # Responses: stateless same-size requests direct and to LiteLLM, conversation turns
+    # through threadkeeper (its conversations seeded before the clock starts).
+    single = await seed_conversations(one.base, SINGLE_CONVERSATIONS + 1)
+    many = await seed_conversations(one.base, MANY * CONVERSATIONS_PER_CLIENT)
+    await conversation_turns(one.base, single[-1:], 1, seconds)  # warm-up conversation
+    for label, concurrency, conversations in (
+        ("responses_1", 1, single[:-1]),
+        ("responses_32", MANY, many),
+    ):
+        run.cells[(label, "direct")] = await timed(
+            post(stub.base + responses_path, stateless), concurrency, seconds
+        )
+        run.cells[(label, "threadkeeper")] = await conversation_turns(
+            one.base, conversations, concurrency, seconds + 2
+        )
+        if litellm:
+            run.cells[(label, "litellm")] = await timed(
+                post(litellm.base + responses_path, stateless), concurrency, seconds
+            )
+        run.cells.setdefault((label, "litellm"), no_litellm)
+
+
+def profile(run: Run, stub: Server, tmp: Path) -> None:
+    """A fresh proxy under pyinstrument, the passthrough hammered, then its heaviest frames."""
+    try:
+        from pyinstrument.session import Session
+    except ImportError:
+        run.profile_note = "skipped: pyinstrument is not installed (`pip install -e '.[bench]'`)"
+        return
+    session_file = Path(tmp, "profile.pyisession")
+    prefix = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session_file)]
+    proxy = start_proxy("profiled", stub, tmp, workers=None, prefix=prefix)
+    try:
+        request = post(proxy.base + "/v1/chat/completions", encode(chat_body()))
+        hammered = asyncio.run(timed(request, PROFILE_CLIENTS, run.seconds))
+    finally:
+        proxy.stop(signal.SIGINT)
+    if not session_file.exists():
+        run.profile_note = "skipped: pyinstrument wrote no session (did the proxy exit cleanly?)"
+        return
+    samples = handler_samples(Session.load(str(session_file)).frame_records)
+    if not samples:
+        run.profile_note = (
+            "skipped: no samples inside the profiled process's event loop (does `serve` "
+            "run its requests in child processes?)"
+        )
+        return
+    requests = len(hammered.latencies) + WARMUP
+    run.profile = profile_report(samples, requests)
+
+
+# One sample: the frames from the event loop's callback down (outermost first), seconds.
+Sample = tuple[list[str], float]
+
+
+def handler_samples(records: Sequence[Any]) -> list[Sample]:
+    """The samples taken inside an event-loop callback (`Handle._run`): the proxy's own
+    work. Start-up, shutdown and idle waiting in the selector fall outside."""
+    samples = []
+    for stack, seconds in records:
+        for index, frame in enumerate(stack):
+            name, path = frame.split("\x00")[:2]
+            if name == "_run" and path.endswith("asyncio/events.py"):
+                samples.append(([frame_label(f) for f in stack[index + 1 :]], seconds))
+                break
+    return samples
+
+
+def frame_label(identifier: str) -> str:
+    """pyinstrument's "function\\0path\\0line\\1cClass..." as "Class.function  path:line"."""
+    name, path, line = identifier.split("\x00")[:3]
+    line, *attributes = line.split("\x01")
+    owner = next((a[1:] for a in attributes if a.startswith("c")), "")
+    return f"{owner + '.' if owner else ''}{name}  {short_path(path)}:{line}"
+
+
+def short_path(path: str) -> str:
+    for marker in ("/site-packages/", f"{ROOT}/", "/lib/python3.11/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def is_project(label: str) -> bool:
+    return "  proxy/" in label
+
+
+def package_of(stack: Sequence[str]) -> str:
+    """Where a sample's time went: the innermost frame's package; a built-in counts for
+    the frame that called it."""
+    for label in reversed(stack):
+        path = label.split("  ", 1)[1]
+        if not path.startswith("<"):
+            return path.split("/", 1)[0].split(":")[0].removesuffix(".py")
+    return "<built-in>"
+
+
+def profile_report(samples: Sequence[Sample], requests: int) -> list[str]:
+    total = sum(seconds for _, seconds in samples)
+    tree: dict[str, Any] = {}
+    for stack, seconds in samples:
+        # pyinstrument's folding: a library frame shows only where project code calls it
+        shown = [
+            label
+            for index, label in enumerate(stack)
+            if index == 0 or is_project(label) or is_project(stack[index - 1])
+        ]
+        node = tree
+        for label in shown:
+            entry = node.setdefault(label, [0.0, {}])
+            entry[0] += seconds
+            node = entry[1]
+    lines = [
+        f"Callback time in the proxy: {total * 1000 / requests:.2f} ms per request under the "
+        f"profiler ({requests} requests). The call tree, library internals folded (share "
+        "of that time, branches under 2% left out):",
+        "",
+        "```",
+    ]
+    lines += tree_lines(tree, total, depth=0)[: PROFILE_LINES * 2]
+    packages: dict[str, float] = {}
+    functions: dict[str, float] = {}
+    for stack, seconds in samples:
+        packages[package_of(stack)] = packages.get(package_of(stack), 0.0) + seconds
+        leaf = stack[-1] if stack else "<loop>"
+        functions[leaf] = functions.get(leaf, 0.0) + seconds
+    lines += ["```", "", f"Top {PROFILE_LINES} functions by self time:", "", "```"]
+    for label, seconds in sorted(functions.items(), key=lambda kv: -kv[1])[:PROFILE_LINES]:
+        lines.append(f"{seconds / total:6.1%}  {label}")
+    lines += [
+        "```",
+        "",
+        "Self time by package: "
+        + ", ".join(
+            f"{name} {seconds / total:.0%}"
+            for name, seconds in sorted(packages.items(), key=lambda kv: -kv[1])
+            if seconds / total >= 0.01
+        )
+        + ".",
+    ]
+    return lines
+
+
+def tree_lines(node: dict[str, Any], total: float, depth: int) -> list[str]:
+    lines = []
+    for label, (seconds, children) in sorted(node.items(), key=lambda kv: -kv[1][0]):
+        if seconds / total < 0.02:
+            continue
+        lines.append(f"{'  ' * depth}{seconds / total:6.1%}  {label}")
+        lines += tree_lines(children, total, depth + 1)
+    return lines
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def render(run: Run) -> str:
+    d = run.cell
+    rows: list[tuple[str, str, str, str, str, str, str]] = []
+
+    def added(case: str, target: str) -> str:
+        base, cell = d(case, "direct"), d(case, target)
+        if not cell.ok:
+            return cell.note
+        return f"{cell.p50:.2f} ms (+{cell.p50 - base.p50:.2f})"
+
+    def share(case: str, target: str) -> str:
+        base, cell = d(case, "direct"), d(case, target)
+        if not cell.ok:
+            return cell.note
+        return f"{cell.rps:,.0f} ({cell.rps / base.rps:.0%})"
+
+    def met(ok: bool) -> str:
+        return "**met**" if ok else "not met"
+
+    def added_ms(case: str, target: str = "threadkeeper") -> float:
+        return d(case, target).p50 - d(case, "direct").p50
+
+    def ratio(case: str, target: str) -> float:
+        cell = d(case, target)
+        return cell.rps / d(case, "direct").rps if cell.ok else 0.0
+
+    chat_share = max(ratio("chat_32", "threadkeeper"), ratio("chat_32", "threadkeeper-2w"))
+    rows += [
+        (
+            TARGETS["chat_1"],
+            f"{d('chat_1', 'direct').p50:.2f} ms",
+            added("chat_1", "threadkeeper"),
+            added("chat_1", "threadkeeper-2w"),
+            added("chat_1", "litellm"),
+            "<= +1.0 ms",
+            met(added_ms("chat_1") <= 1.0),
+        ),
+        (
+            TARGETS["chat_32"],
+            f"{d('chat_32', 'direct').rps:,.0f}",
+            share("chat_32", "threadkeeper"),
+            share("chat_32", "threadkeeper-2w"),
+            share("chat_32", "litellm"),
+            ">= 25% of direct",
+            met(chat_share >= 0.25),
+        ),
+        (
+            TARGETS["responses_1"],
+            f"{d('responses_1', 'direct').p50:.2f} ms (stateless)",
+            added("responses_1", "threadkeeper"),
+            "",
+            added("responses_1", "litellm"),
+            "<= +5 ms",
+            met(added_ms("responses_1") <= 5.0),
+        ),
+        (
+            TARGETS["responses_32"],
+            f"{d('responses_32', 'direct').rps:,.0f} (stateless)",
+            share("responses_32", "threadkeeper"),
+            "",
+            share("responses_32", "litellm"),
+            ">= 200 req/s",
+            met(d("responses_32", "threadkeeper").rps >= 200),
+        ),
+        (
+            TARGETS["ttfb"],
+            f"{d('ttfb', 'direct').p50:.2f} ms",
+            added("ttfb", "threadkeeper"),
+            added("ttfb", "threadkeeper-2w"),
+            added("ttfb", "litellm"),
+            "<= +1.0 ms",
+            met(added_ms("ttfb") <= 1.0),
+        ),
+        (
+            TARGETS["rss"],
+            "",
+            f"{run.rss['threadkeeper']:.0f} MB",
+            "",
+            f"{run.rss['litellm']:.0f} MB" if "litellm" in run.rss else "skipped",
+            "<= 200 MB",
+            met(run.rss["threadkeeper"] <= 200),
+        ),
+    ]
+    litellm_name = (
+        f"LiteLLM {run.litellm_version}"
+        if not run.litellm_version.startswith("skipped")
+        else "LiteLLM"
+    )
+    lines = [
+        "## Overhead",
+        "",
+        f"`python bench/overhead.py --write` ({run.seconds:g} s per cell, Python "
+        f"{sys.version.split()[0]}, {os.cpu_count()} cores, 1-minute load average {run.load:.1f} "
+        "when it started). The provider stub, each proxy "
+        "and the aiohttp client are separate processes on one machine shared with other "
+        "work, so absolute figures are noisy: read the ratios, which come from one run with "
+        'the targets measured in turn cell by cell. "+x" is the p50 added over direct.',
+        "",
+        f"| measure | direct | threadkeeper, 1 worker | threadkeeper, 2 workers | {litellm_name} "
+        "| target | threadkeeper |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    if run.litellm_version.startswith("skipped"):
+        lines += ["", f"LiteLLM {run.litellm_version}."]
+    lines += [
+        "",
+        "The 32-client chat target counts as met when either worker count reaches it. The "
+        f"Responses turn: each of {SINGLE_CONVERSATIONS} (1 client) or "
+        f"{MANY * CONVERSATIONS_PER_CLIENT} (32 clients) conversations is seeded with "
+        f"{PRIOR_ITEMS} items through the proxy and takes up to {TURNS_PER_CONVERSATION} "
+        "turns of one new user message; direct and LiteLLM get the same 200 items "
+        "statelessly. Memory: VmRSS of the proxy's process tree after every cell above.",
+        "",
+        "Every cell:",
+        "",
+        "| case | target | requests | p50 ms | p99 ms | req/s |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (case, target), cell in run.cells.items():
+        if cell.ok:
+            lines.append(
+                f"| {case} | {target} | {len(cell.latencies)} | {cell.p50:.2f} | "
+                f"{cell.p99:.2f} | {cell.rps:,.0f} |"
+            )
+    lines += ["", "### Profile of the passthrough", ""]
+    if run.profile_note:
+        lines.append(run.profile_note)
+    else:
+        lines += [
+            f"A fresh `serve` under pyinstrument, the chat passthrough hammered by "
+            f"{PROFILE_CLIENTS} clients for {run.seconds:g} s. Only samples taken inside an "
+            "event-loop callback count (start-up and idle waiting do not).",
+            "",
+            *run.profile,
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=6.0, help="per scenario")
+    parser.add_argument("--seconds", type=float, default=3.0, help="per cell")
     parser.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    parser.add_argument("--litellm-python", help="an interpreter with litellm[proxy]")
+    parser.add_argument("--output", type=Path, help="also write the section to this file")
     args = parser.parse_args()
-
-    stub_port, proxy_port = free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    stub = subprocess.Popen(
-        [sys.executable, "-c", STUB, str(stub_port)], env=env, stdout=subprocess.PIPE
-    )
-    assert stub.stdout is not None
-    stub.stdout.readline()
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "default.yaml").write_text(POLICY)
-        log_path = Path(tmp, "proxy.log")
-        log_file = log_path.open("w")
-        proxy = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "proxy",
-                "serve",
-                "--port",
-                str(proxy_port),
-                "--upstream",
-                f"http://127.0.0.1:{stub_port}/v1",
-                "--policies",
-                tmp,
-                "--store",
-                f"sqlite:///{tmp}/bench.db",
-            ],
-            env={**env, "THREADKEEPER_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"},
-            stdout=log_file,
-        )
-        try:
-            wait_ready(f"http://127.0.0.1:{proxy_port}/healthz")
-            rows = asyncio.run(run_all(stub_port, proxy_port, args.seconds, ProxyLog(log_path)))
-        finally:
-            proxy.terminate()
-            stub.terminate()
-            proxy.wait()
-            stub.wait()
-    report = render(rows, args.seconds)
+        run = measure(args, Path(tmp))
+    report = render(run)
     print(report)
+    if args.output:
+        args.output.write_text(report, encoding="utf-8")
     if args.write:
         write_section("Overhead", report)
-
-
-class ProxyLog:
-    """The proxy's own request log: latency_ms - upstream_ms is what the proxy itself cost,
-    measured inside the proxy process, free of the client's and the stub's noise."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def self_ms(self) -> list[float]:
-        with self.path.open() as handle:
-            handle.seek(self.offset)
-            text = handle.read()
-            self.offset = handle.tell()
-        costs = []
-        for line in text.splitlines():
-            if not line.startswith("{"):
-                continue
-            entry = json.loads(line)
-            if entry.get("event") == "request" and "upstream_ms" in entry:
-                costs.append(entry["latency_ms"] - entry["upstream_ms"])
-        return costs
-
-
-async def run_all(
-    stub_port: int, proxy_port: int, seconds: float, proxy_log: ProxyLog
-) -> list[tuple[str, int, Result, Result]]:
-    direct = f"http://127.0.0.1:{stub_port}"
-    proxied = f"http://127.0.0.1:{proxy_port}"
-    rows = []
-    scenarios = [
-        ("chat, 20 messages, fits (passthrough)", "/v1/chat/completions", chat_body()),
-        ("responses, 200 items, trimmed to 8k", "/v1/responses", responses_body()),
-    ]
-    for name, path, body in scenarios:
-        raw = json.dumps(body).encode()
-        for concurrency in (1, 32):
-            a = await drive(direct, path, raw, concurrency, seconds)
-            proxy_log.self_ms()  # skip what came before this cell
-            b = await drive(proxied, path, raw, concurrency, seconds)
-            await asyncio.sleep(0.2)  # let the last log lines land
-            b.self_ms = proxy_log.self_ms()
-            rows.append((name, concurrency, a, b))
-    return rows
-
-
-def render(rows: list[tuple[str, int, Result, Result]], seconds: float) -> str:
-    lines = [
-        "## Overhead",
-        "",
-        f"`python bench/overhead.py --write` ({seconds:g} s per cell; stub, proxy and client are "
-        "three processes on one 2-core machine, so absolute figures are noisy — read the ratios).",
-        "",
-        '"self p50" is the proxy\'s own time per request from its log line (latency minus the',
-        "wait for the provider), measured inside the proxy process.",
-        "",
-        "| scenario | conc. | direct p50 ms | proxy p50 ms | added p50 ms | proxy self p50 ms | direct p99 ms | proxy p99 ms | direct req/s | proxy req/s | p50 ratio | req/s ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, concurrency, a, b in rows:
-        lines.append(
-            f"| {name} | {concurrency} | {a.p50:.2f} | {b.p50:.2f} | {b.p50 - a.p50:.2f} | "
-            f"{statistics.median(b.self_ms) if b.self_ms else float('nan'):.2f} | "
-            f"{a.p99:.2f} | {b.p99:.2f} | {a.rps:.0f} | {b.rps:.0f} | {b.p50 / a.p50:.2f} | "
-            f"{b.rps / a.rps:.2f} |"
-        )
-    lines += [
-        "",
-        "Reading it: the issue's target was an added p50 under 1 ms for the passthrough at",
-        'concurrency 1; it is not met. The proxy\'s own work per request ("self") is under',
-        "about 2 ms for the passthrough; the rest of the added time is the extra hop. Measured",
-        "alone on this VM (2026-11-29): a bare keep-alive HTTP round trip between two local",
-        "processes costs about 1.3 ms (`GET /healthz`), and one `Upstream.send` to the stub",
-        "(async httpx, pooled) 2.0 ms, 2.6 ms streamed, against 1.3 ms for a sync client. The",
-        "trimmed Responses case pays for a projection of 200 items on every request (the",
-        "client is stateless, so nothing is remembered between its requests).",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

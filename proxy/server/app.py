@@ -32,7 +32,7 @@ from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
     conversations,
-    ledger,
+    ledger_routes,
     ops,
     passthrough,
     response_routes,
@@ -171,7 +171,7 @@ def create_app(
     )
     response_routes.add_routes(app)
     conversations.add_routes(app)
-    ledger.add_routes(app)
+    ledger_routes.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 
@@ -30,6 +30,7 @@ from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
 from proxy.server.errors import ApiError, invalid
+from proxy.server.pagination import page_params
 from proxy.server.responses import validate_input_item
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, thread_service
 from proxy.server.validate import (
@@ -48,8 +49,6 @@ MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-DEFAULT_LIST_LIMIT = 20
-MAX_LIST_LIMIT = 100
 # Items are counted once at write time with this model's encoding, so rebuilds never
 # re-tokenize (SPEC section 4); a request for another encoding recounts what it needs.
 COUNTING_MODEL = "gpt-4o"
@@ -160,17 +159,15 @@ async def delete_conversation(request: web.Request) -> web.Response:
 
 
 async def list_items(request: web.Request) -> web.Response:
-    limit = limit_param(request.query.get("limit"))
-    order = order_param(request.query.get("order"))
-    after = request.query.get("after") or None
+    params = page_params(request.query)
     include = include_param(request)
     thread = await conversation(request)
     try:
         page = await request.app[STORE].list_items(
-            thread.tenant, thread.id, after=after, limit=limit, order=order
+            thread.tenant, thread.id, after=params.after, limit=params.limit, order=params.order
         )
     except NotFound:
-        raise item_not_found(after or "", param="after") from None
+        raise item_not_found(params.after or "", param="after") from None
     data = [included(item_object(i), include) for i in page.items]
     return web.json_response(item_list(data, page.has_more))
 
@@ -384,42 +381,6 @@ def missing(param: str) -> ApiError:
     return invalid(
         f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
     )
-
-
-def limit_param(value: str | None) -> int:
-    if value is None or value == "":
-        return DEFAULT_LIST_LIMIT
-    try:
-        limit = int(value)
-    except ValueError:
-        raise invalid(
-            f"Invalid 'limit': expected an integer, but got '{value}' instead.",
-            param="limit",
-            code="invalid_type",
-        ) from None
-    if limit < 1:
-        raise invalid(
-            f"Invalid 'limit': integer below minimum value. Expected a value >= 1, but got "
-            f"{limit} instead.",
-            param="limit",
-            code="integer_below_min_value",
-        )
-    if limit > MAX_LIST_LIMIT:
-        raise invalid(
-            f"Invalid 'limit': integer above maximum value. Expected a value <= "
-            f"{MAX_LIST_LIMIT}, but got {limit} instead.",
-            param="limit",
-            code="integer_above_max_value",
-        )
-    return limit
-
-
-def order_param(value: str | None) -> Literal["asc", "desc"]:
-    if value is None or value == "" or value == "desc":
-        return "desc"
-    if value == "asc":
-        return "asc"
-    raise unsupported_value(value, ("asc", "desc"), "order")
 
 
 def call_ids_in(items: Iterable[Item]) -> frozenset[str]:

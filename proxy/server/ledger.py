@@ -1,5 +1,5 @@
 """The side-effect ledger at the edge (SPEC 6): the pure rules of proxy/core/ledger.py
-applied to what the provider answers and what the client sends, plus operator endpoints.
+applied to what the provider answers and what the client sends.
 
 Per request, a `LedgerGuard` (tenant policy, store, thread scope):
 
@@ -31,15 +31,7 @@ clients resend their history and the thread reconciles it by content
 (threads.new_chat_messages), so messages the client never saw would break that match;
 the ledger still guards a repeated call in a later turn.
 
-Operator endpoints (tenant-scoped, bearer auth like /v1; keys and scopes may contain ":",
-URL-encode them):
-
-    GET  /threadkeeper/v1/ledger?status=issued|completed|failed&limit=100
-         -> {"object": "list", "data": [entry, ...]}
-    GET  /threadkeeper/v1/ledger/{scope}/{key}        -> entry, or 404
-    POST /threadkeeper/v1/ledger/{scope}/{key}/resolve
-         {"status": "completed", "result": "..."} | {"status": "failed"}
-         -> the resolved entry; 409 unless the entry is `issued`, 404 if there is none
+The operator endpoints over these entries are in proxy/server/ledger_routes.py.
 """
 
 from __future__ import annotations
@@ -51,7 +43,6 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.clock import utc_now
 from proxy.core.continuation import Judge, Settled, continuation
 from proxy.core.items import Item
 from proxy.core.ledger import (
@@ -73,17 +64,14 @@ from proxy.core.ledger import (
 )
 from proxy.policy import Policy
 from proxy.server.api import ApiShape
-from proxy.server.errors import ApiError, invalid
 from proxy.server.state import METRICS, NAMESPACE, STORE, TENANT_POLICY
-from proxy.server.validate import JsonDict, read_json_object
-from proxy.store.base import LedgerEntry, LedgerStatus
+from proxy.server.validate import JsonDict
+from proxy.store.base import LedgerEntry
 
 log = structlog.get_logger("threadkeeper.ledger")
 
 AskUpstream = Callable[[JsonDict], Awaitable[JsonDict | None]]
 REARM_ATTEMPTS = 3
-STATUSES: tuple[LedgerStatus, ...] = ("issued", "completed", "failed")
-MAX_LIST = 1000
 
 
 def custom_tool_names(tools: Iterable[Any]) -> frozenset[str]:
@@ -328,102 +316,3 @@ async def settle(
     except StopIteration as stop:
         settled: Settled = stop.value
         return settled
-
-
-# -- operator endpoints -----------------------------------------------------------------------
-
-
-def entry_json(entry: LedgerEntry) -> JsonDict:
-    return {
-        "object": "threadkeeper.ledger_entry",
-        "scope": entry.scope,
-        "key": entry.key,
-        "tool": entry.tool,
-        "call_id": entry.call_id,
-        "thread_id": entry.thread_id,
-        "response_id": entry.response_id,
-        "status": entry.status,
-        "arguments": entry.arguments,
-        "result": entry.result,
-        "attempts": entry.attempts,
-        "created_at": entry.created_at,
-        "updated_at": entry.updated_at,
-    }
-
-
-def status_param(value: Any, param: str) -> LedgerStatus:
-    for status in STATUSES:
-        if value == status:
-            return status
-    raise invalid(
-        f"Invalid value for '{param}': {value!r}. Supported values are: "
-        + ", ".join(f"'{s}'" for s in STATUSES)
-        + ".",
-        param=param,
-        code="invalid_value",
-    )
-
-
-def limit_param(value: str | None) -> int:
-    if value is None:
-        return 100
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST:
-        raise invalid(
-            f"Invalid 'limit': expected an integer from 1 to {MAX_LIST}.",
-            param="limit",
-            code="invalid_value",
-        )
-    return int(value)
-
-
-async def list_entries(request: web.Request) -> web.Response:
-    tenant = request[NAMESPACE]
-    status_value = request.query.get("status")
-    status = None if status_value is None else status_param(status_value, "status")
-    limit = limit_param(request.query.get("limit"))
-    entries = await request.app[STORE].ledger_list(tenant, status=status, limit=limit)
-    return web.json_response({"object": "list", "data": [entry_json(e) for e in entries]})
-
-
-async def _entry_or_404(request: web.Request) -> LedgerEntry:
-    tenant = request[NAMESPACE]
-    scope, key = request.match_info["scope"], request.match_info["key"]
-    entry = await request.app[STORE].ledger_get(tenant, scope, key)
-    if entry is None:
-        raise ApiError(404, f"No ledger entry with scope '{scope}' and key '{key}'.")
-    return entry
-
-
-async def get_entry(request: web.Request) -> web.Response:
-    return web.json_response(entry_json(await _entry_or_404(request)))
-
-
-async def resolve_entry(request: web.Request) -> web.Response:
-    """An operator settles an entry whose outcome the client never reported."""
-    body, _ = await read_json_object(request)
-    status = status_param(body.get("status"), "status")
-    if status == "issued":
-        raise invalid("'status' must be 'completed' or 'failed'.", "status", "invalid_value")
-    result = body.get("result")
-    if result is not None:
-        result = ledger_result(result)
-    entry = await _entry_or_404(request)
-    resolved = await request.app[STORE].ledger_resolve(
-        entry.tenant, entry.scope, entry.key, status=status, result=result, now=utc_now()
-    )
-    if not resolved:
-        raise ApiError(
-            409,
-            f"Ledger entry '{entry.key}' is '{entry.status}'; only an 'issued' entry can be "
-            "resolved.",
-            code="ledger_entry_not_issued",
-        )
-    log.warning("ledger_resolved_by_operator", tenant=entry.tenant, key=entry.key, status=status)
-    return web.json_response(entry_json(await _entry_or_404(request)))
-
-
-def add_routes(app: web.Application) -> None:
-    base = "/threadkeeper/v1/ledger"
-    app.router.add_get(base, list_entries, name="ledger.list")
-    app.router.add_post(base + "/{scope}/{key:.+}/resolve", resolve_entry, name="ledger.resolve")
-    app.router.add_get(base + "/{scope}/{key:.+}", get_entry, name="ledger.get")

@@ -11,12 +11,11 @@ from typing import Any
 from aiohttp import web
 
 from proxy.server.errors import ApiError, invalid
+from proxy.server.pagination import page_params
 from proxy.server.state import NAMESPACE, STORE
-from proxy.server.validate import unsupported_value
 from proxy.store.base import StoredItem, StoredResponse
 
 JsonDict = dict[str, Any]
-MAX_LIMIT = 100
 
 
 def add_routes(app: web.Application) -> None:
@@ -69,9 +68,10 @@ async def delete_response(request: web.Request) -> web.Response:
 
 async def list_input_items(request: web.Request) -> web.Response:
     stored = await _stored(request)
-    order, limit, after = page_params(request)
+    params = page_params(request.query)
+    after, limit = params.after, params.limit
     items = list(await _input_items(request, stored))
-    if order == "desc":
+    if params.order == "desc":
         items.reverse()
     if after is not None:
         ids = [item.item_id for item in items]
@@ -97,25 +97,6 @@ async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[St
         return ()
     items = await request.app[STORE].items_between(stored.tenant, stored.thread_id, first, last)
     return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
-
-
-def page_params(request: web.Request) -> tuple[str, int, str | None]:
-    query = request.query
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise unsupported_value(order, ("asc", "desc"), "order")
-    raw_limit = query.get("limit", "20")
-    try:
-        limit = int(raw_limit)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_LIMIT:
-        raise invalid(
-            f"Invalid 'limit': expected an integer between 1 and {MAX_LIMIT}, got '{raw_limit}'.",
-            param="limit",
-            code="invalid_value",
-        )
-    return order, limit, query.get("after") or None
 
 
 def item_resource(item: StoredItem) -> JsonDict:

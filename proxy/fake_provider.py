@@ -32,6 +32,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.core.items import (
     Item,
+    JsonDict,
     chat_item,
     items_from_responses_input,
     message_text,
@@ -42,7 +43,6 @@ from proxy.sse import DONE, encode_event, encode_json_event
 
 log = logging.getLogger(__name__)
 
-JsonDict = dict[str, Any]
 DEFAULT_MODEL = "gpt-4o-mini"
 MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini")
 ECHO_CHARS = 40

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.answers import BadAnswer, check_chat_chunk, check_response_event
+from proxy.core.items import JsonDict
 
 DONE = "[DONE]"
 
-JsonDict = dict[str, Any]
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 

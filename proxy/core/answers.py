@@ -16,10 +16,9 @@ proxy.core.answers.BadAnswer: The provider's answer is malformed: 'choices' is n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-JsonDict = dict[str, Any]
-Family = Literal["chat", "responses"]
+from proxy.core.items import Api, JsonDict
 
 CALL_ITEM_TYPES = frozenset({"function_call", "custom_tool_call"})
 SNAPSHOT_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
@@ -59,7 +58,7 @@ class BadAnswer(ValueError):
         self.problem = problem
 
 
-def check_answer(family: Family, answer: Any) -> JsonDict:
+def check_answer(family: Api, answer: Any) -> JsonDict:
     """A whole (non-streamed) answer of either API, checked."""
     if family == "chat":
         return check_chat_completion(answer)

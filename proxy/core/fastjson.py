@@ -35,3 +35,14 @@ def loads(text: str | bytes) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         return json.loads(text)
+
+
+def dumps(value: Any) -> bytes:
+    """Compact JSON bytes for the wire (the provider's request, a rewritten answer or
+    event), with orjson's speed. Not for persisted canonical forms (digests, keys,
+    fingerprints: core.items.canonical_bytes) — orjson's float text is its own. Where
+    orjson refuses (integers beyond 64 bits, lone surrogates) the stdlib writes it."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return json.dumps(value, separators=(",", ":")).encode()

@@ -73,11 +73,14 @@ class ApiShape(ABC):
         """The route's name (proxy/server/app.py) and metrics label: the path, dotted."""
         return self.path.strip("/").replace("/", ".")
 
-    name: Api
-    path: str
-    history: str
-    usage_key: str  # the answer's `usage` field counting the prompt
-    orphan_text: str  # the 400 for a tool output whose call is nowhere (SPEC 6)
+    def __init__(
+        self, name: Api, path: str, history: str, *, usage_key: str, orphan_text: str
+    ) -> None:
+        self.name = name
+        self.path = path
+        self.history = history
+        self.usage_key = usage_key  # the answer's `usage` field counting the prompt
+        self.orphan_text = orphan_text  # the 400 for a tool output whose call is nowhere
 
     # -- requests ------------------------------------------------------------------------
 
@@ -197,12 +200,6 @@ def reply_message(message: JsonDict, fields: Sequence[str] = REPLY_FIELDS) -> Js
 
 
 class ChatApi(ApiShape):
-    name = "chat"
-    path = "/chat/completions"
-    history = "messages"
-    usage_key = "prompt_tokens"
-    orphan_text = "No tool call found for tool message with tool_call_id {call_id}."
-
     def items(self, history: Any) -> list[Item]:
         return items_from_chat(history)
 
@@ -299,12 +296,6 @@ class ChatApi(ApiShape):
 
 
 class ResponsesApi(ApiShape):
-    name = "responses"
-    path = "/responses"
-    history = "input"
-    usage_key = "input_tokens"
-    orphan_text = "No tool call found for function call output with call_id {call_id}."
-
     def items(self, history: Any) -> list[Item]:
         return list(items_from_responses_input(history).items)
 
@@ -402,8 +393,20 @@ def _unstreamed(sent: JsonDict) -> JsonDict:
     return {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
 
 
-CHAT = ChatApi()
-RESPONSES = ResponsesApi()
+CHAT = ChatApi(
+    "chat",
+    "/chat/completions",
+    "messages",
+    usage_key="prompt_tokens",
+    orphan_text="No tool call found for tool message with tool_call_id {call_id}.",
+)
+RESPONSES = ResponsesApi(
+    "responses",
+    "/responses",
+    "input",
+    usage_key="input_tokens",
+    orphan_text="No tool call found for function call output with call_id {call_id}.",
+)
 # Routes whose answers are a model answer of that API (stored streams must be finished).
 BY_ROUTE: Mapping[str, ApiShape] = {CHAT.route: CHAT, RESPONSES.route: RESPONSES}
 

@@ -22,9 +22,11 @@ from proxy.server.turn import TurnHook, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
+    missing,
     optional,
     optional_positive_int,
     read_json_object,
+    required_role,
     required_string,
     store_key,
     wrong_type,
@@ -38,11 +40,7 @@ def validate_chat(body: JsonDict) -> None:
     """What the provider would reject anyway, and what the projection must read."""
     required_string(body, "model")
     if "messages" not in body:
-        raise invalid(
-            "Missing required parameter: 'messages'.",
-            param="messages",
-            code="missing_required_parameter",
-        )
+        raise missing("messages")
     messages = list_of_objects(body["messages"], "messages")
     if not messages:
         raise invalid(
@@ -65,15 +63,7 @@ def validate_chat(body: JsonDict) -> None:
 
 
 def validate_chat_message(message: JsonDict, param: str) -> None:
-    role = message.get("role")
-    if role is None:
-        raise invalid(
-            f"Missing required parameter: '{param}.role'.",
-            param=f"{param}.role",
-            code="missing_required_parameter",
-        )
-    if not isinstance(role, str):
-        raise wrong_type(f"{param}.role", "a string", role)
+    role = required_role(message, param)
     if role not in CHAT_ROLES:
         raise invalid(
             f"Invalid value: '{role}'. Supported values are: 'system', 'assistant', 'user', "
@@ -87,20 +77,12 @@ def validate_chat_message(message: JsonDict, param: str) -> None:
     if isinstance(content, list):
         list_of_objects(content, f"{param}.content")
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-        raise invalid(
-            f"Missing required parameter: '{param}.tool_call_id'.",
-            param=f"{param}.tool_call_id",
-            code="missing_required_parameter",
-        )
+        raise missing(f"{param}.tool_call_id")
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
         for index, call in enumerate(list_of_objects(tool_calls, f"{param}.tool_calls")):
             if not isinstance(call.get("id"), str):
-                raise invalid(
-                    f"Missing required parameter: '{param}.tool_calls[{index}].id'.",
-                    param=f"{param}.tool_calls[{index}].id",
-                    code="missing_required_parameter",
-                )
+                raise missing(f"{param}.tool_calls[{index}].id")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

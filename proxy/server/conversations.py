@@ -37,6 +37,7 @@ from proxy.server.validate import (
     JsonDict,
     duplicate_item,
     list_of_objects,
+    missing,
     read_json_object,
     too_long,
     unsupported_value,
@@ -138,11 +139,7 @@ async def retrieve_conversation(request: web.Request) -> web.Response:
 async def update_conversation(request: web.Request) -> web.Response:
     body, _ = await read_json_object(request)
     if "metadata" not in body:
-        raise invalid(
-            "Missing required parameter: 'metadata'.",
-            param="metadata",
-            code="missing_required_parameter",
-        )
+        raise missing("metadata")
     metadata = metadata_param(body["metadata"])
     thread = await conversation(request)
     updated = await request.app[STORE].update_metadata(thread.tenant, thread.id, metadata)
@@ -308,9 +305,7 @@ def items_param(value: Any, *, required: bool) -> list[JsonDict]:
     if value is None and not required:
         return []
     if value is None:
-        raise invalid(
-            "Missing required parameter: 'items'.", param="items", code="missing_required_parameter"
-        )
+        raise missing("items")
     raws = list_of_objects(value, "items")
     if not raws and required:
         raise invalid(
@@ -375,12 +370,6 @@ def required_item_string(raw: JsonDict, key: str, param: str) -> None:
         raise missing(f"{param}.{key}")
     if not isinstance(raw[key], str):
         raise wrong_type(f"{param}.{key}", "a string", raw[key])
-
-
-def missing(param: str) -> ApiError:
-    return invalid(
-        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
-    )
 
 
 def call_ids_in(items: Iterable[Item]) -> frozenset[str]:

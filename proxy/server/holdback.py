@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
 from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
@@ -63,7 +64,7 @@ class Guarded:
     async def ask(self, body: JsonDict) -> JsonDict | None:
         """One continuation round, not streamed; None when the provider fails it (the
         client then gets the last answer the model gave)."""
-        raw = json.dumps(body, ensure_ascii=False).encode()
+        raw = fastjson.dumps(body)
         try:
             upstream = await send_upstream(
                 self.request,

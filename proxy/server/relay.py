@@ -25,6 +25,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
@@ -265,7 +266,23 @@ async def relay_answer(
 ) -> web.StreamResponse:
     """The provider's answer through `transformer`: a stream event by event as it
     arrives, a whole answer checked and handed to `transformer.answer` (a provider error
-    as it is). `api` None: a passthrough endpoint, whose body is not a model answer."""
+    as it is). `api` None: a passthrough endpoint, whose body is not a model answer.
+    The provider's connection is released however this ends (a client gone before the
+    headers were written included)."""
+    try:
+        return await _relay_answer(request, upstream, api, transformer, extra_headers, on_answer)
+    finally:
+        await upstream.aclose()
+
+
+async def _relay_answer(
+    request: web.Request,
+    upstream: UpstreamResponse,
+    api: ApiShape | None,
+    transformer: Transformer,
+    extra_headers: Mapping[str, str],
+    on_answer: OnAnswer | None,
+) -> web.StreamResponse:
     headers = relay_headers(upstream, extra_headers)
     if is_event_stream(upstream):
         return await relay_stream(request, upstream, api, transformer, headers, on_answer)
@@ -278,7 +295,7 @@ async def relay_answer(
             on_answer(answer)
         final = await transformer.answer(answer)
         if final is not answer:
-            body = json.dumps(final, ensure_ascii=False).encode()
+            body = fastjson.dumps(final)
     return web.Response(status=upstream.status, body=body, headers=headers)
 
 
@@ -408,7 +425,7 @@ class Keep(EventTransformer):
         if payload is not None:
             rewritten = self.api.rewritten_payload(payload, self.keeper.rewrite)
             if rewritten is not None:
-                data = json.dumps(rewritten, ensure_ascii=False)
+                data = fastjson.dumps(rewritten).decode()
         return [encode_event(data, event=event.event)]
 
     async def answer(self, answer: JsonDict) -> JsonDict:

@@ -6,16 +6,14 @@ Served locally and tenant-scoped: a response of another tenant is a 404 (SPEC 1)
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from aiohttp import web
 
+from proxy.core.items import JsonDict
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.state import NAMESPACE, STORE
 from proxy.store.base import StoredItem, StoredResponse
-
-JsonDict = dict[str, Any]
 
 
 def add_routes(app: web.Application) -> None:

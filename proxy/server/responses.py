@@ -18,11 +18,11 @@ is marked `incomplete` and adds no items (SPEC 7).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
+from proxy.core import fastjson
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
@@ -35,9 +35,11 @@ from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
+    missing,
     optional,
     optional_positive_int,
     read_json_object,
+    required_role,
     required_string,
     wrong_type,
 )
@@ -73,26 +75,14 @@ def validate_input_item(item: JsonDict, param: str) -> None:
     item_type = item.get("type")
     if item_type is not None and not isinstance(item_type, str):
         raise wrong_type(f"{param}.type", "a string", item_type)
-    role = item.get("role")
     if item_type in (None, "message"):
-        if role is None:
-            raise invalid(
-                f"Missing required parameter: '{param}.role'.",
-                param=f"{param}.role",
-                code="missing_required_parameter",
-            )
-        if not isinstance(role, str):
-            raise wrong_type(f"{param}.role", "a string", role)
+        required_role(item, param)
         content = item.get("content")
         if not isinstance(content, str | list):
             raise wrong_type(f"{param}.content", "a string or an array", content)
     if item_type in ("function_call", "function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
-            raise invalid(
-                f"Missing required parameter: '{param}.call_id'.",
-                param=f"{param}.call_id",
-                code="missing_required_parameter",
-            )
+            raise missing(f"{param}.call_id")
 
 
 def is_stateful(body: JsonDict) -> bool:
@@ -104,7 +94,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
     if await resolve_references(request, body):
-        raw = json.dumps(body, ensure_ascii=False).encode()
+        raw = fastjson.dumps(body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if body.get("store") is not False or is_stateful(body):
         hooks.append(ResponseChain(request, body))
@@ -134,11 +124,7 @@ async def resolve_references(request: web.Request, body: JsonDict) -> bool:
             continue
         item_id = item.get("id")
         if not isinstance(item_id, str):
-            raise invalid(
-                f"Missing required parameter: 'input[{index}].id'.",
-                param=f"input[{index}].id",
-                code="missing_required_parameter",
-            )
+            raise missing(f"input[{index}].id")
         stored = await store.find_item(tenant, item_id)
         if stored is None or stored.api != "responses":
             raise ApiError(404, f"Item with id '{item_id}' not found.", param=f"input[{index}]")

@@ -23,13 +23,13 @@ is a named point of the turn, called on every hook in the order given.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from proxy.core import fastjson
 from proxy.core.items import Item
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
@@ -160,7 +160,7 @@ def sent_body(turn: Turn, hooks: Sequence[TurnHook]) -> tuple[JsonDict, bytes]:
     sent = turn.api.with_items(turn.body, turn.projection.items)
     for hook in hooks:
         sent = hook.upstream_body(turn, sent)
-    return sent, json.dumps(sent, ensure_ascii=False).encode()
+    return sent, fastjson.dumps(sent)
 
 
 async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:

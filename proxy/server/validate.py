@@ -21,10 +21,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.core.items import MAX_KEY_LENGTH
+from proxy.core.items import MAX_KEY_LENGTH, JsonDict
 from proxy.server.errors import ApiError, Handler, invalid
-
-JsonDict = dict[str, Any]
 
 _TYPE_NAMES = {
     str: "a string",
@@ -279,11 +277,25 @@ def wrong_type(param: str, expected: str, value: Any) -> ApiError:
     )
 
 
+def missing(param: str) -> ApiError:
+    return invalid(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def required_role(message: JsonDict, param: str) -> str:
+    """A message's role: present and a string (which roles are allowed is the API's)."""
+    role = message.get("role")
+    if role is None:
+        raise missing(f"{param}.role")
+    if not isinstance(role, str):
+        raise wrong_type(f"{param}.role", "a string", role)
+    return role
+
+
 def required_string(body: JsonDict, key: str) -> str:
     if key not in body or body[key] is None:
-        raise invalid(
-            f"Missing required parameter: '{key}'.", param=key, code="missing_required_parameter"
-        )
+        raise missing(key)
     value = body[key]
     if not isinstance(value, str):
         raise wrong_type(key, "a string", value)

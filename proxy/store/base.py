@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
-JsonDict = dict[str, Any]
+from proxy.core.items import JsonDict
+
 ThreadKind = Literal["conversation", "chat", "responses"]
 ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
 LedgerStatus = Literal["issued", "completed", "failed"]

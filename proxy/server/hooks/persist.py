@@ -25,7 +25,7 @@ from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, thread_service
 from proxy.server.turn import Turn, TurnHook, project
-from proxy.server.validate import JsonDict, duplicate_item
+from proxy.server.validate import JsonDict, duplicate_item, missing
 from proxy.store.base import NewItem, StoredResponse
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
 
@@ -131,11 +131,7 @@ def conversation_id(body: JsonDict) -> str | None:
     if isinstance(value, dict):
         inner = value.get("id")
         if not isinstance(inner, str) or not inner:
-            raise invalid(
-                "Missing required parameter: 'conversation.id'.",
-                param="conversation.id",
-                code="missing_required_parameter",
-            )
+            raise missing("conversation.id")
         return inner
     return value
 

@@ -126,7 +126,7 @@ async def create_conversation(request: web.Request) -> web.Response:
         thread_id,
         kind="conversation",
         metadata=metadata,
-        items=new_items(raws),
+        items=items_to_add(raws),
         now=request.app[CLOCK].iso(),
     )
     return web.json_response(conversation_object(thread))
@@ -177,7 +177,7 @@ async def create_items(request: web.Request) -> web.Response:
     history = await all_items(request, thread) if needs_history(raws) else ()
     check_outputs_answer_calls(raws, known_calls=call_ids_in(stored_item_view(i) for i in history))
     await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
-    items = new_items(raws)
+    items = items_to_add(raws)
     try:
         await store.append_items(thread.tenant, thread.id, items, now=request.app[CLOCK].iso())
     except NotFound:
@@ -408,7 +408,7 @@ async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[Js
 # --- writes -----------------------------------------------------------------------------
 
 
-def new_items(raws: Sequence[JsonDict]) -> list[NewItem]:
+def items_to_add(raws: Sequence[JsonDict]) -> list[NewItem]:
     """Items to store as sent, with their ids and token counts (counted once, here)."""
     counter = TokenCounter.for_model(COUNTING_MODEL)
     views = [responses_item(raw) for raw in raws]

@@ -80,7 +80,7 @@ MAX_BUFFERED_PASSTHROUGH_BODY = 1024 * 1024
 KEYED_PREFIXES = ("/v1/", "/threadkeeper/v1/")
 NOT_REPLAYED = HOP_BY_HOP | {"date", "server", "x-threadkeeper-request-id", REPLAYED.lower()}
 
-StoredResponse = tuple[int, list[tuple[str, str]], bytes]
+ReplayableAnswer = tuple[int, list[tuple[str, str]], bytes]
 
 
 @web.middleware
@@ -151,7 +151,7 @@ async def run_and_record(
         request[LOG_FIELDS]["idempotency"] = "aborted"
         await _shielded(store.idempotency_abort(record.tenant, record.key))
         raise
-    stored = stored_response(request, response, tap)
+    stored = replayable_answer(request, response, tap)
     request[LOG_FIELDS]["idempotency"] = "stored" if stored else "aborted"
     if stored is None:
         await _shielded(store.idempotency_abort(record.tenant, record.key))
@@ -164,9 +164,9 @@ async def run_and_record(
     return response
 
 
-def stored_response(
+def replayable_answer(
     request: web.Request, response: web.StreamResponse, tap: Sequence[bytes]
-) -> StoredResponse | None:
+) -> ReplayableAnswer | None:
     """(status, headers, body) to keep for replay, or None when it must not be kept."""
     if not should_store(response.status) or "stream_error" in request[LOG_FIELDS]:
         return None

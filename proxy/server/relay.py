@@ -33,7 +33,7 @@ from proxy.server.api import CHAT, ApiShape
 from proxy.server.errors import ApiError
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
 from proxy.server.validate import JsonDict
-from proxy.sse import EventFramer, SSEDecoder, SSEEvent, encode_event, event_payload
+from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
 from proxy.store.base import StoreError
 from proxy.upstream import (
     Deadline,
@@ -376,16 +376,15 @@ class Passthrough:
 
     def __init__(self, api: ApiShape | None) -> None:
         self.upstream = api.accumulator() if api is not None else None
-        self.framer = EventFramer() if api is not None else None
 
     async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
         return []
 
     def passed(self, chunk: bytes) -> bytes:
-        return self.framer.feed(chunk) if self.framer is not None else chunk
+        return chunk  # an event stream's chunks are whole events (UpstreamResponse)
 
     async def end(self) -> list[bytes]:
-        return [self.framer.rest()] if self.framer is not None else []
+        return []
 
     async def answer(self, answer: JsonDict) -> JsonDict:
         return answer

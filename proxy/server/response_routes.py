@@ -10,6 +10,7 @@ from datetime import datetime
 from aiohttp import web
 
 from proxy.core.items import JsonDict
+from proxy.server.conversations import item_object
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.state import NAMESPACE, STORE
@@ -76,7 +77,7 @@ async def list_input_items(request: web.Request) -> web.Response:
         if after not in ids:
             raise invalid(f"No item with id '{after}' in this response's input.", param="after")
         items = items[ids.index(after) + 1 :]
-    page = [item_resource(item) for item in items[:limit]]
+    page = [item_object(item) for item in items[:limit]]  # as conversations list them
     return web.json_response(
         {
             "object": "list",
@@ -95,15 +96,3 @@ async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[St
         return ()
     items = await request.app[STORE].items_between(stored.tenant, stored.thread_id, first, last)
     return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
-
-
-def item_resource(item: StoredItem) -> JsonDict:
-    """A stored input item as OpenAI lists it: with its id and type, text as parts."""
-    raw = item.raw
-    resource: JsonDict = {"id": item.item_id, **{k: v for k, v in raw.items() if k != "id"}}
-    if "role" in raw and raw.get("type") in (None, "message"):
-        resource["type"] = "message"
-        if isinstance(raw.get("content"), str):
-            kind = "output_text" if raw.get("role") == "assistant" else "input_text"
-            resource["content"] = [{"type": kind, "text": raw["content"]}]
-    return resource

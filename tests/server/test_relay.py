@@ -63,16 +63,17 @@ class Recorder:
         self.kept.append(result)
 
 
-async def test_passthrough_relays_the_providers_bytes_whole_events_at_a_time() -> None:
+async def test_passthrough_relays_the_providers_bytes_untouched() -> None:
+    """The chunks are whole events already (UpstreamResponse frames them, tests/
+    test_upstream.py); the relay decodes a chunk's events before passing its bytes, so a
+    malformed event raises before any of it is written."""
     passthrough = Passthrough(CHAT)
-    body = b"".join(encode_event(e.data) for e in CHAT_EVENTS)
-    first_end = body.index(b"\n\n") + 2
-    cut = first_end + 3  # inside the second event
-    assert passthrough.passed(body[:cut]) == body[:first_end]
-    assert passthrough.passed(body[cut:]) == body[first_end:]
-    for event in decoded([body]):
-        assert await transformed(CHAT, passthrough, event) == []  # bytes go by `passed`
-    assert await passthrough.end() == [b""]
+    chunks = [encode_event(e.data) for e in CHAT_EVENTS]
+    for chunk in chunks:
+        for event in decoded([chunk]):
+            assert await transformed(CHAT, passthrough, event) == []  # bytes go by `passed`
+        assert passthrough.passed(chunk) == chunk
+    assert await passthrough.end() == []
     assert passthrough.upstream.finished
 
 

@@ -557,19 +557,23 @@ async def run_cells(
 
     # Responses: stateless same-size requests direct and to LiteLLM, conversation turns
     # through threadkeeper (its conversations seeded before the clock starts).
-    single = await seed_conversations(one.base, SINGLE_CONVERSATIONS + 1)
-    many = await seed_conversations(one.base, MANY * CONVERSATIONS_PER_CLIENT)
-    await conversation_turns(one.base, single[-1:], 1, seconds)  # warm-up conversation
-    for label, concurrency, conversations in (
-        ("responses_1", 1, single[:-1]),
-        ("responses_32", MANY, many),
-    ):
+    seeded: dict[str, tuple[list[str], list[str]]] = {}
+    for server in (one, two):
+        if server is not None:
+            single = await seed_conversations(server.base, SINGLE_CONVERSATIONS + 1)
+            many = await seed_conversations(server.base, MANY * CONVERSATIONS_PER_CLIENT)
+            await conversation_turns(server.base, single[-1:], 1, seconds)  # warm-up
+            seeded[server.name] = (single[:-1], many)
+    for label, concurrency, which in (("responses_1", 1, 0), ("responses_32", MANY, 1)):
         run.cells[(label, "direct")] = await timed(
             post(stub.base + responses_path, stateless), concurrency, seconds
         )
-        run.cells[(label, "threadkeeper")] = await conversation_turns(
-            one.base, conversations, concurrency, seconds + 2
-        )
+        for server in (one, two):
+            if server is not None:
+                run.cells[(label, server.name)] = await conversation_turns(
+                    server.base, seeded[server.name][which], concurrency, seconds + 2
+                )
+        run.cells.setdefault((label, "threadkeeper-2w"), unsupported)
         if litellm:
             run.cells[(label, "litellm")] = await timed(
                 post(litellm.base + responses_path, stateless), concurrency, seconds
@@ -611,16 +615,28 @@ Sample = tuple[list[str], float]
 
 
 def handler_samples(records: Sequence[Any]) -> list[Sample]:
-    """The samples taken inside an event-loop callback (`Handle._run`): the proxy's own
-    work. Start-up, shutdown and idle waiting in the selector fall outside."""
+    """The samples taken inside an event-loop callback: the proxy's own work. On asyncio's
+    loop a callback runs under `Handle._run`; on uvloop (C) a callback's Python frames
+    sit right under `Runner.run`, and a sample with nothing under it is the loop idling.
+    Start-up, shutdown and idle waiting in the selector fall outside."""
     samples = []
     for stack, seconds in records:
-        for index, frame in enumerate(stack):
-            name, path = frame.split("\x00")[:2]
-            if name == "_run" and path.endswith("asyncio/events.py"):
-                samples.append(([frame_label(f) for f in stack[index + 1 :]], seconds))
-                break
+        where = [tuple(frame.split("\x00")[:2]) for frame in stack]
+        top = _loop_frame(where, "_run", "asyncio/events.py")
+        if top is None:  # uvloop; asyncio's own loop idling puts asyncio/ frames there
+            top = _loop_frame(where, "run", "asyncio/runners.py")
+            if top is not None and top + 1 < len(where) and "/asyncio/" in where[top + 1][1]:
+                top = None
+        if top is not None and (callback := stack[top + 1 :]):
+            samples.append(([frame_label(f) for f in callback], seconds))
     return samples
+
+
+def _loop_frame(where: Sequence[tuple[str, ...]], name: str, path: str) -> int | None:
+    for index, (frame_name, frame_path) in enumerate(where):
+        if frame_name == name and frame_path.endswith(path):
+            return index
+    return None
 
 
 def frame_label(identifier: str) -> str:
@@ -738,6 +754,11 @@ def render(run: Run) -> str:
         return cell.rps / d(case, "direct").rps if cell.ok else 0.0
 
     chat_share = max(ratio("chat_32", "threadkeeper"), ratio("chat_32", "threadkeeper-2w"))
+    responses_rps = max(
+        d("responses_32", target).rps
+        for target in ("threadkeeper", "threadkeeper-2w")
+        if d("responses_32", target).ok
+    )
     rows += [
         (
             TARGETS["chat_1"],
@@ -761,7 +782,7 @@ def render(run: Run) -> str:
             TARGETS["responses_1"],
             f"{d('responses_1', 'direct').p50:.2f} ms (stateless)",
             added("responses_1", "threadkeeper"),
-            "",
+            added("responses_1", "threadkeeper-2w"),
             added("responses_1", "litellm"),
             "<= +5 ms",
             met(added_ms("responses_1") <= 5.0),
@@ -770,10 +791,10 @@ def render(run: Run) -> str:
             TARGETS["responses_32"],
             f"{d('responses_32', 'direct').rps:,.0f} (stateless)",
             share("responses_32", "threadkeeper"),
-            "",
+            share("responses_32", "threadkeeper-2w"),
             share("responses_32", "litellm"),
             ">= 200 req/s",
-            met(d("responses_32", "threadkeeper").rps >= 200),
+            met(responses_rps >= 200),
         ),
         (
             TARGETS["ttfb"],
@@ -818,7 +839,7 @@ def render(run: Run) -> str:
         lines += ["", f"LiteLLM {run.litellm_version}."]
     lines += [
         "",
-        "The 32-client chat target counts as met when either worker count reaches it. The "
+        "The 32-client targets count as met when either worker count reaches them. The "
         f"Responses turn: each of {SINGLE_CONVERSATIONS} (1 client) or "
         f"{MANY * CONVERSATIONS_PER_CLIENT} (32 clients) conversations is seeded with "
         f"{PRIOR_ITEMS} items through the proxy and takes up to {TURNS_PER_CONVERSATION} "

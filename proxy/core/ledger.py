@@ -370,10 +370,15 @@ def dangling_calls(known: Sequence[Item], new: Sequence[Item]) -> list[ToolCall]
     """Function and custom calls of `known` + `new` that no output of either answers, in
     log order. The provider refuses a request holding one ("No tool output found for
     function call ..."), so the edge answers each before anything is sent."""
-    answered = {item.output_for for item in (*known, *new) if item.output_for is not None}
-    return [
-        call for item in (*known, *new) for call in item_calls(item) if call.call_id not in answered
-    ]
+    items = (*known, *new)
+    answered = {item.output_for for item in items if item.output_for is not None}
+    # Only an item with an unanswered call id is parsed for its calls (every call id
+    # item_calls returns is among the item's call_ids, read once when it was built).
+    open_ids = {call_id for item in items for call_id in item.call_ids} - answered
+    if not open_ids:
+        return []
+    unpaired = [item for item in items if not open_ids.isdisjoint(item.call_ids)]
+    return [call for item in unpaired for call in item_calls(item) if call.call_id in open_ids]
 
 
 def place_answers(new: Sequence[Item], answers: Mapping[str, Item]) -> list[Item]:

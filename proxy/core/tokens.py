@@ -195,6 +195,11 @@ def encoding_for_model(model: str) -> tiktoken.Encoding:
     return get_encoding(encoding_name_for_model(model))
 
 
+def vocabulary_loaded(model: str) -> bool:
+    """Whether counting for `model` is ready (no vocabulary to read and build first)."""
+    return encoding_name_for_model(model) in _encodings
+
+
 # --- images -------------------------------------------------------------------------------
 
 LOW_DETAIL_TOKENS = 85

@@ -24,7 +24,7 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter
+from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
@@ -94,8 +94,12 @@ async def rebuild(
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
-    # The first use of a vocabulary loads it (a third of a second): not on the loop.
-    counter = await asyncio.to_thread(TokenCounter.for_model, model)
+    # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
+    # loaded, a thread hop would only add latency.
+    if vocabulary_loaded(model):
+        counter = TokenCounter.for_model(model)
+    else:
+        counter = await asyncio.to_thread(TokenCounter.for_model, model)
     limits = policy.limits_for(model)
 
     def run() -> Projection:

@@ -55,6 +55,7 @@ from proxy.store.base import (
     Thread,
     ThreadKind,
     VersionConflict,
+    stored_items,
 )
 
 # Each lost race means another turn on the thread committed after this one last read it,
@@ -196,6 +197,26 @@ class _Window:
     items: tuple[Item, ...]
     sizes: tuple[int, ...]  # bytes of each item's JSON text
 
+    @classmethod
+    def of(
+        cls,
+        thread: Thread,
+        start: int,
+        stored: tuple[StoredItem, ...],
+        items: tuple[Item, ...],
+        sizes: tuple[int, ...],
+    ) -> _Window:
+        return cls(
+            thread.created_at,
+            thread.version,
+            thread.epoch,
+            start,
+            thread.next_seq,
+            stored,
+            items,
+            sizes,
+        )
+
     def extends_to(self, thread: Thread) -> bool:
         """Whether `thread` is this window's thread, moved on by appends only: then the
         items held stay valid and what is new starts at `next_seq`."""
@@ -306,17 +327,7 @@ class ThreadService:
             stored = held.stored[keep:] + stored
             items = held.items[keep:] + items
             sizes = held.sizes[keep:] + sizes
-        entry = _Window(
-            thread.created_at,
-            thread.version,
-            thread.epoch,
-            start,
-            thread.next_seq,
-            stored,
-            items,
-            sizes,
-        )
-        cache.put(tenant, thread_id, entry)
+        cache.put(tenant, thread_id, _Window.of(thread, start, stored, items, sizes))
         return Loaded(tenant, thread_id, thread.kind, thread, stored, items)
 
     async def load_or_new(self, tenant: str, thread_id: str, kind: ThreadKind) -> Loaded:
@@ -402,35 +413,12 @@ class ThreadService:
         if (thread.created_at, thread.epoch) != (held.created_at, held.epoch):
             return
         start = sql.window_start(thread.state)
-        added = tuple(
-            StoredItem(
-                first_seq + offset,
-                item.item_id,
-                item.raw,
-                item.api,
-                item.tokens,
-                item.encoding,
-                item.response_id or response_id,
-                item.role,
-                now,
-                item.digest or content_digest(item.raw),
-            )
-            for offset, item in enumerate(items)
-        )
+        added = stored_items(items, first_seq, now, response_id)
         stored = tuple(s for s in (*held.stored, *added) if s.seq >= start)
         kept = len(held.stored) + len(added) - len(stored)  # left behind by the window start
         items_now = (*held.items, *map(stored_item_view, added))[kept:]
         sizes = (*held.sizes, *(_json_size(s.raw) for s in added))[kept:]
-        entry = _Window(
-            thread.created_at,
-            thread.version,
-            thread.epoch,
-            start,
-            thread.next_seq,
-            stored,
-            items_now,
-            sizes,
-        )
+        entry = _Window.of(thread, start, stored, items_now, sizes)
         if held.window_start <= start:
             cache.put(loaded.tenant, loaded.thread_id, entry)
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from proxy.core.items import JsonDict
+from proxy.core.items import JsonDict, content_digest
 
 ThreadKind = Literal["conversation", "chat", "responses"]
 ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed", "cancelled"]
@@ -83,6 +83,28 @@ class StoredItem:
     role: Literal["input", "output"]
     created_at: str
     digest: str = ""  # content_digest(raw), stored beside `tokens`; "" when unknown
+
+
+def stored_items(
+    items: Sequence[NewItem], first_seq: int, now: str, response_id: str | None = None
+) -> tuple[StoredItem, ...]:
+    """`items` as the store keeps them from `first_seq` on; an item without a response id
+    inherits the turn's, and one without a digest gets it computed here."""
+    return tuple(
+        StoredItem(
+            first_seq + offset,
+            item.item_id,
+            item.raw,
+            item.api,
+            item.tokens,
+            item.encoding,
+            item.response_id or response_id,
+            item.role,
+            now,
+            item.digest or content_digest(item.raw),
+        )
+        for offset, item in enumerate(items)
+    )
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from proxy.store.base import (
     StoredItem,
     StoredResponse,
     Thread,
+    stored_items,
 )
 
 # sqlite3.Row or asyncpg.Record: both index by column name.
@@ -363,23 +364,23 @@ def item_params(
     now: str,
     response_id: str | None = None,
 ) -> list[tuple[Any, ...]]:
-    """Rows for INSERT_ITEM; items without a response id inherit the turn's."""
+    """Rows for INSERT_ITEM (base.stored_items: the turn's response id, the digest)."""
     return [
         (
             tenant,
             thread_id,
-            first_seq + offset,
+            item.seq,
             item.item_id,
             dumps(item.raw),
             item.api,
             item.tokens,
             item.encoding,
-            item.response_id or response_id,
+            item.response_id,
             item.role,
-            now,
-            item.digest or content_digest(item.raw),
+            item.created_at,
+            item.digest,
         )
-        for offset, item in enumerate(items)
+        for item in stored_items(items, first_seq, now, response_id)
     ]
 
 

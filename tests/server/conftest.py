@@ -144,3 +144,16 @@ async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no
 @pytest.fixture
 async def proxy(make_proxy) -> Proxy:  # type: ignore[no-untyped-def]
     return await make_proxy()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
+    """A store of each kind. Set up before make_proxy, so a PostgreSQL schema is dropped
+    after the proxy stops (skipped without THREADKEEPER_TEST_PG_DSN)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tk.db'}"
+        return
+    from .pg import fresh_schema_url  # pg.py imports this module
+
+    async with fresh_schema_url() as url:
+        yield url

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,22 +20,11 @@ from proxy.server.state import STORE
 from proxy.server.validate import MAX_JSON_DEPTH
 
 from .conftest import TENANT_KEY, Proxy
-from .pg import fresh_schema_url
 
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/json"}
 TABLES = ("threads", "items", "responses", "ledger", "idempotency")
 USER = {"role": "user", "content": "hi"}
 LONG_ID = "msg_" + "".join(f"{i:04x}" for i in range(2_000))  # 8 kB, hardly compressible
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    """Set up before make_proxy, so the PostgreSQL schema is dropped after the proxy stops."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'hostile.db'}"
-        return
-    async with fresh_schema_url() as url:
-        yield url
 
 
 @pytest.fixture

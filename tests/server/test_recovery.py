@@ -24,16 +24,6 @@ from proxy.settings import Settings
 from proxy.store.base import Store, StoredResponse
 
 from .conftest import PROVIDER_KEY, write_policies
-from .pg import fresh_schema_url
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tk.db'}"
-        return
-    async with fresh_schema_url() as url:
-        yield url
 
 
 class Replicas:

@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import os
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +27,10 @@ from proxy.store import open_store
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, write_policies
-from .pg import fresh_schema_url
 from .test_crash_recovery import SLOW_TEXT, STREAM_TIMEOUT, Server, conversation_texts, running
 
 CONVERSATIONS = 6
 TURNS = 3
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tk.db'}"
-        return
-    async with fresh_schema_url() as url:
-        yield url
 
 
 def workers(tmp_path: Path, provider: FakeProvider, store_url: str | None = None) -> Server:

@@ -40,12 +40,19 @@ INLINE_CHARS = 64 * 1024
 T = TypeVar("T")
 
 
-async def off_the_loop(work: Callable[[], T], *reads: Any) -> T:
+async def off_the_loop(work: Callable[[], T], *reads: Any, small: bool = False) -> T:
     """`work()` (a token count or a projection over `reads`): inline when what it reads is
-    small, else in a worker thread."""
-    if is_small(reads):
+    small, else in a worker thread. `small`: the caller knows (the client's body is at
+    most INLINE_CHARS bytes, which bounds the characters it holds), so nothing is walked."""
+    if small or is_small(reads):
         return work()
     return await asyncio.to_thread(work)
+
+
+def small_body(raw: bytes) -> bool:
+    """Whether a request body is small enough for anything parsed from it to be worked on
+    inline (bytes bound the characters of its strings)."""
+    return 0 < len(raw) <= INLINE_CHARS
 
 
 def is_small(value: Any, limit: int = INLINE_CHARS) -> bool:
@@ -91,6 +98,7 @@ async def rebuild(
     route: str = "",
     first_position: int = 0,
     cut: CutPoint | None = None,
+    small: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
@@ -126,7 +134,8 @@ async def rebuild(
         if len(items) > INLINE_ITEMS:
             projection = await asyncio.to_thread(run)
         else:
-            projection = await off_the_loop(run, [i.raw for i in items], tools, instructions)
+            reads = () if small else ([i.raw for i in items], tools, instructions)
+            projection = await off_the_loop(run, *reads, small=small)
     except ContextLengthExceeded as exc:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
     if metrics is not None:
@@ -161,9 +170,11 @@ async def rebuild_turn(
     param: str,
     route: str,
     observe: bool = True,
+    small: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
+    `small`: everything projected came from a small client body (`small_body`).
 
     When `observe`, the projection is the request's own: it goes to the metrics and its
     budget breakdown to the request's log line (every flow, stateless or not); a restate
@@ -182,6 +193,7 @@ async def rebuild_turn(
         route=route,
         first_position=loaded.first_position if loaded is not None else 0,
         cut=loaded.cut() if loaded is not None else None,
+        small=small and loaded is None,
     )
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))

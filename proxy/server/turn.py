@@ -35,7 +35,7 @@ from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import ApiShape
 from proxy.server.errors import invalid
-from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn
+from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn, small_body
 from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
@@ -117,7 +117,8 @@ async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
     for hook in hooks:
         await hook.load(turn)
     history = turn.outputs = turn.history if turn.history is not None else []
-    turn.new = await off_the_loop(lambda: turn.api.items(history), history)
+    small = small_body(turn.raw)
+    turn.new = await off_the_loop(lambda: turn.api.items(history), history, small=small)
     turn.given = len(turn.new)
     for hook in hooks:
         await hook.restore(turn)
@@ -147,6 +148,7 @@ async def project(
         param=turn.api.history,
         route=turn.api.route,
         observe=observe,
+        small=small_body(turn.raw),
     )
 
 

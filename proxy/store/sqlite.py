@@ -65,10 +65,14 @@ class SqliteConn:
         self._conn = conn
 
     async def execute(self, query: str, *args: Any) -> int:
+        """The rows the statement changed, in one trip to the connection's thread (an
+        aiosqlite cursor's close would be a second): the callers hold the connection's
+        lock, so the change counter moves for this statement alone (the schema has no
+        triggers, whose changes it would also count)."""
+        before = self._conn.total_changes
         async with _unique_as_exists():
-            cursor = await self._conn.execute(_qmark(query), args)
-            await cursor.close()
-        return cursor.rowcount
+            await self._conn.execute_fetchall(_qmark(query), args)
+        return self._conn.total_changes - before
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None:
         async with _unique_as_exists():

@@ -81,6 +81,7 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
         tool_result_max_tokens=policy.memory.tool_result_max_tokens,
         pin_patterns=tuple(policy.memory.pin_patterns),
         target_fill=policy.budget.target_fill,
+        summary_chain_max_share=policy.memory.summary_chain_max_share,
     )
 
 
@@ -99,9 +100,12 @@ async def rebuild(
     first_position: int = 0,
     cut: CutPoint | None = None,
     small: bool = False,
+    stateless: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
-    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
+    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and is cut at
+    whole chunks of its history (`stateless`) so its prefix repeats from one request to
+    the next."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -126,6 +130,7 @@ async def rebuild(
             first_position=first_position,
             cut=cut,
             now=now,
+            stateless=stateless,
         )
         return project_context(request, counter, projection_policy(policy))
 
@@ -194,6 +199,7 @@ async def rebuild_turn(
         first_position=loaded.first_position if loaded is not None else 0,
         cut=loaded.cut() if loaded is not None else None,
         small=small and loaded is None,
+        stateless=loaded is None,
     )
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))

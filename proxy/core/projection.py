@@ -716,9 +716,7 @@ _made: dict[tuple[str, str], Item] = {}
 MADE_CACHE_MAX = 4096
 
 
-def _summary(
-    state: _State, items: Sequence[Item], room: int, previous: Item | None
-) -> Item | None:
+def _summary(state: _State, items: Sequence[Item], room: int, previous: Item | None) -> Item | None:
     """The summary of `items` (extending `previous`) in at most `room` tokens: a ready one
     from the request when it fits, else the summarizer's, else the deterministic digest;
     None when none fits. The ones sent are listed in Projection.chunks."""

@@ -305,9 +305,9 @@ def test_summary_room_is_not_starved_by_a_large_current_turn(counter: TokenCount
     items = [*chat_history(150)[:-1], chat_item({"role": "user", "content": "word " * 3000})]
     projection = project_context(request(items, 9000), counter, POLICY)
     report = projection.report
-    without_current = report.history_budget + report.current
-    assert report.history_budget < 6000 < without_current
-    room = min(SUMMARY_MAX_TOKENS, int(without_current * SUMMARY_SHARE))
+    capacity = report.history_budget + report.current + report.system - REPLY_PRIMING
+    assert report.history_budget < 6000 < capacity
+    room = min(SUMMARY_MAX_TOKENS, int(capacity * SUMMARY_SHARE))
     assert [c.max_tokens for c in projection.chunks] == [room]
     assert projection.cut is not None and projection.cut.deferred is None
     assert projection.chunks[0].summary == projection.cut.chain[0]

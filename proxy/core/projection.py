@@ -5,11 +5,27 @@ SPEC section 5, seed sections 4, 6, 7, 8 and 13. The history is cut into blocks
 are history H with budget B_H (proxy/core/budget.py). When H > B_H, pressure is relieved
 in this order, stopping as soon as the context fits:
 
-1. compress large tool results of the older closed turns (all but keep_recent_turns);
-2. replace the oldest closed turns by one summary; when cutting, cut down to
-   target_fill * B_H, so the next turns send the same prefix (cache-aware, SPEC 5);
+1. compress every large tool result of the older closed turns (all but
+   keep_recent_turns): which ones depends on the history alone, so from one request to
+   the next only the turn that stopped being recent changes, near the end;
+2. replace the oldest closed turns by a summary block appended to the summary chain
+   (`[pinned][summary 1][summary 2]...` keeps its bytes from one cut to the next); a
+   thread cuts down to target_fill * B_H, so the next turns send the same prefix
+   (cache-aware, SPEC 5); a request without a stored cut (a stateless client, a new
+   thread) is cut at whole chunks of its history, one block per chunk, so the same
+   history prefix gives the same cut and the same bytes; above
+   summary_chain_max_share of B_H the chain is consolidated once into one block;
 3. compress, then summarize, the recent closed turns too;
-4. if pinned + current turn alone exceed the window, raise ContextLengthExceeded.
+4. a summary is never dropped: it gets at least SUMMARY_MIN_TOKENS, more of the oldest
+   turns being cut into it if need be; if pinned + current turn alone exceed the
+   window, or leave less than that for a history that must be cut, raise
+   ContextLengthExceeded.
+
+A block's room comes from the budget without the current turn, so a large current turn
+does not starve it; a block that had to be smaller is kept in full in the cut
+(`deferred`) and takes its place when room returns. Summaries come from the request's
+ready ones (`ProjectionRequest.summaries`, by chunk_digest), else the Summarizer; the
+blocks made are listed in Projection.chunks.
 
 The cut is sticky: the returned CutPoint is passed back with the next request and
 applied before anything else. Every projection is checked by check_invariants before
@@ -115,8 +131,9 @@ class ProjectionRequest:
     first_position: int = 0
     cut: CutPoint | None = None
     now: str = ""
-    # No stored cut comes back (a stateless client): cuts fall on whole chunks of the
-    # history counted from its start, so the same history prefix gives the same bytes.
+    # No stored cut comes back (a stateless client, or a thread's first cut): cuts fall on
+    # whole chunks of the history counted from its start, so the same history prefix
+    # gives the same bytes.
     stateless: bool = False
     # Summaries already written for chunks, by chunk_digest (e.g. by an LLM summarizer
     # after an earlier request exposed the chunk in Projection.chunks).
@@ -427,7 +444,7 @@ def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
     target = int(budget * policy.target_fill)
-    _compress_until_fits(state, budget, policy, older)
+    _compress_until_fits(state, -1, policy, older)  # all of them (see _relieve_stateless)
     if _history(state) > budget and older > 0:
         _cut_to_target(state, older, target)
     if _history(state) > budget:
@@ -607,16 +624,20 @@ def _joined(chain: Sequence[Item]) -> Item:
 
 
 def _relieve_stateless(state: _State, budget: int, fixed: _Fixed) -> bool:
-    """Cuts at whole chunks of the closed turns, counted from the start of the history by
-    their original tokens, so the same history prefix always gives the same cut and the
-    same blocks (one per chunk), whatever follows it. Only when even every whole chunk
-    of the older turns leaves too little is the cut finer or the chain squeezed."""
+    """Cuts at whole chunks of the closed turns, counted from the start of the history,
+    so the same history prefix always gives the same cut and the same blocks (one per
+    chunk), whatever follows it. Only when even every whole chunk of the older turns
+    leaves too little is the cut finer or the chain squeezed.
+
+    Every large tool result of the older turns is compressed, not just enough of them to
+    fit: which ones then depends on the history alone, so what changes from one request
+    to the next is the turn that just stopped being recent, near the end of the prefix."""
     if _history(state) <= budget:
         return False
     policy = state.policy
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
-    _compress_until_fits(state, budget, policy, older)
+    _compress_until_fits(state, -1, policy, older)  # all of them: -1 is never reached
     if _history(state) <= budget:
         return True
     ends = _chunk_ends(state)
@@ -636,12 +657,19 @@ def _relieve_stateless(state: _State, budget: int, fixed: _Fixed) -> bool:
 
 def _chunk_ends(state: _State) -> list[int]:
     """Where whole chunks end (counts of closed turns): a chunk closes at the first turn
-    that brings it to the chunk size, by original tokens."""
+    that brings it to (1 - target_fill) of the history's capacity, so a cut leaves room
+    for about that much more history before the next one. Turns are measured as they are
+    sent once compressed (a large tool result as tool_result_max_tokens), which depends on
+    the turn alone: the same history prefix always has the same chunks."""
     share = 1 - state.policy.target_fill
     size = max(2 * state.room, int(share * state.capacity), SUMMARY_MIN_TOKENS)
+    ceiling = state.policy.tool_result_max_tokens
+    offset = state.request.first_position
     ends, total = [], 0
     for index, block in enumerate(state.closed):
-        total += state.original_tokens(block)
+        for position, item in zip(block.positions, block.items, strict=True):
+            tokens = state.counts[position - offset]
+            total += min(tokens, ceiling) if is_compressible(item) else tokens
         if total >= size:
             ends.append(index + 1)
             total = 0

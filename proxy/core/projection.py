@@ -629,19 +629,21 @@ def _relieve_stateless(state: _State, budget: int, fixed: _Fixed) -> bool:
     chunk), whatever follows it. Only when even every whole chunk of the older turns
     leaves too little is the cut finer or the chain squeezed.
 
-    Every large tool result of the older turns is compressed, not just enough of them to
-    fit: which ones then depends on the history alone, so what changes from one request
-    to the next is the turn that just stopped being recent, near the end of the prefix."""
+    Large tool results are compressed whole chunk by whole chunk, then in every older
+    turn, not just enough of them to fit: which ones then depends on the history alone,
+    and changes only when a chunk completes (or, failing that, when a turn stops being
+    recent, near the end of the prefix)."""
     if _history(state) <= budget:
         return False
     policy = state.policy
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
-    _compress_until_fits(state, -1, policy, older)  # all of them: -1 is never reached
-    if _history(state) <= budget:
-        return True
     ends = _chunk_ends(state)
     whole = ends[-1] if ends else 0
+    for upto in (min(whole, older), older):
+        _compress_until_fits(state, -1, policy, upto)  # all of them: -1 is never reached
+        if _history(state) <= budget:
+            return True
     for highest in (older, turns):
         if highest == turns:
             _compress_until_fits(state, budget, policy, turns)

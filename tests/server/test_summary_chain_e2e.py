@@ -165,3 +165,34 @@ async def test_thread_stored_with_one_digest_keeps_it_first_in_the_chain(
             break
         appended = appended or len(blocks) > 1
     assert appended  # a later cut appended a block after the stored digest
+
+
+async def test_stateless_client_gets_the_same_summary_bytes_for_the_same_history(
+    make_proxy: ProxyFactory,
+) -> None:
+    """A client without X-Thread-Id resends its whole history: the provider gets the
+    same summary blocks for the same history prefix, extended as the history grows (the
+    summary used to be rewritten at every request, a cache miss after the system text)."""
+    proxy: Proxy = await make_proxy(window=5200)
+    client = proxy.client()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a travel agent."}]
+    previous: list[str] = []
+    repeated = extended = 0
+    for turn in range(80):  # the first cut comes at about turn 46, then every 13 turns
+        proxy.provider.script.append(Reply(text=f"Noted {turn}. " + "lorem " * 60))
+        messages.append({"role": "user", "content": f"Q{turn}: ref BK-{turn}, seat 12{turn}."})
+        answer = await client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]
+        sent = proxy.provider.model_requests[-1].json["messages"]
+        blocks = summaries(sent)
+        verbatim = len(sent) - 2 - len(blocks)  # all but the system message, the question
+        earlier = len(messages) - 2  # every message before the question but the system one
+        assert stands_for(blocks) == earlier - verbatim
+        messages.append({"role": "assistant", "content": answer.choices[0].message.content})
+        if blocks and blocks == previous:
+            repeated += 1
+        elif previous and blocks[: len(previous)] == previous:
+            extended += 1
+        elif previous:
+            assert stands_for(blocks[:1]) > stands_for(previous[:1])  # a consolidation
+        previous = blocks
+    assert repeated >= 25 and extended >= 2

@@ -1,4 +1,4 @@
-"""`threadkeeper` command line: serve, demo, count, project."""
+"""`threadkeeper` command line: serve, demo, count, project, policy."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=8)
     demo.add_argument("--window", type=int, default=4000)
 
+    policy = sub.add_parser("policy", help="validate policy files or print their JSON Schema")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser(
+        "check", help="validate a policy directory; exit 1 listing file, field and problem"
+    )
+    check.add_argument("directory", type=Path)
+    policy_sub.add_parser("schema", help="print the policy JSON Schema (for editors and CI)")
+
     for name, text in (
         ("count", "count the prompt tokens of a JSON request or message list"),
         ("project", "rebuild a JSON request or message list under a window and print the report"),
@@ -61,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.demo import run_demo
 
         return run_demo(turns=args.turns, window=args.window)
+    if args.command == "policy":
+        return _policy(args)
     request = _load_request(Path(args.file), args.model)
     if args.command == "count":
         return _count(request)
@@ -90,6 +100,25 @@ def _serve(args: argparse.Namespace) -> int:
     except (SettingsError, PolicyError) as exc:
         print(f"threadkeeper: cannot start: {exc}", file=sys.stderr)
         return 2
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from proxy.policy import PolicyError, check_directory, policy_schema
+
+    if args.policy_command == "schema":
+        print(json.dumps(policy_schema(), indent=2, sort_keys=True))
+        return 0
+    try:
+        tenants, errors = check_directory(args.directory)
+    except PolicyError as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
+        return 2
+    for error in errors:
+        print(error, file=sys.stderr)
+    if errors:
+        return 1
+    print(f"ok: {len(tenants)} tenant policies ({', '.join(tenants)})")
+    return 0
 
 
 def _load_request(path: Path, model: str | None) -> dict[str, Any]:

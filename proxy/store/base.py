@@ -228,6 +228,14 @@ class Store(Protocol):
 
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None: ...
 
+    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+        """Newest first; every tenant's when `tenant` is None (operators only)."""
+        ...
+
+    async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
+        """The threads with this id in any tenant (operators only: ids are per tenant)."""
+        ...
+
     async def update_metadata(
         self, tenant: str, thread_id: str, metadata: Mapping[str, str]
     ) -> Thread | None: ...
@@ -377,8 +385,10 @@ class Store(Protocol):
         one, the result is cleared, attempts + 1. True if this call won (SPEC 6)."""
 
     async def ledger_list(
-        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
-    ) -> tuple[LedgerEntry, ...]: ...
+        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+    ) -> tuple[LedgerEntry, ...]:
+        """Oldest first; every tenant's when `tenant` is None (operators only)."""
+        ...
 
     # request idempotency ------------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:

@@ -61,6 +61,13 @@ RETURNING {THREAD_COLUMNS}
 
 SELECT_THREAD = f"SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 AND id = $2"
 
+# Operator listings (the threads CLI): newest first.
+LIST_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads ORDER BY created_at DESC, tenant, id LIMIT $1"
+LIST_TENANT_THREADS = f"""
+SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2
+"""
+FIND_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads WHERE id = $1 ORDER BY tenant LIMIT $2"
+
 UPDATE_METADATA = f"""
 UPDATE threads SET metadata = $3 WHERE tenant = $1 AND id = $2 RETURNING {THREAD_COLUMNS}
 """
@@ -230,6 +237,14 @@ WHERE tenant = $1 AND scope = $2 AND key = $3 AND status = 'failed'
 """
 
 LIST_LEDGER = f"SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 ORDER BY created_at, scope, key LIMIT $2"
+
+LIST_ALL_LEDGER = (
+    f"SELECT {LEDGER_COLUMNS} FROM ledger ORDER BY created_at, tenant, scope, key LIMIT $1"
+)
+
+LIST_ALL_LEDGER_BY_STATUS = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE status = $1 ORDER BY created_at, tenant, scope, key LIMIT $2
+"""
 
 LIST_LEDGER_BY_STATUS = f"""
 SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND status = $2 ORDER BY created_at, scope, key LIMIT $3

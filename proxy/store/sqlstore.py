@@ -116,6 +116,19 @@ class SqlStore:
         async with self.db.read() as conn:
             return await _thread(conn, tenant, thread_id)
 
+    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+        async with self.db.read() as conn:
+            if tenant is None:
+                rows = await conn.fetch(sql.LIST_THREADS, limit)
+            else:
+                rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
+        return tuple(map(sql.thread_from_row, rows))
+
+    async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.FIND_THREADS, thread_id, limit)
+        return tuple(map(sql.thread_from_row, rows))
+
     async def update_metadata(
         self, tenant: str, thread_id: str, metadata: Mapping[str, str]
     ) -> Thread | None:
@@ -346,10 +359,14 @@ class SqlStore:
             return await conn.execute(sql.REARM_LEDGER, tenant, scope, key, call_id, now) > 0
 
     async def ledger_list(
-        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
+        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
     ) -> tuple[LedgerEntry, ...]:
         async with self.db.read() as conn:
-            if status is None:
+            if tenant is None and status is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEDGER, limit)
+            elif tenant is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEDGER_BY_STATUS, status, limit)
+            elif status is None:
                 rows = await conn.fetch(sql.LIST_LEDGER, tenant, limit)
             else:
                 rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)

@@ -289,6 +289,52 @@ def responses_input(items: Iterable[Item]) -> list[JsonDict]:
     return converted
 
 
+async def explain_request(store: Store, request_id: str, tenant: str | None) -> JsonDict:
+    """The explain record of one model request (the x-threadkeeper-request-id header)."""
+    found = await store.explain_get(tenant, request_id)
+    if found is None:
+        raise AdminError(f"no explain record {request_id!r} (kept for explain_retention_seconds)")
+    return found.record
+
+
+def explain_text(record: JsonDict) -> str:
+    projection = record["projection"]
+    lines = [
+        f"request {record['id']}  tenant {record.get('tenant', '-')}  "
+        f"thread {record.get('thread_id', '-')}  status {record['status']}  "
+        f"{record['latency_ms']} ms",
+        f"window {projection['window']} = pinned {projection['system']} + tools "
+        f"{projection['tools']} + history {projection['history_after']} (budget "
+        f"{projection['history_budget']}, was {projection['history_before']}) + current turn "
+        f"{projection['current']} + output reserve {projection['output']} + margin "
+        f"{projection['epsilon']}",
+        f"prompt tokens: estimated {projection['prompt_tokens']}, provider reported "
+        f"{record.get('usage_input_tokens', '-')}; retries {record.get('retries', '-')}",
+        "",
+        table(
+            Row(
+                ("BLOCK", "ITEMS", "TOKENS BEFORE", "AFTER", "DECISION"),
+                tuple(
+                    (
+                        b["kind"],
+                        f"{b['first']}-{b['last']}",
+                        str(b["tokens_before"]),
+                        str(b["tokens_after"]),
+                        b["action"],
+                    )
+                    for b in projection["blocks"]
+                ),
+            )
+        ),
+    ]
+    for verdict in record.get("ledger", []):
+        lines.append(f"ledger: {verdict['tool']} {verdict['key']}: {verdict['verdict']}")
+    for stand_in in record.get("stand_ins", []):
+        lines += ["", f"[{stand_in['kind']} sent at position {stand_in['position']}]"]
+        lines.append(stand_in["text"])
+    return "\n".join(lines)
+
+
 # --- ledger -------------------------------------------------------------------------------
 
 

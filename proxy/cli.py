@@ -37,6 +37,9 @@ def _operator_commands(sub: Any) -> None:
             command.add_argument("--at", metavar="ITEM", help="last item id to copy")
         if name == "export":
             command.add_argument("--format", choices=("jsonl", "openai"), default="jsonl")
+    explaining = verbs.add_parser("explain", help="what one model request sent, and why")
+    explaining.add_argument("request_id", help="the x-threadkeeper-request-id header")
+    explaining.add_argument("--tenant")
     importing = verbs.add_parser("import", help="a new thread from an exported jsonl file")
     importing.add_argument("file", type=Path)
     importing.add_argument("--tenant", help="instead of the file's tenant")
@@ -244,6 +247,9 @@ async def _threads(store: Any, args: argparse.Namespace) -> str:
     if args.verb == "fork":
         fork = await admin.fork_thread(store, args.id, args.tenant, args.at)
         return _shown(args, fork, lambda: f"forked into {fork['id']} ({fork['items']} items)")
+    if args.verb == "explain":
+        record = await admin.explain_request(store, args.request_id, args.tenant)
+        return _shown(args, record, lambda: admin.explain_text(record))
     if args.verb == "export":
         lines = await admin.export_thread(store, args.id, args.tenant, args.format)
         if args.format == "openai":

@@ -32,6 +32,7 @@ from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
     conversations,
+    explain,
     ledger_routes,
     ops,
     passthrough,
@@ -91,6 +92,7 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         route = route_name(request)
         fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
+        latency_ms = round((time.perf_counter() - started) * 1000, 3)
         request.app[METRICS].requests.labels(route, str(status), tenant).inc()
         if route not in ("healthz", "readyz", "metrics"):
             log.info(
@@ -100,10 +102,11 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
                 route=route,
                 path=request.path,
                 status=status,
-                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                latency_ms=latency_ms,
                 pid=os.getpid(),  # which worker process served it (serve --workers N)
                 **fields,
             )
+        explain.record_request(request, status, latency_ms)
 
 
 @web.middleware
@@ -158,6 +161,7 @@ def create_app(
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
+    app.cleanup_ctx.append(explain.explain_ctx())
     app.on_response_prepare.append(mark_not_replayed)
     app.cleanup_ctx.append(_policy_watch_ctx)
 
@@ -172,6 +176,7 @@ def create_app(
     response_routes.add_routes(app)
     conversations.add_routes(app)
     ledger_routes.add_routes(app)
+    explain.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 

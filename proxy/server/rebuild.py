@@ -28,6 +28,7 @@ from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
+from proxy.server.explain import PROJECTION
 from proxy.server.state import CLOCK, LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.threads import Loaded
 
@@ -197,6 +198,7 @@ async def rebuild_turn(
     )
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))
+        request[PROJECTION] = projection
     return projection, counter
 
 

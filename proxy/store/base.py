@@ -168,6 +168,16 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class ExplainRecord:
+    """What one model request sent and why (proxy/server/explain.py)."""
+
+    tenant: str
+    request_id: str
+    created_at: str
+    record: JsonDict
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """A process instance's last sign of life (replica-safe recovery, SPEC 7 and 8)."""
 
@@ -389,6 +399,16 @@ class Store(Protocol):
     ) -> tuple[LedgerEntry, ...]:
         """Oldest first; every tenant's when `tenant` is None (operators only)."""
         ...
+
+    # explain records ----------------------------------------------------------------------
+    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+        """Insert in one transaction; a request id already kept stays as it is."""
+
+    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        """The tenant's record; with tenant None (operators), the one record with this id."""
+
+    async def explain_purge(self, before: str) -> int:
+        """Delete the records created before `before`; how many went."""
 
     # request idempotency ------------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:

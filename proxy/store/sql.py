@@ -15,6 +15,7 @@ from typing import Any
 from proxy.core import fastjson
 from proxy.core.items import content_digest
 from proxy.store.base import (
+    ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
     JsonDict,
@@ -282,6 +283,22 @@ ABORT_IDEMPOTENCY = "DELETE FROM idempotency WHERE tenant = $1 AND key = $2 AND 
 
 PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
 
+# explain records -------------------------------------------------------------------------
+
+INSERT_EXPLAIN = """
+INSERT INTO explain_records (tenant, request_id, created_at, record) VALUES ($1, $2, $3, $4)
+ON CONFLICT (tenant, request_id) DO NOTHING
+"""
+SELECT_EXPLAIN = """
+SELECT tenant, request_id, created_at, record FROM explain_records
+WHERE tenant = $1 AND request_id = $2
+"""
+FIND_EXPLAIN = """
+SELECT tenant, request_id, created_at, record FROM explain_records
+WHERE request_id = $1 ORDER BY tenant LIMIT 2
+"""
+PURGE_EXPLAIN = "DELETE FROM explain_records WHERE created_at < $1"
+
 # row -> dataclass ----------------------------------------------------------------------
 
 
@@ -442,3 +459,7 @@ def window_start(state: JsonDict) -> int:
     """First seq still sent verbatim (SPEC section 2, thread state)."""
     start = state.get("window_start", 0)
     return start if isinstance(start, int) and start > 0 else 0
+
+
+def explain_from_row(row: Row) -> ExplainRecord:
+    return ExplainRecord(row["tenant"], row["request_id"], row["created_at"], loads(row["record"]))

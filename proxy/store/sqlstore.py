@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 from proxy.store import sql
 from proxy.store.base import (
     AlreadyExists,
+    ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
     ItemPage,
@@ -371,6 +372,24 @@ class SqlStore:
             else:
                 rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)
         return tuple(map(sql.ledger_from_row, rows))
+
+    # explain records ------------------------------------------------------------------
+    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+        rows = [(r.tenant, r.request_id, r.created_at, sql.dumps(r.record)) for r in records]
+        async with self.db.write() as conn:
+            await conn.executemany(sql.INSERT_EXPLAIN, rows)
+
+    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        async with self.db.read() as conn:
+            if tenant is not None:
+                row = await conn.fetchrow(sql.SELECT_EXPLAIN, tenant, request_id)
+                return None if row is None else sql.explain_from_row(row)
+            rows = await conn.fetch(sql.FIND_EXPLAIN, request_id)
+        return sql.explain_from_row(rows[0]) if len(rows) == 1 else None
+
+    async def explain_purge(self, before: str) -> int:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.PURGE_EXPLAIN, before)
 
     # request idempotency --------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:

@@ -15,6 +15,7 @@ from proxy.cli import main
 from proxy.fake_provider import FakeProvider, Reply
 
 from .conftest import Proxy
+from .test_explain_e2e import written
 from .test_ledger_e2e import REFUND, ChatAgent, Shop, tools_policy
 
 WINDOW = 6000  # small: a few long turns force a cut and a summary
@@ -29,17 +30,20 @@ async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
     return code, captured.out, captured.err
 
 
-async def long_thread(proxy: Proxy, thread_id: str, turns: int = 8) -> list[dict[str, Any]]:
+async def long_thread(proxy: Proxy, thread_id: str, turns: int = 8) -> str:
+    """Drives a thread past its window; the last request's id."""
     client = proxy.client()
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
     for turn in range(turns):
         proxy.provider.script.append(Reply(text=f"Noted order ORD-{turn}. " + "detail " * 400))
         messages.append({"role": "user", "content": f"Order ORD-{turn}: " + "words " * 400})
-        reply = await client.chat.completions.create(
+        raw = await client.chat.completions.with_raw_response.create(
             model="gpt-4o", messages=messages, extra_headers={"X-Thread-Id": thread_id}
         )
+        reply = raw.parse()
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-    return messages
+    await written(proxy)
+    return raw.headers["x-threadkeeper-request-id"]
 
 
 async def test_threads_list_show_export_import_fork_delete(
@@ -49,8 +53,16 @@ async def test_threads_list_show_export_import_fork_delete(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     proxy = await make_proxy(window=WINDOW, store_url=store_url)
-    await long_thread(proxy, "t-orders")
+    request_id = await long_thread(proxy, "t-orders")
     store = ("--store", store_url)
+
+    code, out, _ = await cli(capsys, "threads", "explain", request_id, *store)
+    assert code == 0 and out.startswith(f"request {request_id}  tenant acme  thread t-orders")
+    assert "summarized" in out and "[summary sent at position 1]" in out
+    code, out, _ = await cli(capsys, "threads", "explain", request_id, "--json", *store)
+    assert json.loads(out)["id"] == request_id
+    code, _, err = await cli(capsys, "threads", "explain", "req_nope", *store)
+    assert code == 2 and "no explain record 'req_nope'" in err
 
     code, out, _ = await cli(capsys, "threads", "list", "--json", *store)
     assert code == 0

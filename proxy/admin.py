@@ -335,6 +335,49 @@ def explain_text(record: JsonDict) -> str:
     return "\n".join(lines)
 
 
+# --- what the model saw ----------------------------------------------------------------------
+
+BAR_GLYPHS = {
+    "pinned": "#",
+    "tools": "T",
+    "summary": "S",
+    "history": "=",
+    "current": "@",
+    "output reserve": "o",
+    "margin": "~",
+    "free": ".",
+}
+
+
+def token_bar(projection: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The window split into what one request sent and what it left: pinned (system
+    text, instructions, reply priming), tools, summaries, the kept history, the current
+    turn (these sum to its prompt tokens), then the output reserve, the margin and what
+    stayed free. `projection` is an explain record's `projection`."""
+    summary = sum(b["tokens_after"] for b in projection["blocks"] if b["kind"] == "summary")
+    sent = [
+        ("pinned", projection["system"]),
+        ("tools", projection["tools"]),
+        ("summary", summary),
+        ("history", projection["history_after"] - summary),
+        ("current", projection["current"]),
+    ]
+    reserve = [("output reserve", projection["output"]), ("margin", projection["epsilon"])]
+    used = projection["prompt_tokens"] + projection["output"] + projection["epsilon"]
+    return [*sent, *reserve, ("free", max(0, projection["window"] - used))]
+
+
+def token_bar_text(projection: Mapping[str, Any], width: int = 72) -> str:
+    """The bar for a terminal: one glyph per window/width tokens, and a legend."""
+    segments = token_bar(projection)
+    total = max(1, sum(tokens for _, tokens in segments))
+    cells = "".join(
+        BAR_GLYPHS[name] * round(tokens * width / total) for name, tokens in segments if tokens
+    )
+    legend = "  ".join(f"{BAR_GLYPHS[name]} {name} {tokens}" for name, tokens in segments)
+    return f"[{cells[:width]}]\n{legend}"
+
+
 # --- ledger -------------------------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -46,7 +47,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -251,10 +252,16 @@ def support() -> Scenario:
 
 
 def _pytest_log(rng: random.Random, failing: bool) -> str:
-    lines = ["============================= test session starts ==============================",
-             "platform linux -- Python 3.11.7, pytest-8.3.2", "collected 412 items", ""]
-    lines += [f"tests/billing/test_{name}.py::{name} PASSED"
-              for name in (f"case_{i:03d}_{rng.randrange(10**6):06d}" for i in range(150))]
+    lines = [
+        "============================= test session starts ==============================",
+        "platform linux -- Python 3.11.7, pytest-8.3.2",
+        "collected 412 items",
+        "",
+    ]
+    lines += [
+        f"tests/billing/test_{name}.py::{name} PASSED"
+        for name in (f"case_{i:03d}_{rng.randrange(10**6):06d}" for i in range(150))
+    ]
     lines.append(
         "WARNING db: connection pool exhausted (max_connections=200 reached), "
         "request queued for 2.3s"
@@ -295,7 +302,9 @@ def coding() -> Scenario:
     rng = random.Random(2)
 
     def read(i: int, path: str, extra: str = "") -> Call:
-        return Call(f"call_code_read_{i}", "read_file", {"path": path}, _source(rng, path, 100, extra))
+        return Call(
+            f"call_code_read_{i}", "read_file", {"path": path}, _source(rng, path, 100, extra)
+        )
 
     turns = [
         Turn(
@@ -306,27 +315,49 @@ def coding() -> Scenario:
         Turn(
             "Run the billing tests.",
             (
-                (Call("call_code_test_1", "run_tests", {"path": "tests/billing"},
-                      _pytest_log(rng, failing=True)),),
+                (
+                    Call(
+                        "call_code_test_1",
+                        "run_tests",
+                        {"path": "tests/billing"},
+                        _pytest_log(rng, failing=True),
+                    ),
+                ),
                 "One failure: test_prorate_zero_days, a ZeroDivisionError.",
             ),
         ),
-        Turn("Open the proration module.",
-             ((read(1, "billing/proration.py"),), "Line 88 divides by used_days.")),
+        Turn(
+            "Open the proration module.",
+            ((read(1, "billing/proration.py"),), "Line 88 divides by used_days."),
+        ),
         Turn(
             "Fix it with a guard.",
             (
-                (Call("call_code_write_1", "write_file",
-                      {"path": "billing/proration.py", "patch": "if used_days == 0: return CENT * 0"},
-                      json.dumps({"ok": True, "bytes": 4211})),),
+                (
+                    Call(
+                        "call_code_write_1",
+                        "write_file",
+                        {
+                            "path": "billing/proration.py",
+                            "patch": "if used_days == 0: return CENT * 0",
+                        },
+                        json.dumps({"ok": True, "bytes": 4211}),
+                    ),
+                ),
                 "Patched: prorate returns 0.00 when used_days is 0.",
             ),
         ),
         Turn(
             "Rerun the tests.",
             (
-                (Call("call_code_test_2", "run_tests", {"path": "tests/billing"},
-                      _pytest_log(rng, failing=False)),),
+                (
+                    Call(
+                        "call_code_test_2",
+                        "run_tests",
+                        {"path": "tests/billing"},
+                        _pytest_log(rng, failing=False),
+                    ),
+                ),
                 "All 412 pass now.",
             ),
         ),
@@ -337,28 +368,46 @@ def coding() -> Scenario:
                 "We are on 2.4.0; I will bump the version to 2.4.1 in the release commit.",
             ),
         ),
-        Turn("Show me the invoice module.",
-             ((read(3, "billing/invoice.py", 'SAMPLE_INVOICE = "INV-2024-0042"'),),
-              "The invoice module builds INV numbers.")),
+        Turn(
+            "Show me the invoice module.",
+            (
+                (read(3, "billing/invoice.py", 'SAMPLE_INVOICE = "INV-2024-0042"'),),
+                "The invoice module builds INV numbers.",
+            ),
+        ),
         Turn("And the tax module.", ((read(4, "billing/tax.py"),), "tax.py applies VAT.")),
-        Turn("And the currency module.",
-             ((read(5, "billing/currency.py"),), "currency.py rounds to cents.")),
+        Turn(
+            "And the currency module.",
+            ((read(5, "billing/currency.py"),), "currency.py rounds to cents."),
+        ),
         Turn("Open the settings.", ((read(6, "billing/settings.py"),), "Settings are read once.")),
-        Turn("Where is the pool size configured, and why did the pool run out in the first run?",
-             ((read(7, "billing/db.py"),), "db.py sets the pool size.")),
-        Turn("Open the refunds module.", ((read(8, "billing/refunds.py"),), "refunds.py is small.")),
+        Turn(
+            "Where is the pool size configured, and why did the pool run out in the first run?",
+            ((read(7, "billing/db.py"),), "db.py sets the pool size."),
+        ),
+        Turn(
+            "Open the refunds module.", ((read(8, "billing/refunds.py"),), "refunds.py is small.")
+        ),
         Turn("Open the reports module.", ((read(9, "billing/reports.py"),), "reports.py is big.")),
         Turn(
             "Run the whole suite once more.",
             (
-                (Call("call_code_test_3", "run_tests", {"path": "tests"},
-                      _pytest_log(rng, failing=False)),),
+                (
+                    Call(
+                        "call_code_test_3",
+                        "run_tests",
+                        {"path": "tests"},
+                        _pytest_log(rng, failing=False),
+                    ),
+                ),
                 "All green.",
             ),
         ),
         Turn("Open the exports module.", ((read(10, "billing/exports.py"),), "exports.py is ok.")),
-        Turn("Write the changelog entry for this release.",
-             ("Changelog: fix proration division by zero.",)),
+        Turn(
+            "Write the changelog entry for this release.",
+            ("Changelog: fix proration division by zero.",),
+        ),
     ]
     facts = (
         Fact("Never touch the migrations/ folder", 0, "must"),
@@ -382,18 +431,24 @@ def coding() -> Scenario:
 def _offers(rng: random.Random, kind: str, count: int) -> str:
     if kind == "flights":
         rows = [
-            {"flight": f"{rng.choice(('LH', 'TP', 'FR', 'U2'))}{rng.randrange(1000, 9999)}",
-             "departs": f"2027-05-12T{rng.randrange(6, 22):02d}:{rng.randrange(60):02d}",
-             "price_eur": rng.randrange(90, 480), "stops": rng.randrange(2),
-             "fare": rng.choice(("light", "classic", "flex"))}
+            {
+                "flight": f"{rng.choice(('LH', 'TP', 'FR', 'U2'))}{rng.randrange(1000, 9999)}",
+                "departs": f"2027-05-12T{rng.randrange(6, 22):02d}:{rng.randrange(60):02d}",
+                "price_eur": rng.randrange(90, 480),
+                "stops": rng.randrange(2),
+                "fare": rng.choice(("light", "classic", "flex")),
+            }
             for _ in range(count)
         ]
     else:
         rows = [
-            {"name": f"{rng.choice(('Casa', 'Hotel', 'Pousada', 'Residencial'))} "
-                     f"{rng.choice(('Alfama', 'Baixa', 'Sol', 'Tejo', 'Luz', 'Mar'))} {i}",
-             "price_eur_night": rng.randrange(60, 260), "rating": rng.randrange(60, 99) / 10,
-             "district": rng.choice(("Alfama", "Chiado", "Belem", "Baixa"))}
+            {
+                "name": f"{rng.choice(('Casa', 'Hotel', 'Pousada', 'Residencial'))} "
+                f"{rng.choice(('Alfama', 'Baixa', 'Sol', 'Tejo', 'Luz', 'Mar'))} {i}",
+                "price_eur_night": rng.randrange(60, 260),
+                "rating": rng.randrange(60, 99) / 10,
+                "district": rng.choice(("Alfama", "Chiado", "Belem", "Baixa")),
+            }
             for i in range(count)
         ]
     return json.dumps({"request_id": f"req_{rng.randrange(16**8):08x}", kind: rows})
@@ -412,29 +467,66 @@ def travel() -> Scenario:
         Turn(
             "Find flights Berlin to Lisbon on May 12 and hotels for 5 nights.",
             (
-                (Call("call_trv_f1", "search_flights", {"from": "BER", "to": "LIS"}, flights),
-                 Call("call_trv_h1", "search_hotels", {"city": "Lisbon", "nights": 5},
-                      _offers(rng, "hotels", 25))),
+                (
+                    Call("call_trv_f1", "search_flights", {"from": "BER", "to": "LIS"}, flights),
+                    Call(
+                        "call_trv_h1",
+                        "search_hotels",
+                        {"city": "Lisbon", "nights": 5},
+                        _offers(rng, "hotels", 25),
+                    ),
+                ),
                 "Best: LH1172 at 09:40 for 212 EUR; Hotel Arcadia at 96 EUR a night.",
             ),
         ),
         Turn(
             "Book LH1172 and Hotel Arcadia.",
             (
-                (Call("call_trv_bf", "book_flight", {"flight": "LH1172", "seat": "aisle"},
-                      json.dumps({"booking_ref": "BK-7Q2X9", "status": "confirmed"})),
-                 Call("call_trv_bh", "book_hotel", {"hotel": "Hotel Arcadia", "nights": 5},
-                      json.dumps({"confirmation": "HA-55120", "status": "confirmed"}))),
+                (
+                    Call(
+                        "call_trv_bf",
+                        "book_flight",
+                        {"flight": "LH1172", "seat": "aisle"},
+                        json.dumps({"booking_ref": "BK-7Q2X9", "status": "confirmed"}),
+                    ),
+                    Call(
+                        "call_trv_bh",
+                        "book_hotel",
+                        {"hotel": "Hotel Arcadia", "nights": 5},
+                        json.dumps({"confirmation": "HA-55120", "status": "confirmed"}),
+                    ),
+                ),
                 "Booked: flight BK-7Q2X9, hotel HA-55120. Total so far 692 EUR.",
             ),
         ),
-        Turn("Find vegetarian restaurants near the hotel.",
-             ((Call("call_trv_r1", "search_restaurants", {"near": "Hotel Arcadia"},
-                    _offers(rng, "hotels", 30)),), "Three vegetarian places nearby.")),
-        Turn("Change of plan: I want a window seat, not aisle.",
-             ((Call("call_trv_seat", "change_seat", {"booking_ref": "BK-7Q2X9", "seat": "window"},
-                    json.dumps({"status": "changed", "seat": "14A"})),),
-              "Seat changed to 14A, a window seat.")),
+        Turn(
+            "Find vegetarian restaurants near the hotel.",
+            (
+                (
+                    Call(
+                        "call_trv_r1",
+                        "search_restaurants",
+                        {"near": "Hotel Arcadia"},
+                        _offers(rng, "hotels", 30),
+                    ),
+                ),
+                "Three vegetarian places nearby.",
+            ),
+        ),
+        Turn(
+            "Change of plan: I want a window seat, not aisle.",
+            (
+                (
+                    Call(
+                        "call_trv_seat",
+                        "change_seat",
+                        {"booking_ref": "BK-7Q2X9", "seat": "window"},
+                        json.dumps({"status": "changed", "seat": "14A"}),
+                    ),
+                ),
+                "Seat changed to 14A, a window seat.",
+            ),
+        ),
     ]
     for i, place in enumerate(
         ("Sintra", "Cascais", "Evora", "Obidos", "Porto", "Nazare", "Tomar", "Coimbra"), start=1
@@ -443,10 +535,20 @@ def travel() -> Scenario:
             Turn(
                 f"Look at a day trip to {place}: trains and tours.",
                 (
-                    (Call(f"call_trv_t{i}", "search_trains", {"to": place},
-                          _offers(rng, "flights", 40)),
-                     Call(f"call_trv_o{i}", "search_tours", {"city": place},
-                          _offers(rng, "hotels", 32))),
+                    (
+                        Call(
+                            f"call_trv_t{i}",
+                            "search_trains",
+                            {"to": place},
+                            _offers(rng, "flights", 40),
+                        ),
+                        Call(
+                            f"call_trv_o{i}",
+                            "search_tours",
+                            {"city": place},
+                            _offers(rng, "hotels", 32),
+                        ),
+                    ),
                     f"{place}: trains every hour, tours from 35 EUR.",
                 ),
             )
@@ -462,8 +564,14 @@ def travel() -> Scenario:
         Fact("window seat, not aisle", 4, "must"),
         Fact("14A", 4, "nice"),
     )
-    return Scenario("travel", "chat", "gpt-4o-mini",
-                    "You are a travel agent. Use the tools.", tuple(turns), facts)
+    return Scenario(
+        "travel",
+        "chat",
+        "gpt-4o-mini",
+        "You are a travel agent. Use the tools.",
+        tuple(turns),
+        facts,
+    )
 
 
 def incident() -> Scenario:
@@ -477,20 +585,46 @@ def incident() -> Scenario:
         return Call(f"call_inc_q{i}", "query_logs", {"service": service}, "\n".join(lines))
 
     turns = [
-        Turn("Runbook rule: never restart the primary database during business hours; "
-             "page the on-call DBA (Priya, ext 4471) first.",
-             ("Rule noted.",)),
-        Turn("Checkout errors are spiking. Look at the checkout service.",
-             ((query(1, "checkout", "ERROR upstream payments-api returned 503 for 38% of calls"),),
-              "payments-api returns 503 for 38% of checkout calls.")),
-        Turn("Check payments-api.",
-             ((query(2, "payments-api", "ERROR pg: remaining connection slots are reserved"),),
-              "payments-api cannot get database connections.")),
-        Turn("Open an incident.",
-             ((Call("call_inc_open", "open_incident", {"severity": "SEV2"},
-                    json.dumps({"incident": "INC-8812", "status": "open"})),),
-              "Opened INC-8812 as SEV2.")),
-        Turn("Check the database.", ((query(3, "db-primary"),), "The primary is at its slot limit.")),
+        Turn(
+            "Runbook rule: never restart the primary database during business hours; "
+            "page the on-call DBA (Priya, ext 4471) first.",
+            ("Rule noted.",),
+        ),
+        Turn(
+            "Checkout errors are spiking. Look at the checkout service.",
+            (
+                (
+                    query(
+                        1, "checkout", "ERROR upstream payments-api returned 503 for 38% of calls"
+                    ),
+                ),
+                "payments-api returns 503 for 38% of checkout calls.",
+            ),
+        ),
+        Turn(
+            "Check payments-api.",
+            (
+                (query(2, "payments-api", "ERROR pg: remaining connection slots are reserved"),),
+                "payments-api cannot get database connections.",
+            ),
+        ),
+        Turn(
+            "Open an incident.",
+            (
+                (
+                    Call(
+                        "call_inc_open",
+                        "open_incident",
+                        {"severity": "SEV2"},
+                        json.dumps({"incident": "INC-8812", "status": "open"}),
+                    ),
+                ),
+                "Opened INC-8812 as SEV2.",
+            ),
+        ),
+        Turn(
+            "Check the database.", ((query(3, "db-primary"),), "The primary is at its slot limit.")
+        ),
         Turn("Check the replicas.", ((query(4, "db-replica"),), "Replicas are fine.")),
         Turn("Check the cache layer.", ((query(5, "redis"),), "Cache is healthy.")),
         Turn("Check the gateway.", ((query(6, "gateway"),), "Gateway is healthy.")),
@@ -499,8 +633,10 @@ def incident() -> Scenario:
         Turn("Check the auth service.", ((query(9, "auth"),), "Auth is healthy.")),
         Turn("Check payments-api once more.", ((query(10, "payments-api"),), "Still failing.")),
         Turn("Check the load balancer.", ((query(11, "lb"),), "The load balancer is fine.")),
-        Turn("What should we do next?",
-             ("Raise the payments-api pool limit; do not restart the primary.",)),
+        Turn(
+            "What should we do next?",
+            ("Raise the payments-api pool limit; do not restart the primary.",),
+        ),
     ]
     facts = (
         Fact("never restart the primary database during business hours", 0, "must"),
@@ -509,8 +645,14 @@ def incident() -> Scenario:
         Fact("remaining connection slots are reserved", 2, "must"),
         Fact("INC-8812", 3, "must"),
     )
-    return Scenario("incident (Responses)", "responses", "gpt-4o-mini",
-                    "You are the incident commander's assistant.", tuple(turns), facts)
+    return Scenario(
+        "incident (Responses)",
+        "responses",
+        "gpt-4o-mini",
+        "You are the incident commander's assistant.",
+        tuple(turns),
+        facts,
+    )
 
 
 def check_facts(scenario: Scenario) -> None:
@@ -560,8 +702,11 @@ def chat_reply(reply: tuple[Call, ...] | str) -> JsonDict:
     if isinstance(reply, str):
         return {"role": "assistant", "content": reply}
     calls = [
-        {"id": c.call_id, "type": "function",
-         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        {
+            "id": c.call_id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
         for c in reply
     ]
     return {"role": "assistant", "content": None, "tool_calls": calls}
@@ -573,28 +718,47 @@ def chat_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
 
 def responses_reply(reply: tuple[Call, ...] | str, index: int) -> list[JsonDict]:
     if isinstance(reply, str):
-        return [{"id": f"msg_fid{index:04d}", "type": "message", "status": "completed",
-                 "role": "assistant",
-                 "content": [{"type": "output_text", "text": reply, "annotations": []}]}]
+        return [
+            {
+                "id": f"msg_fid{index:04d}",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": reply, "annotations": []}],
+            }
+        ]
     return [
-        {"id": f"fc_{c.call_id}", "type": "function_call", "status": "completed",
-         "call_id": c.call_id, "name": c.name, "arguments": json.dumps(c.arguments)}
+        {
+            "id": f"fc_{c.call_id}",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": c.call_id,
+            "name": c.name,
+            "arguments": json.dumps(c.arguments),
+        }
         for c in reply
     ]
 
 
 def responses_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
-    return [{"type": "function_call_output", "call_id": c.call_id, "output": c.output}
-            for c in reply]
+    return [
+        {"type": "function_call_output", "call_id": c.call_id, "output": c.output} for c in reply
+    ]
 
 
 def scripted_answer(scenario: Scenario, reply: tuple[Call, ...] | str, index: int) -> JsonDict:
     """The provider's exact answer, ids fixed so every run sends the same bytes."""
     if scenario.api == "chat":
         stub = {"model": scenario.model, "messages": []}
-        answer = chat_completion(stub, Reply(text=reply if isinstance(reply, str) else None,
-                                             tool_calls=None if isinstance(reply, str) else [
-                                                 (c.name, json.dumps(c.arguments)) for c in reply]))
+        answer = chat_completion(
+            stub,
+            Reply(
+                text=reply if isinstance(reply, str) else None,
+                tool_calls=None
+                if isinstance(reply, str)
+                else [(c.name, json.dumps(c.arguments)) for c in reply],
+            ),
+        )
         answer["id"] = f"chatcmpl-fid{index:04d}"
         answer["created"] = 1_800_000_000
         answer["choices"][0]["message"] = {**chat_reply(reply), "refusal": None}
@@ -698,7 +862,7 @@ def prefix_reuse(api: Api, model: str, requests: Sequence[Sent]) -> list[float]:
     previous request's, over the request's prompt tokens. A provider's prompt cache can
     reuse at most that share (it caches by token prefix)."""
     shares: list[float] = []
-    for previous, current in zip(requests, requests[1:], strict=False):
+    for previous, current in itertools.pairwise(requests):
         total = prompt_tokens(api, model, current.items, current.instructions)
         if current.instructions != previous.instructions:
             shares.append(0.0)
@@ -739,8 +903,10 @@ class Row:
         return sum(tool_pair_violations(s.items) for s in self.requests)
 
     def fills(self) -> list[float]:
-        return [prompt_tokens(self.api, self.model, s.items, s.instructions) / self.window
-                for s in self.requests]
+        return [
+            prompt_tokens(self.api, self.model, s.items, s.instructions) / self.window
+            for s in self.requests
+        ]
 
     def reuse(self) -> list[float]:
         return prefix_reuse(self.api, self.model, self.requests)
@@ -752,8 +918,9 @@ class Row:
 # --- baselines --------------------------------------------------------------------------------
 
 
-def _split_system(scenario: Scenario, items: list[JsonDict]) -> tuple[list[JsonDict], str | None,
-                                                                       list[JsonDict]]:
+def _split_system(
+    scenario: Scenario, items: list[JsonDict]
+) -> tuple[list[JsonDict], str | None, list[JsonDict]]:
     """(leading system messages kept by every baseline, instructions, the rest)."""
     if scenario.api == "responses":
         return [], items[0]["content"], items[1:]
@@ -777,7 +944,7 @@ def drop_oldest(scenario: Scenario) -> list[Sent]:
 
 def _last_turns(rest: list[JsonDict], k: int) -> list[JsonDict]:
     starts = [i for i, item in enumerate(rest) if item.get("role") == "user"]
-    return rest[starts[-k]:] if len(starts) >= k else rest
+    return rest[starts[-k] :] if len(starts) >= k else rest
 
 
 def last_k_turns(scenario: Scenario) -> tuple[int, list[Sent]]:
@@ -831,8 +998,7 @@ def policy_text(summarizer: bool) -> str:
             f"memory: {{summarizer: {{model: {SUMMARIZER_MODEL}, max_tokens: 800, "
             "timeout_seconds: 5}}"
         )
-    return POLICY.format(models=models, reserve=RESERVE_OUTPUT, margin=SAFETY_MARGIN,
-                         memory=memory)
+    return POLICY.format(models=models, reserve=RESERVE_OUTPUT, margin=SAFETY_MARGIN, memory=memory)
 
 
 class ScriptedProvider(FakeProvider):
@@ -896,8 +1062,20 @@ def start_proxy(tmp: Path, upstream: str, name: str, policy: str) -> ProxyProces
     (policies / "default.yaml").write_text(policy)
     port = free_port()
     log = tmp / f"{name}.log"
-    command = [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--upstream",
-               upstream, "--policies", str(policies), "--store", f"sqlite:///{tmp}/{name}.db"]
+    command = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        upstream,
+        "--policies",
+        str(policies),
+        "--store",
+        f"sqlite:///{tmp}/{name}.db",
+    ]
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "THREADKEEPER_LOG_LEVEL": "warning"}
     environment.pop("THREADKEEPER_WORKERS", None)
     with log.open("wb") as sink:
@@ -936,7 +1114,7 @@ async def run_through_proxy(
         headers = {"Authorization": "Bearer sk-fidelity"}
         if scenario.api == "chat":
             path = "/v1/chat/completions"
-            messages = history if not stateful else [history[0], *history[max(1, seen):]]
+            messages = history if not stateful else [history[0], *history[max(1, seen) :]]
             body: JsonDict = {"model": scenario.model, "messages": messages}
             if stateful:
                 headers["X-Thread-Id"] = thread
@@ -945,7 +1123,7 @@ async def run_through_proxy(
             items = history[1:]
             body = {"model": scenario.model, "instructions": scenario.system}
             if stateful:
-                body["input"] = items[max(0, seen - 1):]
+                body["input"] = items[max(0, seen - 1) :]
                 if previous_id is not None:
                     body["previous_response_id"] = previous_id
             else:
@@ -957,7 +1135,8 @@ async def run_through_proxy(
             answer = await response.json(content_type=None)
             status = response.status
         received = [
-            r for r in provider.model_requests[before:]
+            r
+            for r in provider.model_requests[before:]
             if isinstance(r.json, dict) and r.json.get("model") == scenario.model
         ]
         error = None if status == 200 else f"{status}: {json.dumps(answer)[:200]}"
@@ -983,9 +1162,8 @@ async def run_through_proxy(
 
 
 async def measure(
-    names: Sequence[str], with_summarizer: bool, tmp: Path
+    scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path
 ) -> tuple[list[Row], list[str]]:
-    scenarios = [SCENARIOS[n]() for n in names]
     for scenario in scenarios:
         check_facts(scenario)
     rows: list[Row] = []
@@ -1013,30 +1191,61 @@ async def measure(
                         for stateful in (False, True):
                             mode = stateful_label(scenario) if stateful else "stateless"
                             requests = await run_through_proxy(
-                                session, proxy.base, provider, scenario, stateful,
-                                f"{name}-{mode}")
-                            rows.append(Row(system, mode, scenario.name, requests,
-                                            scenario.window, scenario.api, scenario.model,
-                                            scenario.facts))
+                                session, proxy.base, provider, scenario, stateful, f"{name}-{mode}"
+                            )
+                            rows.append(
+                                Row(
+                                    system,
+                                    mode,
+                                    scenario.name,
+                                    requests,
+                                    scenario.window,
+                                    scenario.api,
+                                    scenario.model,
+                                    scenario.facts,
+                                )
+                            )
                 finally:
                     proxy.stop()
                 if name == "summarizer":
                     calls = provider.summary_requests - summaries_before
                     notes.append(
                         f"{system}: the provider received {calls} summary requests"
-                        + (" (the policy loads but nothing calls the summarizer yet)"
-                           if calls == 0 else "")
+                        + (
+                            " (the policy loads but nothing calls the summarizer yet)"
+                            if calls == 0
+                            else ""
+                        )
                     )
     finally:
         await provider.stop()
     for scenario in scenarios:
-        rows.append(Row("drop oldest until it fits", "same histories", scenario.name,
-                        drop_oldest(scenario), scenario.window, scenario.api, scenario.model,
-                        scenario.facts))
+        rows.append(
+            Row(
+                "drop oldest until it fits",
+                "same histories",
+                scenario.name,
+                drop_oldest(scenario),
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+            )
+        )
         k, kept = last_k_turns(scenario)
-        rows.append(Row("keep the last k turns", "same histories", scenario.name, kept,
-                        scenario.window, scenario.api, scenario.model, scenario.facts,
-                        note=f"k={k}"))
+        rows.append(
+            Row(
+                "keep the last k turns",
+                "same histories",
+                scenario.name,
+                kept,
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+                note=f"k={k}",
+            )
+        )
     return rows, notes
 
 
@@ -1103,27 +1312,38 @@ def lost_facts(rows: Sequence[Row]) -> list[str]:
             due = [s for s in row.requests if s.turn > fact.turn]
             missing = sum(fact.text not in visible(s) for s in due)
             if missing:
-                lines.append(f"- {row.scenario}, {row.mode}: `{fact.text}` (turn {fact.turn}) "
-                             f"missing in {missing} of {len(due)} requests")
+                lines.append(
+                    f"- {row.scenario}, {row.mode}: `{fact.text}` (turn {fact.turn}) "
+                    f"missing in {missing} of {len(due)} requests"
+                )
     return lines
 
 
 def commit() -> str:
-    run = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"],
-                         capture_output=True, text=True, check=False)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "proxy"],
-                           capture_output=True, text=True, check=False).stdout.strip()
+    run = subprocess.run(
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "proxy"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     label = run.stdout.strip()[:90] or "unknown commit"
     return label + (" (with uncommitted changes under proxy/)" if dirty else "")
 
 
-def section(rows: Sequence[Row], notes: Sequence[str], names: Sequence[str],
-            seconds: float) -> str:
+def section(
+    rows: Sequence[Row], notes: Sequence[str], scenarios: Sequence[Scenario], seconds: float
+) -> str:
     windows = ", ".join(
         f"{s.name} {s.window:,} ({len(list(steps(s)))} requests, {len(s.turns)} turns, "
         f"{sum(f.kind == 'must' for f in s.facts)} must-keep + "
         f"{sum(f.kind == 'nice' for f in s.facts)} nice-to-keep facts)"
-        for s in (SCENARIOS[n]() for n in names)
+        for s in scenarios
     )
     parts = [
         "## Fidelity",
@@ -1169,18 +1389,26 @@ def section(rows: Sequence[Row], notes: Sequence[str], names: Sequence[str],
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help='replace "## Fidelity" in '
-                        "bench/RESULTS.md")
-    parser.add_argument("--summarizer", action="store_true",
-                        help="add a row with the LLM summarizer answering badly")
-    parser.add_argument("--only", action="append", choices=sorted(SCENARIOS),
-                        help="run only this scenario (repeatable)")
+    parser.add_argument(
+        "--write", action="store_true", help='replace "## Fidelity" in bench/RESULTS.md'
+    )
+    parser.add_argument(
+        "--summarizer",
+        action="store_true",
+        help="add a row with the LLM summarizer answering badly",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="run only this scenario (repeatable)",
+    )
     args = parser.parse_args(argv)
-    names = args.only or list(SCENARIOS)
+    scenarios = [SCENARIOS[name]() for name in args.only or SCENARIOS]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
-        rows, notes = asyncio.run(measure(names, args.summarizer, Path(tmp)))
-    text = section(rows, notes, names, time.monotonic() - started)
+        rows, notes = asyncio.run(measure(scenarios, args.summarizer, Path(tmp)))
+    text = section(rows, notes, scenarios, time.monotonic() - started)
     print(text)
     if args.write:
         from results import write_section

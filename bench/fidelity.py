@@ -899,6 +899,11 @@ class Row:
     def all(self) -> list[float]:
         return recall(self.requests, self.facts)
 
+    def rules(self) -> list[float]:
+        """Per request after turn 1: 1 when every must-keep fact of turn 1 is visible."""
+        first = [f for f in self.facts if f.turn == 0 and f.kind == "must"]
+        return [float(all(f.text in visible(s) for f in first)) for s in self.requests if s.turn]
+
     def violations(self) -> int:
         return sum(tool_pair_violations(s.items) for s in self.requests)
 
@@ -1083,7 +1088,8 @@ def start_proxy(tmp: Path, upstream: str, name: str, policy: str) -> ProxyProces
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            return log.read_text(errors="replace").strip().splitlines()[-1:][0][:300]
+            last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            return last.replace(str(policies) + os.sep, "")[:300]
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
                 return ProxyProcess(f"http://127.0.0.1:{port}", process, log)
@@ -1268,16 +1274,19 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
         groups.setdefault((row.system, mode), []).append(row)
     lines = [
         "| system | mode | must-keep recall, mean | worst request | all facts, mean "
-        "| tool-pair violations | mean fill | mean prefix reuse | failed requests |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| turn-1 rules present | tool-pair violations | mean fill | mean prefix reuse "
+        "| failed requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (system, mode), group in groups.items():
         must = [v for r in group for v in r.must()]
         every = [v for r in group for v in r.all()]
         fills = [v for r in group for v in r.fills()]
         reuse = [v for r in group for v in r.reuse()]
+        rules = [v for r in group for v in r.rules()]
         lines.append(
             f"| {system} | {mode} | {_pct(must)} | {_worst(must)} | {_pct(every)} | "
+            f"{_pct(rules)} | "
             f"{sum(r.violations() for r in group)} | {_pct(fills)} | {_pct(reuse)} | "
             f"{sum(r.errors() for r in group)} |"
         )
@@ -1321,7 +1330,7 @@ def lost_facts(rows: Sequence[Row]) -> list[str]:
 
 def commit() -> str:
     run = subprocess.run(
-        ["git", "-C", str(ROOT), "log", "-1", "--format=%h %s"],
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%h (%cs)", "--", "proxy"],
         capture_output=True,
         text=True,
         check=False,
@@ -1332,12 +1341,16 @@ def commit() -> str:
         text=True,
         check=False,
     ).stdout.strip()
-    label = run.stdout.strip()[:90] or "unknown commit"
+    label = run.stdout.strip() or "unknown commit"
     return label + (" (with uncommitted changes under proxy/)" if dirty else "")
 
 
 def section(
-    rows: Sequence[Row], notes: Sequence[str], scenarios: Sequence[Scenario], seconds: float
+    rows: Sequence[Row],
+    notes: Sequence[str],
+    scenarios: Sequence[Scenario],
+    seconds: float,
+    label: str = "",
 ) -> str:
     windows = ", ".join(
         f"{s.name} {s.window:,} ({len(list(steps(s)))} requests, {len(s.turns)} turns, "
@@ -1348,7 +1361,8 @@ def section(
     parts = [
         "## Fidelity",
         "",
-        f"`python bench/fidelity.py --write` on `{commit()}` ({seconds:.0f} s). "
+        f"`python bench/fidelity.py --write`, proxy/ as of `{commit()}`"
+        f"{f' ({label})' if label else ''}, {seconds:.0f} s. "
         "Scripted long conversations through `python -m proxy serve` (SQLite) and the fake "
         "provider, every request the provider received checked for each planted fact. "
         f"Windows (tokens): {windows}; output reserve {RESERVE_OUTPUT}, margin "
@@ -1360,7 +1374,8 @@ def section(
         "(instructions, message texts, tool-call arguments, tool outputs); *mean* over "
         "every such request, *worst* the lowest single request. *Tool-pair violations*: "
         "calls without their output plus outputs without their call, summed over requests. "
-        "*Fill*: the request's prompt tokens (tiktoken, as the proxy counts) over the window. "
+        "*Turn-1 rules present*: the share of requests after turn 1 that carry every "
+        "must-keep fact of turn 1 (the user's standing rules). *Fill*: the request's prompt tokens (tiktoken, as the proxy counts) over the window. "
         "*Prefix reuse* of a request after the first of a run: the prompt tokens of the "
         "longest run of leading items (instructions, then messages or input items) equal as "
         "JSON to the previous request's leading items, over the request's prompt tokens "
@@ -1403,12 +1418,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(SCENARIOS),
         help="run only this scenario (repeatable)",
     )
+    parser.add_argument("--label", default="", help="said after the commit, e.g. 'before'")
     args = parser.parse_args(argv)
     scenarios = [SCENARIOS[name]() for name in args.only or SCENARIOS]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
         rows, notes = asyncio.run(measure(scenarios, args.summarizer, Path(tmp)))
-    text = section(rows, notes, scenarios, time.monotonic() - started)
+    text = section(rows, notes, scenarios, time.monotonic() - started, args.label)
     print(text)
     if args.write:
         from results import write_section

@@ -893,28 +893,33 @@ class Row:
     facts: tuple[Fact, ...]
     note: str = ""
 
+    @property
+    def received(self) -> list[Sent]:
+        """The requests that reached the provider (a refused one is counted apart)."""
+        return [s for s in self.requests if s.error is None]
+
     def must(self) -> list[float]:
-        return recall(self.requests, [f for f in self.facts if f.kind == "must"])
+        return recall(self.received, [f for f in self.facts if f.kind == "must"])
 
     def all(self) -> list[float]:
-        return recall(self.requests, self.facts)
+        return recall(self.received, self.facts)
 
     def rules(self) -> list[float]:
         """Per request after turn 1: 1 when every must-keep fact of turn 1 is visible."""
         first = [f for f in self.facts if f.turn == 0 and f.kind == "must"]
-        return [float(all(f.text in visible(s) for f in first)) for s in self.requests if s.turn]
+        return [float(all(f.text in visible(s) for f in first)) for s in self.received if s.turn]
 
     def violations(self) -> int:
-        return sum(tool_pair_violations(s.items) for s in self.requests)
+        return sum(tool_pair_violations(s.items) for s in self.received)
 
     def fills(self) -> list[float]:
         return [
             prompt_tokens(self.api, self.model, s.items, s.instructions) / self.window
-            for s in self.requests
+            for s in self.received
         ]
 
     def reuse(self) -> list[float]:
-        return prefix_reuse(self.api, self.model, self.requests)
+        return prefix_reuse(self.api, self.model, self.received)
 
     def errors(self) -> int:
         return sum(s.error is not None for s in self.requests)
@@ -1006,36 +1011,39 @@ def policy_text(summarizer: bool) -> str:
     return POLICY.format(models=models, reserve=RESERVE_OUTPUT, margin=SAFETY_MARGIN, memory=memory)
 
 
-class ScriptedProvider(FakeProvider):
-    """The fake provider answering each model request with the answer the client set
-    beforehand, and summary requests (model SUMMARIZER_MODEL) with bad prose."""
+class ScriptedProvider:
+    """The fake provider (public surface only: `script`, `requests`, `app`) answering each
+    model request with the answer the client scripts just before it, and summary requests
+    (model SUMMARIZER_MODEL, either API) with bad prose, whenever they come."""
 
     def __init__(self) -> None:
-        super().__init__(models=(*WINDOWS, SUMMARIZER_MODEL))
-        self.next_answer: JsonDict | None = None
+        self.fake = FakeProvider(models=(*WINDOWS, SUMMARIZER_MODEL))
         self.summary_requests = 0
-
-    def _build_app(self) -> web.Application:
-        app = super()._build_app()
-        # Summary requests are told apart by model before the usual route answers them.
-        app.middlewares.append(self._summaries)
-        return app
+        # Told apart by model before the usual routes, so they never take a turn's answer.
+        self.fake.app.middlewares.append(self._summaries)
 
     @web.middleware
     async def _summaries(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method == "POST" and request.path.endswith("/chat/completions"):
+        if request.method == "POST" and request.path.endswith(("/chat/completions", "/responses")):
             try:
                 body = json.loads(await request.read())
             except ValueError:
                 body = None
             if isinstance(body, dict) and body.get("model") == SUMMARIZER_MODEL:
                 self.summary_requests += 1
-                return web.json_response(chat_completion(body, Reply(text=BAD_SUMMARY)))
+                build = (
+                    chat_completion if request.path.endswith("/completions") else response_object
+                )
+                return web.json_response(build(body, Reply(text=BAD_SUMMARY)))
         return await handler(request)
 
-    def _next_reply(self) -> Reply:
-        answer, self.next_answer = self.next_answer, None
-        return Reply(body=answer) if answer is not None else Reply()
+    def answer_next(self, answer: JsonDict) -> None:
+        """The exact answer to the next model request (none left over from a refused one)."""
+        self.fake.script[:] = [Reply(body=answer)]
+
+    @property
+    def model_requests(self) -> list[Any]:
+        return self.fake.model_requests
 
 
 def free_port() -> int:
@@ -1049,6 +1057,12 @@ class ProxyProcess:
     base: str
     process: subprocess.Popen[bytes]
     log: Path
+
+    def last_error(self) -> str:
+        """The last line of the proxy's log that names an exception (for failed requests)."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        named = [line for line in lines if "Error" in line or "Exception" in line]
+        return (named or lines or ["(empty log)"])[-1].strip()[:300]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -1135,17 +1149,20 @@ async def run_through_proxy(
             else:
                 body["input"] = items
                 body["store"] = False
-        provider.next_answer = scripted_answer(scenario, step.reply, index)
+        provider.answer_next(scripted_answer(scenario, step.reply, index))
         before = len(provider.model_requests)
         async with session.post(base + path, json=body, headers=headers) as response:
-            answer = await response.json(content_type=None)
-            status = response.status
+            status, raw = response.status, await response.text()
+        try:
+            answer: Any = json.loads(raw)
+        except ValueError:
+            answer = raw  # a proxy bug: not even an error envelope
         received = [
             r
             for r in provider.model_requests[before:]
             if isinstance(r.json, dict) and r.json.get("model") == scenario.model
         ]
-        error = None if status == 200 else f"{status}: {json.dumps(answer)[:200]}"
+        error = None if status == 200 else f"{status} {json.dumps(answer)[:240]}"
         if received:
             got = received[-1].json
             if scenario.api == "chat":
@@ -1175,7 +1192,7 @@ async def measure(
     rows: list[Row] = []
     notes: list[str] = []
     provider = ScriptedProvider()
-    upstream = await provider.start()
+    upstream = await provider.fake.start()
     systems: list[tuple[str, str]] = [("threadkeeper", policy_text(False))]
     if with_summarizer:
         systems.append(("threadkeeper + LLM summarizer (answers badly)", policy_text(True)))
@@ -1213,6 +1230,8 @@ async def measure(
                             )
                 finally:
                     proxy.stop()
+                if any(r.errors() for r in rows if r.system == system):
+                    notes.append(f"{system}: the proxy's log ends with `{proxy.last_error()}`")
                 if name == "summarizer":
                     calls = provider.summary_requests - summaries_before
                     notes.append(
@@ -1224,7 +1243,7 @@ async def measure(
                         )
                     )
     finally:
-        await provider.stop()
+        await provider.fake.stop()
     for scenario in scenarios:
         rows.append(
             Row(
@@ -1296,15 +1315,15 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
 def detail_table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| scenario | system | mode | requests | must-keep mean | worst | all facts "
-        "| tool-pair violations | mean fill | prefix reuse |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| tool-pair violations | mean fill | prefix reuse | failed |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in sorted(rows, key=lambda r: r.scenario):
         system = f"{row.system} ({row.note})" if row.note else row.system
         lines.append(
             f"| {row.scenario} | {system} | {row.mode} | {len(row.requests)} | "
             f"{_pct(row.must())} | {_worst(row.must())} | {_pct(row.all())} | "
-            f"{row.violations()} | {_pct(row.fills())} | {_pct(row.reuse())} |"
+            f"{row.violations()} | {_pct(row.fills())} | {_pct(row.reuse())} | {row.errors()} |"
         )
     return lines
 
@@ -1318,13 +1337,27 @@ def lost_facts(rows: Sequence[Row]) -> list[str]:
         for fact in row.facts:
             if fact.kind != "must":
                 continue
-            due = [s for s in row.requests if s.turn > fact.turn]
+            due = [s for s in row.received if s.turn > fact.turn]
             missing = sum(fact.text not in visible(s) for s in due)
             if missing:
                 lines.append(
-                    f"- {row.scenario}, {row.mode}: `{fact.text}` (turn {fact.turn}) "
+                    f"- {row.scenario}, {row.system}, {row.mode}: `{fact.text}` (turn {fact.turn}) "
                     f"missing in {missing} of {len(due)} requests"
                 )
+    return lines
+
+
+def failures(rows: Sequence[Row]) -> list[str]:
+    """Requests the proxy did not forward (left out of the other columns), first error each."""
+    lines = []
+    for row in rows:
+        failed = [s for s in row.requests if s.error is not None]
+        if failed:
+            lines.append(
+                f"- {row.scenario}, {row.system}, {row.mode}: {len(failed)} of "
+                f"{len(row.requests)} requests failed, the first (turn {failed[0].turn}): "
+                f"`{failed[0].error}`"
+            )
     return lines
 
 
@@ -1389,6 +1422,9 @@ def section(
         *detail_table(rows),
         "",
     ]
+    failed = failures(rows)
+    if failed:
+        parts += ["Requests that failed (not in the figures above):", "", *failed, ""]
     lost = lost_facts(rows)
     if lost:
         parts += ["Must-keep facts threadkeeper lost:", "", *lost, ""]

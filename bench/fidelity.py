@@ -1202,11 +1202,13 @@ async def measure(
                 name = "summarizer" if "summarizer" in system else "deterministic"
                 proxy = await asyncio.to_thread(start_proxy, tmp, upstream, name, policy)
                 if isinstance(proxy, str):
-                    notes.append(
-                        f"{system}: skipped, `serve` refused the policy with "
-                        f"`memory.summarizer: {{model, max_tokens, timeout_seconds}}` "
-                        f"({proxy})"
+                    policy_note = (
+                        " with `memory.summarizer: {model, max_tokens, timeout_seconds}` "
+                        "(not supported by this build?)"
+                        if name == "summarizer"
+                        else ""
                     )
+                    notes.append(f"{system}: skipped, `serve` did not start{policy_note}: {proxy}")
                     continue
                 summaries_before = provider.summary_requests
                 try:

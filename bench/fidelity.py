@@ -429,6 +429,7 @@ def coding() -> Scenario:
 
 
 def _offers(rng: random.Random, kind: str, count: int) -> str:
+    rows: list[JsonDict]
     if kind == "flights":
         rows = [
             {
@@ -659,10 +660,10 @@ def check_facts(scenario: Scenario) -> None:
     """Each fact's text first appears in the history during the turn it is planted in, so
     a miss is the memory's doing, not the scenario's."""
     runs = histories(scenario)
-    final = [*runs[-1][1], *strings(chat_reply(scenario.turns[-1].steps[-1]))]
+    final = "\n".join([*strings(runs[-1][1]), *strings(chat_reply(scenario.turns[-1].steps[-1]))])
     for fact in scenario.facts:
-        after = [items for turn, items in runs if turn > fact.turn] or [final]
-        assert fact.text in "\n".join(strings(after[0])), (scenario.name, fact)
+        after = ["\n".join(strings(items)) for turn, items in runs if turn > fact.turn]
+        assert fact.text in (after or [final])[0], (scenario.name, fact)
         if fact.turn > 0:
             earlier = [items for turn, items in runs if turn < fact.turn][-1]
             assert fact.text not in "\n".join(strings(earlier)), (scenario.name, fact)
@@ -1168,8 +1169,8 @@ async def run_through_proxy(
             if scenario.api == "chat":
                 sent.append(Sent(turn, list(got.get("messages") or []), error=error))
             else:
-                raw = got.get("input")
-                items_in = [{"role": "user", "content": raw}] if isinstance(raw, str) else raw
+                given = got.get("input")
+                items_in = [{"role": "user", "content": given}] if isinstance(given, str) else given
                 sent.append(Sent(turn, list(items_in or []), got.get("instructions"), error))
         else:
             sent.append(Sent(turn, [], error=error or "the provider received nothing"))

@@ -245,8 +245,8 @@ AMOUNT = (
     r"|\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
 )
 IDENT = (
-    r"\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
-    r"|\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b"
+    r"(?<![\w./-])(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
+    r"|(?<![\w./-])(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b"
     r"|\b(?!call_|fc_|toolu_|resp_|msg_|req_|trace_|span_|rs_|ctc_)[a-z]{2,}_"
     r"(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,}\b"
 )
@@ -343,22 +343,24 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     builder = _Builder.of(previous or MemoryState())
     builder.count += len(items)
     answered = {item.output_for for item in items if item.output_for is not None}
-    builder.pending = [p for p in builder.pending if not p.call_id or p.call_id not in answered]
+    waiting = {p.call_id: p.text for p in builder.pending if p.call_id in answered}
+    builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
     for item in items:
         if item.is_user_message:
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact = _fact(item, call)
+            fact, amounts = _fact(item, call, waiting.get(item.output_for or ""))
             builder.add("facts", [fact])
-            builder.add("entities", entities_in(fact)[:ENTITIES_PER_ITEM])
+            builder.add("entities", (entities_in(fact) + amounts)[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
             for call_id in item.call_ids:
                 if call_id not in answered:
-                    text = _call_text(item, call_id)
+                    arguments, amounts = _arguments(item, call_id)
+                    text = _cut(f"{_call_name(item, call_id)}({arguments})", FACT_CHARS)
                     builder.pending.append(Pending(text, call_id))
-                    builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
+                    builder.add("entities", (entities_in(text) + amounts)[:ENTITIES_PER_ITEM])
             _assistant_message(builder, item.text())
         elif item.kind == "message" and item.role == "assistant":
             _assistant_message(builder, item.text())
@@ -412,10 +414,13 @@ def _assistant_message(builder: _Builder, text: str) -> None:
     builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
 
 
-def _fact(output: Item, call: Item | None) -> str:
-    """tool(arguments) -> the values that matter in its result."""
+def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
+    """tool(arguments) -> the values that matter in its result; and the amounts with
+    their currency that the JSON of both holds. `described` is the call's text when the
+    call itself was summarized earlier (a pending call)."""
     name = tool_name(output, call)
-    arguments = _arguments_text(call, output.output_for or "") if call is not None else ""
+    arguments, amounts = _arguments(call, output.output_for or "") if call else ("", [])
+    head = f"{name}({arguments})" if call is not None or described is None else described
     text = output_text(output)
     parsed = json_container(text)
     if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
@@ -423,9 +428,30 @@ def _fact(output: Item, call: Item | None) -> str:
     if parsed is not None:
         pairs = key_values(parsed)
         shown = _pairs_text(pairs) if pairs else "(no values)"
+        amounts = amounts + _amounts(pairs)
     else:
         shown = json.dumps(_text_gist(text), ensure_ascii=False)
-    return _cut(f"{name}({arguments}) -> {shown}", FACT_CHARS)
+    return _cut(f"{head} -> {shown}", FACT_CHARS), amounts
+
+
+AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def _amounts(pairs: list[tuple[str, Any]]) -> list[str]:
+    """ "89.99 EUR" for an amount key next to a currency key in the same object."""
+    labels = dict(pairs)
+    found = []
+    for label, value in pairs:
+        if isinstance(value, bool) or not AMOUNT_KEY.search(label):
+            continue
+        if not isinstance(value, int | float | str) or not NUMBER.fullmatch(str(value)):
+            continue
+        parent = label.rsplit(".", 1)[0] if "." in label else ""
+        currency = labels.get(f"{parent}.currency" if parent else "currency")
+        if isinstance(currency, str) and currency.strip():
+            found.append(f"{value} {currency.strip()}")
+    return found
 
 
 def _pairs_text(pairs: list[tuple[str, Any]]) -> str:
@@ -450,11 +476,6 @@ def _text_gist(text: str) -> str:
     return _cut(" | ".join(lines[:4]) if lines else text, FACT_CHARS // 2)
 
 
-def _call_text(call: Item, call_id: str) -> str:
-    """name(arguments) of one call of `call`, without its call id."""
-    return _cut(f"{_call_name(call, call_id)}({_arguments_text(call, call_id)})", FACT_CHARS)
-
-
 def _call_name(call: Item, call_id: str) -> str:
     for tool_call in call.raw.get("tool_calls") or []:
         if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
@@ -467,8 +488,9 @@ def _call_name(call: Item, call_id: str) -> str:
     return call.name or call.type or "unknown"
 
 
-def _arguments_text(call: Item, call_id: str) -> str:
-    """The values of a call's arguments (amounts, reasons, ids), not transport fields."""
+def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
+    """The values of a call's arguments (amounts, reasons, ids), not transport fields,
+    and the amounts with their currency among them."""
     arguments: Any = call.raw.get("arguments", call.raw.get("input", ""))
     for tool_call in call.raw.get("tool_calls") or []:
         if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
@@ -482,8 +504,9 @@ def _arguments_text(call: Item, call_id: str) -> str:
         arguments = json.dumps(arguments, ensure_ascii=False)
     parsed = json_container(arguments)
     if isinstance(parsed, dict):
-        return _pairs_text(key_values(parsed, max_values=8))
-    return _cut(arguments, STATEMENT_CHARS)
+        pairs = key_values(parsed, max_values=8)
+        return _pairs_text(pairs), _amounts(pairs)
+    return _cut(arguments, STATEMENT_CHARS), []
 
 
 def _cut(text: str, chars: int) -> str:
@@ -598,7 +621,10 @@ def parse(text: str) -> MemoryState:
         if line in _BY_TITLE:
             section = _BY_TITLE[line]
         elif section is not None and line.startswith("- "):
-            lists.setdefault(section.name, []).append(line[2:])
+            entry = line[2:]
+            if section.name in ("facts", "pending"):
+                entry = _OLD_CALL_ID.sub(r"\1\2 ", entry, count=1)
+            lists.setdefault(section.name, []).append(entry)
     preferences = tuple(_preference(p) for p in lists.pop("preferences", []))
     pending = tuple(Pending(p) for p in lists.pop("pending", []))
     return MemoryState(
@@ -609,6 +635,8 @@ def parse(text: str) -> MemoryState:
     )
 
 
+# Digests written before issue 10 named the call: "lookup_order call_1: {...}".
+_OLD_CALL_ID = re.compile(r"^([\w.-]+) (?:call|fc|toolu|ctc)_[\w-]+(:?) ")
 _CHANGED = re.compile(r"^(.*) \(changed from: (.*)\)$")
 
 
@@ -669,11 +697,11 @@ def _strings(value: Any, name: str) -> list[str]:
 
 def _pair(value: Any, first: str, second: str, name: str) -> tuple[str, str]:
     if isinstance(value, str):
-        return value, ""
+        return _cut(value, SENTENCE_CHARS * 2), ""
     if isinstance(value, Mapping):
         a, b = value.get(first), value.get(second, "")
         if isinstance(a, str) and isinstance(b, str):
-            return a, b
+            return _cut(a, SENTENCE_CHARS * 2), _cut(b, SENTENCE_CHARS * 2)
     raise ValueError(f"{name} entries must be strings or objects with a string {first!r}")
 
 

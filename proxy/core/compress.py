@@ -213,7 +213,7 @@ def json_container(text: str) -> dict[str, Any] | list[Any] | None:
     """The JSON object or array a tool result holds, if it is one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     return value if isinstance(value, dict | list) else None
 
@@ -276,13 +276,19 @@ GENERIC_KEYS = frozenset(
 )
 
 
+MAX_WALK_DEPTH = 16  # nesting levels searched for values; deeper objects are skipped
+
+
 def _walk(
     value: Any,
     parent: str,
     found: list[tuple[int, str, Any]],
     list_items: int,
     referenced: frozenset[str],
+    depth: int = 0,
 ) -> None:
+    if depth > MAX_WALK_DEPTH:
+        return
     if isinstance(value, list):
         summary = _list_summary(value, list_items, referenced)
         if summary:
@@ -300,7 +306,7 @@ def _walk(
             tier = 0 if _important(key, child, referenced) else 1
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
-            _walk(child, label, found, list_items, referenced)
+            _walk(child, label, found, list_items, referenced, depth + 1)
 
 
 def _is_transport(key: Any) -> bool:
@@ -327,6 +333,8 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
     """A list by the identifying values of its elements, with the count of the rest."""
     shown: list[Any] = []
     for index, element in enumerate(value):
+        if index >= list_items and not referenced:
+            break
         ident = _identity(element)
         if ident is None:
             continue

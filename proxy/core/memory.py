@@ -259,6 +259,20 @@ def entities_in(text: str) -> list[str]:
     return list(dict.fromkeys(f for f in found if f))
 
 
+def referenced_values(items: Iterable[Item]) -> frozenset[str]:
+    """The ids, e-mails and amounts that `items` mention (user and assistant text, call
+    arguments): compress_tool_output keeps the lines and elements of older tool results
+    that hold them."""
+    found: set[str] = set()
+    for item in items:
+        if item.kind == "message":
+            found.update(entities_in(item.text()))
+        elif item.kind == "tool_calls":
+            found.update(entities_in(item.text() + " " + json.dumps(item.raw.get("tool_calls"))))
+            found.update(entities_in(str(item.raw.get("arguments", ""))))
+    return frozenset(found)
+
+
 def is_rule(sentence: str) -> bool:
     """Whether a sentence states a standing constraint (a rule, a limit, a deadline)."""
     return RULE.search(sentence) is not None
@@ -798,6 +812,7 @@ __all__ = [
     "merge",
     "must_keep",
     "parse",
+    "referenced_values",
     "render",
     "sentences",
     "state_of",

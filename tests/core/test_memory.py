@@ -24,6 +24,7 @@ from proxy.core.memory import (
     merge,
     must_keep,
     parse,
+    referenced_values,
     render,
     sentences,
     summarize_turns,
@@ -460,3 +461,32 @@ def test_summarize_turns_fits_its_item_budget(items: list[Item], max_tokens: int
     counter = TokenCounter.for_model("gpt-4o")
     summary = summarize_turns(items, counter, max_tokens, None)
     assert counter.item(summary) <= max_tokens
+
+
+def test_referenced_values_are_the_entities_later_items_mention() -> None:
+    later = [
+        user("What happened to refund RF-5501 of 89.99 EUR?"),
+        call("call_9", "lookup_refund", {"refund_id": "RF-5502"}),
+    ]
+    assert referenced_values(later) == frozenset({"RF-5501", "89.99 EUR", "RF-5502"})
+
+
+def test_deeply_nested_results_are_walked_to_a_bounded_depth() -> None:
+    deep = '{"next": ' * 400 + '{"refund_id": "RF-1"}' + "}" * 400
+    text = '{"id": "ORD-1", "deep": ' + deep + "}"
+    items = [
+        call("c1", "f", {}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": text}),
+    ]
+    (fact,) = extract(items).facts
+    assert fact == "f() -> id=ORD-1"
+
+
+def test_a_result_nested_past_the_json_parser_is_text() -> None:
+    text = "[" * 100_000 + "]" * 100_000
+    items = [
+        call("c1", "f", {}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": text}),
+    ]
+    (fact,) = extract(items).facts
+    assert fact.startswith('f() -> "[[[')

@@ -347,10 +347,13 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
     return shown
 
 
+LIST_TEXT_CHARS = 48  # a text element of a list is named by its beginning
+
+
 def _identity(element: Any) -> Any:
     """An element of a list as its identifying values (at most three, joined)."""
     if _is_scalar(element):
-        return _short(element)
+        return _elide_string(element, LIST_TEXT_CHARS) if isinstance(element, str) else element
     if not isinstance(element, dict):
         return f"[{len(element)} items]" if isinstance(element, list) else None
     scalars = [

@@ -567,7 +567,7 @@ def render(state: MemoryState, counter: TokenCounter, max_tokens: int) -> str:
     entries = _ranked(state, counter.text)
     room = max_tokens - counter.text(head)
     while room > 0:
-        text = _text(head, entries, _choose(entries, room))
+        text = _text(head, _choose(entries, room))
         excess = counter.text(text) - max_tokens
         if excess <= 0:
             return text
@@ -598,26 +598,16 @@ def _choose(entries: list[_Entry], room: int) -> list[_Entry]:
     return chosen
 
 
-def _text(head: str, entries: list[_Entry], chosen: list[_Entry]) -> str:
-    """Chosen entries under their titles, in section order, oldest first; an entity
-    already written in another chosen entry is not repeated."""
-    chosen = sorted(chosen, key=lambda entry: (entry.section, entry.index))
-    entity_section = _section_number("entities")
-    others = "\n".join(e.text for e in chosen if e.section != entity_section)
+def _text(head: str, chosen: list[_Entry]) -> str:
+    """Chosen entries under their titles, in section order, oldest first."""
     lines = [head]
     current = -1
-    for entry in chosen:
-        if entry.section == entity_section and entry.text in others:
-            continue
+    for entry in sorted(chosen, key=lambda entry: (entry.section, entry.index)):
         if entry.section != current:
             lines.append(SECTIONS[entry.section].title)
             current = entry.section
         lines.append(f"- {entry.text}")
     return "\n".join(lines)
-
-
-def _section_number(name: str) -> int:
-    return next(i for i, s in enumerate(SECTIONS) if s.name == name)
 
 
 # --- reading a digest back --------------------------------------------------------------------
@@ -639,6 +629,9 @@ def parse(text: str) -> MemoryState:
             if section.name in ("facts", "pending"):
                 entry = _OLD_CALL_ID.sub(r"\1\2 ", entry, count=1)
             lists.setdefault(section.name, []).append(entry)
+    if "entities" not in lists:  # a digest written before the entities had a section
+        found = [e for entries in lists.values() for entry in entries for e in entities_in(entry)]
+        lists["entities"] = list(dict.fromkeys(found))
     preferences = tuple(_preference(p) for p in lists.pop("preferences", []))
     pending = tuple(Pending(p) for p in lists.pop("pending", []))
     return MemoryState(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from proxy.core.compress import (
@@ -101,9 +101,8 @@ class MemoryState:
 class _Section:
     title: str
     name: str  # the MemoryState field
-    priority: int  # what survives first when over budget (higher first)
-    must_keep: bool
-    aliases: tuple[str, ...] = ()  # titles older digests used
+    priority: int  # inside a tier, what survives first when over budget (higher first)
+    essential: bool  # ranks in the first tier (facts: only those with ids or amounts)
 
     def entries(self, state: MemoryState) -> list[str]:
         values = getattr(state, self.name)
@@ -113,9 +112,9 @@ class _Section:
             return [p.text for p in values]
         return list(values)
 
-    def keeps_whole(self, entry: str) -> bool:
-        """Facts are kept whole only when they hold ids or amounts; the rest always."""
-        return self.name != "facts" or bool(entities_in(entry))
+    def is_essential(self, entry: str) -> bool:
+        """Whether `entry` survives before every non-essential entry when over budget."""
+        return self.essential and (self.name != "facts" or bool(entities_in(entry)))
 
 
 SECTIONS: tuple[_Section, ...] = (
@@ -130,7 +129,7 @@ SECTIONS: tuple[_Section, ...] = (
     _Section("User requests:", "requests", 2, False),
     _Section("Said by the assistant (not verified):", "said", 1, False),
 )
-_BY_TITLE = {s.title: s for s in SECTIONS} | {a: s for s in SECTIONS for a in s.aliases}
+_BY_TITLE = {s.title: s for s in SECTIONS}
 
 
 # --- sentences and what they state ----------------------------------------------------------
@@ -537,6 +536,32 @@ def must_keep(items: Sequence[Item]) -> tuple[str, ...]:
     return extract(items).must_keep()
 
 
+def guard(candidate: MemoryState, reference: MemoryState) -> MemoryState:
+    """`candidate` (an LLM's state) with every must-keep string of `reference` (the
+    deterministic state of the same items) it lacks appended, verbatim, to the section
+    it came from. Its rendering then holds all of `reference.must_keep()` when it has room.
+    """
+    written = "\n".join(e for section in SECTIONS for e in section.entries(candidate))
+
+    def lacking(entries: Iterable[Any], text: Callable[[Any], str]) -> tuple[Any, ...]:
+        return tuple(e for e in entries if text(e) not in written)
+
+    return replace(
+        candidate,
+        count=max(candidate.count, reference.count),
+        constraints=candidate.constraints + lacking(reference.constraints, str),
+        preferences=candidate.preferences + lacking(reference.preferences, _text_of),
+        decisions=candidate.decisions + lacking(reference.decisions, str),
+        open_tasks=candidate.open_tasks + lacking(reference.open_tasks, str),
+        pending=candidate.pending + lacking(reference.pending, _text_of),
+        entities=candidate.entities + lacking(reference.entities, str),
+    )
+
+
+def _text_of(entry: Preference | Pending) -> str:
+    return entry.text
+
+
 # --- rendering ------------------------------------------------------------------------------
 
 
@@ -579,7 +604,7 @@ def _ranked(state: MemoryState, count_text: Callable[[str], int]) -> list[_Entry
     entries = []
     for number, section in enumerate(SECTIONS):
         for index, text in enumerate(section.entries(state)):
-            tier = 0 if section.must_keep and section.keeps_whole(text) else 1
+            tier = 0 if section.is_essential(text) else 1
             rank = (tier, -section.priority, index)
             entries.append(_Entry(number, index, text, rank, count_text(f"- {text}\n")))
     entries.sort(key=lambda entry: entry.rank)
@@ -800,6 +825,7 @@ __all__ = [
     "extract",
     "fit_summary",
     "from_json",
+    "guard",
     "is_rule",
     "is_summary",
     "merge",

@@ -20,6 +20,7 @@ from proxy.core.memory import (
     entities_in,
     extract,
     from_json,
+    guard,
     is_rule,
     merge,
     must_keep,
@@ -490,3 +491,21 @@ def test_a_result_nested_past_the_json_parser_is_text() -> None:
     ]
     (fact,) = extract(items).facts
     assert fact.startswith('f() -> "[[[')
+
+
+def test_guard_appends_what_an_llm_state_lost(counter: TokenCounter) -> None:
+    reference = extract(support_thread())
+    written = MemoryState(
+        count=9,
+        constraints=(reference.constraints[0],),
+        decisions=("Refunded the order.",),
+        entities=("ORD-7731",),
+    )
+    guarded = guard(written, reference)
+    assert guarded.constraints == reference.constraints  # present: not repeated
+    assert guarded.decisions[0] == "Refunded the order."
+    assert guarded.decisions[1:] == reference.decisions
+    assert guarded.entities.count("ORD-7731") == 1
+    text = render(guarded, counter, 100_000)
+    assert all(kept in text for kept in reference.must_keep())
+    assert guard(guarded, reference) == guarded

@@ -302,6 +302,7 @@ class _Builder:
     """Sections being filled, oldest first, each entry once."""
 
     lists: dict[str, list[str]] = field(default_factory=dict)
+    seen: dict[str, set[str]] = field(default_factory=dict)
     preferences: list[Preference] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)
     count: int = 0
@@ -311,15 +312,17 @@ class _Builder:
         builder = cls(count=state.count)
         for section in SECTIONS:
             if section.name not in ("preferences", "pending"):
-                builder.lists[section.name] = list(getattr(state, section.name))
+                builder.add(section.name, getattr(state, section.name))
         builder.preferences = list(state.preferences)
         builder.pending = list(state.pending)
         return builder
 
     def add(self, name: str, entries: Iterable[str]) -> None:
         target = self.lists.setdefault(name, [])
+        seen = self.seen.setdefault(name, set())
         for entry in entries:
-            if entry and entry not in target:
+            if entry and entry not in seen:
+                seen.add(entry)
                 target.append(entry)
 
     def prefer(self, text: str) -> None:

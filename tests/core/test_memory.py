@@ -436,9 +436,12 @@ def conversations(draw: st.DrawFn) -> list[Item]:
 @given(conversations())
 def test_must_keep_is_kept_by_a_render_with_room(items: list[Item]) -> None:
     counter = TokenCounter.for_model("gpt-4o")
-    text = render(extract(items), counter, 100_000)
+    state = extract(items)
+    text = render(state, counter, 100_000)
     for kept in must_keep(items):
         assert kept in text
+    assert render(parse(text), counter, 100_000) == text  # a digest reads back whole
+    assert from_json(to_json(state)) == state
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -206,6 +206,10 @@ PREFERENCE = re.compile(
     r"|changed? my mind|switch (?:it |me |that )?to|change (?:it|that|this|my \w+) to)\b",
     re.IGNORECASE,
 )
+# A change of mind that replaces a preference already stated on the same subject.
+CHANGE = re.compile(
+    r"\b(?:actually|make (?:it|that) an?|rather than|go for|on second thought)\b", re.IGNORECASE
+)
 # Words that name what a preference is about: a later preference about the same
 # subject replaces the earlier one.
 TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -325,6 +329,11 @@ class _Builder:
                 seen.add(entry)
                 target.append(entry)
 
+    def has_topic(self, text: str) -> bool:
+        """Whether a preference about the subject of `text` was stated already."""
+        subject = topic(text)
+        return any(topic(p.text) == subject for p in self.preferences)
+
     def prefer(self, text: str) -> None:
         """A later preference about the same subject replaces the earlier one."""
         subject = topic(text)
@@ -402,7 +411,7 @@ def _user_message(builder: _Builder, text: str) -> None:
     builder.add("requests", [_cut(text, REQUEST_CHARS)])
     for sentence in sentences(text):
         kept = _cut(sentence, SENTENCE_CHARS)
-        if PREFERENCE.search(sentence):
+        if PREFERENCE.search(sentence) or (CHANGE.search(sentence) and builder.has_topic(kept)):
             builder.prefer(kept)
         elif is_rule(sentence):
             builder.add("constraints", [kept])

@@ -512,3 +512,15 @@ def test_guard_appends_what_an_llm_state_lost(counter: TokenCounter) -> None:
     text = render(guarded, counter, 100_000)
     assert all(kept in text for kept in reference.must_keep())
     assert guard(guarded, reference) == guarded
+
+
+def test_a_change_of_mind_replaces_the_preference_on_its_subject() -> None:
+    state = extract(
+        [
+            user("I prefer a window seat."),
+            user("Actually, make it an aisle seat. Actually, the order never arrived."),
+        ]
+    )
+    assert state.preferences == (
+        Preference("Actually, make it an aisle seat.", "I prefer a window seat."),
+    )

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from cache import MARGIN, OUTPUT, WINDOW, run, turn_messages
 
-from proxy.core.compress import SUMMARY_MARKER, is_summary
 from proxy.core.items import Item, chat_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary
 from proxy.core.projection import CutPoint, ProjectionPolicy, ProjectionRequest, project_context
 from proxy.core.tokens import TokenCounter
 

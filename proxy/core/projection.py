@@ -40,18 +40,17 @@ from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, segment
 from proxy.core.budget import history_budget
-from proxy.core.compress import (
+from proxy.core.compress import compress_tool_output, is_compressible
+from proxy.core.invariants import check_invariants
+from proxy.core.items import Item, content_digest
+from proxy.core.memory import (
     HEADER,
     SUMMARY_MARKER,
     Summarizer,
-    compress_tool_output,
-    is_compressible,
     is_summary,
     summarize_turns,
     summary_item,
 )
-from proxy.core.invariants import check_invariants
-from proxy.core.items import Item, content_digest
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
 # A summary block gets this share of B_H (the budget without the current turn), never

@@ -6,8 +6,8 @@ from itertools import pairwise
 
 import pytest
 
-from proxy.core.compress import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.projection import (
     SUMMARY_MAX_TOKENS,
     SUMMARY_MIN_TOKENS,

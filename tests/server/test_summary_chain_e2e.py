@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.core.compress import SUMMARY_MARKER
 from proxy.core.items import chat_item
+from proxy.core.memory import SUMMARY_MARKER
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 from proxy.fake_provider import Reply
 from proxy.server.state import STORE

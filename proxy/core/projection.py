@@ -881,13 +881,19 @@ def _report(
         state.tokens(p) for p in range(outcome.start, request.first_position + len(request.items))
     )
     prompt = sent_tokens + request.instructions_tokens + request.tools_tokens + REPLY_PRIMING
-    summarized = len(outcome.cut_away) if outcome.chain else 0
+    # Every item of the history not sent verbatim counts, whether it was cut now or on an
+    # earlier request: the stored log before the given window, less its pinned items
+    # (sent verbatim from the cut), plus the given items cut now.
+    old_pinned = sum(1 for item in state.old if not is_summary(item))
+    earlier = max(0, request.first_position - old_pinned)
+    not_verbatim = earlier + len(outcome.cut_away)
+    summarized = not_verbatim if outcome.chain else 0
     return replace(
         _overflow_report(state, fixed, budget),
         history_after=prompt - fixed.system - request.tools_tokens - fixed.current,
         prompt_tokens=prompt,
         blocks=_block_reports(state, outcome),
-        dropped=len(outcome.cut_away) - summarized,
+        dropped=not_verbatim - summarized,
         compressed=sum(1 for p in state.replaced if p >= outcome.start),
         summarized=summarized,
     )

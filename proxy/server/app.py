@@ -52,12 +52,15 @@ from proxy.server.state import (
     REQUEST_ID,
     SETTINGS,
     STORE,
+    SUMMARIES,
     UPSTREAM,
     WINDOWS,
 )
+from proxy.server.summaries import BackgroundSummaries
 from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
+from proxy.summarizer import LlmSummarizer
 from proxy.threads import WindowCache
 from proxy.upstream import Upstream
 
@@ -156,6 +159,7 @@ def create_app(
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)
     app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
     app.cleanup_ctx.append(_store_ctx(store))
+    app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
     app.on_response_prepare.append(mark_not_replayed)
@@ -195,6 +199,16 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
             await store.close()
 
     return ctx
+
+
+async def _summaries_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Background LLM summaries (proxy/server/summaries.py): cancelled and awaited at
+    shutdown, so none outlives the store it writes to."""
+    metrics = app[METRICS]
+    background = BackgroundSummaries(app[STORE], LlmSummarizer(metrics), metrics, app[CLOCK])
+    app[SUMMARIES] = background
+    yield
+    await background.aclose()
 
 
 def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]

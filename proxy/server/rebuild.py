@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -99,9 +99,11 @@ async def rebuild(
     first_position: int = 0,
     cut: CutPoint | None = None,
     small: bool = False,
+    summaries: Mapping[str, Item] | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
-    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
+    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut. `summaries`:
+    LLM summaries ready for chunks the projection may cut, by chunk digest."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -126,6 +128,7 @@ async def rebuild(
             first_position=first_position,
             cut=cut,
             now=now,
+            summaries=summaries if summaries is not None else {},
         )
         return project_context(request, counter, projection_policy(policy))
 
@@ -171,10 +174,12 @@ async def rebuild_turn(
     route: str,
     observe: bool = True,
     small: bool = False,
+    summaries: Mapping[str, Item] | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
     `small`: everything projected came from a small client body (`small_body`).
+    `summaries`: LLM summaries ready for the chunks it may cut (hooks/summaries.py).
 
     When `observe`, the projection is the request's own: it goes to the metrics and its
     budget breakdown to the request's log line (every flow, stateless or not); a restate
@@ -194,6 +199,7 @@ async def rebuild_turn(
         first_position=loaded.first_position if loaded is not None else 0,
         cut=loaded.cut() if loaded is not None else None,
         small=small and loaded is None,
+        summaries=summaries,
     )
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))

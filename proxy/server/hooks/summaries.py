@@ -1,0 +1,159 @@
+"""LLM summaries at the turn's named points (proxy/server/summaries.py does the work).
+
+- load: the projection gets the LLM summaries ready for its chunks (`turn.summaries`);
+- projected: digests it asked for and lacked are read from the store (another process
+  wrote them); when some were there, the projection is made again with them;
+- answered: the answer reached the client;
+- finished: only then, the summaries the turn lacked are started in the background:
+  the chunks a stateless request had summarized deterministically, and on a stateful
+  thread past the high-water mark its next cut's chunk.
+
+Nothing here waits for a summarizer call, and nothing here raises into the turn: a
+failure to read or start summaries is logged and the deterministic digest stands.
+"""
+
+from __future__ import annotations
+
+import structlog
+from aiohttp import web
+
+from proxy.core.projection import Projection, SummaryChunk
+from proxy.policy import Policy
+from proxy.server.auth import bearer_token
+from proxy.server.rebuild import budget_log_fields, rebuild
+from proxy.server.relay import provider_key, upstream_base
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
+from proxy.server.summaries import BackgroundSummaries, Job, Ready
+from proxy.server.turn import Turn, TurnHook, project
+from proxy.server.validate import JsonDict
+from proxy.summarizer import Target
+
+log = structlog.get_logger("threadkeeper.summaries")
+
+
+class SummaryHook(TurnHook):
+    """Present on every model turn; does nothing for a tenant without a summarizer."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.policy: Policy = request[TENANT_POLICY]
+        self.background: BackgroundSummaries | None = request.app.get(SUMMARIES)
+        self.ready: Ready | None = None
+        self.answer: JsonDict | None = None  # set once the answer reached the client
+        self.target: Target | None = None
+
+    async def load(self, turn: Turn) -> None:
+        settings = self.policy.memory.summarizer
+        if settings is None or self.background is None:
+            return
+        namespace = self.request[NAMESPACE]
+        self.ready = self.background.ready(namespace, settings.model, turn.api.name)
+        turn.summaries = self.ready
+
+    async def projected(self, turn: Turn) -> None:
+        if self.ready is None or self.background is None or not self.ready.missing():
+            return
+        try:
+            found = await self.background.fetch(self.ready)
+        except Exception:
+            log.exception("summaries_read_failed", tenant=self.policy.tenant)
+            return
+        if found:  # observed once: the request's log line gets the projection it sends
+            turn.projection, turn.counter = await project(turn, observe=False)
+            self.request[LOG_FIELDS].update(budget_log_fields(turn.projection))
+
+    def answered(self, turn: Turn, answer: JsonDict) -> None:
+        self.answer = answer
+
+    async def finished(self, turn: Turn) -> None:
+        """After the answer was relayed: start what later requests will want."""
+        if self.answer is None or self.ready is None or turn.projection is None:
+            return
+        try:
+            self.target = self._target()
+            if turn.loaded is None:
+                self._summarize_chunks(turn)
+            elif self._past_high_water(turn.projection):
+                self._predict_next_cut(turn, self.answer)
+        except Exception:
+            log.exception("summaries_not_started", tenant=self.policy.tenant)
+
+    def _summarize_chunks(self, turn: Turn) -> None:
+        """Stateless: the chunks this request summarized deterministically, so the
+        client's next request (which resends them) gets their LLM summary."""
+        assert turn.projection is not None and self.background is not None
+        for chunk in turn.projection.chunks:
+            if not chunk.ready:
+                self.background.submit(self._job(turn, chunk))
+
+    def _past_high_water(self, projection: Projection) -> bool:
+        settings = self.policy.memory.summarizer
+        assert settings is not None
+        report = projection.report
+        return report.history_after >= settings.high_water * report.history_budget > 0
+
+    def _predict_next_cut(self, turn: Turn, answer: JsonDict) -> None:
+        """Stateful, past the high-water mark: the thread's next request is projected
+        ahead (this turn and its reply in the history, a user message the size of this
+        turn's as the current turn, the same budget inputs); the chunks that projection
+        cuts get their LLM summary now, in the background. When the real cut takes the
+        same chunk (same items, limit and previous summary: the same digest) it sends
+        the LLM summary; otherwise the deterministic digest, as without a summarizer."""
+        assert turn.loaded is not None and self.background is not None
+        reply = turn.api.reply(answer) or []
+        asked = [item for item in turn.new if item.is_user_message]
+        if not asked:
+            return
+        history = [*turn.known, *turn.new, *(turn.api.item(raw) for raw in reply), asked[-1]]
+        cut = turn.projection.cut if turn.projection and turn.projection.cut else turn.loaded.cut()
+        inputs = turn.api.budget_inputs(turn.body)
+        ready = self.background.ready(self.request[NAMESPACE], self._model(), turn.api.name)
+        first_position = turn.loaded.first_position
+        now = self.request.app[CLOCK].hour()
+
+        async def predict() -> None:
+            projection, _ = await rebuild(
+                self.policy,
+                inputs.model,
+                history,
+                tools=inputs.tools,
+                requested_output=inputs.requested_output,
+                instructions=inputs.instructions,
+                now=now,
+                first_position=first_position,
+                cut=cut,
+                summaries=ready,
+                small=False,
+            )
+            assert self.background is not None
+            for chunk in projection.chunks:
+                if not chunk.ready:
+                    await self.background.run_now(self._job(turn, chunk))
+
+        key = ("predict", self.request[NAMESPACE], turn.loaded.thread_id)
+        self.background.spawn(self.request[NAMESPACE], self.policy.tenant, key, predict)
+
+    def _job(self, turn: Turn, chunk: SummaryChunk) -> Job:
+        assert turn.counter is not None and self.target is not None
+        return Job(
+            namespace=self.request[NAMESPACE],
+            policy=self.policy,
+            target=self.target,
+            api=turn.api.name,
+            digest=chunk.digest,
+            items=chunk.items,
+            max_tokens=chunk.max_tokens,
+            previous=chunk.previous,
+            counter=turn.counter,
+        )
+
+    def _model(self) -> str:
+        settings = self.policy.memory.summarizer
+        assert settings is not None
+        return settings.model
+
+    def _target(self) -> Target:
+        """The tenant's upstream with the key its turns use (the client's own bearer in
+        passthrough mode, which a turn forwards too)."""
+        key = provider_key(self.request, self.policy) or bearer_token(self.request) or ""
+        return Target(upstream_base(self.request, self.policy), key)

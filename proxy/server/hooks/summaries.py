@@ -14,9 +14,12 @@ failure to read or start summaries is logged and the deterministic digest stands
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 from aiohttp import web
 
+from proxy.core.items import Item
 from proxy.core.projection import Projection, SummaryChunk
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
@@ -29,6 +32,9 @@ from proxy.server.validate import JsonDict
 from proxy.summarizer import Target
 
 log = structlog.get_logger("threadkeeper.summaries")
+
+# How many turns like the current one a stateful thread's next cut is looked for in.
+LOOKAHEAD_TURNS = 4
 
 
 class SummaryHook(TurnHook):
@@ -93,45 +99,62 @@ class SummaryHook(TurnHook):
         return report.history_after >= settings.high_water * report.history_budget > 0
 
     def _predict_next_cut(self, turn: Turn, answer: JsonDict) -> None:
-        """Stateful, past the high-water mark: the thread's next request is projected
-        ahead (this turn and its reply in the history, a user message the size of this
-        turn's as the current turn, the same budget inputs); the chunks that projection
-        cuts get their LLM summary now, in the background. When the real cut takes the
-        same chunk (same items, limit and previous summary: the same digest) it sends
-        the LLM summary; otherwise the deterministic digest, as without a summarizer."""
-        assert turn.loaded is not None and self.background is not None
-        reply = turn.api.reply(answer) or []
+        """Stateful, past the high-water mark: the thread's coming requests are projected
+        ahead, in the background: this turn and its reply join the history, and the
+        turns until the cut are assumed to be like this one (copies of it; a copy of its
+        user message is the current turn). The chunk the first projected cut takes gets
+        its LLM summary now. When the real cut takes the same chunk (same items, limit
+        and previous summary: the same digest) it sends the LLM summary; otherwise the
+        deterministic digest, as without a summarizer."""
+        assert turn.loaded is not None and turn.projection is not None
+        assert self.background is not None
         asked = [item for item in turn.new if item.is_user_message]
         if not asked:
             return
-        history = [*turn.known, *turn.new, *(turn.api.item(raw) for raw in reply), asked[-1]]
-        cut = turn.projection.cut if turn.projection and turn.projection.cut else turn.loaded.cut()
+        reply = [turn.api.item(raw) for raw in turn.api.reply(answer) or []]
+        real = [*turn.known, *turn.new, *reply]
+        start = max(i for i, item in enumerate(real) if item is asked[-1])
+        this_turn = [item.raw for item in real[start:]]
+        api = turn.api
+        cut = turn.projection.cut or turn.loaded.cut()
         inputs = turn.api.budget_inputs(turn.body)
-        ready = self.background.ready(self.request[NAMESPACE], self._model(), turn.api.name)
-        first_position = turn.loaded.first_position
-        now = self.request.app[CLOCK].hour()
+        namespace = self.request[NAMESPACE]
+        ready = self.background.ready(namespace, self._model(), turn.api.name)
+        first_position, now = turn.loaded.first_position, self.request.app[CLOCK].hour()
 
         async def predict() -> None:
-            projection, _ = await rebuild(
-                self.policy,
-                inputs.model,
-                history,
-                tools=inputs.tools,
-                requested_output=inputs.requested_output,
-                instructions=inputs.instructions,
-                now=now,
-                first_position=first_position,
-                cut=cut,
-                summaries=ready,
-                small=False,
-            )
-            assert self.background is not None
-            for chunk in projection.chunks:
-                if not chunk.ready:
-                    await self.background.run_now(self._job(turn, chunk))
+            for ahead in range(LOOKAHEAD_TURNS):
+                assumed = [api.item(dict(raw)) for raw in this_turn * ahead]
+                history = [*real, *assumed, api.item(dict(this_turn[0]))]
+                projection, _ = await rebuild(
+                    self.policy,
+                    inputs.model,
+                    history,
+                    tools=inputs.tools,
+                    requested_output=inputs.requested_output,
+                    instructions=inputs.instructions,
+                    now=now,
+                    first_position=first_position,
+                    cut=cut,
+                    summaries=ready,
+                )
+                if projection.chunks:
+                    await self._summarize_predicted(turn, projection.chunks, real)
+                    return
 
-        key = ("predict", self.request[NAMESPACE], turn.loaded.thread_id)
-        self.background.spawn(self.request[NAMESPACE], self.policy.tenant, key, predict)
+        key = ("predict", namespace, turn.loaded.thread_id)
+        self.background.spawn(namespace, self.policy.tenant, key, predict)
+
+    async def _summarize_predicted(
+        self, turn: Turn, chunks: Sequence[SummaryChunk], real: Sequence[Item]
+    ) -> None:
+        """The predicted chunks made of the thread's own items (never of the assumed
+        turns ahead, which the real cut will hold other items for)."""
+        assert self.background is not None
+        own = {id(item) for item in real}
+        for chunk in chunks:
+            if not chunk.ready and all(id(item) in own for item in chunk.items):
+                await self.background.run_now(self._job(turn, chunk))
 
     def _job(self, turn: Turn, chunk: SummaryChunk) -> Job:
         assert turn.counter is not None and self.target is not None

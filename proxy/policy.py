@@ -193,6 +193,9 @@ class MemoryPolicy(_Frozen):
     keep_recent_turns: int = Field(default=3, ge=0)
     tool_result_max_tokens: int = Field(default=800, gt=0)
     pin_patterns: list[Regex] = Field(default_factory=list)
+    # Summary blocks are appended, one per cut, so the prefix repeats; above this share of
+    # the history budget the chain is consolidated into one block (proxy/core/projection.py).
+    summary_chain_max_share: float = Field(default=0.3, gt=0, le=1)
     summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
 
 

@@ -34,6 +34,7 @@ class FakeSummarizer:
         self.calls: list[str] = []
         self.script: list[Any] = []
         self.gate: asyncio.Event | None = None
+        self.started = asyncio.Event()  # set by the first call
         self.closed = False
 
     async def write(
@@ -46,6 +47,7 @@ class FakeSummarizer:
         previous: Item | None = None,
     ) -> Written | None:
         self.calls.append(items[0].text())
+        self.started.set()
         if self.gate is not None:
             await self.gate.wait()
         outcome = self.script.pop(0) if self.script else "summary"
@@ -82,7 +84,12 @@ async def background(
     store: Store, fake: FakeSummarizer, clock: ManualClock
 ) -> AsyncIterator[BackgroundSummaries]:
     background = BackgroundSummaries(
-        store, fake, Metrics(), clock, max_running=2, max_per_tenant=1  # type: ignore[arg-type]
+        store,
+        fake,
+        Metrics(),
+        clock,
+        max_running=2,
+        max_per_tenant=1,  # type: ignore[arg-type]
     )
     yield background
     await background.aclose()
@@ -176,9 +183,7 @@ async def test_shutdown_cancels_running_summaries_and_closes_the_pool(
     background = BackgroundSummaries(store, fake, Metrics(), clock)  # type: ignore[arg-type]
     fake.gate = asyncio.Event()  # never set: the call would wait forever
     assert background.submit(job("d1"))
-    await asyncio.sleep(0)
-    while not fake.calls:
-        await asyncio.sleep(0)
+    await fake.started.wait()
     await background.aclose()
     assert fake.closed
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("summary ")]

@@ -88,9 +88,8 @@ class SummaryHook(TurnHook):
         """Stateless: the chunks this request summarized deterministically, so the
         client's next request (which resends them) gets their LLM summary."""
         assert turn.projection is not None and self.background is not None
-        for chunk in turn.projection.chunks:
-            if not chunk.ready:
-                self.background.submit(self._job(turn, chunk))
+        for chunk in sent_chunks(turn.projection):
+            self.background.submit(self._job(turn, chunk))
 
     def _past_high_water(self, projection: Projection) -> bool:
         settings = self.policy.memory.summarizer
@@ -138,8 +137,9 @@ class SummaryHook(TurnHook):
                     cut=cut,
                     summaries=ready,
                 )
-                if projection.chunks:
-                    await self._summarize_predicted(turn, projection.chunks, real)
+                chunks = sent_chunks(projection)
+                if chunks:
+                    await self._summarize_predicted(turn, chunks, real)
                     return
 
         key = ("predict", namespace, turn.loaded.thread_id)
@@ -153,7 +153,7 @@ class SummaryHook(TurnHook):
         assert self.background is not None
         own = {id(item) for item in real}
         for chunk in chunks:
-            if not chunk.ready and all(id(item) in own for item in chunk.items):
+            if all(id(item) in own for item in chunk.items):
                 await self.background.run_now(self._job(turn, chunk))
 
     def _job(self, turn: Turn, chunk: SummaryChunk) -> Job:
@@ -180,3 +180,10 @@ class SummaryHook(TurnHook):
         passthrough mode, which a turn forwards too)."""
         key = provider_key(self.request, self.policy) or bearer_token(self.request) or ""
         return Target(upstream_base(self.request, self.policy), key)
+
+
+def sent_chunks(projection: Projection) -> list[SummaryChunk]:
+    """The chunks whose deterministic digest the projection sends (not those of cuts it
+    tried and left, nor those an LLM summary already stood for)."""
+    sent = {id(item) for item in projection.items}
+    return [c for c in projection.chunks if not c.ready and id(c.summary) in sent]

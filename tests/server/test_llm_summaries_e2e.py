@@ -1,0 +1,177 @@
+"""LLM summaries through the real socket: written in the background by the tenant's
+summarizer model (the fake provider, scripted), used by the later request that cuts,
+guarded, and never on a turn's path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from proxy.core.guard import GUARD_TITLE
+from proxy.core.memory import SUMMARY_MARKER
+from proxy.fake_provider import Reply
+from proxy.server.state import SUMMARIES
+from proxy.server.summaries import BackgroundSummaries
+
+from .conftest import PROVIDER_KEY, Proxy
+
+SUMMARIZER = "gpt-4.1-mini"
+MEMORY = f", summarizer: {{model: {SUMMARIZER}, max_tokens: 300, timeout_seconds: 10}}"
+RULE = "My rules: never refund more than 100 EUR without approval."
+LLM_DECISION = "Refunds are handled one order at a time, as the customer agreed."
+
+
+def background(proxy: Proxy) -> BackgroundSummaries:
+    return proxy.app[SUMMARIES]  # type: ignore[index]
+
+
+def summarizer_answer(**changes: Any) -> Reply:
+    """A state that leaves out the turn-1 rule (the guard must add it back)."""
+    state: dict[str, Any] = {
+        "constraints": [],
+        "preferences": [],
+        "decisions": [LLM_DECISION],
+        "open_tasks": [],
+        "pending_calls": [],
+        "facts": [],
+        "entities": [],
+    }
+    state.update(changes)
+    return Reply(text=json.dumps(state))
+
+
+def user_turn(number: int) -> str:
+    if number == 0:
+        return f"{RULE} Order ORD-1000 arrived broken; please look into it."
+    detail = " The box was crushed and the item inside is scratched all over." * 12
+    return (
+        f"Order ORD-{1000 + number} arrived broken too; refund rfd_{50000 + number} was "
+        f"opened for it.{detail}"
+    )
+
+
+def summary_blocks(messages: list[dict[str, Any]]) -> list[str]:
+    return [
+        m["content"]
+        for m in messages
+        if m["role"] == "system" and str(m["content"]).startswith(SUMMARY_MARKER)
+    ]
+
+
+def summarizer_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") == SUMMARIZER]
+
+
+def turn_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") != SUMMARIZER]
+
+
+async def test_a_stateful_thread_gets_its_next_cut_summarized_in_the_background(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(8)]
+    client = proxy.client()
+    cut_at = None
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-llm"},
+        )
+        await background(proxy).idle()  # what the turn started in the background is done
+        if summary_blocks(turn_requests(proxy)[-1].json["messages"]):
+            cut_at = number
+            break
+    assert cut_at is not None, "the thread never outgrew its budget"
+    calls = summarizer_requests(proxy)
+    assert calls, "no summary was written ahead of the cut"
+    # Written before the request that cut: its summarizer call came before that turn.
+    requests = proxy.provider.model_requests
+    assert requests.index(calls[0]) < requests.index(turn_requests(proxy)[-1])
+    first = calls[0]
+    assert first.headers["Authorization"] == f"Bearer {PROVIDER_KEY}"
+    assert first.json["response_format"] == {"type": "json_object"}
+    assert "ORD-1000" in first.json["messages"][1]["content"]
+    [block] = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert LLM_DECISION in block  # the LLM's summary, not the deterministic digest
+    assert GUARD_TITLE in block and f"- {RULE}" in block.split(GUARD_TITLE)[1]
+    # The cut is sticky: the next turn sends the same summary bytes.
+    await client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": user_turn(cut_at + 1)}],
+        extra_headers={"X-Thread-Id": "t-llm"},
+    )
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == [block]
+
+
+async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    release = asyncio.Event()
+    proxy.provider.scripts[SUMMARIZER] = [Reply(text=summarizer_answer().text, release=release)]
+    client = proxy.client()
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-slow"},
+        )
+        # The client has its answer; a summary it started is still waiting on `release`.
+        if background(proxy)._running:
+            break
+    else:
+        raise AssertionError("no turn started a background summary")
+    assert not release.is_set()
+    # The next turn is served while the summarizer still hangs.
+    await client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Anything else on ORD-1000?"}],
+        extra_headers={"X-Thread-Id": "t-slow"},
+    )
+    assert background(proxy)._running and not release.is_set()
+    release.set()
+    await background(proxy).idle()
+    assert summarizer_requests(proxy)
+
+
+async def test_a_stateless_client_gets_llm_summaries_of_its_chunks_once(
+    make_proxy: Any, tmp_path: Path
+) -> None:
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=shared)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    first_cut = None
+    for number in range(30):
+        history.append({"role": "user", "content": user_turn(number)})
+        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if summary_blocks(turn_requests(proxy)[-1].json["messages"]):
+            first_cut = number
+            break
+    assert first_cut is not None
+    deterministic = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert all(LLM_DECISION not in block for block in deterministic)
+    await background(proxy).idle()
+    paid = len(summarizer_requests(proxy))
+    assert paid >= 1
+    # The client resends its history: the chunk now carries the LLM summary, guarded.
+    history.append({"role": "user", "content": "Any news?"})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert any(LLM_DECISION in block and RULE in block for block in blocks)
+    await background(proxy).idle()
+    # Resent again: the same bytes, and no new summarizer call for the same chunk.
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
+    assert len(summarizer_requests(proxy)) == paid
+
+    # Another process on the same store reads the summary; it does not pay again.
+    other: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=shared)
+    await other.client().chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
+    await background(other).idle()
+    assert len(summarizer_requests(proxy)) == paid

@@ -89,10 +89,12 @@ class Ready(Mapping[str, Item]):
         return item
 
     def __iter__(self) -> Iterator[str]:
-        return iter(())  # what is ready is only known by asking for a digest
+        """The digests ready now (a snapshot: the loop may add entries meanwhile)."""
+        prefix = self._prefix
+        return iter([key[3] for key in list(self._cache) if key[:3] == prefix])
 
     def __len__(self) -> int:
-        return 0
+        return sum(1 for _ in self)
 
     def missing(self) -> list[str]:
         """Digests asked for that had no summary."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 from proxy.core.guard import GUARD_TITLE
@@ -137,9 +136,9 @@ async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any
 
 
 async def test_a_stateless_client_gets_llm_summaries_of_its_chunks_once(
-    make_proxy: Any, tmp_path: Path
+    store_url: str, make_proxy: Any
 ) -> None:
-    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    shared = store_url  # SQLite and PostgreSQL
     proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=shared)
     proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
     client = proxy.client()
@@ -175,3 +174,36 @@ async def test_a_stateless_client_gets_llm_summaries_of_its_chunks_once(
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
     await background(other).idle()
     assert len(summarizer_requests(proxy)) == paid
+
+
+def responses_summary_blocks(body: dict[str, Any]) -> list[str]:
+    return [
+        item["content"]
+        for item in body.get("input") or []
+        if item.get("role") == "developer"
+        and isinstance(item.get("content"), str)
+        and item["content"].startswith(SUMMARY_MARKER)
+    ]
+
+
+async def test_a_response_chain_gets_its_next_cut_summarized_in_the_background(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(8)]
+    client = proxy.client()
+    previous = None
+    blocks: list[str] = []
+    for number in range(30):
+        response = await client.responses.create(
+            model="gpt-4o", input=user_turn(number), previous_response_id=previous
+        )
+        previous = response.id
+        await background(proxy).idle()
+        blocks = responses_summary_blocks(turn_requests(proxy)[-1].json)
+        if blocks:
+            break
+    assert blocks, "the chain never outgrew its budget"
+    assert summarizer_requests(proxy)
+    [block] = blocks
+    assert LLM_DECISION in block and f"- {RULE}" in block.split(GUARD_TITLE)[1]

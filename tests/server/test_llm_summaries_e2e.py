@@ -135,41 +135,61 @@ async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any
     assert summarizer_requests(proxy)
 
 
-async def test_a_stateless_client_gets_llm_summaries_of_its_chunks_once(
-    store_url: str, make_proxy: Any
+async def test_a_growing_stateless_history_gets_its_first_cut_summarized_ahead(
+    make_proxy: Any,
 ) -> None:
-    shared = store_url  # SQLite and PostgreSQL
-    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=shared)
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
     proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
     client = proxy.client()
     history: list[dict[str, Any]] = []
-    first_cut = None
+    blocks: list[str] = []
     for number in range(30):
         history.append({"role": "user", "content": user_turn(number)})
         reply = await client.chat.completions.create(model="gpt-4o", messages=history)
         history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        if summary_blocks(turn_requests(proxy)[-1].json["messages"]):
-            first_cut = number
+        await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
             break
-    assert first_cut is not None
+    assert blocks, "the history never outgrew its budget"
+    # The request that made the cut already sent the LLM summary (written ahead).
+    assert LLM_DECISION in blocks[0] and f"- {RULE}" in blocks[0].split(GUARD_TITLE)[1]
+    # The resend keeps the block's bytes (the prefix holds).
+    history.append({"role": "user", "content": "Any news?"})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"])[0] == blocks[0]
+
+
+async def test_a_stateless_history_summarized_by_the_digest_gets_the_llm_summary_next(
+    store_url: str, make_proxy: Any
+) -> None:
+    """A client whose first request already overflows: the digest is sent, the LLM
+    summary of that chunk is written after the turn and used from the resend on; it is
+    paid for once, by this process or any other on the same store."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    for number in range(24):
+        history.append({"role": "user", "content": user_turn(number)})
+        history.append({"role": "assistant", "content": f"Noted for ORD-{1000 + number}."})
+    history.append({"role": "user", "content": "Summarize the refunds, please."})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
     deterministic = summary_blocks(turn_requests(proxy)[-1].json["messages"])
-    assert all(LLM_DECISION not in block for block in deterministic)
+    assert deterministic and all(LLM_DECISION not in block for block in deterministic)
     await background(proxy).idle()
     paid = len(summarizer_requests(proxy))
     assert paid >= 1
-    # The client resends its history: the chunk now carries the LLM summary, guarded.
-    history.append({"role": "user", "content": "Any news?"})
     await client.chat.completions.create(model="gpt-4o", messages=history)
     blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
     assert any(LLM_DECISION in block and RULE in block for block in blocks)
     await background(proxy).idle()
-    # Resent again: the same bytes, and no new summarizer call for the same chunk.
     await client.chat.completions.create(model="gpt-4o", messages=history)
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
-    assert len(summarizer_requests(proxy)) == paid
+    assert len(summarizer_requests(proxy)) == paid  # not paid twice
 
-    # Another process on the same store reads the summary; it does not pay again.
-    other: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=shared)
+    # Another process on the same store reads the summaries; it does not pay again.
+    other: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
     await other.client().chat.completions.create(model="gpt-4o", messages=history)
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
     await background(other).idle()

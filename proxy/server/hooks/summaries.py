@@ -5,8 +5,8 @@
   wrote them); when some were there, the projection is made again with them;
 - answered: the answer reached the client;
 - finished: only then, the summaries the turn lacked are started in the background:
-  the chunks a stateless request had summarized deterministically, and on a stateful
-  thread past the high-water mark its next cut's chunk.
+  the chunks a stateless request had summarized deterministically, and past the
+  high-water mark the chunk its next cut is predicted to take.
 
 Nothing here waits for a summarizer call, and nothing here raises into the turn: a
 failure to read or start summaries is logged and the deterministic digest stands.
@@ -79,7 +79,7 @@ class SummaryHook(TurnHook):
             self.target = self._target()
             if turn.loaded is None:
                 self._summarize_chunks(turn)
-            elif self._past_high_water(turn.projection):
+            if self._past_high_water(turn.projection):
                 self._predict_next_cut(turn, self.answer)
         except Exception:
             log.exception("summaries_not_started", tenant=self.policy.tenant)
@@ -98,15 +98,17 @@ class SummaryHook(TurnHook):
         return report.history_after >= settings.high_water * report.history_budget > 0
 
     def _predict_next_cut(self, turn: Turn, answer: JsonDict) -> None:
-        """Stateful, past the high-water mark: the thread's coming requests are projected
-        ahead, in the background: this turn and its reply join the history, and the
-        turns until the cut are assumed to be like this one (copies of it; a copy of its
-        user message is the current turn). The chunk the first projected cut takes gets
-        its LLM summary now. When the real cut takes the same chunk (same items, limit
+        """Past the high-water mark: the coming requests are projected ahead, in the
+        background: this turn and its reply join the history, and the turns until the
+        cut are assumed to be like this one (copies of it; a copy of its user message is
+        the current turn). The chunk the first projected cut takes gets its LLM summary
+        now, so the request that makes the cut sends it from the start and the prefix
+        never changes for it. When the real cut takes the same chunk (same items, limit
         and previous summary: the same digest) it sends the LLM summary; otherwise the
-        deterministic digest, as without a summarizer."""
-        assert turn.loaded is not None and turn.projection is not None
-        assert self.background is not None
+        deterministic digest, as without a summarizer. Stateful threads and stateless
+        clients alike (whose chunks are whole runs of the history from its start, so the
+        real cut matches whenever the turns ahead do not change the chunk's room)."""
+        assert turn.projection is not None and self.background is not None
         asked = [item for item in turn.new if item.is_user_message]
         if not asked:
             return
@@ -115,11 +117,13 @@ class SummaryHook(TurnHook):
         start = max(i for i, item in enumerate(real) if item is asked[-1])
         this_turn = [item.raw for item in real[start:]]
         api = turn.api
-        cut = turn.projection.cut or turn.loaded.cut()
+        loaded = turn.loaded
+        cut = turn.projection.cut or (loaded.cut() if loaded is not None else None)
+        first_position = loaded.first_position if loaded is not None else 0
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
         ready = self.background.ready(namespace, self._model(), turn.api.name)
-        first_position, now = turn.loaded.first_position, self.request.app[CLOCK].hour()
+        now = self.request.app[CLOCK].hour()
 
         async def predict() -> None:
             for ahead in range(LOOKAHEAD_TURNS):
@@ -135,6 +139,7 @@ class SummaryHook(TurnHook):
                     now=now,
                     first_position=first_position,
                     cut=cut,
+                    stateless=loaded is None,
                     summaries=ready,
                 )
                 chunks = sent_chunks(projection)
@@ -142,7 +147,8 @@ class SummaryHook(TurnHook):
                     await self._summarize_predicted(turn, chunks, real)
                     return
 
-        key = ("predict", namespace, turn.loaded.thread_id)
+        thread = loaded.thread_id if loaded is not None else asked[-1].digest
+        key = ("predict", namespace, thread)
         self.background.spawn(namespace, self.policy.tenant, key, predict)
 
     async def _summarize_predicted(

@@ -124,6 +124,7 @@ class BackgroundSummaries:
         self._cache: dict[Key, Item] = {}
         self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
         self._failed: dict[Key, datetime] = {}
+        self._closed = False  # after aclose nothing starts (a request ending late)
 
     def ready(self, namespace: str, model: str, api: str) -> Ready:
         return Ready(self._cache, (namespace, model, api))
@@ -157,7 +158,7 @@ class BackgroundSummaries:
         """Runs `work()` as a background task under the caps, once per `key` at a time;
         False (counted as skipped when a cap is reached) when it is not started. `work`
         must not raise: what it raises is logged."""
-        if key in self._running:
+        if key in self._running or self._closed:
             return False
         tenant_running = sum(1 for k in self._running if k[0] == namespace)
         if len(self._running) >= self.max_running or tenant_running >= self.max_per_tenant:
@@ -231,6 +232,7 @@ class BackgroundSummaries:
 
     async def aclose(self) -> None:
         """Cancels what is running and waits for it; closes the summarizer's pool."""
+        self._closed = True
         tasks = list(self._running.values())
         for task in tasks:
             task.cancel()

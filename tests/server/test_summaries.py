@@ -186,5 +186,6 @@ async def test_shutdown_cancels_running_summaries_and_closes_the_pool(
     await fake.started.wait()
     await background.aclose()
     assert fake.closed
+    assert not background.submit(job("d2"))  # nothing starts after shutdown
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("summary ")]
     assert await store.summaries_get("acme", "m", "chat", ["d1"]) == {}

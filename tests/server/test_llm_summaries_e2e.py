@@ -227,3 +227,42 @@ async def test_a_response_chain_gets_its_next_cut_summarized_in_the_background(
     assert summarizer_requests(proxy)
     [block] = blocks
     assert LLM_DECISION in block and f"- {RULE}" in block.split(GUARD_TITLE)[1]
+
+
+async def test_a_summarizer_that_answers_badly_leaves_the_digest(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    bad = [Reply(text="The customer had several broken orders."), Reply(status=500)]
+    proxy.provider.scripts[SUMMARIZER] = bad * 10
+    client = proxy.client()
+    blocks: list[str] = []
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-bad"},
+        )
+        await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            break
+    assert blocks and summarizer_requests(proxy)
+    assert GUARD_TITLE not in blocks[0] and RULE in blocks[0]  # the deterministic digest
+    async with proxy.http() as http:
+        metrics = await http.get("/metrics")
+    assert 'threadkeeper_summarizer_calls_total{outcome="unparseable",tenant="acme"}' in (
+        metrics.text
+    )
+
+
+async def test_a_tenant_without_a_summarizer_never_calls_one(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000)
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    for number in range(60):
+        history.append({"role": "user", "content": user_turn(number)})
+        history.append({"role": "assistant", "content": "Noted."})
+    history.append({"role": "user", "content": "Summarize."})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(proxy.provider.model_requests[-1].json["messages"])
+    assert len(proxy.provider.model_requests) == 1
+    assert not background(proxy)._running

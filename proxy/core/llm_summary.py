@@ -5,8 +5,10 @@ word, decisions taken, verified tool facts with their values, current preference
 earlier one only as "changed from"), open tasks and pending side-effecting calls,
 entities. Its JSON answer is read into the memory state of proxy/core/memory.py and
 rendered by the same `render` as the deterministic digest, so both kinds of summary
-read alike and the same state always gives the same bytes. Then the guard
-(proxy/core/guard.py) appends whatever must-keep string the model left out.
+read alike and the same state always gives the same bytes. The guard (`memory.guard`)
+first appends to its section, verbatim, every must-keep string the model left out (the
+deterministic extractor's: ids, amounts, rules, preferences, pending calls, decisions);
+a summary that cannot hold them all in its limit is not used.
 
 An answer that is not JSON, not an object, or has a field of the wrong type gives None:
 the caller keeps the deterministic digest. Pure: the call itself is proxy/summarizer.py.
@@ -20,14 +22,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.core import memory
 from proxy.core.compress import head_and_tail, output_text, tool_name
-from proxy.core.guard import guarded
 from proxy.core.items import Item, JsonDict
-from proxy.core.memory import summary_item
 from proxy.core.tokens import TokenCounter
 
 # One item's text in the transcript; a longer one keeps its head and tail.
@@ -212,8 +212,8 @@ def _value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-# A guarded rendering over its limit is rendered again this many times, smaller each time.
-FIT_ROUNDS = 8
+# A rendering budget no summary reaches: every entry of a state (to see what it holds).
+WHOLE = 1 << 30
 
 
 def summary_from_answer(
@@ -225,7 +225,7 @@ def summary_from_answer(
 ) -> Written | None:
     """The guarded summary item of `items` (extending `previous`, a summary they follow)
     from the model's answer, at most max_tokens; None when the answer is not the state
-    asked for or the must-keep strings alone do not fit (the deterministic digest
+    asked for, or when the must-keep strings do not all fit (the deterministic digest
     stands)."""
     fields = parse_answer(answer)
     if fields is None or not items:
@@ -234,19 +234,37 @@ def summary_from_answer(
     state = state_from_answer(fields, len(items), earlier)
     if state is None:
         return None
-    keep = memory.extract(items, earlier).must_keep()
-    api = items[0].api
-    limit = max_tokens - _tokens(summary_item(api, ""), counter)
-    for _ in range(FIT_ROUNDS):
-        if limit <= 0:
-            break
-        text, appended = guarded(memory.render(state, counter, limit), keep)
-        item = summary_item(api, text)
-        excess = _tokens(item, counter) - max_tokens
-        if excess <= 0:
-            return Written(item, json.loads(memory.to_json(state)), appended)
-        limit -= excess
+    reference = memory.extract(items, earlier)
+    keep = reference.must_keep()
+    appended = missing(memory.render(state, counter, WHOLE), keep)
+    # The model's own entries rank with the must-keep ones when rendered; when they
+    # crowd a must-keep string out of the limit, the ones that are not must-keep go.
+    for candidate in (state, _only_kept(state, keep)):
+        guarded = memory.guard(candidate, reference)
+        item = memory.fit_summary(items[0].api, guarded, counter, max_tokens)
+        if _tokens(item, counter) <= max_tokens and not missing(item.text(), keep):
+            return Written(item, json.loads(memory.to_json(guarded)), appended)
     return None
+
+
+def _only_kept(state: memory.MemoryState, keep: Sequence[str]) -> memory.MemoryState:
+    """`state` without the entries of must-keep sections that are not must-keep strings
+    (its facts stay: they rank below every must-keep section)."""
+    kept = set(keep)
+    return replace(
+        state,
+        constraints=tuple(e for e in state.constraints if e in kept),
+        preferences=tuple(p for p in state.preferences if p.text in kept),
+        decisions=tuple(e for e in state.decisions if e in kept),
+        open_tasks=tuple(e for e in state.open_tasks if e in kept),
+        pending=tuple(p for p in state.pending if p.text in kept),
+        entities=tuple(e for e in state.entities if e in kept),
+    )
+
+
+def missing(text: str, must_keep: Sequence[str]) -> tuple[str, ...]:
+    """The must-keep strings `text` does not hold verbatim, in order, each once."""
+    return tuple(s for s in dict.fromkeys(must_keep) if s and s not in text)
 
 
 def _tokens(item: Item, counter: TokenCounter) -> int:

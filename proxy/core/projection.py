@@ -27,7 +27,14 @@ from proxy.core.budget import history_budget
 from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
 from proxy.core.items import Item, content_digest
-from proxy.core.memory import Summarizer, is_summary, summarize_turns, summary_item
+from proxy.core.memory import (
+    HEADER,
+    SUMMARY_MARKER,
+    Summarizer,
+    is_summary,
+    summarize_turns,
+    summary_item,
+)
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
 # A summary block gets this share of B_H (the budget without the current turn), never
@@ -239,7 +246,6 @@ class _State:
     chain_max: int = 0  # the chain is consolidated above this
     new_blocks: list[tuple[int, Item]] = field(default_factory=list)  # (region end, block)
     consolidated: bool = False  # the new block replaces the old chain
-    chunks: list[SummaryChunk] = field(default_factory=list)
     made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
     cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
 
@@ -548,7 +554,7 @@ def _append_block(state: _State, budget: int) -> bool:
     state.new_blocks = [(_region_end(state, state.cut), block)]
     state.consolidated = False
     if room < state.room:
-        full = _summary(state, items, state.room, None, record=False)
+        full = _summary(state, items, state.room, None)
         if full is not None and state.counter.item(full) > state.counter.item(block):
             state.deferred = full
     return True
@@ -575,10 +581,22 @@ def _consolidate_all(state: _State, budget: int) -> bool:
 
 
 def _joined(chain: Sequence[Item]) -> Item:
-    """The chain's blocks as one previous summary for the summarizer to extend."""
+    """The chain's blocks as one previous summary for the summarizer to extend: one
+    header that stands for every block's items, then each block's entries."""
     if len(chain) == 1:
         return chain[0]
-    return summary_item(chain[0].api, "\n".join(item.text() for item in chain))
+    texts = [item.text() for item in chain]
+    headers = [HEADER.match(text) for text in texts]
+    if not all(headers):
+        return summary_item(chain[0].api, "\n".join(texts))
+    total = sum(int(match.group(1)) for match in headers if match)
+    first = texts[0].replace(
+        headers[0].group(0) if headers[0] else "",
+        f"{SUMMARY_MARKER} Stands for {total} earlier items",
+        1,
+    )
+    bodies = [text.partition("\n")[2] for text in texts[1:]]
+    return summary_item(chain[0].api, "\n".join([first, *(b for b in bodies if b)]))
 
 
 # --- stateless cuts: whole chunks of the history -------------------------------------------
@@ -697,12 +715,10 @@ _made: dict[tuple[str, str], Item] = {}
 MADE_CACHE_MAX = 4096
 
 
-def _summary(
-    state: _State, items: Sequence[Item], room: int, previous: Item | None, record: bool = True
-) -> Item | None:
+def _summary(state: _State, items: Sequence[Item], room: int, previous: Item | None) -> Item | None:
     """The summary of `items` (extending `previous`) in at most `room` tokens: a ready one
     from the request when it fits, else the summarizer's, else the deterministic digest;
-    None when none fits. Recorded in Projection.chunks."""
+    None when none fits. The ones sent are listed in Projection.chunks."""
     if not items and previous is None:
         return None
     digest = chunk_digest(items, room, previous)
@@ -717,10 +733,7 @@ def _summary(
         made, from_request = _summarize(state, items, room, previous, digest), False
         if counter.item(made) > room:
             return None
-    chunk = SummaryChunk(digest, tuple(items), room, previous, made, from_request)
-    state.made[digest] = chunk
-    if record:
-        state.chunks.append(chunk)
+    state.made[digest] = SummaryChunk(digest, tuple(items), room, previous, made, from_request)
     return made
 
 
@@ -770,7 +783,9 @@ def _finish(state: _State, fixed: _Fixed, budget: int, keep_cut: bool) -> Projec
     changed = len(sent) != len(request.items) or any(
         a is not b for a, b in zip(sent, request.items, strict=True)
     )
-    return Projection(tuple(sent), report, cut, changed, tuple(state.chunks))
+    made = {id(chunk.summary): chunk for chunk in state.made.values()}
+    chunks = tuple(made[id(b)] for b in outcome.chain if id(b) in made)
+    return Projection(tuple(sent), report, cut, changed, chunks)
 
 
 def _relative(state: _State, kind: str) -> list[int]:
@@ -785,13 +800,15 @@ def _outcome(state: _State) -> _Outcome:
     old = state.old
     if state.consolidated:
         old = tuple(item for item in old if not is_summary(item))
+    # A given pinned item the old prefix already holds (a history resent whole) is sent
+    # once, where the old prefix has it.
     repeated = Counter(item.digest for item in old if not is_summary(item))
     pinned: list[tuple[int, Item]] = []
     for block in state.blocks:
         if block.kind != "pinned" or block.first >= start:
             continue
         for position, item in zip(block.positions, block.items, strict=True):
-            if repeated[item.digest] > 0:
+            if position < state.start and repeated[item.digest] > 0:
                 repeated[item.digest] -= 1
             else:
                 pinned.append((position, item))

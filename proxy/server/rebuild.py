@@ -204,7 +204,7 @@ async def rebuild_turn(
         first_position=loaded.first_position if loaded is not None else 0,
         cut=loaded.cut() if loaded is not None else None,
         small=small and loaded is None,
-        stateless=loaded is None,
+        stateless=loaded is None or loaded.thread is None,
         summaries=summaries,
     )
     if observe:

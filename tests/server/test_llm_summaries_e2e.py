@@ -8,7 +8,6 @@ import asyncio
 import json
 from typing import Any
 
-from proxy.core.guard import GUARD_TITLE
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
 from proxy.server.state import SUMMARIES
@@ -19,6 +18,8 @@ from .conftest import PROVIDER_KEY, Proxy
 SUMMARIZER = "gpt-4.1-mini"
 MEMORY = f", summarizer: {{model: {SUMMARIZER}, max_tokens: 300, timeout_seconds: 10}}"
 RULE = "My rules: never refund more than 100 EUR without approval."
+# Where the guard puts the rule the summarizer left out: back in its section, verbatim.
+GUARDED_RULE = f"Constraints stated by the user (their words):\n- {RULE}"
 LLM_DECISION = "Refunds are handled one order at a time, as the customer agreed."
 
 
@@ -96,7 +97,7 @@ async def test_a_stateful_thread_gets_its_next_cut_summarized_in_the_background(
     assert "ORD-1000" in first.json["messages"][1]["content"]
     [block] = summary_blocks(turn_requests(proxy)[-1].json["messages"])
     assert LLM_DECISION in block  # the LLM's summary, not the deterministic digest
-    assert GUARD_TITLE in block and f"- {RULE}" in block.split(GUARD_TITLE)[1]
+    assert GUARDED_RULE in block
     # The cut is sticky: the next turn sends the same summary bytes.
     await client.chat.completions.create(
         model="gpt-4o",
@@ -153,7 +154,7 @@ async def test_a_growing_stateless_history_gets_its_first_cut_summarized_ahead(
             break
     assert blocks, "the history never outgrew its budget"
     # The request that made the cut already sent the LLM summary (written ahead).
-    assert LLM_DECISION in blocks[0] and f"- {RULE}" in blocks[0].split(GUARD_TITLE)[1]
+    assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
     # The resend keeps the block's bytes (the prefix holds).
     history.append({"role": "user", "content": "Any news?"})
     await client.chat.completions.create(model="gpt-4o", messages=history)
@@ -182,7 +183,7 @@ async def test_a_stateless_history_summarized_by_the_digest_gets_the_llm_summary
     assert paid >= 1
     await client.chat.completions.create(model="gpt-4o", messages=history)
     blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
-    assert any(LLM_DECISION in block and RULE in block for block in blocks)
+    assert any(LLM_DECISION in block and GUARDED_RULE in block for block in blocks)
     await background(proxy).idle()
     await client.chat.completions.create(model="gpt-4o", messages=history)
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
@@ -226,7 +227,7 @@ async def test_a_response_chain_gets_its_next_cut_summarized_in_the_background(
     assert blocks, "the chain never outgrew its budget"
     assert summarizer_requests(proxy)
     [block] = blocks
-    assert LLM_DECISION in block and f"- {RULE}" in block.split(GUARD_TITLE)[1]
+    assert LLM_DECISION in block and GUARDED_RULE in block
 
 
 async def test_a_summarizer_that_answers_badly_leaves_the_digest(make_proxy: Any) -> None:
@@ -246,7 +247,7 @@ async def test_a_summarizer_that_answers_badly_leaves_the_digest(make_proxy: Any
         if blocks:
             break
     assert blocks and summarizer_requests(proxy)
-    assert GUARD_TITLE not in blocks[0] and RULE in blocks[0]  # the deterministic digest
+    assert LLM_DECISION not in blocks[0] and RULE in blocks[0]  # the deterministic digest
     async with proxy.http() as http:
         metrics = await http.get("/metrics")
     assert 'threadkeeper_summarizer_calls_total{outcome="unparseable",tenant="acme"}' in (

@@ -189,7 +189,6 @@ class SummaryHook(TurnHook):
 
 
 def sent_chunks(projection: Projection) -> list[SummaryChunk]:
-    """The chunks whose deterministic digest the projection sends (not those of cuts it
-    tried and left, nor those an LLM summary already stood for)."""
-    sent = {id(item) for item in projection.items}
-    return [c for c in projection.chunks if not c.ready and id(c.summary) in sent]
+    """The blocks the projection sends as the deterministic digest (Projection.chunks
+    lists only blocks sent; `ready` ones are LLM summaries already)."""
+    return [chunk for chunk in projection.chunks if not chunk.ready]

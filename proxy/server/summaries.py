@@ -155,9 +155,9 @@ class BackgroundSummaries:
         key: tuple[str, ...],
         work: Callable[[], Coroutine[Any, Any, None]],
     ) -> bool:
-        """Runs `work()` as a background task under the caps, once per `key` at a time;
-        False (counted as skipped when a cap is reached) when it is not started. `work`
-        must not raise: what it raises is logged."""
+        """Runs `work()` as a background task under the caps, once per `key` at a time
+        (`key[0]` is the namespace the per-tenant cap counts); False (counted as skipped
+        when a cap is reached) when it is not started. What `work` raises is logged."""
         if key in self._running or self._closed:
             return False
         tenant_running = sum(1 for k in self._running if k[0] == namespace)

@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.core import memory
 from proxy.core.items import Item, chat_item, responses_item
@@ -182,3 +184,22 @@ def test_a_responses_summary_is_a_developer_message(counter: TokenCounter) -> No
     written = summary_from_answer(good_answer(), items, counter, 400)
     assert written is not None and written.item.raw["role"] == "developer"
     assert written.item.raw["type"] == "message" and RULE in written.item.text()
+
+
+FIELDS_DROPPED = st.sets(
+    st.sampled_from(["constraints", "preferences", "decisions", "facts", "entities"])
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dropped=FIELDS_DROPPED, limit=st.integers(min_value=100, max_value=900))
+def test_a_used_summary_always_holds_every_must_keep_string_within_its_limit(
+    dropped: set[str], limit: int
+) -> None:
+    counter = TokenCounter.for_model("gpt-4o-mini")
+    answer = good_answer(**{name: [] for name in dropped})
+    written = summary_from_answer(answer, support_items(), counter, limit)
+    if written is None:
+        return  # the digest is sent instead
+    assert counter.chat_message(written.item.raw) <= limit
+    assert not missing(written.item.text(), memory.must_keep(support_items()))

@@ -155,7 +155,13 @@ async def test_running_summaries_are_capped_per_tenant_and_per_process(
     assert not background.submit(job("c1", "gamma"))  # 2 running in the process
     skipped = background.metrics.summaries_skipped.labels("acme")._value.get()
     assert skipped == 2
+    hold = asyncio.Event()
+    assert not background.spawn("beta", "beta", ("beta", "predict", "t1"), hold.wait)
     fake.gate.set()
+    await background.idle()
+    assert background.spawn("beta", "beta", ("beta", "predict", "t1"), hold.wait)
+    assert not background.submit(job("b2", "beta"))  # the prediction counts for beta
+    hold.set()
     await background.idle()
     assert background.submit(job("a2", "acme"))  # room again
     await background.idle()

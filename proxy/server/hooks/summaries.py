@@ -148,7 +148,7 @@ class SummaryHook(TurnHook):
                     return
 
         thread = loaded.thread_id if loaded is not None else asked[-1].digest
-        key = ("predict", namespace, thread)
+        key = (namespace, "predict", thread)  # the namespace first: the caps count it
         self.background.spawn(namespace, self.policy.tenant, key, predict)
 
     async def _summarize_predicted(

@@ -449,7 +449,10 @@ def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, 
     text = output_text(output)
     parsed = json_container(text)
     if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
-        parsed = parsed.get("verified_facts") or {}
+        excerpt = parsed.get("excerpt")  # a compressed text result
+        text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
+        if parsed is not None:
+            parsed = parsed.get("verified_facts") or {}
     if parsed is not None:
         pairs = key_values(parsed)
         shown = _pairs_text(pairs) if pairs else "(no values)"

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.core.compress import compress_tool_output
 from proxy.core.items import Item, chat_item, responses_item
 from proxy.core.memory import (
     SUMMARY_MARKER,
@@ -524,3 +525,23 @@ def test_a_change_of_mind_replaces_the_preference_on_its_subject() -> None:
     assert state.preferences == (
         Preference("Actually, make it an aisle seat.", "I prefer a window seat."),
     )
+
+
+def test_compressed_results_are_read_for_their_facts_and_excerpts(counter: TokenCounter) -> None:
+    log = "\n".join([*(f"step {i} ok" for i in range(400)), "src/billing/proration.py:88: Error"])
+    json_body = {"order": {"id": "ORD-9", "status": "lost"}, "rows": ["x" * 90] * 200}
+    items = [
+        call("c1", "run_tests", {}),
+        compress_tool_output(
+            chat_item({"role": "tool", "tool_call_id": "c1", "content": log}),
+            None,
+            200,
+            counter,
+            "",
+        ),
+        call("c2", "lookup", {}),
+        compress_tool_output(result("c2", json_body), None, 200, counter, ""),
+    ]
+    tests, lookup = extract(items).facts
+    assert tests.startswith('run_tests() -> "') and "proration.py:88: Error" in tests
+    assert lookup.startswith("lookup() -> order.id=ORD-9, order.status=lost")

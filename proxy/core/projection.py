@@ -241,12 +241,13 @@ class _State:
     turn_tokens: list[int] = field(default_factory=list)  # of each closed turn, as sent
     cut: int = 0  # closed turns cut now (the first `cut` of `closed`)
     new_cut: bool = False
-    without_current: int = 0  # B_H as if the current turn were empty
+    capacity: int = 0  # B_H as if the current turn were empty and nothing pinned
     room: int = 0  # a new summary block's full room
     chain_max: int = 0  # the chain is consolidated above this
     new_blocks: list[tuple[int, Item]] = field(default_factory=list)  # (region end, block)
     consolidated: bool = False  # the new block replaces the old chain
     made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
+    spans: dict[tuple[int, int, int], Item | None] = field(default_factory=dict)
     cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
 
     def tokens(self, position: int) -> int:
@@ -289,11 +290,12 @@ def project_context(
     )
     if budget < 0:
         raise ContextLengthExceeded(_overflow_report(state, fixed, budget))
-    # The summary's room is decided on the budget without the current turn: a transient
-    # large current turn must not starve a block that then stays for many turns.
-    state.without_current = without_current = budget + fixed.current
-    state.room = _summary_room(without_current)
-    state.chain_max = int(without_current * policy.summary_chain_max_share)
+    # The summary's room is decided on the budget without the current turn and the pinned
+    # items: a transient large current turn must not starve a block that then stays for
+    # many turns, and a pinned message appearing must not change every block's bytes.
+    state.capacity = capacity = budget + fixed.current + fixed.pinned
+    state.room = _summary_room(capacity)
+    state.chain_max = int(capacity * policy.summary_chain_max_share)
     _expand_deferred(state, budget)
     if request.stateless:
         relieved = _relieve_stateless(state, budget, fixed)
@@ -383,6 +385,7 @@ def _block_tokens(state: _State, block: Block) -> int:
 class _Fixed:
     system: int
     current: int
+    pinned: int  # the pinned and carried items' share of `system`
 
 
 def _fixed_tokens(state: _State) -> _Fixed:
@@ -391,7 +394,7 @@ def _fixed_tokens(state: _State) -> _Fixed:
     pinned += state.counter.items(state.carried)
     system = pinned + state.request.instructions_tokens + REPLY_PRIMING
     current = sum(state.original_tokens(b) for b in state.blocks if b.kind == "current")
-    return _Fixed(system, current)
+    return _Fixed(system, current, pinned)
 
 
 def _expand_deferred(state: _State, budget: int) -> None:
@@ -634,7 +637,7 @@ def _chunk_ends(state: _State) -> list[int]:
     """Where whole chunks end (counts of closed turns): a chunk closes at the first turn
     that brings it to the chunk size, by original tokens."""
     share = 1 - state.policy.target_fill
-    size = max(2 * state.room, int(share * state.without_current), SUMMARY_MIN_TOKENS)
+    size = max(2 * state.room, int(share * state.capacity), SUMMARY_MIN_TOKENS)
     ends, total = [], 0
     for index, block in enumerate(state.closed):
         total += state.original_tokens(block)
@@ -648,6 +651,8 @@ def _try_chunks(state: _State, cut: int, budget: int, ends: list[int]) -> bool:
     """The chain for cutting the first `cut` closed turns, at full rooms: one block per
     whole chunk (the leading ones consolidated in fixed groups once the chain outgrows its
     share) and one for the turns after the last whole chunk; kept when it fits."""
+    if state.chain_tokens + state.rest(cut) + SUMMARY_MIN_TOKENS > budget:
+        return False  # too little is cut for any chain to fit
     whole = [e for e in ends if e <= cut]
     spans = list(zip([0, *whole], whole, strict=False))
     if not whole or whole[-1] < cut:
@@ -691,7 +696,10 @@ def _grouped(
 
 
 def _chunk_block(state: _State, first: int, end: int, room: int) -> Item | None:
-    return _summary(state, _cut_items(state, first, end), room, None)
+    key = (first, end, room)
+    if key not in state.spans:
+        state.spans[key] = _summary(state, _cut_items(state, first, end), room, None)
+    return state.spans[key]
 
 
 def _squeeze(state: _State, cut: int, budget: int) -> bool:

@@ -63,7 +63,9 @@ SYSTEM_PROMPT = (
     + "\nRules: copy constraints, ids, amounts and dates exactly as written; never "
     "invent anything; a later preference replaces an earlier one; a tool result is a "
     "fact only when the tool returned it; what the assistant merely said is a decision "
-    "only when the user agreed or it was carried out."
+    "only when the user agreed or it was carried out; a call whose result appears is "
+    "no longer pending. When a memory so far is given, answer with the whole memory: "
+    "everything of it that still holds, updated by the conversation."
 )
 
 

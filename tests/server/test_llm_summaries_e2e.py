@@ -8,6 +8,9 @@ import asyncio
 import json
 from typing import Any
 
+import openai
+import pytest
+
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
 from proxy.server.state import SUMMARIES
@@ -42,13 +45,14 @@ def summarizer_answer(**changes: Any) -> Reply:
     return Reply(text=json.dumps(state))
 
 
-def user_turn(number: int) -> str:
+def user_turn(number: int, where: str = "") -> str:
+    """The turns of a support thread; `where` makes one thread's texts its own."""
     if number == 0:
-        return f"{RULE} Order ORD-1000 arrived broken; please look into it."
+        return f"{RULE} Order ORD-1000 arrived broken{where}; please look into it."
     detail = " The box was crushed and the item inside is scratched all over." * 12
     return (
-        f"Order ORD-{1000 + number} arrived broken too; refund rfd_{50000 + number} was "
-        f"opened for it.{detail}"
+        f"Order ORD-{1000 + number} arrived broken too{where}; refund rfd_{50000 + number} "
+        f"was opened for it.{detail}"
     )
 
 
@@ -267,3 +271,46 @@ async def test_a_tenant_without_a_summarizer_never_calls_one(make_proxy: Any) ->
     assert summary_blocks(proxy.provider.model_requests[-1].json["messages"])
     assert len(proxy.provider.model_requests) == 1
     assert not background(proxy)._running
+
+
+async def test_a_responses_client_with_store_false_gets_llm_summaries(make_proxy: Any) -> None:
+    """`store: false` without a previous response: the client sends its whole input
+    each time, like a stateless Chat client, and is cut at whole chunks."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    inputs: list[dict[str, Any]] = []
+    blocks: list[str] = []
+    for number in range(30):
+        inputs.append({"role": "user", "content": user_turn(number, " in Lyon")})
+        response = await client.responses.create(model="gpt-4o", input=inputs, store=False)
+        inputs.append({"role": "assistant", "content": response.output_text})
+        await background(proxy).idle()
+        blocks = responses_summary_blocks(turn_requests(proxy)[-1].json)
+        if blocks:
+            break
+    assert blocks, "the input never outgrew its budget"
+    assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=openai.InternalServerError,
+    reason="i10-chain: proxy/core/projection.py caches deterministic blocks in `_made` by "
+    "chunk digest and encoding only; a Chat and a Responses history with the same text "
+    "have the same chunk digest, so the Responses request gets the Chat block "
+    "(InvariantViolation: context mixes item shapes, a 500). Fix: the api in the key.",
+)
+async def test_chat_and_responses_histories_with_the_same_text_do_not_share_blocks(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000)
+    client = proxy.client()
+    turns = [user_turn(number, " twice") for number in range(24)]
+    messages: list[dict[str, Any]] = []
+    for text in turns:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": "Summarize."})
+    await client.chat.completions.create(model="gpt-4o", messages=messages)
+    await client.responses.create(model="gpt-4o", input=messages, store=False)
+    assert responses_summary_blocks(proxy.provider.model_requests[-1].json)

@@ -77,7 +77,7 @@ class SummaryHook(TurnHook):
             return
         try:
             self.target = self._target()
-            if turn.loaded is None:
+            if stateless(turn):
                 self._summarize_chunks(turn)
             if self._past_high_water(turn.projection):
                 self._predict_next_cut(turn, self.answer)
@@ -118,8 +118,10 @@ class SummaryHook(TurnHook):
         this_turn = [item.raw for item in real[start:]]
         api = turn.api
         loaded = turn.loaded
-        cut = turn.projection.cut or (loaded.cut() if loaded is not None else None)
-        first_position = loaded.first_position if loaded is not None else 0
+        cut, first_position = None, 0  # a stateless client's next request: none stored
+        whole_chunks = stateless(turn)
+        if loaded is not None and not whole_chunks:
+            cut, first_position = turn.projection.cut or loaded.cut(), loaded.first_position
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
         ready = self.background.ready(namespace, self._model(), turn.api.name)
@@ -139,7 +141,7 @@ class SummaryHook(TurnHook):
                     now=now,
                     first_position=first_position,
                     cut=cut,
-                    stateless=loaded is None,
+                    stateless=whole_chunks,
                     summaries=ready,
                 )
                 chunks = sent_chunks(projection)
@@ -192,3 +194,11 @@ def sent_chunks(projection: Projection) -> list[SummaryChunk]:
     """The blocks the projection sends as the deterministic digest (Projection.chunks
     lists only blocks sent; `ready` ones are LLM summaries already)."""
     return [chunk for chunk in projection.chunks if not chunk.ready]
+
+
+def stateless(turn: Turn) -> bool:
+    """Whether the turn's history is the client's alone, cut at whole chunks with no
+    stored cut: no thread, or one not stored yet (a Responses `store: false` request
+    without a previous response is sent again whole; a new thread that is stored is not,
+    and only wastes one summary when it arrives over budget)."""
+    return turn.loaded is None or turn.loaded.thread is None

@@ -1,4 +1,4 @@
-"""`threadkeeper` command line: serve, demo, count, project."""
+"""`threadkeeper` command line: serve, demo, count, project, policy, threads, ledger."""
 
 from __future__ import annotations
 
@@ -9,6 +9,63 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def _store_options(command: argparse.ArgumentParser) -> None:
+    """The store `serve` would open: --store, else THREADKEEPER_STORE, else the config."""
+    command.add_argument("--store", help="sqlite:///path or postgresql://... (as for serve)")
+    command.add_argument("--config", help="YAML config file (as for serve)")
+    command.add_argument("--json", action="store_true", help="JSON for scripts")
+
+
+def _operator_commands(sub: Any) -> None:
+    threads = sub.add_parser("threads", help="list, show, fork, export, import, delete threads")
+    verbs = threads.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="threads, newest first")
+    listing.add_argument("--tenant")
+    listing.add_argument("--limit", type=int, default=50)
+    for name, text in (
+        ("show", "the log, the cut point, the summaries and compressed results"),
+        ("delete", "delete the thread and its items"),
+        ("fork", "a new thread with a copy of the items (up to --at ITEM)"),
+        ("export", "print the thread: jsonl (re-importable) or openai (Responses input)"),
+    ):
+        command = verbs.add_parser(name, help=text)
+        command.add_argument("id")
+        command.add_argument("--tenant", help="needed only when the id exists in two tenants")
+        if name == "fork":
+            command.add_argument("--at", metavar="ITEM", help="last item id to copy")
+        if name == "export":
+            command.add_argument("--format", choices=("jsonl", "openai"), default="jsonl")
+    explaining = verbs.add_parser("explain", help="what one model request sent, and why")
+    explaining.add_argument("request_id", help="the x-threadkeeper-request-id header")
+    explaining.add_argument("--tenant")
+    importing = verbs.add_parser("import", help="a new thread from an exported jsonl file")
+    importing.add_argument("file", type=Path)
+    importing.add_argument("--tenant", help="instead of the file's tenant")
+    importing.add_argument("--id", help="instead of the file's thread id")
+    for command in verbs.choices.values():
+        _store_options(command)
+
+    ledger = sub.add_parser("ledger", help="side-effecting calls: list, show, resolve")
+    ledger_verbs = ledger.add_subparsers(dest="verb", required=True)
+    listing = ledger_verbs.add_parser("list", help="entries, oldest first")
+    listing.add_argument("--tenant")
+    listing.add_argument("--status", choices=("issued", "completed", "failed"))
+    listing.add_argument("--limit", type=int, default=50)
+    for name, text in (
+        ("show", "one entry"),
+        ("resolve", "settle an issued entry whose outcome the client never reported"),
+    ):
+        command = ledger_verbs.add_parser(name, help=text)
+        command.add_argument("scope", help="tenant or thread:<id>")
+        command.add_argument("key")
+        command.add_argument("--tenant", required=True)
+        if name == "resolve":
+            command.add_argument("--status", choices=("completed", "failed"), required=True)
+            command.add_argument("--result", help="the tool's result, when completed")
+    for command in ledger_verbs.choices.values():
+        _store_options(command)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +91,19 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
     demo.add_argument("--window", type=int, default=4000)
+
+    policy = sub.add_parser("policy", help="validate policy files or print their JSON Schema")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser(
+        "check", help="validate a policy directory; exit 1 listing file, field and problem"
+    )
+    check.add_argument("directory", type=Path)
+    schema = policy_sub.add_parser("schema", help="print the policy JSON Schema (editors, CI)")
+    schema.add_argument(
+        "--markdown", action="store_true", help="the policy reference (docs/policy.md) instead"
+    )
+
+    _operator_commands(sub)
 
     for name, text in (
         ("count", "count the prompt tokens of a JSON request or message list"),
@@ -61,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from proxy.demo import run_demo
 
         return run_demo(turns=args.turns, window=args.window)
+    if args.command == "policy":
+        return _policy(args)
+    if args.command in ("threads", "ledger"):
+        return _operator(args)
     request = _load_request(Path(args.file), args.model)
     if args.command == "count":
         return _count(request)
@@ -90,6 +164,132 @@ def _serve(args: argparse.Namespace) -> int:
     except (SettingsError, PolicyError) as exc:
         print(f"threadkeeper: cannot start: {exc}", file=sys.stderr)
         return 2
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from proxy.policy import PolicyError, check_directory, policy_schema
+
+    if args.policy_command == "schema":
+        if args.markdown:
+            from proxy.policydoc import policy_reference
+
+            print(policy_reference(), end="")
+        else:
+            print(json.dumps(policy_schema(), indent=2, sort_keys=True))
+        return 0
+    try:
+        tenants, errors = check_directory(args.directory)
+    except PolicyError as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
+        return 2
+    for error in errors:
+        print(error, file=sys.stderr)
+    if errors:
+        return 1
+    print(f"ok: {len(tenants)} tenant policies ({', '.join(tenants)})")
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from proxy.admin import AdminError
+    from proxy.settings import SettingsError
+    from proxy.store.base import StoreError
+
+    try:
+        output = asyncio.run(_run_operator(args))
+    except (AdminError, SettingsError, StoreError) as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
+        return 2
+    print(output)
+    return 0
+
+
+async def _run_operator(args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if getattr(args, "limit", 1) < 1:
+        raise admin.AdminError("--limit must be at least 1")
+    store = await _open_store(args)
+    try:
+        if args.command == "ledger":
+            return await _ledger(store, args)
+        return await _threads(store, args)
+    finally:
+        await store.close()
+
+
+async def _open_store(args: argparse.Namespace) -> Any:
+    import sqlite3
+
+    from proxy.admin import AdminError
+    from proxy.settings import load_settings
+    from proxy.store import open_store
+
+    settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+    try:
+        store = await open_store(
+            settings.store_url,
+            connect_timeout=settings.store_connect_timeout,
+            command_timeout=settings.store_command_timeout,
+        )
+    except (ValueError, OSError, sqlite3.Error) as exc:
+        raise AdminError(f"cannot open the store {settings.store_url!r}: {exc}") from None
+    await store.migrate()
+    return store
+
+
+async def _threads(store: Any, args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if args.verb == "list":
+        threads = await admin.list_threads(store, args.tenant, args.limit)
+        return _shown(args, threads, lambda: admin.table(admin.threads_table(threads)))
+    if args.verb == "show":
+        shown = await admin.show_thread(store, args.id, args.tenant)
+        return _shown(args, shown, lambda: admin.show_text(shown))
+    if args.verb == "delete":
+        deleted = await admin.delete_thread(store, args.id, args.tenant)
+        return _shown(args, deleted, lambda: f"deleted thread {deleted['id']}")
+    if args.verb == "fork":
+        fork = await admin.fork_thread(store, args.id, args.tenant, args.at)
+        return _shown(args, fork, lambda: f"forked into {fork['id']} ({fork['items']} items)")
+    if args.verb == "explain":
+        record = await admin.explain_request(store, args.request_id, args.tenant)
+        return _shown(args, record, lambda: admin.explain_text(record))
+    if args.verb == "export":
+        lines = await admin.export_thread(store, args.id, args.tenant, args.format)
+        if args.format == "openai":
+            return json.dumps(lines, ensure_ascii=False, indent=2)
+        return "\n".join(json.dumps(line, ensure_ascii=False) for line in lines)
+    try:
+        text = args.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise admin.AdminError(f"cannot read {args.file}: {exc}") from None
+    imported = await admin.import_thread(store, text.splitlines(), args.tenant, args.id)
+    return _shown(
+        args, imported, lambda: f"imported thread {imported['id']} ({imported['items']} items)"
+    )
+
+
+async def _ledger(store: Any, args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if args.verb == "list":
+        entries = await admin.ledger_list(store, args.tenant, args.status, args.limit)
+        return _shown(args, entries, lambda: admin.table(admin.ledger_table(entries)))
+    if args.verb == "show":
+        entry = await admin.ledger_show(store, args.tenant, args.scope, args.key)
+    else:
+        entry = await admin.ledger_resolve(
+            store, args.tenant, args.scope, args.key, args.status, args.result
+        )
+    return _shown(args, entry, lambda: "\n".join(f"{k}: {v}" for k, v in entry.items()))
+
+
+def _shown(args: argparse.Namespace, data: Any, human: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, indent=2) if args.json else str(human())
 
 
 def _load_request(path: Path, model: str | None) -> dict[str, Any]:

@@ -55,6 +55,9 @@ class Settings:
     # Hot threads' windows kept in memory per process (bytes of item JSON; 0: none).
     thread_cache_bytes: int = 16 * 1024 * 1024
     workers: int = 1  # serving processes on the one port (proxy/server/workers.py)
+    # Keep an explain record per model request (GET /threadkeeper/v1/requests/{id}).
+    explain: bool = True
+    explain_retention_seconds: float = 7 * 86_400.0
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -117,6 +120,17 @@ def _positive_number(value: Any) -> float:
     if number <= 0:
         raise ValueError(f"expected a number > 0, got {number:g}")
     return number
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {shown(value)}")
 
 
 def _directory(value: Any) -> Path:
@@ -203,6 +217,13 @@ FIELDS: tuple[_Field, ...] = (
         "THREADKEEPER_THREAD_CACHE_BYTES",
     ),
     _Field("workers", _positive_int, "workers", "THREADKEEPER_WORKERS", "workers"),
+    _Field("explain", _boolean, "explain", "THREADKEEPER_EXPLAIN"),
+    _Field(
+        "explain_retention_seconds",
+        _positive_number,
+        "explain_retention_seconds",
+        "THREADKEEPER_EXPLAIN_RETENTION_SECONDS",
+    ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

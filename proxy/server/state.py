@@ -13,6 +13,7 @@ from proxy.server.summaries import BackgroundSummaries
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.threads import ThreadService, WindowCache
+from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -22,6 +23,7 @@ METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
+TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
 SUMMARIES = web.AppKey("summaries", BackgroundSummaries)
@@ -40,4 +42,4 @@ NAMESPACE = web.RequestKey("store_namespace", str)
 
 def thread_service(app: web.Application) -> ThreadService:
     """The one way handlers reach threads: the app's store, clock and hot-window cache."""
-    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS])
+    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING])

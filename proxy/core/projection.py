@@ -747,9 +747,9 @@ def _squeeze(state: _State, cut: int, budget: int) -> bool:
 
 # --- one summary block ----------------------------------------------------------------------
 
-# Deterministic digests already made, by chunk digest and encoding: a stateless client
-# resends the same chunks every turn. Bounded; cleared when full.
-_made: dict[tuple[str, str], Item] = {}
+# Deterministic digests already made, by chunk digest, encoding and API: a stateless
+# client resends the same chunks every turn. Bounded; cleared when full.
+_made: dict[tuple[str, str, str], Item] = {}
 MADE_CACHE_MAX = 4096
 
 
@@ -783,7 +783,8 @@ def _summarize(
         made = state.summarizer(items, counter, room, previous)
         if counter.item(made) <= room and is_summary(made):
             return made
-    key = (digest, counter.encoding.name)
+    api = items[0].api if items else previous.api if previous is not None else "chat"
+    key = (digest, counter.encoding.name, api)  # a Chat and a Responses history may match
     cached = _made.get(key)
     if cached is None:
         cached = summarize_turns(items, counter, room, previous)

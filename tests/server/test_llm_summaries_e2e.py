@@ -8,9 +8,6 @@ import asyncio
 import json
 from typing import Any
 
-import openai
-import pytest
-
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
 from proxy.server.state import SUMMARIES
@@ -293,14 +290,6 @@ async def test_a_responses_client_with_store_false_gets_llm_summaries(make_proxy
     assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=openai.InternalServerError,
-    reason="i10-chain: proxy/core/projection.py caches deterministic blocks in `_made` by "
-    "chunk digest and encoding only; a Chat and a Responses history with the same text "
-    "have the same chunk digest, so the Responses request gets the Chat block "
-    "(InvariantViolation: context mixes item shapes, a 500). Fix: the api in the key.",
-)
 async def test_chat_and_responses_histories_with_the_same_text_do_not_share_blocks(
     make_proxy: Any,
 ) -> None:

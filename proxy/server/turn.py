@@ -62,6 +62,7 @@ class Turn:
     counter: TokenCounter | None = None
     keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
     response_id: str | None = None  # the proxy's own id of this answer, when it has one
+    upstream_status: int | None = None  # the provider's status, once it answered
     # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
     summaries: Mapping[str, Item] = field(default_factory=dict)
 
@@ -197,6 +198,7 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
             stream=bool(sent.get("stream")),
             route=api.route,
         )
+        turn.upstream_status = upstream.status
         transformer: Transformer = (
             Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
         )

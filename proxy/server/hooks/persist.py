@@ -272,13 +272,20 @@ class ResponseChain(StoredTurn):
         self.kept = True
 
     async def finished(self, turn: Turn) -> None:
-        """A response begun and never kept is marked incomplete."""
+        """A response begun and never kept is marked incomplete; one the provider refused
+        with a 4xx (the request's own fault) is removed, as a refused request leaves
+        nothing in the store."""
         if self._begun is None or self.kept:
             return
         try:
             await asyncio.shield(self._begun)  # the row must exist before it is finished
         except Exception:
             return  # it was never written: nothing to finish
+        status = turn.upstream_status
+        if status is not None and 400 <= status < 500:
+            await asyncio.shield(self.threads.store.delete_response(self.tenant, self.id))
+            self.kept = True
+            return
         await self._finish("incomplete", None)
 
     async def _finish(self, status: str, result: JsonDict | None) -> None:

@@ -152,13 +152,22 @@ class Loaded:
         return self.first_position + index
 
 
-def first_orphan(known: Iterable[Item], new: Sequence[Item]) -> str | None:
-    """The call id of the first new tool output that answers no call of the window or of
-    the new items themselves (SPEC 6: an output for an unknown call id is a 400)."""
-    calls = {call_id for item in (*known, *new) for call_id in item.call_ids}
+def first_orphan(
+    known: Iterable[Item], new: Sequence[Item], *, stateless: bool = False
+) -> str | None:
+    """The call id of the first new tool output that answers no call before it, in the
+    window or earlier in the new items (SPEC 6: an output for an unknown call id is a 400).
+
+    `stateless`: the history is the client's own, and an output for a call it never shows
+    goes to the provider to judge; an output placed before its call is still refused (no
+    order of the two can be sent)."""
+    before = {call_id for item in known for call_id in item.call_ids}
+    later = {call_id for item in new for call_id in item.call_ids} if stateless else set()
     for item in new:
-        if item.kind == "tool_output" and item.output_for not in calls:
-            return item.output_for or ""
+        if item.kind == "tool_output" and item.output_for not in before:
+            if not stateless or item.output_for in later:
+                return item.output_for or ""
+        before.update(item.call_ids)
     return None
 
 

@@ -131,10 +131,9 @@ async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
     turn.given = len(turn.new)
     for hook in hooks:
         await hook.restore(turn)
-    if turn.loaded is not None:
-        orphan = first_orphan(turn.loaded.items, turn.new)
-        if orphan is not None:
-            raise invalid(turn.api.orphan_message(orphan), param=turn.api.history)
+    orphan = first_orphan(turn.known, turn.new, stateless=turn.loaded is None)
+    if orphan is not None:
+        raise invalid(turn.api.orphan_message(orphan), param=turn.api.history)
     for hook in hooks:
         await hook.close_calls(turn)
     turn.projection, turn.counter = await project(turn)

@@ -31,6 +31,7 @@ from proxy.core.llm_summary import Written, summary_from_answer, summary_message
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
+from proxy.tracing import NO_TRACING, Tracing, set_attributes
 
 log = structlog.get_logger("threadkeeper.summarizer")
 
@@ -62,9 +63,15 @@ class LlmSummarizer:
     """Writes summaries with the tenant's summarizer model. One HTTP pool serves every
     tenant (an SDK client per call is only a view on it); `aclose` closes it."""
 
-    def __init__(self, metrics: Metrics, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        http: httpx.AsyncClient | None = None,
+        tracing: Tracing = NO_TRACING,
+    ) -> None:
         self.metrics = metrics
         self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=32))
+        self.tracing = tracing
 
     async def write(
         self,
@@ -78,9 +85,26 @@ class LlmSummarizer:
         """The guarded LLM summary of `items` (following `previous`) in at most
         max_tokens and the policy's own max_tokens, or None (the deterministic digest
         stands)."""
-        started = time.perf_counter()
-        call = await self._call(policy, target, items, counter, max_tokens, previous)
-        self._observe(policy, call, time.perf_counter() - started, len(items))
+        settings = policy.memory.summarizer
+        model = settings.model if settings is not None else ""
+        attributes: dict[str, str | int] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": model,
+            "threadkeeper.summary.items": len(items),
+        }
+        with self.tracing.span(f"summarize {model}", attributes, kind="client") as span:
+            started = time.perf_counter()
+            call = await self._call(policy, target, items, counter, max_tokens, previous)
+            self._observe(policy, call, time.perf_counter() - started, len(items))
+            set_attributes(
+                span,
+                {
+                    "threadkeeper.summary.outcome": call.outcome,
+                    "gen_ai.usage.input_tokens": call.tokens_in,
+                    "gen_ai.usage.output_tokens": call.tokens_out,
+                },
+            )
         return call.written
 
     async def _call(

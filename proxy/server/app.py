@@ -242,7 +242,8 @@ async def _summaries_ctx(app: web.Application) -> AsyncIterator[None]:
     """Background LLM summaries (proxy/server/summaries.py): cancelled and awaited at
     shutdown, so none outlives the store it writes to."""
     metrics = app[METRICS]
-    background = BackgroundSummaries(app[STORE], LlmSummarizer(metrics), metrics, app[CLOCK])
+    summarizer = LlmSummarizer(metrics, tracing=app[TRACING])
+    background = BackgroundSummaries(app[STORE], summarizer, metrics, app[CLOCK])
     app[SUMMARIES] = background
     yield
     await background.aclose()

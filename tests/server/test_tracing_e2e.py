@@ -132,3 +132,36 @@ def test_tracing_is_configured_the_standard_way(env: dict[str, str], on: bool) -
     tracing = Tracing.from_env(env)
     assert tracing.on is on
     tracing.shutdown()
+
+
+async def test_a_background_summary_is_a_span_of_the_request_that_started_it(
+    make_proxy: Callable[..., Awaitable[Proxy]], exporter: InMemorySpanExporter
+) -> None:
+    from .test_llm_summaries_e2e import (
+        MEMORY,
+        SUMMARIZER,
+        background,
+        summarizer_answer,
+        summarizer_requests,
+        user_turn,
+    )
+
+    tracing = Tracing.with_processor(SimpleSpanProcessor(exporter))
+    proxy = await make_proxy(window=5000, memory_extra=MEMORY, tracing=tracing)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(8)]
+    client = proxy.client()
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-traced-summary"},
+        )
+        await background(proxy).idle()
+        if summarizer_requests(proxy):
+            break
+    spans = exporter.get_finished_spans()
+    [summary] = [s for s in spans if s.name == f"summarize {SUMMARIZER}"][:1]
+    assert summary.attributes["threadkeeper.summary.outcome"] in ("ok", "guarded")
+    assert summary.attributes["gen_ai.usage.input_tokens"] > 0
+    roots = {s.context.span_id: s for s in spans if s.name == "POST /v1/chat/completions"}
+    assert summary.parent is not None and summary.parent.span_id in roots

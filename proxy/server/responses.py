@@ -25,6 +25,14 @@ from aiohttp import web
 from proxy.core import fastjson
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import RESPONSES
+from proxy.server.compaction import (
+    Compactions,
+    compaction_threshold,
+    counter_for,
+    expand,
+    is_local,
+    request_key,
+)
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
@@ -69,6 +77,7 @@ def validate_responses(body: JsonDict) -> None:
     if conversation is not None and not isinstance(conversation, str | dict):
         raise wrong_type("conversation", "a string or an object", conversation)
     optional(body, "previous_response_id", str)
+    compaction_threshold(body)
 
 
 def validate_input_item(item: JsonDict, param: str) -> None:
@@ -83,6 +92,12 @@ def validate_input_item(item: JsonDict, param: str) -> None:
     if item_type in ("function_call", "function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
             raise missing(f"{param}.call_id")
+    if item_type == "compaction":
+        content = item.get("encrypted_content")
+        if content is None:
+            raise missing(f"{param}.encrypted_content")
+        if not isinstance(content, str):
+            raise wrong_type(f"{param}.encrypted_content", "a string", content)
 
 
 def is_stateful(body: JsonDict) -> bool:
@@ -96,6 +111,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if await resolve_references(request, body):
         raw = fastjson.dumps(body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
+    if is_local(request):  # else compaction is the provider's (policy compaction.mode)
+        hooks.insert(0, Compactions(request, compaction_threshold(body)))
     if body.get("store") is not False or is_stateful(body):
         hooks.append(ResponseChain(request, body))
     return await run_turn(request, RESPONSES, body, raw, [*hooks, UsageHook()])
@@ -145,6 +162,12 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     given = body.get("input")
     history = given if given is not None else []
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
+    if is_local(request) and any(item.kind == "compaction" for item in items):
+        key, counter = (
+            await request_key(request),
+            await counter_for(RESPONSES.budget_inputs(body).model),
+        )
+        items = expand(key, request[NAMESPACE], items, counter, "input").items
     if is_stateful(body):
         # The provider does not know our conversations: count what would be sent.
         threads = thread_service(request.app)

@@ -40,6 +40,7 @@ from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_ans
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
+from proxy.upstream import UpstreamResponse
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Turn:
     counter: TokenCounter | None = None
     keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
     response_id: str | None = None  # the proxy's own id of this answer, when it has one
+    rewritten: bool = False  # a hook changed what the provider gets: never the client's bytes
 
     @property
     def known(self) -> Sequence[Item]:
@@ -86,6 +88,10 @@ class TurnHook:
 
     async def before_forward(self, turn: Turn) -> None:
         """The last step before the provider is called (record outputs, begin a turn)."""
+
+    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
+        """The provider's answer as the rest of the turn reads it (relay, keeper, ledger)."""
+        return upstream
 
     def transformer(self, turn: Turn, current: Transformer) -> Transformer:
         """The relay's transformer; `current` is what the hooks before chose."""
@@ -156,7 +162,7 @@ def sent_body(turn: Turn, hooks: Sequence[TurnHook]) -> tuple[JsonDict, bytes]:
     """The provider's request: the client's own bytes when the projection changed
     nothing on a stateless request, else the body with the projection as its history."""
     assert turn.projection is not None
-    unchanged = turn.loaded is None and not turn.projection.changed
+    unchanged = turn.loaded is None and not turn.projection.changed and not turn.rewritten
     if unchanged and len(turn.new) == turn.given:
         return turn.body, turn.raw
     sent = turn.api.with_items(turn.body, turn.projection.items)
@@ -180,6 +186,8 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
         stream=bool(sent.get("stream")),
         route=api.route,
     )
+    for hook in hooks:
+        upstream = hook.upstream_response(turn, upstream)
     transformer: Transformer = (
         Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
     )

@@ -22,8 +22,8 @@ from functools import partial
 
 from results import write_section
 
-from proxy.core.compress import summarize_turns
 from proxy.core.items import Item, chat_item
+from proxy.core.memory import summarize_turns
 from proxy.core.projection import (
     CutPoint,
     ProjectionPolicy,

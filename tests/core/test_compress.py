@@ -2,13 +2,9 @@ import json
 
 import pytest
 
-from proxy.core.compress import (
-    SUMMARY_MARKER,
-    compress_tool_output,
-    is_summary,
-    summarize_turns,
-)
+from proxy.core.compress import compress_tool_output
 from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary, summarize_turns
 from proxy.core.tokens import TokenCounter
 
 NOW = "2025-01-02T03:04:05Z"
@@ -42,7 +38,9 @@ def test_json_result_keeps_facts_and_marks_elisions(counter: TokenCounter) -> No
     assert body["threadkeeper_compressed"]["tool"] == "lookup_order"
     assert body["threadkeeper_compressed"]["call_id"] == "call_1"
     assert body["threadkeeper_compressed"]["time"] == NOW
-    assert body["verified_facts"] == {"status": "shipped", "tracking_no": "YT123456"}
+    facts = body["verified_facts"]
+    assert facts["status"] == "shipped" and facts["tracking_no"] == "YT123456"
+    assert facts["rows"][:2] == ["SKU-0", "SKU-1"]  # a list by its elements' ids
     assert "more items elided by threadkeeper" in small.raw["content"]
     assert counter.item(small) <= 300
 
@@ -106,8 +104,9 @@ def test_summary_keeps_constraints_facts_and_pending_calls(counter: TokenCounter
     assert summary.raw["role"] == "system" and text.startswith(SUMMARY_MARKER)
     assert "所有金额都用人民币，默认含税。" in text
     assert "Never refund twice." in text
-    assert 'lookup_order call_1: {"status": "shipped", "tracking_no": "YT123456"}' in text
-    assert "refund_order call_2" in text
+    assert "lookup_order(order_id=ORD-1) -> status=shipped, tracking_no=YT123456" in text
+    assert "refund_order(order_id=ORD-1)" in text
+    assert "call_1" not in text and "call_2" not in text  # no call ids in a digest
     assert text.index("Verified facts") < text.index("not verified")
     assert counter.item(summary) <= 400
     assert is_summary(summary)

@@ -15,9 +15,9 @@ Equal blobs reveal equal summaries, which is what a stable id promises anyway.
 Everything here is pure: the key comes from the edge (proxy/server/compaction.py).
 
 >>> key = CompactionKey(bytes(32))
->>> blob = key.seal("acme", {"format": "digest", "covers": 1, "text": "x"})
->>> key.open("acme", blob)["text"]
-'x'
+>>> blob = key.seal("acme", {"format": "memory", "state": {"count": 1}})
+>>> key.open("acme", blob)["state"]
+{'count': 1}
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from proxy.core.compress import SUMMARY_MARKER, is_summary, summarize_turns, summary_item
+from proxy.core import memory
 from proxy.core.items import Item, JsonDict, canonical_bytes
+from proxy.core.memory import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.tokens import TokenCounter
 
 BLOB_PREFIX = "tkc1."
@@ -44,7 +45,7 @@ NONCE_BYTES = 12
 MAX_BLOB_CHARS = 20_971_520
 # Room the summary of one compaction gets (the digest keeps the most important first).
 SUMMARY_TOKENS = 2000
-DIGEST_FORMAT = "digest"
+MEMORY_FORMAT = "memory"
 
 
 class CompactionError(ValueError):
@@ -122,29 +123,34 @@ def _mac(key: bytes, tenant: str, data: bytes) -> bytes:
 # -- the summary ---------------------------------------------------------------------------
 
 
-def compaction_summary(
-    items: Sequence[Item],
-    counter: TokenCounter,
-    previous: JsonDict | None = None,
-    max_tokens: int = SUMMARY_TOKENS,
-) -> JsonDict:
-    """The structured summary a compaction seals: what `items` (plus the `previous`
-    compaction's summary they follow) hold. The one place a compaction's content is
-    decided; `render_summary` turns it into the text the provider reads."""
-    earlier = None
-    if previous is not None:
-        earlier = summary_item("responses", render_summary(previous, counter))
-    digest = summarize_turns(items, counter, max_tokens, earlier)
-    covers = len(items) + (int(previous.get("covers", 0)) if previous is not None else 0)
-    return {"format": DIGEST_FORMAT, "covers": covers, "text": digest.text()}
+def compaction_summary(items: Sequence[Item], previous: JsonDict | None = None) -> JsonDict:
+    """The structured summary a compaction seals: the memory state (proxy/core/memory.py)
+    of `items`, on top of the `previous` compaction's they follow. The one place a
+    compaction's content is decided; `render_summary` writes the text the provider reads.
+    The state is whole (nothing is dropped to fit): the budget applies when rendering."""
+    earlier = memory.from_json(previous["state"]) if previous is not None else None
+    state = memory.extract(items, earlier)
+    return {"format": MEMORY_FORMAT, "state": json.loads(memory.to_json(state))}
 
 
-def render_summary(summary: Mapping[str, Any], counter: TokenCounter) -> str:
+def render_summary(
+    summary: Mapping[str, Any], counter: TokenCounter, max_tokens: int = SUMMARY_TOKENS
+) -> str:
     """The text the provider receives for a compaction (a developer message)."""
-    text = summary.get("text")
-    if summary.get("format") == DIGEST_FORMAT and isinstance(text, str):
-        return text
-    raise CompactionError(f"Unknown compaction summary format {summary.get('format')!r}.")
+    if summary.get("format") != MEMORY_FORMAT:
+        raise CompactionError(f"Unknown compaction summary format {summary.get('format')!r}.")
+    try:
+        state = memory.from_json(summary.get("state"))  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise CompactionError("The compaction's summary is malformed.") from None
+    return memory.render(state, counter, max_tokens)
+
+
+def covers(summary: Mapping[str, Any]) -> int | None:
+    """How many items a compaction stands for (its state's count)."""
+    state = summary.get("state")
+    count = state.get("count") if isinstance(state, Mapping) else None
+    return count if isinstance(count, int) else None
 
 
 def summary_message(text: str) -> Item:

@@ -40,14 +40,15 @@ from proxy.core.compaction import (
     compacted_output,
     compaction_summary,
     covered,
+    covers,
     current_turn_start,
     last_compaction,
     render_summary,
     replaced,
     summary_message,
 )
-from proxy.core.compress import is_summary
 from proxy.core.items import Item, JsonDict
+from proxy.core.memory import is_summary
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.ids import new_id
 from proxy.server import passthrough
@@ -178,9 +179,7 @@ def compact_items(
     gone = covered(items, end)
     if not gone:
         return None
-    summary = compaction_summary(
-        [items[i] for i in gone if not is_summary(items[i])], counter, previous
-    )
+    summary = compaction_summary([items[i] for i in gone if not is_summary(items[i])], previous)
     text = render_summary(summary, counter)
     return key.item(tenant, summary), replaced(items, end, summary_message(text))
 
@@ -277,7 +276,7 @@ async def compact(request: web.Request) -> web.StreamResponse:
         items = given.items
         made = compact_items(key, tenant, items, len(items), counter, given.summary)
         if made is None:  # nothing but user messages: an empty summary still stands for them
-            item = key.item(tenant, compaction_summary([], counter, given.summary))
+            item = key.item(tenant, compaction_summary([], given.summary))
         else:
             item = made[0]
         summary = key.open(tenant, item["encrypted_content"])
@@ -508,7 +507,7 @@ def shown(summary: JsonDict, item_id: str, tenant: str) -> JsonDict:
         "object": "threadkeeper.compaction",
         "id": item_id,
         "tenant": tenant,
-        "covers": summary.get("covers"),
+        "covers": covers(summary),
         "summary": summary,
     }
 

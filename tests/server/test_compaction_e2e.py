@@ -13,20 +13,26 @@ import openai
 import pytest
 
 from proxy.core.compaction import BLOB_PREFIX
-from proxy.core.compress import SUMMARY_MARKER
-from proxy.fake_provider import FakeProvider, Reply
+from proxy.core.memory import SUMMARY_MARKER
+from proxy.fake_provider import FakeProvider
 
-from .conftest import TENANT_KEY, Proxy
+from .conftest import Proxy
 
 OTHER_KEY = "sk-tk-globex-test-key"
 
 
-def history(turns: int, *, fact: str = "order ORD-7731 refunded 129.50 EUR") -> list[dict[str, Any]]:
+def history(
+    turns: int, *, fact: str = "order ORD-7731 refunded 129.50 EUR"
+) -> list[dict[str, Any]]:
     """A Responses history: user turns, assistant answers, one tool call with its output."""
     items: list[dict[str, Any]] = [
         {"role": "user", "content": "Rules: all prices in EUR, never book red-eye flights."},
         {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "call_1", "output": json.dumps({"status": fact})},
+        {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": json.dumps({"status": fact}),
+        },
     ]
     for turn in range(turns):
         items.append({"role": "user", "content": f"question {turn}: " + "details " * 40})
@@ -70,20 +76,27 @@ async def test_compact_returns_user_messages_then_one_sealed_compaction_item(pro
     assert item["encrypted_content"].startswith(BLOB_PREFIX)
     assert "ORD-7731" not in item["encrypted_content"]  # sealed, not encoded
     assert compacted.usage.input_tokens > 0 and compacted.usage.output_tokens > 0
-    assert compacted.usage.total_tokens == compacted.usage.input_tokens + compacted.usage.output_tokens
+    assert (
+        compacted.usage.total_tokens == compacted.usage.input_tokens + compacted.usage.output_tokens
+    )
     # The same conversation compacts to the same item (stable id and bytes).
     again = await client.responses.compact(model="gpt-4o", input=given)  # type: ignore[arg-type]
     assert again.output[-1].model_dump(exclude_unset=True, warnings=False) == item
     assert proxy.provider.model_requests == []  # served locally
 
 
-async def test_continuing_after_compact_sends_the_summary_as_text_never_the_item(proxy: Proxy) -> None:
+async def test_continuing_after_compact_sends_the_summary_as_text_never_the_item(
+    proxy: Proxy,
+) -> None:
     client = proxy.client()
     compacted = await client.responses.compact(model="gpt-4o", input=history(4))  # type: ignore[arg-type]
     new_message = {"role": "user", "content": "What was refunded?"}
     answer = await client.responses.create(
         model="gpt-4o",
-        input=[*[o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output], new_message],  # type: ignore[list-item]
+        input=[
+            *[o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output],
+            new_message,
+        ],  # type: ignore[list-item]
         store=False,
     )
     assert answer.output_text
@@ -106,7 +119,9 @@ async def test_a_tampered_blob_is_a_400_naming_the_input(proxy: Proxy) -> None:
     output[-1]["encrypted_content"] = BLOB_PREFIX + base64.urlsafe_b64encode(bytes(raw)).decode()
     index = len(output) - 1
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.responses.create(model="gpt-4o", input=[*output, {"role": "user", "content": "hi"}])  # type: ignore[list-item]
+        await client.responses.create(
+            model="gpt-4o", input=[*output, {"role": "user", "content": "hi"}]
+        )  # type: ignore[list-item]
     error = caught.value.body
     assert isinstance(error, dict)
     assert error["param"] == f"input[{index}].encrypted_content"

@@ -35,12 +35,12 @@ def history(
         },
     ]
     for turn in range(turns):
-        items.append({"role": "user", "content": f"question {turn}: " + "details " * 40})
+        items.append({"role": "user", "content": f"question {turn}?"})
         items.append(
             {
                 "type": "message",
                 "role": "assistant",
-                "content": [{"type": "output_text", "text": f"answer {turn} " + "words " * 60}],
+                "content": [{"type": "output_text", "text": f"answer {turn} " + "words " * 120}],
             }
         )
     return items
@@ -127,3 +127,107 @@ async def test_a_tampered_blob_is_a_400_naming_the_input(proxy: Proxy) -> None:
     assert error["param"] == f"input[{index}].encrypted_content"
     assert error["code"] == "invalid_encrypted_content"
     assert proxy.provider.model_requests == []
+
+
+CONTEXT = [{"type": "compaction", "compact_threshold": 1000}]
+
+
+async def test_context_management_compacts_a_stateless_turn_over_the_threshold(proxy: Proxy) -> None:
+    client = proxy.client()
+    given = [*history(12), {"role": "user", "content": "And now?"}]
+    answer = await client.responses.create(
+        model="gpt-4o", input=given, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+    )
+    output = [o.model_dump(exclude_unset=True, warnings=False) for o in answer.output]
+    assert output[0]["type"] == "compaction" and output[0]["id"].startswith("cmp_")
+    assert output[1]["type"] == "message" and answer.output_text
+    sent = proxy.provider.model_requests[-1].json
+    assert "context_management" not in sent
+    assert "compaction" not in sent_item_types(proxy.provider)
+    types = [(i.get("type"), i.get("role")) for i in sent["input"]]
+    assert ("message", "assistant") not in types  # the answers are in the summary now
+    assert "function_call" not in [t for t, _ in types]
+    assert sum(1 for _, role in types if role == "user") == 14  # every user message, verbatim
+    assert sent["input"][-1] == given[-1]
+    assert "ORD-7731" in json.dumps(sent["input"])
+
+    # The client sends it all back (OpenAI's stateless contract): the items the compaction
+    # stands for are not sent again, and no second compaction is needed.
+    follow = [*given, *output, {"role": "user", "content": "Thanks. Total?"}]
+    second = await client.responses.create(
+        model="gpt-4o", input=follow, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+    )
+    assert [o.type for o in second.output] == ["message"]
+    resent = proxy.provider.model_requests[-1].json["input"]
+    assert [i.get("role") for i in resent].count("developer") == 1
+    assert [i.get("role") for i in resent].count("assistant") == 1  # only the answer after it
+    assert "compaction" not in sent_item_types(proxy.provider)
+
+
+async def test_context_management_under_the_threshold_changes_nothing_but_the_field(
+    proxy: Proxy,
+) -> None:
+    client = proxy.client()
+    given = [{"role": "user", "content": "short"}]
+    answer = await client.responses.create(
+        model="gpt-4o", input=given, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+    )
+    assert [o.type for o in answer.output] == ["message"]
+    sent = proxy.provider.model_requests[-1].json
+    assert sent["input"] == given and "context_management" not in sent
+
+
+async def test_context_management_in_a_stream_emits_the_item_first(proxy: Proxy) -> None:
+    client = proxy.client()
+    given = [*history(12), {"role": "user", "content": "And now?"}]
+    events = []
+    async with await client.responses.create(
+        model="gpt-4o",
+        input=given,  # type: ignore[arg-type]
+        store=False,
+        stream=True,
+        extra_body={"context_management": CONTEXT},
+    ) as stream:
+        async for event in stream:
+            events.append(event)
+    added = [e for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert added[0].item.type == "compaction" and added[0].output_index == 0
+    assert done[0].item.type == "compaction" and done[0].output_index == 0
+    assert added[1].item.type == "message" and added[1].output_index == 1
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert [o.type for o in completed.response.output] == ["compaction", "message"]
+    assert completed.response.output[0].id == added[0].item.id
+    assert "compaction" not in sent_item_types(proxy.provider)
+
+
+async def test_a_stateful_thread_keeps_the_compaction(proxy: Proxy) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="gpt-4o", input=history(12))  # type: ignore[arg-type]
+    second = await client.responses.create(
+        model="gpt-4o",
+        previous_response_id=first.id,
+        input="Where are we?",
+        extra_body={"context_management": CONTEXT},
+    )
+    assert [o.type for o in second.output] == ["compaction", "message"]
+    sent = proxy.provider.model_requests[-1].json
+    assert "compaction" not in sent_item_types(proxy.provider)
+    roles = [i.get("role") for i in sent["input"]]
+    assert "assistant" not in roles and roles.count("developer") == 1
+    stored = await client.responses.retrieve(second.id)
+    assert [o.type for o in stored.output] == ["compaction", "message"]
+
+    # Later turns read the kept compaction: its summary, not the items it stands for.
+    third = await client.responses.create(
+        model="gpt-4o", previous_response_id=second.id, input="And the refund?"
+    )
+    assert [o.type for o in third.output] == ["message"]
+    sent = proxy.provider.model_requests[-1].json
+    roles = [i.get("role") for i in sent["input"]]
+    assert roles.count("developer") == 1 and roles.count("assistant") == 1
+    assert "ORD-7731" in json.dumps(sent["input"])
+    assert "compaction" not in sent_item_types(proxy.provider)

@@ -1,4 +1,4 @@
-"""`threadkeeper` command line: serve, demo, count, project."""
+"""`threadkeeper` command line: serve, demo, count, project, compaction show."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token GET /metrics requires (prefer THREADKEEPER_METRICS_TOKEN)",
     )
 
+    compaction = sub.add_parser("compaction", help="read threadkeeper's compaction items")
+    compaction_sub = compaction.add_subparsers(dest="compaction_command", required=True)
+    show = compaction_sub.add_parser(
+        "show", help="print the decrypted summary a compaction item holds (operators)"
+    )
+    show.add_argument(
+        "source",
+        help="an encrypted_content (tkc1....), or a file holding one, a compaction item, "
+        "or a compact / Responses answer",
+    )
+    show.add_argument("--tenant", required=True, help="the tenant the compaction belongs to")
+    show.add_argument("--store", help="the store `serve` uses (for the key it created)")
+    show.add_argument("--config", help="YAML config file, as for `serve`")
+    show.add_argument("--json", action="store_true", help="JSON for scripts")
+
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
     demo.add_argument("--window", type=int, default=4000)
@@ -57,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "compaction":
+        return _compaction_show(args)
     if args.command == "demo":
         from proxy.demo import run_demo
 
@@ -90,6 +107,91 @@ def _serve(args: argparse.Namespace) -> int:
     except (SettingsError, PolicyError) as exc:
         print(f"threadkeeper: cannot start: {exc}", file=sys.stderr)
         return 2
+
+
+def _compaction_show(args: argparse.Namespace) -> int:
+    """Exit 2 with one line on stderr when the source, settings, store or key is wrong."""
+    import asyncio
+
+    from proxy.core.compaction import CompactionError
+    from proxy.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+        blobs = compaction_blobs(args.source)
+        try:
+            key = asyncio.run(_compaction_key(settings))
+        except LookupError:
+            raise
+        except Exception as exc:  # an unreachable or foreign store: one line, not a trace
+            raise LookupError(f"cannot read the compaction key from the store: {exc}") from None
+        shown = [_shown_compaction(key, args.tenant, blob) for blob in blobs]
+    except (SettingsError, CompactionError, LookupError, OSError, ValueError) as exc:
+        print(f"threadkeeper: compaction show: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(shown if len(shown) > 1 else shown[0], indent=2, ensure_ascii=False))
+        return 0
+    for entry in shown:
+        print(f"compaction {entry['id']}  tenant {entry['tenant']}  covers {entry['covers']} items")
+        print(entry["text"])
+    return 0
+
+
+def compaction_blobs(source: str) -> list[str]:
+    """The encrypted_content values `source` gives: itself when it is one, else those in
+    the file it names (a bare blob, a compaction item, or an answer holding items)."""
+    from proxy.core.compaction import BLOB_PREFIX
+
+    if source.startswith(BLOB_PREFIX):
+        return [source]
+    text = Path(source).read_text(encoding="utf-8").strip()
+    if text.startswith(BLOB_PREFIX):
+        return [text]
+    found: list[str] = []
+    _collect_blobs(json.loads(text), found)
+    if not found:
+        raise ValueError(f"{source} holds no compaction item")
+    return found
+
+
+def _collect_blobs(value: Any, found: list[str]) -> None:
+    if isinstance(value, dict):
+        if value.get("type") == "compaction" and isinstance(value.get("encrypted_content"), str):
+            found.append(value["encrypted_content"])
+            return
+        for inner in value.values():
+            _collect_blobs(inner, found)
+    elif isinstance(value, list):
+        for inner in value:
+            _collect_blobs(inner, found)
+
+
+async def _compaction_key(settings: Any) -> Any:
+    """The configured key, else the one the store holds (never created here)."""
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.core.compaction import CompactionKey
+    from proxy.server.compaction import stored_key
+    from proxy.store import open_store
+
+    if settings.compaction_key is not None:
+        return CompactionKey(settings.compaction_key)
+    store = await open_store(
+        settings.store_url,
+        connect_timeout=settings.store_connect_timeout,
+        command_timeout=settings.store_command_timeout,
+    )
+    try:
+        return await stored_key(store, SYSTEM_CLOCK, create=False)
+    finally:
+        await store.close()
+
+
+def _shown_compaction(key: Any, tenant: str, blob: str) -> dict[str, Any]:
+    from proxy.server.compaction import shown
+
+    result: dict[str, Any] = shown(key, tenant, key.open(tenant, blob))
+    return result
 
 
 def _load_request(path: Path, model: str | None) -> dict[str, Any]:

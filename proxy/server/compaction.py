@@ -74,6 +74,7 @@ SECRET_NAME = "compaction"
 CONTEXT_MANAGEMENT = "context_management"
 MIN_THRESHOLD = 1000  # OpenAI's ContextManagementParam.compact_threshold minimum
 PROMPT_CACHE_KEY_CHARS = 64
+OPERATOR_MODEL = "gpt-4o"  # the vocabulary operator views render with (no budget applies)
 
 
 # -- the key ---------------------------------------------------------------------------------
@@ -501,14 +502,20 @@ class WithCompaction:
 # -- operators ---------------------------------------------------------------------------------
 
 
-def shown(summary: JsonDict, item_id: str, tenant: str) -> JsonDict:
-    """What an operator reads of one compaction (CLI and endpoint alike)."""
+SHOWN_TOKENS = 1 << 30  # an operator reads the whole state, not a budgeted excerpt
+
+
+def shown(key: CompactionKey, tenant: str, summary: JsonDict) -> JsonDict:
+    """What an operator reads of one compaction (CLI and endpoint alike): the structured
+    summary and its whole text."""
+    counter = TokenCounter.for_model(OPERATOR_MODEL)
     return {
         "object": "threadkeeper.compaction",
-        "id": item_id,
+        "id": key.item_id(tenant, summary),
         "tenant": tenant,
         "covers": covers(summary),
         "summary": summary,
+        "text": render_summary(summary, counter, SHOWN_TOKENS),
     }
 
 
@@ -530,7 +537,8 @@ async def open_for_operator(request: web.Request) -> web.Response:
             param="encrypted_content",
             code="invalid_encrypted_content",
         ) from None
-    return web.json_response(shown(summary, key.item_id(tenant, summary), tenant))
+    await counter_for(OPERATOR_MODEL)  # its vocabulary loads off the loop
+    return web.json_response(await off_the_loop(lambda: shown(key, tenant, summary), summary))
 
 
 def add_routes(app: web.Application) -> None:

@@ -5,20 +5,22 @@ views, and hostile blobs."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from proxy.cli import main
 from proxy.core.compaction import BLOB_PREFIX
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import FakeProvider
+from proxy.server.state import SETTINGS
 
-from .conftest import Proxy
-
-OTHER_KEY = "sk-tk-globex-test-key"
+from .conftest import TENANT_KEY, Proxy
 
 
 def history(
@@ -132,11 +134,16 @@ async def test_a_tampered_blob_is_a_400_naming_the_input(proxy: Proxy) -> None:
 CONTEXT = [{"type": "compaction", "compact_threshold": 1000}]
 
 
-async def test_context_management_compacts_a_stateless_turn_over_the_threshold(proxy: Proxy) -> None:
+async def test_context_management_compacts_a_stateless_turn_over_the_threshold(
+    proxy: Proxy,
+) -> None:
     client = proxy.client()
     given = [*history(12), {"role": "user", "content": "And now?"}]
     answer = await client.responses.create(
-        model="gpt-4o", input=given, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+        model="gpt-4o",
+        input=given,
+        store=False,
+        extra_body={"context_management": CONTEXT},  # type: ignore[arg-type]
     )
     output = [o.model_dump(exclude_unset=True, warnings=False) for o in answer.output]
     assert output[0]["type"] == "compaction" and output[0]["id"].startswith("cmp_")
@@ -155,7 +162,10 @@ async def test_context_management_compacts_a_stateless_turn_over_the_threshold(p
     # stands for are not sent again, and no second compaction is needed.
     follow = [*given, *output, {"role": "user", "content": "Thanks. Total?"}]
     second = await client.responses.create(
-        model="gpt-4o", input=follow, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+        model="gpt-4o",
+        input=follow,
+        store=False,
+        extra_body={"context_management": CONTEXT},  # type: ignore[arg-type]
     )
     assert [o.type for o in second.output] == ["message"]
     resent = proxy.provider.model_requests[-1].json["input"]
@@ -170,7 +180,10 @@ async def test_context_management_under_the_threshold_changes_nothing_but_the_fi
     client = proxy.client()
     given = [{"role": "user", "content": "short"}]
     answer = await client.responses.create(
-        model="gpt-4o", input=given, store=False, extra_body={"context_management": CONTEXT}  # type: ignore[arg-type]
+        model="gpt-4o",
+        input=given,
+        store=False,
+        extra_body={"context_management": CONTEXT},  # type: ignore[arg-type]
     )
     assert [o.type for o in answer.output] == ["message"]
     sent = proxy.provider.model_requests[-1].json
@@ -231,3 +244,107 @@ async def test_a_stateful_thread_keeps_the_compaction(proxy: Proxy) -> None:
     assert roles.count("developer") == 1 and roles.count("assistant") == 1
     assert "ORD-7731" in json.dumps(sent["input"])
     assert "compaction" not in sent_item_types(proxy.provider)
+
+
+async def test_compact_a_stored_chain_by_previous_response_id(proxy: Proxy) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    second = await client.responses.create(
+        model="gpt-4o", previous_response_id=first.id, input="One more thing: ship to Lyon."
+    )
+    compacted = await client.responses.compact(model="gpt-4o", previous_response_id=second.id)
+    output = [o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output]
+    texts = [part["text"] for o in output[:-1] for part in o["content"]]
+    assert texts[-1] == "One more thing: ship to Lyon." and len(texts) == 5  # every user turn
+    assert output[-1]["type"] == "compaction"
+    # The same conversation given as input compacts to the same item.
+    items = [
+        i.model_dump(exclude_unset=True, warnings=False)
+        for i in (await client.responses.input_items.list(first.id, order="asc")).data
+    ]
+    assert len(items) == len(history(3))
+    calls = len(proxy.provider.model_requests)
+    continued = await client.responses.create(
+        model="gpt-4o", input=[*output, {"role": "user", "content": "Where to?"}], store=False
+    )
+    assert continued.output_text and len(proxy.provider.model_requests) == calls + 1
+    sent = json.dumps(proxy.provider.model_requests[-1].json)
+    assert "ORD-7731" in sent and "Lyon" in sent and '"compaction"' not in sent
+
+
+async def test_operators_read_a_compaction_by_endpoint_and_cli(
+    proxy: Proxy, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = proxy.client()
+    compacted = await client.responses.compact(model="gpt-4o", input=history(2))  # type: ignore[arg-type]
+    item = compacted.output[-1].model_dump(exclude_unset=True, warnings=False)
+    async with proxy.http() as http:
+        response = await http.post(
+            "/threadkeeper/v1/compactions/open",
+            json={"encrypted_content": item["encrypted_content"]},
+            headers={"Authorization": f"Bearer {TENANT_KEY}"},
+        )
+    assert response.status_code == 200, response.text
+    shown = response.json()
+    assert shown["object"] == "threadkeeper.compaction" and shown["id"] == item["id"]
+    assert shown["tenant"] == "acme" and shown["covers"] == 4  # the call, its output, two answers
+    assert shown["text"].startswith(SUMMARY_MARKER) and "ORD-7731" in shown["text"]
+    assert shown["summary"]["format"] == "memory"
+
+    store = f"sqlite:///{proxy.app[SETTINGS].store_url.removeprefix('sqlite:///')}"  # type: ignore[index]
+    blob = item["encrypted_content"]
+    answer_file = tmp_path / "compacted.json"
+    answer_file.write_text(compacted.model_dump_json(warnings=False))
+    cli = ["compaction", "show", "--tenant", "acme", "--store", store]
+    capsys.readouterr()  # the proxy's request log lines so far
+    assert await asyncio.to_thread(main, [*cli, "--json", blob]) == 0
+    assert json.loads(capsys.readouterr().out) == shown
+    assert await asyncio.to_thread(main, [*cli, str(answer_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"compaction {item['id']}  tenant acme  covers 4 items\n")
+    assert "ORD-7731" in out
+
+    wrong = ["compaction", "show", "--tenant", "globex", "--store", store, blob]
+    assert await asyncio.to_thread(main, wrong) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "could not be verified" in error[0]
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert await asyncio.to_thread(main, [*cli[:4], "--store", empty, blob]) == 2
+    assert "compaction key" in capsys.readouterr().err
+
+
+UPSTREAM_MODE = "compaction: {mode: upstream}\n"
+
+
+async def test_upstream_mode_passes_compaction_through_untouched(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = await make_proxy(acme_extra=UPSTREAM_MODE)
+    async with proxy.http() as http:
+        auth = {"Authorization": f"Bearer {TENANT_KEY}"}
+        body = {"model": "gpt-4o", "input": history(1)}
+        compact = await http.post("/v1/responses/compact", json=body, headers=auth)
+        assert compact.status_code == 200
+        assert compact.json()["path"] == "/v1/responses/compact"  # the fake provider's echo
+        item = {"type": "compaction", "id": "cmp_x", "encrypted_content": "gAAAAABopaque=="}
+        given = {
+            "model": "gpt-4o",
+            "input": [item, {"role": "user", "content": "hi"}],
+            "store": False,
+            "context_management": CONTEXT,
+        }
+        answer = await http.post("/v1/responses", json=given, headers=auth)
+        assert answer.status_code == 200, answer.text
+    sent = proxy.provider.model_requests[-1].json
+    assert sent["input"][0] == item and sent["context_management"] == CONTEXT
+
+
+async def test_a_configured_key_is_shared_by_proxies_on_other_stores(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    key = {"compaction_key": bytes(range(32))}
+    one, two = await make_proxy(settings=key), await make_proxy(settings=key)
+    other = await make_proxy(settings={"compaction_key": bytes(32)})
+    compacted = await one.client().responses.compact(model="gpt-4o", input=history(1))  # type: ignore[arg-type]
+    output = [o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output]
+    follow = [*output, {"role": "user", "content": "next"}]
+    answer = await two.client().responses.create(model="gpt-4o", input=follow, store=False)  # type: ignore[arg-type]
+    assert answer.output_text
+    with pytest.raises(openai.BadRequestError):
+        await other.client().responses.create(model="gpt-4o", input=follow, store=False)  # type: ignore[arg-type]

@@ -459,3 +459,15 @@ def test_upstream_deadline_defaults_to_900_seconds_and_must_be_positive(tmp_path
             write(tmp_path, "acme.yaml", "tenant: acme\nupstream: {deadline_seconds: 0}\n")
         )
     assert raised.value.field == "upstream.deadline_seconds"
+
+
+def test_compaction_mode_is_local_unless_a_tenant_says_upstream(tmp_path: Path) -> None:
+    (tmp_path / "acme.yaml").write_text("tenant: acme\ncompaction: {mode: upstream}\n")
+    (tmp_path / "globex.yaml").write_text("tenant: globex\n")
+    registry = PolicyRegistry.load(tmp_path)
+    acme, globex = registry.get("acme"), registry.get("globex")
+    assert acme is not None and acme.compaction.mode == "upstream"
+    assert globex is not None and globex.compaction.mode == "local"
+    (tmp_path / "globex.yaml").write_text("tenant: globex\ncompaction: {mode: openai}\n")
+    with pytest.raises(PolicyError, match="compaction.mode"):
+        PolicyRegistry.load(tmp_path)

@@ -7,7 +7,7 @@
     budget + projection (SPEC 4-5)    rebuild.rebuild_turn (logs the budget breakdown)
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream
+    forward                           relay.send_upstream; hooks: upstream_response
     relay (+ commit)                  relay.relay_answer with the hooks' transformer
     always, at the end                hooks: finished
 

@@ -469,5 +469,5 @@ def test_compaction_mode_is_local_unless_a_tenant_says_upstream(tmp_path: Path) 
     assert acme is not None and acme.compaction.mode == "upstream"
     assert globex is not None and globex.compaction.mode == "local"
     (tmp_path / "globex.yaml").write_text("tenant: globex\ncompaction: {mode: openai}\n")
-    with pytest.raises(PolicyError, match="compaction.mode"):
+    with pytest.raises(PolicyError, match=r"compaction\.mode"):
         PolicyRegistry.load(tmp_path)

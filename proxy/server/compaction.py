@@ -137,6 +137,17 @@ def opened(key: CompactionKey, tenant: str, item: Item, param: str) -> JsonDict:
         ) from None
 
 
+async def check_stored_compactions(request: web.Request, raws: Sequence[JsonDict]) -> None:
+    """Compaction items a conversation is given must open for its tenant: one that does
+    not would refuse every later turn of the conversation (400 naming `items[i]`)."""
+    if not is_local(request) or not any(raw.get("type") == "compaction" for raw in raws):
+        return
+    key, tenant = await request_key(request), request[NAMESPACE]
+    for index, raw in enumerate(raws):
+        if raw.get("type") == "compaction":
+            opened(key, tenant, RESPONSES.item(raw), f"items[{index}]")
+
+
 @dataclass(frozen=True)
 class Expanded:
     """Items with their last compaction replaced by its summary text (what it covers
@@ -358,9 +369,10 @@ class Compactions(TurnHook):
         key = await request_key(self.request)
         counter = await counter_for(turn.api.budget_inputs(turn.body).model)
         if has_kept and loaded is not None:
+            # Only a changed key fails here: stored items were checked when they came in.
+            where = "conversation" if turn.body.get("conversation") else "previous_response_id"
             window = await off_the_loop(
-                lambda: expand(key, self.tenant, loaded.items, counter, "previous_response_id"),
-                loaded.items,
+                lambda: expand(key, self.tenant, loaded.items, counter, where), loaded.items
             )
             turn.loaded = _window(loaded, window.kept, window.items)
             self.summary = window.summary

@@ -348,3 +348,52 @@ async def test_a_configured_key_is_shared_by_proxies_on_other_stores(make_proxy)
     assert answer.output_text
     with pytest.raises(openai.BadRequestError):
         await other.client().responses.create(model="gpt-4o", input=follow, store=False)  # type: ignore[arg-type]
+
+
+async def test_a_conversation_holds_a_compaction_and_sends_its_summary(proxy: Proxy) -> None:
+    client = proxy.client()
+    compacted = await client.responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    output = [o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output]
+    conversation = await client.conversations.create(items=output)  # type: ignore[arg-type]
+    answer = await client.responses.create(
+        model="gpt-4o", conversation=conversation.id, input="What was refunded?"
+    )
+    assert answer.output_text
+    sent = proxy.provider.model_requests[-1].json
+    assert "compaction" not in sent_item_types(proxy.provider)
+    assert "ORD-7731" in json.dumps(sent["input"])
+    # A forged one is refused when it comes in, not on every later turn.
+    forged = {**output[-1], "encrypted_content": output[-1]["encrypted_content"][:-8] + "AAAAAAA="}
+    async with proxy.http() as http:
+        refused = await http.post(
+            f"/v1/conversations/{conversation.id}/items",
+            json={"items": [forged]},
+            headers={"Authorization": f"Bearer {TENANT_KEY}"},
+        )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "items[0].encrypted_content"
+
+
+async def test_a_streamed_stateful_turn_keeps_the_compaction_it_made(proxy: Proxy) -> None:
+    client = proxy.client()
+    first = await client.responses.create(model="gpt-4o", input=history(12))  # type: ignore[arg-type]
+    async with await client.responses.create(
+        model="gpt-4o",
+        previous_response_id=first.id,
+        input="Where are we?",
+        stream=True,
+        extra_body={"context_management": CONTEXT},
+    ) as stream:
+        events = [event async for event in stream]
+    completed = events[-1]
+    assert completed.type == "response.completed"
+    assert [o.type for o in completed.response.output] == ["compaction", "message"]
+    stored = await client.responses.retrieve(completed.response.id)
+    assert [o.type for o in stored.output] == ["compaction", "message"]
+    third = await client.responses.create(
+        model="gpt-4o", previous_response_id=completed.response.id, input="And then?"
+    )
+    assert [o.type for o in third.output] == ["message"]
+    roles = [i.get("role") for i in proxy.provider.model_requests[-1].json["input"]]
+    assert roles.count("developer") == 1 and roles.count("assistant") == 1
+    assert "compaction" not in sent_item_types(proxy.provider)

@@ -55,7 +55,7 @@ from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
 from proxy.server.turn import Turn, TurnHook
 from proxy.server.validate import (
     list_of_objects,
@@ -399,8 +399,6 @@ class Compactions(TurnHook):
             return
         key = await request_key(self.request)
         end = current_turn_start(everything)
-        if turn.loaded is not None:
-            end = min(end, len(known))  # the new items are committed as the client sent them
         made = await off_the_loop(
             lambda: compact_items(key, self.tenant, everything, end, counter, self.summary),
             everything,
@@ -408,13 +406,15 @@ class Compactions(TurnHook):
         if made is None:
             return
         self.item, pairs = made
+        self.request[LOG_FIELDS]["compaction"] = self.item["id"]
         turn.rewritten = True
-        if turn.loaded is None:
-            turn.new = [item for _, item in pairs]
-            turn.given = len(turn.new)
-            return
-        in_window = [(i, item) for i, item in pairs if i < len(known)]
-        turn.loaded = _window(turn.loaded, [i for i, _ in in_window], [x for _, x in in_window])
+        held = len(known)
+        if turn.loaded is not None and held:
+            window = [(index, item) for index, item in pairs if index < held]
+            turn.loaded = _window(turn.loaded, [i for i, _ in window], [x for _, x in window])
+        # New items it covers are committed as what was sent: the summary, not them.
+        turn.new = [item for index, item in pairs if index >= held]
+        turn.given = len(turn.new)
 
     def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
         body.pop(CONTEXT_MANAGEMENT, None)

@@ -134,15 +134,16 @@ async def test_a_tampered_blob_is_a_400_naming_the_input(proxy: Proxy) -> None:
 CONTEXT = [{"type": "compaction", "compact_threshold": 1000}]
 
 
+@pytest.mark.parametrize("store", [False, True])
 async def test_context_management_compacts_a_stateless_turn_over_the_threshold(
-    proxy: Proxy,
+    proxy: Proxy, store: bool
 ) -> None:
     client = proxy.client()
     given = [*history(12), {"role": "user", "content": "And now?"}]
     answer = await client.responses.create(
         model="gpt-4o",
         input=given,
-        store=False,
+        store=store,
         extra_body={"context_management": CONTEXT},  # type: ignore[arg-type]
     )
     output = [o.model_dump(exclude_unset=True, warnings=False) for o in answer.output]
@@ -164,7 +165,7 @@ async def test_context_management_compacts_a_stateless_turn_over_the_threshold(
     second = await client.responses.create(
         model="gpt-4o",
         input=follow,
-        store=False,
+        store=store,
         extra_body={"context_management": CONTEXT},  # type: ignore[arg-type]
     )
     assert [o.type for o in second.output] == ["message"]

@@ -123,13 +123,19 @@ def _mac(key: bytes, tenant: str, data: bytes) -> bytes:
 # -- the summary ---------------------------------------------------------------------------
 
 
-def compaction_summary(items: Sequence[Item], previous: JsonDict | None = None) -> JsonDict:
+def compaction_summary(
+    items: Sequence[Item], previous: JsonDict | None = None, earlier: Sequence[Item] = ()
+) -> JsonDict:
     """The structured summary a compaction seals: the memory state (proxy/core/memory.py)
-    of `items`, on top of the `previous` compaction's they follow. The one place a
+    of `items`, on top of the `previous` compaction's and of `earlier` summaries read
+    back from their text (a compaction a stored chain holds expanded). The one place a
     compaction's content is decided; `render_summary` writes the text the provider reads.
     The state is whole (nothing is dropped to fit): the budget applies when rendering."""
-    earlier = memory.from_json(previous["state"]) if previous is not None else None
-    state = memory.extract(items, earlier)
+    state = memory.from_json(previous["state"]) if previous is not None else None
+    for summary in earlier:
+        parsed = memory.parse(summary.text())
+        state = parsed if state is None else memory.merge(state, parsed)
+    state = memory.extract(items, state)
     return {"format": MEMORY_FORMAT, "state": json.loads(memory.to_json(state))}
 
 

@@ -191,7 +191,11 @@ def compact_items(
     gone = covered(items, end)
     if not gone:
         return None
-    summary = compaction_summary([items[i] for i in gone if not is_summary(items[i])], previous)
+    held = render_summary(previous, counter) if previous is not None else None
+    summaries = [items[i] for i in gone if is_summary(items[i])]
+    earlier = [item for item in summaries if item.text() != held]  # not `previous` itself
+    rest = [items[i] for i in gone if not is_summary(items[i])]
+    summary = compaction_summary(rest, previous, earlier)
     text = render_summary(summary, counter)
     return key.item(tenant, summary), replaced(items, end, summary_message(text))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from agents import (
     Agent,
     OpenAIResponsesCompactionSession,
@@ -14,6 +15,7 @@ from agents import (
     SQLiteSession,
     set_tracing_disabled,
 )
+from agents.memory.openai_responses_compaction_session import OpenAIResponsesCompactionMode
 
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
@@ -21,11 +23,12 @@ from proxy.fake_provider import Reply
 from .conftest import Proxy
 from .test_compaction_e2e import sent_item_types
 
-TURNS = 16
+TURNS = 24  # the default hook compacts at 10 candidates: twice
 
 
+@pytest.mark.parametrize("mode", ["auto", "input", "previous_response_id"])
 async def test_the_agents_sdk_compaction_session_runs_many_turns_through_the_proxy(
-    proxy: Proxy, tmp_path: Path
+    proxy: Proxy, tmp_path: Path, mode: OpenAIResponsesCompactionMode
 ) -> None:
     set_tracing_disabled(True)  # no trace export: the machine has no internet
     client = proxy.client()
@@ -36,7 +39,7 @@ async def test_the_agents_sdk_compaction_session_runs_many_turns_through_the_pro
     )
     underlying = SQLiteSession("thread-1", str(tmp_path / "agents.db"))
     session = OpenAIResponsesCompactionSession(
-        "thread-1", underlying, client=client, model="gpt-4o"
+        "thread-1", underlying, client=client, model="gpt-4o", compaction_mode=mode
     )
     for turn in range(TURNS):
         proxy.provider.script.append(Reply(text=f"Noted, step {turn}: " + "details " * 30))
@@ -48,12 +51,13 @@ async def test_the_agents_sdk_compaction_session_runs_many_turns_through_the_pro
     assert compactions == []  # served by the proxy, never by the provider
     items = await underlying.get_items()
     kinds = [item.get("type") for item in items]
-    assert "compaction" in kinds  # the session was compacted and kept the item
+    assert kinds.count("compaction") == 1  # compacted (twice: the second replaced the first)
     assert "compaction" not in sent_item_types(proxy.provider)
     # What the provider got after the compaction: the summary as text, with the facts.
     last = proxy.provider.model_requests[-1].json
     developer = [i for i in last["input"] if i.get("role") == "developer"]
     assert len(developer) == 1 and developer[0]["content"].startswith(SUMMARY_MARKER)
     assert "Noted, step 0" in developer[0]["content"]  # an answer the compaction stands for
+    assert "Stands for 20 earlier items" in developer[0]["content"]  # both compactions' answers
     assert "ORD-7700" in json.dumps(last["input"])  # the user's words stay verbatim
     assert len(proxy.provider.model_requests) == TURNS

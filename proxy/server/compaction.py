@@ -200,6 +200,11 @@ def compact_items(
     return key.item(tenant, summary), replaced(items, end, summary_message(text))
 
 
+def raws(items: Sequence[Item]) -> list[JsonDict]:
+    """What off_the_loop measures: the items' JSON (an Item is not walked)."""
+    return [item.raw for item in items]
+
+
 async def counter_for(model: str) -> TokenCounter:
     if vocabulary_loaded(model):
         return TokenCounter.for_model(model)
@@ -306,7 +311,7 @@ async def compact(request: web.Request) -> web.StreamResponse:
             "usage": _usage(input_tokens, output_tokens),
         }
 
-    return web.json_response(await off_the_loop(work, history))
+    return web.json_response(await off_the_loop(work, raws(history)))
 
 
 def _input_items(body: JsonDict) -> list[Item]:
@@ -376,14 +381,14 @@ class Compactions(TurnHook):
             # Only a changed key fails here: stored items were checked when they came in.
             where = "conversation" if turn.body.get("conversation") else "previous_response_id"
             window = await off_the_loop(
-                lambda: expand(key, self.tenant, loaded.items, counter, where), loaded.items
+                lambda: expand(key, self.tenant, loaded.items, counter, where), raws(loaded.items)
             )
             turn.loaded = _window(loaded, window.kept, window.items)
             self.summary = window.summary
         if has_new:
             given = await off_the_loop(
                 lambda: expand(key, self.tenant, turn.new, counter, turn.api.history),
-                turn.new,
+                raws(turn.new),
             )
             turn.new, turn.given, turn.rewritten = given.items, len(given.items), True
             self.summary = given.summary or self.summary
@@ -395,17 +400,16 @@ class Compactions(TurnHook):
         counter = await counter_for(inputs.model)
         known, new = list(turn.known), turn.new
         everything = [*known, *new]
+        read = raws(everything)
         tokens = await off_the_loop(
-            lambda: counter.responses_prompt(everything, inputs.instructions, inputs.tools),
-            everything,
+            lambda: counter.responses_prompt(everything, inputs.instructions, inputs.tools), read
         )
         if tokens <= self.threshold:
             return
         key = await request_key(self.request)
         end = current_turn_start(everything)
         made = await off_the_loop(
-            lambda: compact_items(key, self.tenant, everything, end, counter, self.summary),
-            everything,
+            lambda: compact_items(key, self.tenant, everything, end, counter, self.summary), read
         )
         if made is None:
             return

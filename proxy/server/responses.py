@@ -25,14 +25,7 @@ from aiohttp import web
 from proxy.core import fastjson
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import RESPONSES
-from proxy.server.compaction import (
-    Compactions,
-    compaction_threshold,
-    counter_for,
-    expand,
-    is_local,
-    request_key,
-)
+from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
@@ -162,23 +155,20 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     given = body.get("input")
     history = given if given is not None else []
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
-    if is_local(request) and any(item.kind == "compaction" for item in items):
-        key, counter = (
-            await request_key(request),
-            await counter_for(RESPONSES.budget_inputs(body).model),
-        )
-        items = expand(key, request[NAMESPACE], items, counter, "input").items
+    loaded = None
     if is_stateful(body):
+        loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
+    turn = Turn(request, RESPONSES, body, b"", loaded, new=items)
+    if is_local(request):  # compaction items count as the summary the provider would get
+        await Compactions(request, None).restore(turn)
+    if turn.loaded is not None:
         # The provider does not know our conversations: count what would be sent.
-        threads = thread_service(request.app)
-        chain = await resolve_chain(request, threads, body)
-        turn = Turn(request, RESPONSES, body, b"", chain.loaded, items)
         projection, _ = await project(turn)
         count = projection.report.prompt_tokens
     else:
         inputs = RESPONSES.budget_inputs(body)
         counter = TokenCounter.for_model(inputs.model)
         count = await off_the_loop(
-            lambda: counter.responses_prompt(items, inputs.instructions, inputs.tools), body
+            lambda: counter.responses_prompt(turn.new, inputs.instructions, inputs.tools), body
         )
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -398,3 +398,28 @@ async def test_a_streamed_stateful_turn_keeps_the_compaction_it_made(proxy: Prox
     roles = [i.get("role") for i in proxy.provider.model_requests[-1].json["input"]]
     assert roles.count("developer") == 1 and roles.count("assistant") == 1
     assert "compaction" not in sent_item_types(proxy.provider)
+
+
+async def test_input_tokens_counts_a_compaction_as_the_summary_sent(proxy: Proxy) -> None:
+    client = proxy.client()
+    compacted = await client.responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    output = [o.model_dump(exclude_unset=True, warnings=False) for o in compacted.output]
+    async with proxy.http() as http:
+        auth = {"Authorization": f"Bearer {TENANT_KEY}"}
+        shown = await http.post(
+            "/threadkeeper/v1/compactions/open",
+            json={"encrypted_content": output[-1]["encrypted_content"]},
+            headers=auth,
+        )
+        text = shown.json()["text"]
+        question = {"role": "user", "content": "Total?"}
+        counts = []
+        for given in (
+            [*output, question],
+            [*output[:-1], {"type": "message", "role": "developer", "content": text}, question],
+        ):
+            body = {"model": "gpt-4o", "input": given}
+            response = await http.post("/v1/responses/input_tokens", json=body, headers=auth)
+            assert response.status_code == 200, response.text
+            counts.append(response.json()["input_tokens"])
+    assert counts[0] == counts[1]

@@ -56,7 +56,7 @@ IMPORTANT_KEY = re.compile(
 )
 # Values that look like identifiers (ORD-1, YT123456, cus_8842) wherever they are.
 ID_VALUE = re.compile(
-    r"^(?:(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+"
+    r"^(?:(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+"
     r"|(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}"
     r"|[a-z]{2,}_(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,})$"
 )
@@ -67,10 +67,10 @@ ERROR_LINE = re.compile(
     r"|^E {2,}\S|File \"[^\"]+\", line \d+"
     r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
 )
-# Lines that point at code (a traceback frame) rank above the other error lines.
+# Lines of a traceback (a frame, or the exception it ended with) rank above other errors.
 LOCATION_LINE = re.compile(
-    r"File \"[^\"]+\", line \d+|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h"
-    r"|hpp|cs|php|swift|scala):\d+|[Ee]rror\b|[Ee]xception\b"
+    r"^\s*File \"[^\"]+\", line \d+|^\s*[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c"
+    r"|cc|cpp|h|hpp|cs|php|swift|scala):\d+|[Ee]rror\b|[Ee]xception\b|^Traceback"
 )
 
 
@@ -213,7 +213,7 @@ def json_container(text: str) -> dict[str, Any] | list[Any] | None:
     """The JSON object or array a tool result holds, if it is one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     return value if isinstance(value, dict | list) else None
 
@@ -276,13 +276,19 @@ GENERIC_KEYS = frozenset(
 )
 
 
+MAX_WALK_DEPTH = 16  # nesting levels searched for values; deeper objects are skipped
+
+
 def _walk(
     value: Any,
     parent: str,
     found: list[tuple[int, str, Any]],
     list_items: int,
     referenced: frozenset[str],
+    depth: int = 0,
 ) -> None:
+    if depth > MAX_WALK_DEPTH:
+        return
     if isinstance(value, list):
         summary = _list_summary(value, list_items, referenced)
         if summary:
@@ -300,7 +306,7 @@ def _walk(
             tier = 0 if _important(key, child, referenced) else 1
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
-            _walk(child, label, found, list_items, referenced)
+            _walk(child, label, found, list_items, referenced, depth + 1)
 
 
 def _is_transport(key: Any) -> bool:
@@ -327,6 +333,8 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
     """A list by the identifying values of its elements, with the count of the rest."""
     shown: list[Any] = []
     for index, element in enumerate(value):
+        if index >= list_items and not referenced:
+            break
         ident = _identity(element)
         if ident is None:
             continue
@@ -339,10 +347,13 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
     return shown
 
 
+LIST_TEXT_CHARS = 48  # a text element of a list is named by its beginning
+
+
 def _identity(element: Any) -> Any:
     """An element of a list as its identifying values (at most three, joined)."""
     if _is_scalar(element):
-        return _short(element)
+        return _elide_string(element, LIST_TEXT_CHARS) if isinstance(element, str) else element
     if not isinstance(element, dict):
         return f"[{len(element)} items]" if isinstance(element, list) else None
     scalars = [
@@ -400,14 +411,24 @@ def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> 
 
 
 def _scored_lines(lines: list[str], referenced: frozenset[str]) -> list[tuple[int, int]]:
-    """(rank, index) of the lines worth keeping; a lower rank is kept first."""
-    scored = []
+    """(rank, index) of the lines worth keeping, a lower rank first: code locations and
+    referenced values, then other error lines, then the lines around them (the code of
+    a traceback frame, the message after it)."""
+    ranks: dict[int, int] = {}
     for index, line in enumerate(lines):
         if LOCATION_LINE.search(line) or (referenced and any(t in line for t in referenced)):
-            scored.append((0, index))
+            ranks[index] = 0
         elif ERROR_LINE.search(line):
-            scored.append((1, index))
-    return scored
+            ranks[index] = 1
+    for index, rank in list(ranks.items()):
+        for distance in range(1, CONTEXT_LINES + 1):
+            for neighbour in (index - distance, index + distance):
+                if 0 <= neighbour < len(lines) and lines[neighbour].strip():
+                    ranks[neighbour] = min(ranks.get(neighbour, 99), rank + 1 + distance)
+    return sorted((rank, index) for index, rank in ranks.items())
+
+
+CONTEXT_LINES = 2
 
 
 def _is_scalar(value: Any) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from proxy.core.compress import (
@@ -101,9 +101,8 @@ class MemoryState:
 class _Section:
     title: str
     name: str  # the MemoryState field
-    priority: int  # what survives first when over budget (higher first)
-    must_keep: bool
-    aliases: tuple[str, ...] = ()  # titles older digests used
+    priority: int  # inside a tier, what survives first when over budget (higher first)
+    essential: bool  # ranks in the first tier (facts: only those with ids or amounts)
 
     def entries(self, state: MemoryState) -> list[str]:
         values = getattr(state, self.name)
@@ -113,9 +112,9 @@ class _Section:
             return [p.text for p in values]
         return list(values)
 
-    def keeps_whole(self, entry: str) -> bool:
-        """Facts are kept whole only when they hold ids or amounts; the rest always."""
-        return self.name != "facts" or bool(entities_in(entry))
+    def is_essential(self, entry: str) -> bool:
+        """Whether `entry` survives before every non-essential entry when over budget."""
+        return self.essential and (self.name != "facts" or bool(entities_in(entry)))
 
 
 SECTIONS: tuple[_Section, ...] = (
@@ -130,7 +129,7 @@ SECTIONS: tuple[_Section, ...] = (
     _Section("User requests:", "requests", 2, False),
     _Section("Said by the assistant (not verified):", "said", 1, False),
 )
-_BY_TITLE = {s.title: s for s in SECTIONS} | {a: s for s in SECTIONS for a in s.aliases}
+_BY_TITLE = {s.title: s for s in SECTIONS}
 
 
 # --- sentences and what they state ----------------------------------------------------------
@@ -207,6 +206,10 @@ PREFERENCE = re.compile(
     r"|changed? my mind|switch (?:it |me |that )?to|change (?:it|that|this|my \w+) to)\b",
     re.IGNORECASE,
 )
+# A change of mind that replaces a preference already stated on the same subject.
+CHANGE = re.compile(
+    r"\b(?:actually|make (?:it|that) an?|rather than|go for|on second thought)\b", re.IGNORECASE
+)
 # Words that name what a preference is about: a later preference about the same
 # subject replaces the earlier one.
 TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -245,8 +248,8 @@ AMOUNT = (
     r"|\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
 )
 IDENT = (
-    r"\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
-    r"|\b(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b"
+    r"(?<![\w./-])(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
+    r"|(?<![\w./-])(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b"
     r"|\b(?!call_|fc_|toolu_|resp_|msg_|req_|trace_|span_|rs_|ctc_)[a-z]{2,}_"
     r"(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,}\b"
 )
@@ -257,6 +260,20 @@ def entities_in(text: str) -> list[str]:
     """E-mail addresses, amounts with a currency and identifiers, in order, once each."""
     found = [m.group().strip() for m in ENTITY.finditer(text)]
     return list(dict.fromkeys(f for f in found if f))
+
+
+def referenced_values(items: Iterable[Item]) -> frozenset[str]:
+    """The ids, e-mails and amounts that `items` mention (user and assistant text, call
+    arguments): compress_tool_output keeps the lines and elements of older tool results
+    that hold them."""
+    found: set[str] = set()
+    for item in items:
+        if item.kind == "message":
+            found.update(entities_in(item.text()))
+        elif item.kind == "tool_calls":
+            found.update(entities_in(item.text() + " " + json.dumps(item.raw.get("tool_calls"))))
+            found.update(entities_in(str(item.raw.get("arguments", ""))))
+    return frozenset(found)
 
 
 def is_rule(sentence: str) -> bool:
@@ -289,6 +306,7 @@ class _Builder:
     """Sections being filled, oldest first, each entry once."""
 
     lists: dict[str, list[str]] = field(default_factory=dict)
+    seen: dict[str, set[str]] = field(default_factory=dict)
     preferences: list[Preference] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)
     count: int = 0
@@ -298,16 +316,23 @@ class _Builder:
         builder = cls(count=state.count)
         for section in SECTIONS:
             if section.name not in ("preferences", "pending"):
-                builder.lists[section.name] = list(getattr(state, section.name))
+                builder.add(section.name, getattr(state, section.name))
         builder.preferences = list(state.preferences)
         builder.pending = list(state.pending)
         return builder
 
     def add(self, name: str, entries: Iterable[str]) -> None:
         target = self.lists.setdefault(name, [])
+        seen = self.seen.setdefault(name, set())
         for entry in entries:
-            if entry and entry not in target:
+            if entry and entry not in seen:
+                seen.add(entry)
                 target.append(entry)
+
+    def has_topic(self, text: str) -> bool:
+        """Whether a preference about the subject of `text` was stated already."""
+        subject = topic(text)
+        return any(topic(p.text) == subject for p in self.preferences)
 
     def prefer(self, text: str) -> None:
         """A later preference about the same subject replaces the earlier one."""
@@ -343,22 +368,24 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     builder = _Builder.of(previous or MemoryState())
     builder.count += len(items)
     answered = {item.output_for for item in items if item.output_for is not None}
-    builder.pending = [p for p in builder.pending if not p.call_id or p.call_id not in answered]
+    waiting = {p.call_id: p.text for p in builder.pending if p.call_id in answered}
+    builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
     for item in items:
         if item.is_user_message:
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact = _fact(item, call)
+            fact, amounts = _fact(item, call, waiting.get(item.output_for or ""))
             builder.add("facts", [fact])
-            builder.add("entities", entities_in(fact)[:ENTITIES_PER_ITEM])
+            builder.add("entities", (entities_in(fact) + amounts)[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
             for call_id in item.call_ids:
                 if call_id not in answered:
-                    text = _call_text(item, call_id)
+                    arguments, amounts = _arguments(item, call_id)
+                    text = _cut(f"{_call_name(item, call_id)}({arguments})", FACT_CHARS)
                     builder.pending.append(Pending(text, call_id))
-                    builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
+                    builder.add("entities", (entities_in(text) + amounts)[:ENTITIES_PER_ITEM])
             _assistant_message(builder, item.text())
         elif item.kind == "message" and item.role == "assistant":
             _assistant_message(builder, item.text())
@@ -384,7 +411,7 @@ def _user_message(builder: _Builder, text: str) -> None:
     builder.add("requests", [_cut(text, REQUEST_CHARS)])
     for sentence in sentences(text):
         kept = _cut(sentence, SENTENCE_CHARS)
-        if PREFERENCE.search(sentence):
+        if PREFERENCE.search(sentence) or (CHANGE.search(sentence) and builder.has_topic(kept)):
             builder.prefer(kept)
         elif is_rule(sentence):
             builder.add("constraints", [kept])
@@ -412,20 +439,47 @@ def _assistant_message(builder: _Builder, text: str) -> None:
     builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
 
 
-def _fact(output: Item, call: Item | None) -> str:
-    """tool(arguments) -> the values that matter in its result."""
+def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
+    """tool(arguments) -> the values that matter in its result; and the amounts with
+    their currency that the JSON of both holds. `described` is the call's text when the
+    call itself was summarized earlier (a pending call)."""
     name = tool_name(output, call)
-    arguments = _arguments_text(call, output.output_for or "") if call is not None else ""
+    arguments, amounts = _arguments(call, output.output_for or "") if call else ("", [])
+    head = f"{name}({arguments})" if call is not None or described is None else described
     text = output_text(output)
     parsed = json_container(text)
     if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
-        parsed = parsed.get("verified_facts") or {}
+        excerpt = parsed.get("excerpt")  # a compressed text result
+        text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
+        if parsed is not None:
+            parsed = parsed.get("verified_facts") or {}
     if parsed is not None:
         pairs = key_values(parsed)
         shown = _pairs_text(pairs) if pairs else "(no values)"
+        amounts = amounts + _amounts(pairs)
     else:
         shown = json.dumps(_text_gist(text), ensure_ascii=False)
-    return _cut(f"{name}({arguments}) -> {shown}", FACT_CHARS)
+    return _cut(f"{head} -> {shown}", FACT_CHARS), amounts
+
+
+AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def _amounts(pairs: list[tuple[str, Any]]) -> list[str]:
+    """ "89.99 EUR" for an amount key next to a currency key in the same object."""
+    labels = dict(pairs)
+    found = []
+    for label, value in pairs:
+        if isinstance(value, bool) or not AMOUNT_KEY.search(label):
+            continue
+        if not isinstance(value, int | float | str) or not NUMBER.fullmatch(str(value)):
+            continue
+        parent = label.rsplit(".", 1)[0] if "." in label else ""
+        currency = labels.get(f"{parent}.currency" if parent else "currency")
+        if isinstance(currency, str) and currency.strip():
+            found.append(f"{value} {currency.strip()}")
+    return found
 
 
 def _pairs_text(pairs: list[tuple[str, Any]]) -> str:
@@ -450,11 +504,6 @@ def _text_gist(text: str) -> str:
     return _cut(" | ".join(lines[:4]) if lines else text, FACT_CHARS // 2)
 
 
-def _call_text(call: Item, call_id: str) -> str:
-    """name(arguments) of one call of `call`, without its call id."""
-    return _cut(f"{_call_name(call, call_id)}({_arguments_text(call, call_id)})", FACT_CHARS)
-
-
 def _call_name(call: Item, call_id: str) -> str:
     for tool_call in call.raw.get("tool_calls") or []:
         if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
@@ -467,8 +516,9 @@ def _call_name(call: Item, call_id: str) -> str:
     return call.name or call.type or "unknown"
 
 
-def _arguments_text(call: Item, call_id: str) -> str:
-    """The values of a call's arguments (amounts, reasons, ids), not transport fields."""
+def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
+    """The values of a call's arguments (amounts, reasons, ids), not transport fields,
+    and the amounts with their currency among them."""
     arguments: Any = call.raw.get("arguments", call.raw.get("input", ""))
     for tool_call in call.raw.get("tool_calls") or []:
         if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
@@ -482,8 +532,9 @@ def _arguments_text(call: Item, call_id: str) -> str:
         arguments = json.dumps(arguments, ensure_ascii=False)
     parsed = json_container(arguments)
     if isinstance(parsed, dict):
-        return _pairs_text(key_values(parsed, max_values=8))
-    return _cut(arguments, STATEMENT_CHARS)
+        pairs = key_values(parsed, max_values=8)
+        return _pairs_text(pairs), _amounts(pairs)
+    return _cut(arguments, STATEMENT_CHARS), []
 
 
 def _cut(text: str, chars: int) -> str:
@@ -498,6 +549,32 @@ def must_keep(items: Sequence[Item]) -> tuple[str, ...]:
     latest preferences, decisions, open tasks, pending calls, ids and amounts, and the
     tool facts that hold them."""
     return extract(items).must_keep()
+
+
+def guard(candidate: MemoryState, reference: MemoryState) -> MemoryState:
+    """`candidate` (an LLM's state) with every must-keep string of `reference` (the
+    deterministic state of the same items) it lacks appended, verbatim, to the section
+    it came from. Its rendering then holds all of `reference.must_keep()` when it has room.
+    """
+    written = "\n".join(e for section in SECTIONS for e in section.entries(candidate))
+
+    def lacking(entries: Iterable[Any], text: Callable[[Any], str]) -> tuple[Any, ...]:
+        return tuple(e for e in entries if text(e) not in written)
+
+    return replace(
+        candidate,
+        count=max(candidate.count, reference.count),
+        constraints=candidate.constraints + lacking(reference.constraints, str),
+        preferences=candidate.preferences + lacking(reference.preferences, _text_of),
+        decisions=candidate.decisions + lacking(reference.decisions, str),
+        open_tasks=candidate.open_tasks + lacking(reference.open_tasks, str),
+        pending=candidate.pending + lacking(reference.pending, _text_of),
+        entities=candidate.entities + lacking(reference.entities, str),
+    )
+
+
+def _text_of(entry: Preference | Pending) -> str:
+    return entry.text
 
 
 # --- rendering ------------------------------------------------------------------------------
@@ -530,7 +607,7 @@ def render(state: MemoryState, counter: TokenCounter, max_tokens: int) -> str:
     entries = _ranked(state, counter.text)
     room = max_tokens - counter.text(head)
     while room > 0:
-        text = _text(head, entries, _choose(entries, room))
+        text = _text(head, _choose(entries, room))
         excess = counter.text(text) - max_tokens
         if excess <= 0:
             return text
@@ -542,7 +619,7 @@ def _ranked(state: MemoryState, count_text: Callable[[str], int]) -> list[_Entry
     entries = []
     for number, section in enumerate(SECTIONS):
         for index, text in enumerate(section.entries(state)):
-            tier = 0 if section.must_keep and section.keeps_whole(text) else 1
+            tier = 0 if section.is_essential(text) else 1
             rank = (tier, -section.priority, index)
             entries.append(_Entry(number, index, text, rank, count_text(f"- {text}\n")))
     entries.sort(key=lambda entry: entry.rank)
@@ -561,26 +638,16 @@ def _choose(entries: list[_Entry], room: int) -> list[_Entry]:
     return chosen
 
 
-def _text(head: str, entries: list[_Entry], chosen: list[_Entry]) -> str:
-    """Chosen entries under their titles, in section order, oldest first; an entity
-    already written in another chosen entry is not repeated."""
-    chosen = sorted(chosen, key=lambda entry: (entry.section, entry.index))
-    entity_section = _section_number("entities")
-    others = "\n".join(e.text for e in chosen if e.section != entity_section)
+def _text(head: str, chosen: list[_Entry]) -> str:
+    """Chosen entries under their titles, in section order, oldest first."""
     lines = [head]
     current = -1
-    for entry in chosen:
-        if entry.section == entity_section and entry.text in others:
-            continue
+    for entry in sorted(chosen, key=lambda entry: (entry.section, entry.index)):
         if entry.section != current:
             lines.append(SECTIONS[entry.section].title)
             current = entry.section
         lines.append(f"- {entry.text}")
     return "\n".join(lines)
-
-
-def _section_number(name: str) -> int:
-    return next(i for i, s in enumerate(SECTIONS) if s.name == name)
 
 
 # --- reading a digest back --------------------------------------------------------------------
@@ -598,7 +665,13 @@ def parse(text: str) -> MemoryState:
         if line in _BY_TITLE:
             section = _BY_TITLE[line]
         elif section is not None and line.startswith("- "):
-            lists.setdefault(section.name, []).append(line[2:])
+            entry = line[2:]
+            if section.name in ("facts", "pending"):
+                entry = _OLD_CALL_ID.sub(r"\1\2 ", entry, count=1)
+            lists.setdefault(section.name, []).append(entry)
+    if "entities" not in lists:  # a digest written before the entities had a section
+        found = [e for entries in lists.values() for entry in entries for e in entities_in(entry)]
+        lists["entities"] = list(dict.fromkeys(found))
     preferences = tuple(_preference(p) for p in lists.pop("preferences", []))
     pending = tuple(Pending(p) for p in lists.pop("pending", []))
     return MemoryState(
@@ -609,6 +682,8 @@ def parse(text: str) -> MemoryState:
     )
 
 
+# Digests written before issue 10 named the call: "lookup_order call_1: {...}".
+_OLD_CALL_ID = re.compile(r"^([\w.-]+) (?:call|fc|toolu|ctc)_[\w-]+(:?) ")
 _CHANGED = re.compile(r"^(.*) \(changed from: (.*)\)$")
 
 
@@ -669,11 +744,11 @@ def _strings(value: Any, name: str) -> list[str]:
 
 def _pair(value: Any, first: str, second: str, name: str) -> tuple[str, str]:
     if isinstance(value, str):
-        return value, ""
+        return _cut(value, SENTENCE_CHARS * 2), ""
     if isinstance(value, Mapping):
         a, b = value.get(first), value.get(second, "")
         if isinstance(a, str) and isinstance(b, str):
-            return a, b
+            return _cut(a, SENTENCE_CHARS * 2), _cut(b, SENTENCE_CHARS * 2)
     raise ValueError(f"{name} entries must be strings or objects with a string {first!r}")
 
 
@@ -765,11 +840,13 @@ __all__ = [
     "extract",
     "fit_summary",
     "from_json",
+    "guard",
     "is_rule",
     "is_summary",
     "merge",
     "must_keep",
     "parse",
+    "referenced_values",
     "render",
     "sentences",
     "state_of",

@@ -17,7 +17,8 @@ Policy `compaction.mode: upstream` turns all of this off for a tenant: requests 
 go to the provider untouched (a tenant whose provider is OpenAI itself).
 
 The key is `THREADKEEPER_COMPACTION_KEY` (32 bytes, base64) when set, else the one the
-store creates once (table server_secrets, first write wins, so replicas share it).
+store holds, created at the first start (table server_secrets, first write wins, so
+replicas that start together share it).
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ OPERATOR_MODEL = "gpt-4o"  # the vocabulary operator views render with (no budge
 
 
 class KeyRing:
-    """The process's compaction key, read once: the configured one, else the store's
-    (created by the first replica that needs it)."""
+    """The process's compaction key, read once at start: the configured one, else the
+    store's (created by the first replica that starts)."""
 
     def __init__(self, configured: bytes | None) -> None:
         self._key = CompactionKey(configured) if configured is not None else None
@@ -107,7 +108,7 @@ async def stored_key(store: Store, clock: Clock, *, create: bool) -> CompactionK
     value = await store.secret(SECRET_NAME)
     if value is None:
         if not create:
-            raise LookupError("the store holds no compaction key (no compaction was made)")
+            raise LookupError("the store holds no compaction key (no proxy has started on it)")
         candidate = base64.b64encode(secrets.token_bytes(32)).decode("ascii")
         value = await store.create_secret(SECRET_NAME, candidate, clock.iso())
     return CompactionKey(base64.b64decode(value))
@@ -561,9 +562,18 @@ async def open_for_operator(request: web.Request) -> web.Response:
     return web.json_response(await off_the_loop(lambda: shown(key, tenant, summary), summary))
 
 
+async def _key_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The key is read (or created) at start, after the store opens: a request never
+    writes it, so a refused one leaves the store as it was."""
+    await app[COMPACTION_KEY].key(app[STORE], app[CLOCK])
+    yield
+
+
 def add_routes(app: web.Application) -> None:
-    """Register before the `/v1/{tail}` passthrough, or these paths would be forwarded."""
+    """Register before the `/v1/{tail}` passthrough, or these paths would be forwarded;
+    after the store's cleanup_ctx, which the key's reads."""
     app[COMPACTION_KEY] = KeyRing(app[SETTINGS].compaction_key)
+    app.cleanup_ctx.append(_key_ctx)
     app.router.add_post("/v1/responses/compact", compact, name="responses.compact")
     app.router.add_post(
         "/threadkeeper/v1/compactions/open", open_for_operator, name="compactions.open"

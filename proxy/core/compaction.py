@@ -174,14 +174,17 @@ def covered(items: Sequence[Item], end: int) -> list[int]:
     """Indexes before `end` that a compaction placed at `end` stands for: everything but
     the user's messages and instructions (a summary this module rendered is covered: the
     new summary includes it). A call and its output stay together: a pair that `end`
-    splits is kept whole."""
+    splits is kept whole, with the reasoning item just before the call (the provider
+    wants the two together)."""
     later_outputs = {i.output_for for i in items[end:] if i.output_for is not None}
     later_calls = {c for i in items[end:] for c in i.call_ids}
-    found = []
+    found: list[int] = []
     for index, item in enumerate(items[:end]):
         if item.is_user_message or (item.is_instruction and not is_summary(item)):
             continue
         if later_outputs.intersection(item.call_ids) or item.output_for in later_calls:
+            if found and found[-1] == index - 1 and items[index - 1].kind == "reasoning":
+                found.pop()
             continue
         found.append(index)
     return found

@@ -130,6 +130,12 @@ def test_covered_keeps_users_instructions_and_split_pairs() -> None:
     assert covered(with_summary, end + 1)[0] == 0
 
 
+def test_a_kept_call_keeps_the_reasoning_item_before_it() -> None:
+    reasoning = responses_item({"type": "reasoning", "id": "rs_1", "summary": []})
+    items = [user("a"), assistant("b"), reasoning, call("c1"), user("c"), output("c1")]
+    assert covered(items, 4) == [1]
+
+
 def test_replaced_puts_the_summary_where_the_last_covered_item_was() -> None:
     items = [user("a"), assistant("b"), call("c1"), output("c1"), user("d")]
     summary = summary_message("gist")

@@ -1,4 +1,5 @@
-"""`threadkeeper` command line: serve, demo, count, project, compaction show."""
+"""`threadkeeper` command line: serve, demo, count, project, policy, threads, ledger,
+compaction."""
 
 from __future__ import annotations
 
@@ -9,6 +10,76 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def _store_options(command: argparse.ArgumentParser) -> None:
+    """The store `serve` would open: --store, else THREADKEEPER_STORE, else the config."""
+    command.add_argument("--store", help="sqlite:///path or postgresql://... (as for serve)")
+    command.add_argument("--config", help="YAML config file (as for serve)")
+    command.add_argument("--json", action="store_true", help="JSON for scripts")
+
+
+def _operator_commands(sub: Any) -> None:
+    threads = sub.add_parser("threads", help="list, show, fork, export, import, delete threads")
+    verbs = threads.add_subparsers(dest="verb", required=True)
+    listing = verbs.add_parser("list", help="threads, newest first")
+    listing.add_argument("--tenant")
+    listing.add_argument("--limit", type=int, default=50)
+    for name, text in (
+        ("show", "the log, the cut point, the summaries and compressed results"),
+        ("delete", "delete the thread and its items"),
+        ("fork", "a new thread with a copy of the items (up to --at ITEM)"),
+        ("export", "print the thread: jsonl (re-importable) or openai (Responses input)"),
+    ):
+        command = verbs.add_parser(name, help=text)
+        command.add_argument("id")
+        command.add_argument("--tenant", help="needed only when the id exists in two tenants")
+        if name == "fork":
+            command.add_argument("--at", metavar="ITEM", help="last item id to copy")
+        if name == "export":
+            command.add_argument("--format", choices=("jsonl", "openai"), default="jsonl")
+    explaining = verbs.add_parser("explain", help="what one model request sent, and why")
+    explaining.add_argument("request_id", help="the x-threadkeeper-request-id header")
+    explaining.add_argument("--tenant")
+    importing = verbs.add_parser("import", help="a new thread from an exported jsonl file")
+    importing.add_argument("file", type=Path)
+    importing.add_argument("--tenant", help="instead of the file's tenant")
+    importing.add_argument("--id", help="instead of the file's thread id")
+    for command in verbs.choices.values():
+        _store_options(command)
+
+    ledger = sub.add_parser("ledger", help="side-effecting calls: list, show, resolve")
+    ledger_verbs = ledger.add_subparsers(dest="verb", required=True)
+    listing = ledger_verbs.add_parser("list", help="entries, oldest first")
+    listing.add_argument("--tenant")
+    listing.add_argument("--status", choices=("issued", "completed", "failed"))
+    listing.add_argument("--limit", type=int, default=50)
+    for name, text in (
+        ("show", "one entry"),
+        ("resolve", "settle an issued entry whose outcome the client never reported"),
+    ):
+        command = ledger_verbs.add_parser(name, help=text)
+        command.add_argument("scope", help="tenant or thread:<id>")
+        command.add_argument("key")
+        command.add_argument("--tenant", required=True)
+        if name == "resolve":
+            command.add_argument("--status", choices=("completed", "failed"), required=True)
+            command.add_argument("--result", help="the tool's result, when completed")
+    for command in ledger_verbs.choices.values():
+        _store_options(command)
+
+    compaction = sub.add_parser("compaction", help="read threadkeeper's compaction items")
+    compaction_verbs = compaction.add_subparsers(dest="verb", required=True)
+    show = compaction_verbs.add_parser(
+        "show", help="the decrypted summary a compaction item holds, for the tenant owning it"
+    )
+    show.add_argument(
+        "source",
+        help="an encrypted_content (tkc1....), or a file holding one, a compaction item, "
+        "or an answer holding compaction items",
+    )
+    show.add_argument("--tenant", required=True)
+    _store_options(show)  # the key: THREADKEEPER_COMPACTION_KEY, else the store's
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,24 +102,22 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token GET /metrics requires (prefer THREADKEEPER_METRICS_TOKEN)",
     )
 
-    compaction = sub.add_parser("compaction", help="read threadkeeper's compaction items")
-    compaction_sub = compaction.add_subparsers(dest="compaction_command", required=True)
-    show = compaction_sub.add_parser(
-        "show", help="print the decrypted summary a compaction item holds (operators)"
-    )
-    show.add_argument(
-        "source",
-        help="an encrypted_content (tkc1....), or a file holding one, a compaction item, "
-        "or a compact / Responses answer",
-    )
-    show.add_argument("--tenant", required=True, help="the tenant the compaction belongs to")
-    show.add_argument("--store", help="the store `serve` uses (for the key it created)")
-    show.add_argument("--config", help="YAML config file, as for `serve`")
-    show.add_argument("--json", action="store_true", help="JSON for scripts")
-
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
     demo.add_argument("--window", type=int, default=4000)
+
+    policy = sub.add_parser("policy", help="validate policy files or print their JSON Schema")
+    policy_sub = policy.add_subparsers(dest="policy_command", required=True)
+    check = policy_sub.add_parser(
+        "check", help="validate a policy directory; exit 1 listing file, field and problem"
+    )
+    check.add_argument("directory", type=Path)
+    schema = policy_sub.add_parser("schema", help="print the policy JSON Schema (editors, CI)")
+    schema.add_argument(
+        "--markdown", action="store_true", help="the policy reference (docs/policy.md) instead"
+    )
+
+    _operator_commands(sub)
 
     for name, text in (
         ("count", "count the prompt tokens of a JSON request or message list"),
@@ -72,12 +141,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "compaction":
-        return _compaction_show(args)
     if args.command == "demo":
         from proxy.demo import run_demo
 
         return run_demo(turns=args.turns, window=args.window)
+    if args.command == "policy":
+        return _policy(args)
+    if args.command in ("threads", "ledger", "compaction"):
+        return _operator(args)
     request = _load_request(Path(args.file), args.model)
     if args.command == "count":
         return _count(request)
@@ -109,89 +180,193 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
 
-def _compaction_show(args: argparse.Namespace) -> int:
-    """Exit 2 with one line on stderr when the source, settings, store or key is wrong."""
+def _policy(args: argparse.Namespace) -> int:
+    from proxy.policy import PolicyError, check_directory, policy_schema
+
+    if args.policy_command == "schema":
+        if args.markdown:
+            from proxy.policydoc import policy_reference
+
+            print(policy_reference(), end="")
+        else:
+            print(json.dumps(policy_schema(), indent=2, sort_keys=True))
+        return 0
+    try:
+        tenants, errors = check_directory(args.directory)
+    except PolicyError as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
+        return 2
+    for error in errors:
+        print(error, file=sys.stderr)
+    if errors:
+        return 1
+    print(f"ok: {len(tenants)} tenant policies ({', '.join(tenants)})")
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
     import asyncio
 
-    from proxy.core.compaction import CompactionError
-    from proxy.settings import SettingsError, load_settings
+    from proxy.admin import AdminError
+    from proxy.settings import SettingsError
+    from proxy.store.base import StoreError
 
     try:
-        settings = load_settings({"store": args.store, "config": args.config}, os.environ)
-        blobs = compaction_blobs(args.source)
-        try:
-            key = asyncio.run(_compaction_key(settings))
-        except LookupError:
-            raise
-        except Exception as exc:  # an unreachable or foreign store: one line, not a trace
-            raise LookupError(f"cannot read the compaction key from the store: {exc}") from None
-        shown = [_shown_compaction(key, args.tenant, blob) for blob in blobs]
-    except (SettingsError, CompactionError, LookupError, OSError, ValueError) as exc:
-        print(f"threadkeeper: compaction show: {exc}", file=sys.stderr)
+        output = asyncio.run(_run_operator(args))
+    except (AdminError, SettingsError, StoreError) as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(shown if len(shown) > 1 else shown[0], indent=2, ensure_ascii=False))
-        return 0
-    for entry in shown:
-        print(f"compaction {entry['id']}  tenant {entry['tenant']}  covers {entry['covers']} items")
-        print(entry["text"])
+    print(output)
     return 0
+
+
+async def _run_operator(args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if getattr(args, "limit", 1) < 1:
+        raise admin.AdminError("--limit must be at least 1")
+    if args.command == "compaction":
+        return await _compaction(args)
+    store = await _open_store(args)
+    try:
+        if args.command == "ledger":
+            return await _ledger(store, args)
+        return await _threads(store, args)
+    finally:
+        await store.close()
+
+
+async def _open_store(args: argparse.Namespace) -> Any:
+    import sqlite3
+
+    from proxy.admin import AdminError
+    from proxy.settings import load_settings
+    from proxy.store import open_store
+
+    settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+    try:
+        store = await open_store(
+            settings.store_url,
+            connect_timeout=settings.store_connect_timeout,
+            command_timeout=settings.store_command_timeout,
+        )
+    except (ValueError, OSError, sqlite3.Error) as exc:
+        raise AdminError(f"cannot open the store {settings.store_url!r}: {exc}") from None
+    await store.migrate()
+    return store
+
+
+async def _threads(store: Any, args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if args.verb == "list":
+        threads = await admin.list_threads(store, args.tenant, args.limit)
+        return _shown(args, threads, lambda: admin.table(admin.threads_table(threads)))
+    if args.verb == "show":
+        shown = await admin.show_thread(store, args.id, args.tenant)
+        return _shown(args, shown, lambda: admin.show_text(shown))
+    if args.verb == "delete":
+        deleted = await admin.delete_thread(store, args.id, args.tenant)
+        return _shown(args, deleted, lambda: f"deleted thread {deleted['id']}")
+    if args.verb == "fork":
+        fork = await admin.fork_thread(store, args.id, args.tenant, args.at)
+        return _shown(args, fork, lambda: f"forked into {fork['id']} ({fork['items']} items)")
+    if args.verb == "explain":
+        record = await admin.explain_request(store, args.request_id, args.tenant)
+        return _shown(args, record, lambda: admin.explain_text(record))
+    if args.verb == "export":
+        lines = await admin.export_thread(store, args.id, args.tenant, args.format)
+        if args.format == "openai":
+            return json.dumps(lines, ensure_ascii=False, indent=2)
+        return "\n".join(json.dumps(line, ensure_ascii=False) for line in lines)
+    try:
+        text = args.file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise admin.AdminError(f"cannot read {args.file}: {exc}") from None
+    imported = await admin.import_thread(store, text.splitlines(), args.tenant, args.id)
+    return _shown(
+        args, imported, lambda: f"imported thread {imported['id']} ({imported['items']} items)"
+    )
+
+
+async def _ledger(store: Any, args: argparse.Namespace) -> str:
+    from proxy import admin
+
+    if args.verb == "list":
+        entries = await admin.ledger_list(store, args.tenant, args.status, args.limit)
+        return _shown(args, entries, lambda: admin.table(admin.ledger_table(entries)))
+    if args.verb == "show":
+        entry = await admin.ledger_show(store, args.tenant, args.scope, args.key)
+    else:
+        entry = await admin.ledger_resolve(
+            store, args.tenant, args.scope, args.key, args.status, args.result
+        )
+    return _shown(args, entry, lambda: "\n".join(f"{k}: {v}" for k, v in entry.items()))
+
+
+async def _compaction(args: argparse.Namespace) -> str:
+    """The compactions `args.source` holds, opened with the key `serve` uses."""
+    from proxy.admin import AdminError
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.core.compaction import CompactionError, CompactionKey
+    from proxy.server.compaction import shown, stored_key
+    from proxy.settings import load_settings
+
+    blobs = compaction_blobs(args.source)
+    settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+    if settings.compaction_key is not None:
+        key = CompactionKey(settings.compaction_key)
+    else:
+        store = await _open_store(args)
+        try:
+            key = await stored_key(store, SYSTEM_CLOCK, create=False)
+        except LookupError as exc:
+            raise AdminError(str(exc)) from None
+        finally:
+            await store.close()
+    try:
+        entries = [shown(key, args.tenant, key.open(args.tenant, blob)) for blob in blobs]
+    except CompactionError as exc:
+        raise AdminError(f"compaction show: {exc}") from None
+    data = entries if len(entries) > 1 else entries[0]
+    return _shown(args, data, lambda: "\n".join(map(_compaction_text, entries)))
+
+
+def _compaction_text(entry: dict[str, Any]) -> str:
+    head = f"compaction {entry['id']}  tenant {entry['tenant']}  covers {entry['covers']} items"
+    return f"{head}\n{entry['text']}"
 
 
 def compaction_blobs(source: str) -> list[str]:
     """The encrypted_content values `source` gives: itself when it is one, else those in
     the file it names (a bare blob, a compaction item, or an answer holding items)."""
+    from proxy.admin import AdminError
     from proxy.core.compaction import BLOB_PREFIX
 
     if source.startswith(BLOB_PREFIX):
         return [source]
-    text = Path(source).read_text(encoding="utf-8").strip()
-    if text.startswith(BLOB_PREFIX):
-        return [text]
-    found: list[str] = []
-    _collect_blobs(json.loads(text), found)
+    try:
+        text = Path(source).read_text(encoding="utf-8").strip()
+        found = [text] if text.startswith(BLOB_PREFIX) else _blobs_in(json.loads(text))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AdminError(f"cannot read {source}: {exc}") from None
     if not found:
-        raise ValueError(f"{source} holds no compaction item")
+        raise AdminError(f"{source} holds no compaction item")
     return found
 
 
-def _collect_blobs(value: Any, found: list[str]) -> None:
+def _blobs_in(value: Any) -> list[str]:
     if isinstance(value, dict):
         if value.get("type") == "compaction" and isinstance(value.get("encrypted_content"), str):
-            found.append(value["encrypted_content"])
-            return
-        for inner in value.values():
-            _collect_blobs(inner, found)
-    elif isinstance(value, list):
-        for inner in value:
-            _collect_blobs(inner, found)
+            return [value["encrypted_content"]]
+        return [blob for inner in value.values() for blob in _blobs_in(inner)]
+    if isinstance(value, list):
+        return [blob for inner in value for blob in _blobs_in(inner)]
+    return []
 
 
-async def _compaction_key(settings: Any) -> Any:
-    """The configured key, else the one the store holds (never created here)."""
-    from proxy.clock import SYSTEM_CLOCK
-    from proxy.core.compaction import CompactionKey
-    from proxy.server.compaction import stored_key
-    from proxy.store import open_store
-
-    if settings.compaction_key is not None:
-        return CompactionKey(settings.compaction_key)
-    store = await open_store(
-        settings.store_url,
-        connect_timeout=settings.store_connect_timeout,
-        command_timeout=settings.store_command_timeout,
-    )
-    try:
-        return await stored_key(store, SYSTEM_CLOCK, create=False)
-    finally:
-        await store.close()
-
-
-def _shown_compaction(key: Any, tenant: str, blob: str) -> dict[str, Any]:
-    from proxy.server.compaction import shown
-
-    result: dict[str, Any] = shown(key, tenant, key.open(tenant, blob))
-    return result
+def _shown(args: argparse.Namespace, data: Any, human: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, indent=2) if args.json else str(human())
 
 
 def _load_request(path: Path, model: str | None) -> dict[str, Any]:

@@ -268,6 +268,17 @@ class Policy(_Frozen):
         return key
 
 
+def policy_schema() -> dict[str, Any]:
+    """JSON Schema of a policy file, generated from the models that validate it, so an
+    editor (yaml-language-server) checks a file as it is typed by the same rules."""
+    schema = Policy.model_json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "threadkeeper tenant policy",
+        **{key: value for key, value in schema.items() if key != "title"},
+    }
+
+
 def _model_names(model: str) -> list[str]:
     names = [model]
     if model.startswith("ft:") and model.count(":") >= 2:
@@ -431,16 +442,9 @@ class PolicyRegistry:
     @classmethod
     def load(cls, directory: Path) -> PolicyRegistry:
         """Every *.yaml / *.yml in `directory`; the first problem raises PolicyError."""
-        files: dict[Path, _Loaded] = {}
-        for path in _policy_paths(directory):
-            loaded, error, _ = _reloaded(path, None, None)
-            if error is not None:
-                raise error
-            if loaded is not None:
-                files[path] = loaded
-        snapshot, conflicts = _snapshot_of(files, {})
-        if conflicts:
-            raise conflicts[0]
+        snapshot, errors = _load_directory(directory)
+        if errors:
+            raise errors[0]
         return cls(directory, snapshot)
 
     def resolve(self, token: str | None) -> Policy | None:
@@ -497,6 +501,26 @@ class PolicyRegistry:
     async def watch(self, interval: float, clock: Clock = SYSTEM_CLOCK) -> None:
         """Reload every `interval` seconds until cancelled (a task in the app's cleanup_ctx)."""
         await every("policy_reload", interval, lambda: asyncio.to_thread(self.reload), clock)
+
+
+def check_directory(directory: Path) -> tuple[list[str], list[PolicyError]]:
+    """The tenants a directory defines and every problem in it, not just the first (what
+    `threadkeeper policy check` reports, so CI shows all bad files at once)."""
+    snapshot, errors = _load_directory(directory)
+    return sorted(snapshot.by_tenant), errors
+
+
+def _load_directory(directory: Path) -> tuple[_Snapshot, list[PolicyError]]:
+    files: dict[Path, _Loaded] = {}
+    errors: list[PolicyError] = []
+    for path in _policy_paths(directory):
+        loaded, error, _ = _reloaded(path, None, None)
+        if error is not None:
+            errors.append(error)
+        elif loaded is not None:
+            files[path] = loaded
+    snapshot, conflicts = _snapshot_of(files, {})
+    return snapshot, errors + conflicts
 
 
 def _policy_paths(directory: Path) -> list[Path]:

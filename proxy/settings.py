@@ -61,6 +61,9 @@ class Settings:
     # The key of threadkeeper's compaction items (32 bytes, base64); None: the one the
     # store creates once (proxy/server/compaction.py).
     compaction_key: bytes | None = dataclasses.field(default=None, repr=False)
+    # Keep an explain record per model request (GET /threadkeeper/v1/requests/{id}).
+    explain: bool = True
+    explain_retention_seconds: float = 7 * 86_400.0
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -135,6 +138,17 @@ def compaction_key(value: Any) -> bytes:
     if len(key) != 32:
         raise ValueError(f"must be 32 bytes written as base64, not {len(key)} bytes")
     return key
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = _text(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {shown(value)}")
 
 
 def _directory(value: Any) -> Path:
@@ -222,6 +236,13 @@ FIELDS: tuple[_Field, ...] = (
     ),
     _Field("workers", _positive_int, "workers", "THREADKEEPER_WORKERS", "workers"),
     _Field("compaction_key", compaction_key, "compaction_key", "THREADKEEPER_COMPACTION_KEY"),
+    _Field("explain", _boolean, "explain", "THREADKEEPER_EXPLAIN"),
+    _Field(
+        "explain_retention_seconds",
+        _positive_number,
+        "explain_retention_seconds",
+        "THREADKEEPER_EXPLAIN_RETENTION_SECONDS",
+    ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import jsonschema
+import yaml
 
 from proxy.cli import main
 from tests.core.test_tokens import JARGON_MESSAGES as COOKBOOK_MESSAGES
@@ -65,6 +69,15 @@ def test_demo_runs_offline_and_checks_what_it_sent() -> None:
     assert [int(row[0]) for row in rows] == [1, 2, 3, 4]
     assert all(int(row[3]) <= 3000 for row in rows)  # tokens sent never above the window
     assert "every tool call went out with its result" in result.stdout
+    # It ends with what the model saw on the last turn: the token bar and the summary.
+    bar, legend = result.stdout.split("What the model saw on the last turn")[1].splitlines()[1:3]
+    assert bar.startswith("[#") and bar.endswith("]") and "S" in bar
+    sizes = {name: int(size) for name, size in re.findall(r"\S ([a-z ]+?) (\d+)", legend)}
+    sent = sum(sizes[n] for n in ("pinned", "tools", "summary", "history", "current"))
+    assert sent == int(rows[-1][3]), "the bar's sent segments sum to the prompt tokens"
+    assert sent + sizes["output reserve"] + sizes["margin"] + sizes["free"] == 3000
+    summary = result.stdout.split("The summary that stands for the dropped turns:\n")[1]
+    assert summary.startswith("[threadkeeper summary of earlier conversation]")
 
 
 def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -91,3 +104,52 @@ def test_serve_runs_on_uvloop_when_importable_and_falls_back_silently(monkeypatc
     assert event_loop_factory() is uvloop.new_event_loop
     monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
     assert event_loop_factory() is None
+
+
+def _policy_dir(tmp_path: Path, files: dict[str, str]) -> Path:
+    directory = tmp_path / "policies"
+    directory.mkdir()
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+def test_policy_check_accepts_the_shipped_policies(capsys) -> None:  # type: ignore[no-untyped-def]
+    example = Path(__file__).parent.parent / "policies"
+    assert main(["policy", "check", str(example)]) == 0
+    assert capsys.readouterr().out.startswith("ok: 1 tenant policies (default)")
+
+
+def test_policy_check_lists_every_bad_file_with_field_and_problem(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    key = "a" * 64
+    directory = _policy_dir(
+        tmp_path,
+        {
+            "acme.yaml": "tenant: acme\nbudget: {target_fill: 1.5}\n",
+            "beta.yaml": "tenant: beta\nmemory: {keep_recent_turn: 2}\n",
+            "good.yaml": f"tenant: good\napi_keys: [{key}]\n",
+            "twin.yaml": f"tenant: twin\napi_keys: [{key}]\n",
+        },
+    )
+    assert main(["policy", "check", str(directory)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"{directory / 'acme.yaml'}: budget.target_fill: ")
+    assert lines[1].startswith(f"{directory / 'beta.yaml'}: memory.keep_recent_turn: ")
+    assert "twin.yaml" in lines[2] and "api_keys" in lines[2]
+
+
+def test_policy_check_exits_2_on_a_missing_directory(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["policy", "check", str(tmp_path / "nowhere")]) == 2
+    assert "policies directory does not exist" in capsys.readouterr().err
+
+
+def test_policy_schema_validates_what_the_loader_accepts(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["policy", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    validator = jsonschema.Draft202012Validator(schema)
+    example = Path(__file__).parent.parent / "policies" / "acme.yaml.example"
+    validator.validate(yaml.safe_load(example.read_text()))
+    errors = list(validator.iter_errors({"tenant": "acme", "budget": {"target_fill": "high"}}))
+    assert [list(error.absolute_path) for error in errors] == [["budget", "target_fill"]]
+    assert list(validator.iter_errors({"tenant": "acme", "memmory": {}}))

@@ -20,6 +20,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -33,6 +34,7 @@ from proxy.server import (
     chat,
     compaction,
     conversations,
+    explain,
     ledger_routes,
     ops,
     passthrough,
@@ -53,6 +55,7 @@ from proxy.server.state import (
     REQUEST_ID,
     SETTINGS,
     STORE,
+    TRACING,
     UPSTREAM,
     WINDOWS,
 )
@@ -60,7 +63,11 @@ from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.threads import WindowCache
+from proxy.tracing import Tracing, set_attributes
 from proxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = structlog.get_logger("threadkeeper.request")
 
@@ -74,6 +81,20 @@ def route_name(request: web.Request) -> str:
 
 @web.middleware
 async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    tracing = request.app[TRACING]
+    if not tracing.on:
+        return await _in_context(request, handler, None)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else request.path
+    attributes = {"http.request.method": request.method, "http.route": route}
+    name = f"{request.method} {route}"
+    with tracing.span(name, attributes, kind="server", parent_headers=request.headers) as span:
+        return await _in_context(request, handler, span)
+
+
+async def _in_context(
+    request: web.Request, handler: Handler, span: Span | None
+) -> web.StreamResponse:
     request_id = "req_" + secrets.token_hex(12)
     request[REQUEST_ID] = request_id
     request[LOG_FIELDS] = {}
@@ -89,9 +110,18 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = 499  # the client went away
         raise
     finally:
+        set_attributes(
+            span,
+            {
+                "http.response.status_code": status,
+                "threadkeeper.request_id": request_id,
+                "threadkeeper.tenant": request[LOG_FIELDS].get("tenant"),
+            },
+        )
         route = route_name(request)
         fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
+        latency_ms = round((time.perf_counter() - started) * 1000, 3)
         request.app[METRICS].requests.labels(route, str(status), tenant).inc()
         if route not in ("healthz", "readyz", "metrics"):
             log.info(
@@ -101,10 +131,11 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
                 route=route,
                 path=request.path,
                 status=status,
-                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                latency_ms=latency_ms,
                 pid=os.getpid(),  # which worker process served it (serve --workers N)
                 **fields,
             )
+        explain.record_request(request, status, latency_ms)
 
 
 @web.middleware
@@ -136,8 +167,10 @@ def create_app(
     store: Store | None = None,
     env: Mapping[str, str] | None = None,
     clock: Clock | None = None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
-    """`clock` defaults to the system clock; tests pass a ManualClock to move time."""
+    """`clock` defaults to the system clock; tests pass a ManualClock to move time.
+    `tracing` defaults to what the OTEL_* variables of `env` configure (off without)."""
     app = web.Application(
         middlewares=[
             context_middleware,
@@ -156,9 +189,12 @@ def create_app(
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)
     app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
+    app[TRACING] = tracing if tracing is not None else Tracing.from_env(app[ENV])
+    app.on_cleanup.append(_flush_traces)
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
+    app.cleanup_ctx.append(explain.explain_ctx())
     app.on_response_prepare.append(mark_not_replayed)
     app.cleanup_ctx.append(_policy_watch_ctx)
 
@@ -174,6 +210,7 @@ def create_app(
     response_routes.add_routes(app)
     conversations.add_routes(app)
     ledger_routes.add_routes(app)
+    explain.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 
@@ -208,12 +245,17 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
             pool_size=settings.upstream_pool_size,
             max_body_bytes=settings.max_provider_body_bytes,
         )
+        upstream.tracing = app[TRACING]
         app[UPSTREAM] = upstream
         app[METRICS].upstream_connections_in_use.set_function(upstream.connections_in_use)
         yield
         await upstream.aclose()
 
     return ctx
+
+
+async def _flush_traces(app: web.Application) -> None:
+    await asyncio.to_thread(app[TRACING].shutdown)
 
 
 async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:

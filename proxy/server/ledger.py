@@ -64,7 +64,7 @@ from proxy.core.ledger import (
 )
 from proxy.policy import Policy
 from proxy.server.api import ApiShape
-from proxy.server.state import METRICS, NAMESPACE, STORE, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.store.base import LedgerEntry
 
@@ -136,6 +136,7 @@ class LedgerGuard:
         self.api = api
         self.thread_id = thread_id
         self.now = now
+        self.log_fields = request[LOG_FIELDS]
 
     @property
     def active(self) -> bool:
@@ -265,6 +266,9 @@ class LedgerGuard:
         level(event, tenant=self.tenant, tool=call.name, **fields)
 
     def _decided(self, call: ToolCall, decision: Decision, entry: LedgerEntry) -> LedgerDecision:
+        # What the ledger decided, on the request's log line and in its explain record.
+        verdict = {"tool": call.name, "call_id": call.call_id, "key": entry.key}
+        self.log_fields.setdefault("ledger", []).append({**verdict, "verdict": decision.value})
         if decision is Decision.HAND_OUT:
             return LedgerDecision(call, decision, entry, None)
         about = {

@@ -168,6 +168,16 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class ExplainRecord:
+    """What one model request sent and why (proxy/server/explain.py)."""
+
+    tenant: str
+    request_id: str
+    created_at: str
+    record: JsonDict
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """A process instance's last sign of life (replica-safe recovery, SPEC 7 and 8)."""
 
@@ -227,6 +237,14 @@ class Store(Protocol):
         """Create a thread with optional initial items, atomically. AlreadyExists if taken."""
 
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None: ...
+
+    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+        """Newest first; every tenant's when `tenant` is None (operators only)."""
+        ...
+
+    async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
+        """The threads with this id in any tenant (operators only: ids are per tenant)."""
+        ...
 
     async def update_metadata(
         self, tenant: str, thread_id: str, metadata: Mapping[str, str]
@@ -377,8 +395,20 @@ class Store(Protocol):
         one, the result is cleared, attempts + 1. True if this call won (SPEC 6)."""
 
     async def ledger_list(
-        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
-    ) -> tuple[LedgerEntry, ...]: ...
+        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+    ) -> tuple[LedgerEntry, ...]:
+        """Oldest first; every tenant's when `tenant` is None (operators only)."""
+        ...
+
+    # explain records ----------------------------------------------------------------------
+    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+        """Insert in one transaction; a request id already kept stays as it is."""
+
+    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        """The tenant's record; with tenant None (operators), the one record with this id."""
+
+    async def explain_purge(self, before: str) -> int:
+        """Delete the records created before `before`; how many went."""
 
     # server secrets (not tenant data: one value per name for every replica) -----------
     async def secret(self, name: str) -> str | None:

@@ -15,6 +15,7 @@ from typing import Any
 from proxy.core import fastjson
 from proxy.core.items import content_digest
 from proxy.store.base import (
+    ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
     JsonDict,
@@ -60,6 +61,13 @@ RETURNING {THREAD_COLUMNS}
 """
 
 SELECT_THREAD = f"SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 AND id = $2"
+
+# Operator listings (the threads CLI): newest first.
+LIST_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads ORDER BY created_at DESC, tenant, id LIMIT $1"
+LIST_TENANT_THREADS = f"""
+SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2
+"""
+FIND_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads WHERE id = $1 ORDER BY tenant LIMIT $2"
 
 UPDATE_METADATA = f"""
 UPDATE threads SET metadata = $3 WHERE tenant = $1 AND id = $2 RETURNING {THREAD_COLUMNS}
@@ -240,6 +248,14 @@ WHERE tenant = $1 AND scope = $2 AND key = $3 AND status = 'failed'
 
 LIST_LEDGER = f"SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 ORDER BY created_at, scope, key LIMIT $2"
 
+LIST_ALL_LEDGER = (
+    f"SELECT {LEDGER_COLUMNS} FROM ledger ORDER BY created_at, tenant, scope, key LIMIT $1"
+)
+
+LIST_ALL_LEDGER_BY_STATUS = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE status = $1 ORDER BY created_at, tenant, scope, key LIMIT $2
+"""
+
 LIST_LEDGER_BY_STATUS = f"""
 SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND status = $2 ORDER BY created_at, scope, key LIMIT $3
 """
@@ -275,6 +291,22 @@ WHERE tenant = $1 AND key = $2
 ABORT_IDEMPOTENCY = "DELETE FROM idempotency WHERE tenant = $1 AND key = $2 AND status = 'running'"
 
 PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
+
+# explain records -------------------------------------------------------------------------
+
+INSERT_EXPLAIN = """
+INSERT INTO explain_records (tenant, request_id, created_at, record) VALUES ($1, $2, $3, $4)
+ON CONFLICT (tenant, request_id) DO NOTHING
+"""
+SELECT_EXPLAIN = """
+SELECT tenant, request_id, created_at, record FROM explain_records
+WHERE tenant = $1 AND request_id = $2
+"""
+FIND_EXPLAIN = """
+SELECT tenant, request_id, created_at, record FROM explain_records
+WHERE request_id = $1 ORDER BY tenant LIMIT 2
+"""
+PURGE_EXPLAIN = "DELETE FROM explain_records WHERE created_at < $1"
 
 # row -> dataclass ----------------------------------------------------------------------
 
@@ -436,3 +468,7 @@ def window_start(state: JsonDict) -> int:
     """First seq still sent verbatim (SPEC section 2, thread state)."""
     start = state.get("window_start", 0)
     return start if isinstance(start, int) and start > 0 else 0
+
+
+def explain_from_row(row: Row) -> ExplainRecord:
+    return ExplainRecord(row["tenant"], row["request_id"], row["created_at"], loads(row["record"]))

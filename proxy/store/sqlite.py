@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import aiosqlite
@@ -179,6 +180,9 @@ async def _connect(path: str, busy_timeout: float) -> aiosqlite.Connection:
 async def open_sqlite_store(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> SqlStore:
     """`busy_timeout`: how long a statement waits for another process's lock."""
     path = sqlite_path(url)
+    if path != MEMORY and not Path(path).parent.is_dir():
+        # Checked here: a failed aiosqlite connect leaves its thread behind.
+        raise ValueError(f"the directory of {path!r} does not exist")
     writer = await _connect(path, busy_timeout)
     reader = None if path == MEMORY else await _connect(path, busy_timeout)
     return SqlStore(SqliteDatabase(writer, reader))

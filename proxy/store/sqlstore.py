@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 from proxy.store import sql
 from proxy.store.base import (
     AlreadyExists,
+    ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
     ItemPage,
@@ -115,6 +116,19 @@ class SqlStore:
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None:
         async with self.db.read() as conn:
             return await _thread(conn, tenant, thread_id)
+
+    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+        async with self.db.read() as conn:
+            if tenant is None:
+                rows = await conn.fetch(sql.LIST_THREADS, limit)
+            else:
+                rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
+        return tuple(map(sql.thread_from_row, rows))
+
+    async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.FIND_THREADS, thread_id, limit)
+        return tuple(map(sql.thread_from_row, rows))
 
     async def update_metadata(
         self, tenant: str, thread_id: str, metadata: Mapping[str, str]
@@ -346,10 +360,14 @@ class SqlStore:
             return await conn.execute(sql.REARM_LEDGER, tenant, scope, key, call_id, now) > 0
 
     async def ledger_list(
-        self, tenant: str, *, status: LedgerStatus | None = None, limit: int = 100
+        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
     ) -> tuple[LedgerEntry, ...]:
         async with self.db.read() as conn:
-            if status is None:
+            if tenant is None and status is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEDGER, limit)
+            elif tenant is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEDGER_BY_STATUS, status, limit)
+            elif status is None:
                 rows = await conn.fetch(sql.LIST_LEDGER, tenant, limit)
             else:
                 rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)
@@ -368,6 +386,24 @@ class SqlStore:
         if row is None:  # same transaction as the insert: cannot be missing
             raise RuntimeError(f"server secret {name!r} vanished")
         return str(row["value"])
+
+    # explain records ------------------------------------------------------------------
+    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+        rows = [(r.tenant, r.request_id, r.created_at, sql.dumps(r.record)) for r in records]
+        async with self.db.write() as conn:
+            await conn.executemany(sql.INSERT_EXPLAIN, rows)
+
+    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        async with self.db.read() as conn:
+            if tenant is not None:
+                row = await conn.fetchrow(sql.SELECT_EXPLAIN, tenant, request_id)
+                return None if row is None else sql.explain_from_row(row)
+            rows = await conn.fetch(sql.FIND_EXPLAIN, request_id)
+        return sql.explain_from_row(rows[0]) if len(rows) == 1 else None
+
+    async def explain_purge(self, before: str) -> int:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.PURGE_EXPLAIN, before)
 
     # request idempotency --------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:

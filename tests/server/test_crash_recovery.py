@@ -157,17 +157,23 @@ async def stream_until_first_delta(
     stream = await client.responses.create(
         model="gpt-4o", conversation=conversation_id, input="Tell me a long story.", stream=True
     )
-    response_id = None
     try:
-        async with asyncio.timeout(STREAM_TIMEOUT):
-            async for event in stream:
-                if event.type == "response.created":
-                    response_id = event.response.id
-                if event.type == "response.output_text.delta":
-                    break
+        response_id = await read_until_first_delta(stream)
         server.kill()
     finally:
         await stream.close()
+    return response_id
+
+
+async def read_until_first_delta(stream: Any) -> str:
+    """Reads a Responses stream until its first text delta; the `response.created` id."""
+    response_id = None
+    async with asyncio.timeout(STREAM_TIMEOUT):
+        async for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                break
     assert response_id is not None, "no response.created event before the text"
     return response_id
 

@@ -27,7 +27,14 @@ from proxy.store import open_store
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, write_policies
-from .test_crash_recovery import SLOW_TEXT, STREAM_TIMEOUT, Server, conversation_texts, running
+from .test_crash_recovery import (
+    SLOW_TEXT,
+    STREAM_TIMEOUT,
+    Server,
+    conversation_texts,
+    read_until_first_delta,
+    running,
+)
 
 CONVERSATIONS = 6
 TURNS = 3
@@ -123,14 +130,7 @@ class SlowTurn:
         stream = await client.responses.create(
             model="gpt-4o", conversation=conversation.id, input="A long story.", stream=True
         )
-        response_id = ""
-        async with asyncio.timeout(STREAM_TIMEOUT):
-            async for event in stream:
-                if event.type == "response.created":
-                    response_id = event.response.id
-                if event.type == "response.output_text.delta":
-                    break
-        return cls(conversation.id, stream, response_id)
+        return cls(conversation.id, stream, await read_until_first_delta(stream))
 
     async def finish(self) -> None:
         async with asyncio.timeout(STREAM_TIMEOUT):

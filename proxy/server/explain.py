@@ -1,0 +1,188 @@
+"""Explain records: what one model request sent to the provider, and why.
+
+The request's log line already gathers the facts (tenant, thread, budget totals, ledger
+verdicts, usage, retries, timings). An explain record is that line plus the whole
+projection report (every block with its decision and its tokens before and after) and the
+texts that stood in for history: summaries and compressed tool results. Verbatim items are
+not copied; the record names the thread they live in.
+
+Records are queued and written in batches by one background task, so no request waits for
+this write. When the queue is full (a store that is down), records are dropped and counted
+in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a record to the tenant that
+made the request, from the queue while it is not written yet. Records older than
+`explain_retention_seconds` are purged in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+
+import structlog
+from aiohttp import web
+
+from proxy.clock import Clock, utc_iso
+from proxy.core.compress import COMPRESSED_KEY, output_text
+from proxy.core.memory import is_summary
+from proxy.core.projection import Projection
+from proxy.periodic import every, running
+from proxy.server.errors import ApiError
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, REQUEST_ID, SETTINGS, STORE
+from proxy.server.validate import JsonDict
+from proxy.store.base import ExplainRecord, Store, StoreError
+
+log = structlog.get_logger("threadkeeper.explain")
+
+QUEUE_MAX = 1000  # records waiting for the writer; more are dropped
+BATCH_MAX = 100  # records per store transaction
+PURGE_INTERVAL_SECONDS = 600.0
+# Log fields the record carries in a fuller form of its own.
+REPLACED_FIELDS = ("budget", "trimmed_blocks")
+
+PROJECTION = web.RequestKey("projection", Projection)  # set by rebuild_turn when observed
+
+
+class ExplainRecorder:
+    """A bounded queue of records and the one task that writes them."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.dropped = 0
+        self._queue: asyncio.Queue[ExplainRecord] = asyncio.Queue(QUEUE_MAX)
+        self._unwritten: dict[tuple[str, str], ExplainRecord] = {}
+
+    def offer(self, record: ExplainRecord) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self._dropped(1, "queue_full")
+            return
+        self._unwritten[(record.tenant, record.request_id)] = record
+
+    def unwritten(self, tenant: str, request_id: str) -> ExplainRecord | None:
+        return self._unwritten.get((tenant, request_id))
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < BATCH_MAX and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._write(batch)
+
+    async def drain(self) -> None:
+        """What is still queued, written once more before the process stops."""
+        while not self._queue.empty():
+            batch = [self._queue.get_nowait() for _ in range(min(BATCH_MAX, self._queue.qsize()))]
+            await self._write(batch)
+
+    async def _write(self, batch: list[ExplainRecord]) -> None:
+        try:
+            await self.store.explain_put(batch)
+        except StoreError as exc:
+            self._dropped(len(batch), str(exc))
+        finally:
+            for record in batch:
+                self._unwritten.pop((record.tenant, record.request_id), None)
+
+    def _dropped(self, count: int, reason: str) -> None:
+        self.dropped += count
+        log.warning("explain_records_dropped", count=count, total=self.dropped, reason=reason)
+
+
+EXPLAIN = web.AppKey("explain", ExplainRecorder)
+
+
+def explain_ctx() -> Callable[[web.Application], AsyncIterator[None]]:
+    """cleanup_ctx: the writer and the retention purge (nothing when `explain` is off)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        if not settings.explain:
+            yield
+            return
+        recorder = ExplainRecorder(app[STORE])
+        app[EXPLAIN] = recorder
+        retention = timedelta(seconds=settings.explain_retention_seconds)
+        clock = app[CLOCK]
+
+        async def purge() -> None:
+            if purged := await recorder.store.explain_purge(utc_iso(clock.now() - retention)):
+                log.info("explain_records_purged", count=purged)
+
+        purging = every("explain_purge", PURGE_INTERVAL_SECONDS, purge, clock, first_now=True)
+        async with running(recorder.run(), purging):
+            yield
+        await recorder.drain()
+
+    return ctx
+
+
+def record_request(request: web.Request, status: int, latency_ms: float) -> None:
+    """Queues the record of a model request (one whose context was projected). A 4xx
+    leaves no record: bad input changes nothing in the store."""
+    recorder = request.app.get(EXPLAIN)
+    projection = request.get(PROJECTION)
+    if recorder is None or projection is None or 400 <= status < 500:
+        return
+    clock: Clock = request.app[CLOCK]
+    request_id = request[REQUEST_ID]
+    fields = {k: v for k, v in request[LOG_FIELDS].items() if k not in REPLACED_FIELDS}
+    record: JsonDict = {
+        "object": "threadkeeper.request",
+        "id": request_id,
+        "created_at": clock.iso(),
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "latency_ms": latency_ms,
+        **fields,
+        "estimated_input_tokens": projection.report.prompt_tokens,
+        "projection": projection.report.as_dict(),
+        "stand_ins": stand_ins(projection),
+    }
+    recorder.offer(ExplainRecord(request[NAMESPACE], request_id, record["created_at"], record))
+
+
+def stand_ins(projection: Projection) -> list[JsonDict]:
+    """The items sent in place of history, in the order they were sent: summaries and
+    compressed tool results, with their text."""
+    shown: list[JsonDict] = []
+    for position, item in enumerate(projection.items):
+        if is_summary(item):
+            shown.append({"position": position, "kind": "summary", "text": item.text()})
+        elif item.output_for is not None and COMPRESSED_KEY in output_text(item):
+            shown.append(
+                {
+                    "position": position,
+                    "kind": "compressed",
+                    "call_id": item.output_for,
+                    "text": output_text(item),
+                }
+            )
+    return shown
+
+
+async def get_record(request: web.Request) -> web.Response:
+    """GET /threadkeeper/v1/requests/{request_id}: the tenant's own records only."""
+    request_id = request.match_info["request_id"]
+    tenant = request[NAMESPACE]
+    recorder = request.app.get(EXPLAIN)
+    found = recorder.unwritten(tenant, request_id) if recorder is not None else None
+    if found is None:
+        found = await request.app[STORE].explain_get(tenant, request_id)
+    if found is None:
+        raise ApiError(
+            404,
+            f"No explain record found with id '{request_id}'.",
+            param="request_id",
+            code="request_not_found",
+            type="invalid_request_error",
+        )
+    return web.json_response(found.record)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get(
+        "/threadkeeper/v1/requests/{request_id}", get_record, name="explain.retrieve"
+    )

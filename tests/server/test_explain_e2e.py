@@ -1,0 +1,174 @@
+"""Explain records: GET /threadkeeper/v1/requests/{request_id} says what one model request
+sent and why, to the tenant that made it and no one else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from structlog.testing import capture_logs
+
+from proxy.clock import ManualClock
+from proxy.fake_provider import FakeProvider, Reply
+from proxy.server.explain import EXPLAIN
+
+from .conftest import TENANT_KEY, Proxy
+from .test_ledger_e2e import REFUND, ChatAgent, Shop, tools_policy
+
+AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
+WINDOW = 6000
+
+
+async def explain(proxy: Proxy, request_id: str, auth: dict[str, str] = AUTH) -> httpx.Response:
+    async with proxy.http() as http:
+        return await http.get(f"/threadkeeper/v1/requests/{request_id}", headers=auth)
+
+
+async def written(proxy: Proxy) -> None:
+    """Until the background writer has stored every queued record."""
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+    for _ in range(1000):
+        if not recorder._unwritten:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("explain records still unwritten after 10 s")
+
+
+async def chat(
+    proxy: Proxy, messages: list[dict[str, Any]], thread: str | None = None, **extra: Any
+) -> httpx.Response:
+    headers = {**AUTH, **({"X-Thread-Id": thread} if thread else {})}
+    async with proxy.http() as http:
+        body = {"model": "gpt-4o", "messages": messages, **extra}
+        return await http.post("/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+async def test_a_cut_thread_explains_its_blocks_summary_and_usage(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(window=WINDOW)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+    for turn in range(8):
+        provider.script.append(Reply(text=f"Noted ORD-{turn}. " + "detail " * 400))
+        messages.append({"role": "user", "content": f"Order ORD-{turn}: " + "words " * 400})
+        answer = await chat(proxy, messages, thread="t-explain")
+        assert answer.status_code == 200
+        messages.append(answer.json()["choices"][0]["message"])
+
+    shown = await explain(proxy, answer.headers["x-threadkeeper-request-id"])
+    assert shown.status_code == 200
+    record = shown.json()
+    assert record["object"] == "threadkeeper.request" and record["status"] == 200
+    assert (record["tenant"], record["thread_id"]) == ("acme", "t-explain")
+    projection = record["projection"]
+    assert projection["window"] == WINDOW
+    assert record["estimated_input_tokens"] == int(answer.headers["x-threadkeeper-context-tokens"])
+    assert record["usage_input_tokens"] == answer.json()["usage"]["prompt_tokens"]
+    actions = {block["action"] for block in projection["blocks"]}
+    assert "kept" in actions and "summarized" in actions
+    for block in projection["blocks"]:
+        assert block["tokens_after"] <= block["tokens_before"] or block["action"] == "kept"
+    summaries = [s for s in record["stand_ins"] if s["kind"] == "summary"]
+    sent = provider.model_requests[-1].json["messages"]
+    assert summaries and sent[summaries[0]["position"]]["content"] == summaries[0]["text"]
+    assert record["retries"] == 0 and record["upstream_status"] == 200
+    assert record["latency_ms"] >= record["upstream_ms"] > 0
+
+
+async def test_stateless_streamed_answers_carry_the_id_and_get_a_record(proxy: Proxy) -> None:
+    async with proxy.http() as http:
+        body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=AUTH) as streamed:
+            request_id = streamed.headers["x-threadkeeper-request-id"]
+            assert [line async for line in streamed.aiter_lines() if line][-1] == "data: [DONE]"
+    record = (await explain(proxy, request_id)).json()
+    assert record["id"] == request_id and record["projection"]["blocks"]
+    await written(proxy)
+    assert (await explain(proxy, request_id)).json() == record, "the stored record is the same"
+
+
+async def test_ledger_verdicts_are_in_the_record(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(acme_extra=tools_policy())
+    agent = ChatAgent(proxy, Shop(), stream=False)
+    with capture_logs() as logs:
+        provider.script += [Reply(tool_calls=[REFUND]), Reply(text="Refunded.")]
+        await agent.ask("Refund ORD-1")
+        provider.script += [Reply(tool_calls=[REFUND]), Reply(text="Already done.")]
+        await agent.ask("Refund ORD-1 again")
+    ids = [line["request_id"] for line in logs if line["event"] == "request"]
+    verdicts = []
+    for request_id in ids:
+        verdicts += (await explain(proxy, request_id)).json().get("ledger", [])
+    assert [v["verdict"] for v in verdicts] == ["hand_out", "replay"]
+    assert {v["key"] for v in verdicts} == {"refund:ORD-1"}
+
+
+async def test_other_tenants_unknown_ids_and_explain_off_get_404(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await make_proxy()
+    answer = await chat(proxy, [{"role": "user", "content": "Hi"}])
+    request_id = answer.headers["x-threadkeeper-request-id"]
+    await written(proxy)
+    assert (await explain(proxy, request_id)).status_code == 200
+    for auth, wanted in (
+        ({"Authorization": "Bearer sk-someone-else-entirely"}, request_id),
+        (AUTH, "req_0123456789abcdef01234567"),
+        (AUTH, "x" * 300),
+    ):
+        missing = await explain(proxy, wanted, auth)
+        assert missing.status_code == 404
+        error = missing.json()["error"]
+        assert error["code"] == "request_not_found" and error["param"] == "request_id"
+
+    off = await make_proxy(settings={"explain": False})
+    answer = await chat(off, [{"role": "user", "content": "Hi"}])
+    assert answer.headers["x-threadkeeper-request-id"]
+    assert (await explain(off, answer.headers["x-threadkeeper-request-id"])).status_code == 404
+
+
+async def test_records_past_their_retention_are_purged(
+    store_url: str,  # before make_proxy: a PostgreSQL schema outlives the proxy
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(
+        clock=clock, store_url=store_url, settings={"explain_retention_seconds": 3600.0}
+    )
+    answer = await chat(proxy, [{"role": "user", "content": "Hi"}])
+    request_id = answer.headers["x-threadkeeper-request-id"]
+    await written(proxy)
+    clock.advance(timedelta(minutes=50))  # a purge runs (every 10 minutes); too young
+    await asyncio.sleep(0.05)
+    assert (await explain(proxy, request_id)).status_code == 200
+    clock.advance(timedelta(minutes=20))
+    for _ in range(500):
+        gone = await explain(proxy, request_id)
+        if gone.status_code == 404:
+            break
+        await asyncio.sleep(0.02)
+    assert json.loads(gone.text)["error"]["code"] == "request_not_found"
+
+
+async def test_a_refused_request_leaves_no_record(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    """Bad input changes nothing in the store: a provider's 400 about the request, relayed,
+    is not explained (5xx faults are)."""
+    proxy = await make_proxy()
+    provider.script.append(Reply(status=400, text="Invalid 'temperature': 9 is above 2."))
+    refused = await chat(proxy, [{"role": "user", "content": "Hi"}], temperature=9)
+    assert refused.status_code == 400
+    provider.script += [Reply(status=503)] * 3  # every attempt the retry policy allows
+    failed = await chat(proxy, [{"role": "user", "content": "Hi"}])
+    assert failed.status_code >= 500
+    await written(proxy)
+    assert (await explain(proxy, refused.headers["x-threadkeeper-request-id"])).status_code == 404
+    kept = await explain(proxy, failed.headers["x-threadkeeper-request-id"])
+    assert kept.status_code == 200 and kept.json()["status"] == failed.status_code

@@ -32,6 +32,9 @@ from proxy.upstream import UpstreamResponse
 
 THREAD_HEADER = "X-Thread-Id"
 REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+# The provider's answers that say the request itself is wrong (a rate limit or an outage
+# is not: that response stays, `incomplete`).
+BAD_INPUT = frozenset({400, 404, 413, 422})
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
@@ -274,7 +277,7 @@ class ResponseChain(StoredTurn):
         self.kept = True
 
     def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
-        self.refused = 400 <= upstream.status < 500
+        self.refused = upstream.status in BAD_INPUT
         return upstream
 
     async def finished(self, turn: Turn) -> None:

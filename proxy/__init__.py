@@ -13,6 +13,8 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
       responses, conversations)
     side-effect ledger: restore calls, judge  proxy/server/hooks/ledger.py, server/ledger.py,
       repeated calls, record tool outputs     proxy/core/ledger.py, server/holdback.py
+    compaction items -> their summary text;   proxy/server/compaction.py (Compactions hook),
+      context_management compacts the turn    proxy/core/compaction.py, proxy/core/memory.py
     orphan check (output for an unknown call) proxy/threads.py (first_orphan)
     budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress,

@@ -1,4 +1,5 @@
-"""`threadkeeper` command line: serve, demo, count, project, policy, threads, ledger."""
+"""`threadkeeper` command line: serve, demo, count, project, policy, threads, ledger,
+compaction."""
 
 from __future__ import annotations
 
@@ -67,6 +68,19 @@ def _operator_commands(sub: Any) -> None:
     for command in ledger_verbs.choices.values():
         _store_options(command)
 
+    compaction = sub.add_parser("compaction", help="read threadkeeper's compaction items")
+    compaction_verbs = compaction.add_subparsers(dest="verb", required=True)
+    show = compaction_verbs.add_parser(
+        "show", help="the decrypted summary a compaction item holds, for the tenant owning it"
+    )
+    show.add_argument(
+        "source",
+        help="an encrypted_content (tkc1....), or a file holding one, a compaction item, "
+        "or an answer holding compaction items",
+    )
+    show.add_argument("--tenant", required=True)
+    _store_options(show)  # the key: THREADKEEPER_COMPACTION_KEY, else the store's
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="threadkeeper", description=__doc__)
@@ -133,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(turns=args.turns, window=args.window)
     if args.command == "policy":
         return _policy(args)
-    if args.command in ("threads", "ledger"):
+    if args.command in ("threads", "ledger", "compaction"):
         return _operator(args)
     request = _load_request(Path(args.file), args.model)
     if args.command == "count":
@@ -211,6 +225,8 @@ async def _run_operator(args: argparse.Namespace) -> str:
 
     if getattr(args, "limit", 1) < 1:
         raise admin.AdminError("--limit must be at least 1")
+    if args.command == "compaction":
+        return await _compaction(args)
     store = await _open_store(args)
     try:
         if args.command == "ledger":
@@ -286,6 +302,67 @@ async def _ledger(store: Any, args: argparse.Namespace) -> str:
             store, args.tenant, args.scope, args.key, args.status, args.result
         )
     return _shown(args, entry, lambda: "\n".join(f"{k}: {v}" for k, v in entry.items()))
+
+
+async def _compaction(args: argparse.Namespace) -> str:
+    """The compactions `args.source` holds, opened with the key `serve` uses."""
+    from proxy.admin import AdminError
+    from proxy.clock import SYSTEM_CLOCK
+    from proxy.core.compaction import CompactionError, CompactionKey
+    from proxy.server.compaction import shown, stored_key
+    from proxy.settings import load_settings
+
+    blobs = compaction_blobs(args.source)
+    settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+    if settings.compaction_key is not None:
+        key = CompactionKey(settings.compaction_key)
+    else:
+        store = await _open_store(args)
+        try:
+            key = await stored_key(store, SYSTEM_CLOCK, create=False)
+        except LookupError as exc:
+            raise AdminError(str(exc)) from None
+        finally:
+            await store.close()
+    try:
+        entries = [shown(key, args.tenant, key.open(args.tenant, blob)) for blob in blobs]
+    except CompactionError as exc:
+        raise AdminError(f"compaction show: {exc}") from None
+    data = entries if len(entries) > 1 else entries[0]
+    return _shown(args, data, lambda: "\n".join(map(_compaction_text, entries)))
+
+
+def _compaction_text(entry: dict[str, Any]) -> str:
+    head = f"compaction {entry['id']}  tenant {entry['tenant']}  covers {entry['covers']} items"
+    return f"{head}\n{entry['text']}"
+
+
+def compaction_blobs(source: str) -> list[str]:
+    """The encrypted_content values `source` gives: itself when it is one, else those in
+    the file it names (a bare blob, a compaction item, or an answer holding items)."""
+    from proxy.admin import AdminError
+    from proxy.core.compaction import BLOB_PREFIX
+
+    if source.startswith(BLOB_PREFIX):
+        return [source]
+    try:
+        text = Path(source).read_text(encoding="utf-8").strip()
+        found = [text] if text.startswith(BLOB_PREFIX) else _blobs_in(json.loads(text))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AdminError(f"cannot read {source}: {exc}") from None
+    if not found:
+        raise AdminError(f"{source} holds no compaction item")
+    return found
+
+
+def _blobs_in(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        if value.get("type") == "compaction" and isinstance(value.get("encrypted_content"), str):
+            return [value["encrypted_content"]]
+        return [blob for inner in value.values() for blob in _blobs_in(inner)]
+    if isinstance(value, list):
+        return [blob for inner in value for blob in _blobs_in(inner)]
+    return []
 
 
 def _shown(args: argparse.Namespace, data: Any, human: Any) -> str:

@@ -199,6 +199,14 @@ class MemoryPolicy(_Frozen):
     summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
 
 
+class CompactionPolicy(_Frozen):
+    """OpenAI's compaction (`POST /responses/compact`, `context_management`): `local`
+    serves it here for any provider (proxy/server/compaction.py); `upstream` passes the
+    requests and compaction items through untouched (a tenant whose provider is OpenAI)."""
+
+    mode: Literal["local", "upstream"] = "local"
+
+
 class ToolPolicy(_Frozen):
     side_effect: bool = False
     idempotency_key: Annotated[str, AfterValidator(_key_template)] | None = None
@@ -238,6 +246,7 @@ class Policy(_Frozen):
     models: dict[str, ModelLimits] = Field(default_factory=_default_models)
     budget: BudgetPolicy = Field(default_factory=BudgetPolicy)
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
+    compaction: CompactionPolicy = Field(default_factory=CompactionPolicy)
     tools: dict[str, ToolPolicy] = Field(default_factory=dict)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     idempotency: IdempotencyPolicy = Field(default_factory=IdempotencyPolicy)

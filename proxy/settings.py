@@ -13,6 +13,9 @@ A bad value raises `SettingsError` naming where it came from, e.g.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,6 +58,9 @@ class Settings:
     # Hot threads' windows kept in memory per process (bytes of item JSON; 0: none).
     thread_cache_bytes: int = 16 * 1024 * 1024
     workers: int = 1  # serving processes on the one port (proxy/server/workers.py)
+    # The key of threadkeeper's compaction items (32 bytes, base64); None: the one the
+    # store creates once (proxy/server/compaction.py).
+    compaction_key: bytes | None = dataclasses.field(default=None, repr=False)
     # Keep an explain record per model request (GET /threadkeeper/v1/requests/{id}).
     explain: bool = True
     explain_retention_seconds: float = 7 * 86_400.0
@@ -120,6 +126,18 @@ def _positive_number(value: Any) -> float:
     if number <= 0:
         raise ValueError(f"expected a number > 0, got {number:g}")
     return number
+
+
+def compaction_key(value: Any) -> bytes:
+    """A 32-byte key written as base64 (standard or URL-safe alphabet)."""
+    text = _text(value).strip()
+    try:
+        key = base64.b64decode(text.replace("-", "+").replace("_", "/"), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("must be 32 bytes written as base64") from None
+    if len(key) != 32:
+        raise ValueError(f"must be 32 bytes written as base64, not {len(key)} bytes")
+    return key
 
 
 def _boolean(value: Any) -> bool:
@@ -217,6 +235,7 @@ FIELDS: tuple[_Field, ...] = (
         "THREADKEEPER_THREAD_CACHE_BYTES",
     ),
     _Field("workers", _positive_int, "workers", "THREADKEEPER_WORKERS", "workers"),
+    _Field("compaction_key", compaction_key, "compaction_key", "THREADKEEPER_COMPACTION_KEY"),
     _Field("explain", _boolean, "explain", "THREADKEEPER_EXPLAIN"),
     _Field(
         "explain_retention_seconds",

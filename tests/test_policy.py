@@ -504,3 +504,15 @@ def test_summarizer_is_on_when_present_and_old_files_keep_their_meaning(
     if summarizer is not None:
         assert (summarizer.max_tokens, summarizer.timeout_seconds) == (800, 20.0)
         assert (summarizer.high_water, summarizer.instructions) == (0.8, None)
+
+
+def test_compaction_mode_is_local_unless_a_tenant_says_upstream(tmp_path: Path) -> None:
+    (tmp_path / "acme.yaml").write_text("tenant: acme\ncompaction: {mode: upstream}\n")
+    (tmp_path / "globex.yaml").write_text("tenant: globex\n")
+    registry = PolicyRegistry.load(tmp_path)
+    acme, globex = registry.get("acme"), registry.get("globex")
+    assert acme is not None and acme.compaction.mode == "upstream"
+    assert globex is not None and globex.compaction.mode == "local"
+    (tmp_path / "globex.yaml").write_text("tenant: globex\ncompaction: {mode: openai}\n")
+    with pytest.raises(PolicyError, match=r"compaction\.mode"):
+        PolicyRegistry.load(tmp_path)

@@ -254,3 +254,16 @@ def test_workers_from_every_source(tmp_path: Path) -> None:
         load_settings({}, {"THREADKEEPER_WORKERS": "0"})
     with pytest.raises(SettingsError, match="--workers: expected an integer"):
         load_settings({"workers": "many"}, {})
+
+
+def test_the_compaction_key_is_32_bytes_of_base64_and_never_shown() -> None:
+    import base64
+
+    key = bytes(range(32))
+    for written in (base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode()):
+        settings = load_settings({}, {"THREADKEEPER_COMPACTION_KEY": written})
+        assert settings.compaction_key == key
+        assert written not in repr(settings) and "compaction_key" not in repr(settings)
+    for bad in ("abc", base64.b64encode(b"short").decode(), "not base64 at all!"):
+        with pytest.raises(SettingsError, match="THREADKEEPER_COMPACTION_KEY: must be 32 bytes"):
+            load_settings({}, {"THREADKEEPER_COMPACTION_KEY": bad})

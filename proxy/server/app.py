@@ -32,6 +32,7 @@ from proxy.periodic import running
 from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
+    compaction,
     conversations,
     explain,
     ledger_routes,
@@ -209,6 +210,7 @@ def create_app(
     app.router.add_post(
         "/v1/responses/input_tokens", responses.input_tokens, name="responses.input_tokens"
     )
+    compaction.add_routes(app)
     response_routes.add_routes(app)
     conversations.add_routes(app)
     ledger_routes.add_routes(app)

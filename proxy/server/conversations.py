@@ -29,6 +29,7 @@ from aiohttp import web
 from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
+from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.responses import validate_input_item
@@ -118,6 +119,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     metadata = metadata_param(body.get("metadata"))
     raws = items_param(body.get("items"), required=False)
     check_outputs_answer_calls(raws, known_calls=frozenset())
+    await check_stored_compactions(request, raws)
     thread_id = new_id("conv")
     await check_ids_free(request, Loaded(tenant_of(request), thread_id, "conversation", None), raws)
     request[LOG_FIELDS]["conversation_id"] = thread_id
@@ -176,6 +178,7 @@ async def create_items(request: web.Request) -> web.Response:
     store = request.app[STORE]
     history = await all_items(request, thread) if needs_history(raws) else ()
     check_outputs_answer_calls(raws, known_calls=call_ids_in(stored_item_view(i) for i in history))
+    await check_stored_compactions(request, raws)
     await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
     items = items_to_add(raws)
     try:

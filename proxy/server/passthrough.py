@@ -52,7 +52,9 @@ async def _request_body(request: web.Request) -> AsyncIterator[bytes]:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    path = request.match_info["tail"]
+    """Also serves a local route's request that its tenant's policy sends upstream
+    (compaction.mode: upstream), which has no `tail`."""
+    path = request.match_info.get("tail") or request.path.removeprefix("/v1/")
     body: bytes | AsyncIterator[bytes] | None = None
     if request.body_exists:
         body = _request_body(request) if streams_upload(request) else await request.read()

@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy.core import fastjson
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import RESPONSES
+from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
@@ -70,6 +71,7 @@ def validate_responses(body: JsonDict) -> None:
     if conversation is not None and not isinstance(conversation, str | dict):
         raise wrong_type("conversation", "a string or an object", conversation)
     optional(body, "previous_response_id", str)
+    compaction_threshold(body)
 
 
 def validate_input_item(item: JsonDict, param: str) -> None:
@@ -84,6 +86,12 @@ def validate_input_item(item: JsonDict, param: str) -> None:
     if item_type in ("function_call", "function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
             raise missing(f"{param}.call_id")
+    if item_type == "compaction":
+        content = item.get("encrypted_content")
+        if content is None:
+            raise missing(f"{param}.encrypted_content")
+        if not isinstance(content, str):
+            raise wrong_type(f"{param}.encrypted_content", "a string", content)
 
 
 def is_stateful(body: JsonDict) -> bool:
@@ -97,6 +105,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if await resolve_references(request, body):
         raw = fastjson.dumps(body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
+    if is_local(request):  # else compaction is the provider's (policy compaction.mode)
+        hooks.insert(0, Compactions(request, compaction_threshold(body)))
     if body.get("store") is not False or is_stateful(body):
         hooks.append(ResponseChain(request, body))
     return await run_turn(
@@ -148,17 +158,20 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     given = body.get("input")
     history = given if given is not None else []
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
+    loaded = None
     if is_stateful(body):
+        loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
+    turn = Turn(request, RESPONSES, body, b"", loaded, new=items)
+    if is_local(request):  # compaction items count as the summary the provider would get
+        await Compactions(request, None).restore(turn)
+    if turn.loaded is not None:
         # The provider does not know our conversations: count what would be sent.
-        threads = thread_service(request.app)
-        chain = await resolve_chain(request, threads, body)
-        turn = Turn(request, RESPONSES, body, b"", chain.loaded, items)
         projection, _ = await project(turn)
         count = projection.report.prompt_tokens
     else:
         inputs = RESPONSES.budget_inputs(body)
         counter = TokenCounter.for_model(inputs.model)
         count = await off_the_loop(
-            lambda: counter.responses_prompt(items, inputs.instructions, inputs.tools), body
+            lambda: counter.responses_prompt(turn.new, inputs.instructions, inputs.tools), body
         )
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -8,7 +8,7 @@
                                       hooks: projected
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream
+    forward                           relay.send_upstream; hooks: upstream_response
     relay (+ commit)                  relay.relay_answer with the hooks' transformer
     always, at the end                hooks: finished
 
@@ -42,6 +42,7 @@ from proxy.server.state import TENANT_POLICY, TRACING
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
 from proxy.tracing import genai_request, genai_response, set_attributes
+from proxy.upstream import UpstreamResponse
 
 
 @dataclass
@@ -62,9 +63,9 @@ class Turn:
     counter: TokenCounter | None = None
     keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
     response_id: str | None = None  # the proxy's own id of this answer, when it has one
-    upstream_status: int | None = None  # the provider's status, once it answered
     # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
     summaries: Mapping[str, Item] = field(default_factory=dict)
+    rewritten: bool = False  # a hook changed what the provider gets: never the client's bytes
 
     @property
     def known(self) -> Sequence[Item]:
@@ -95,6 +96,10 @@ class TurnHook:
 
     async def before_forward(self, turn: Turn) -> None:
         """The last step before the provider is called (record outputs, begin a turn)."""
+
+    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
+        """The provider's answer as the rest of the turn reads it (relay, keeper, ledger)."""
+        return upstream
 
     def transformer(self, turn: Turn, current: Transformer) -> Transformer:
         """The relay's transformer; `current` is what the hooks before chose."""
@@ -167,7 +172,7 @@ def sent_body(turn: Turn, hooks: Sequence[TurnHook]) -> tuple[JsonDict, bytes]:
     """The provider's request: the client's own bytes when the projection changed
     nothing on a stateless request, else the body with the projection as its history."""
     assert turn.projection is not None
-    unchanged = turn.loaded is None and not turn.projection.changed
+    unchanged = turn.loaded is None and not turn.projection.changed and not turn.rewritten
     if unchanged and len(turn.new) == turn.given:
         return turn.body, turn.raw
     sent = turn.api.with_items(turn.body, turn.projection.items)
@@ -197,7 +202,8 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
             stream=bool(sent.get("stream")),
             route=api.route,
         )
-        turn.upstream_status = upstream.status
+        for hook in hooks:
+            upstream = hook.upstream_response(turn, upstream)
         transformer: Transformer = (
             Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
         )

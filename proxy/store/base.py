@@ -426,6 +426,14 @@ class Store(Protocol):
     async def explain_purge(self, before: str) -> int:
         """Delete the records created before `before`; how many went."""
 
+    # server secrets (not tenant data: one value per name for every replica) -----------
+    async def secret(self, name: str) -> str | None:
+        """The secret stored under `name`, or None."""
+
+    async def create_secret(self, name: str, value: str, now: str) -> str:
+        """Stores `value` under `name` unless a value is there already, and returns the
+        stored one: replicas racing to create it all get the first write's value."""
+
     # request idempotency ------------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
         """Insert a `running` record unless one exists for (tenant, key) and is not

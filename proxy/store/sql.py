@@ -204,6 +204,15 @@ DELETE FROM idempotency WHERE status = 'running' AND owner <> $2 AND NOT EXISTS 
     SELECT 1 FROM owners WHERE owners.owner = idempotency.owner AND owners.heartbeat_at >= $1
 )"""
 
+# server secrets (migration 007): the first write of a name wins ------------------------
+
+INSERT_SECRET = """
+INSERT INTO server_secrets (name, value, created_at) VALUES ($1, $2, $3)
+ON CONFLICT (name) DO NOTHING
+"""
+
+SELECT_SECRET = "SELECT value FROM server_secrets WHERE name = $1"
+
 # ledger --------------------------------------------------------------------------------
 
 LEDGER_COLUMNS = (

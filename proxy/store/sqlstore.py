@@ -375,6 +375,20 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)
         return tuple(map(sql.ledger_from_row, rows))
 
+    # server secrets -------------------------------------------------------------------
+    async def secret(self, name: str) -> str | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_SECRET, name)
+        return None if row is None else str(row["value"])
+
+    async def create_secret(self, name: str, value: str, now: str) -> str:
+        async with self.db.write() as conn:
+            await conn.execute(sql.INSERT_SECRET, name, value, now)
+            row = await conn.fetchrow(sql.SELECT_SECRET, name)
+        if row is None:  # same transaction as the insert: cannot be missing
+            raise RuntimeError(f"server secret {name!r} vanished")
+        return str(row["value"])
+
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
         rows = [(r.tenant, r.request_id, r.created_at, sql.dumps(r.record)) for r in records]

@@ -651,3 +651,15 @@ async def test_a_deep_body_with_an_idempotency_key_is_a_400(proxy, depth: int) -
     headers = {**AUTH, "Idempotency-Key": "deep-1"}
     body = b'{"model": "gpt-4o", "input": "hi", "x": ' + nested(depth) + b"}"
     await assert_refused(proxy, "/v1/responses", body, code="json_too_deep", headers=headers)
+
+
+async def test_a_request_the_provider_refuses_leaves_no_response_behind(hostile: Proxy) -> None:
+    """The OpenAPI fuzz found it: a shell_call without its output goes to the provider,
+    which answers 400; the response recorded in_progress before the call must go too."""
+    call = {"type": "shell_call", "call_id": "call_x", "action": {"commands": ["ls"]}}
+    body = {"model": "gpt-4o", "input": [USER, call]}
+    before = await row_counts(hostile)
+    response = await send(hostile, "/v1/responses", body)
+    assert response.status_code == 400, response.text
+    assert len(hostile.provider.requests) == 1  # the provider's own refusal
+    assert await row_counts(hostile) == before

@@ -28,9 +28,13 @@ from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict, duplicate_item, missing
 from proxy.store.base import NewItem, StoredResponse
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
+from proxy.upstream import UpstreamResponse
 
 THREAD_HEADER = "X-Thread-Id"
 REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
+# The provider's answers that say the request itself is wrong (a rate limit or an outage
+# is not: that response stays, `incomplete`).
+BAD_INPUT = frozenset({400, 404, 413, 422})
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
@@ -188,6 +192,7 @@ class ResponseChain(StoredTurn):
         self.id = new_id("resp")
         self.persist = body.get("store") is not False
         self.kept = False
+        self.refused = False  # the provider refused the request (4xx): nothing to keep
         self._begun: asyncio.Future[None] | None = None
 
     async def load(self, turn: Turn) -> None:
@@ -271,18 +276,20 @@ class ResponseChain(StoredTurn):
         )
         self.kept = True
 
+    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
+        self.refused = upstream.status in BAD_INPUT
+        return upstream
+
     async def finished(self, turn: Turn) -> None:
         """A response begun and never kept is marked incomplete; one the provider refused
-        with a 4xx (the request's own fault) is removed, as a refused request leaves
-        nothing in the store."""
+        as bad input is removed (SPEC 1: a 4xx changes nothing in the store)."""
         if self._begun is None or self.kept:
             return
         try:
             await asyncio.shield(self._begun)  # the row must exist before it is finished
         except Exception:
             return  # it was never written: nothing to finish
-        status = turn.upstream_status
-        if status is not None and 400 <= status < 500:
+        if self.refused:
             await asyncio.shield(self.threads.store.delete_response(self.tenant, self.id))
             self.kept = True
             return

@@ -1,0 +1,580 @@
+"""OpenAI's compaction, served by the proxy for any provider (SPEC 1; issue 10, item 5).
+
+- `POST /v1/responses/compact`: the conversation (`input` and/or `previous_response_id`)
+  becomes OpenAI's `response.compaction` object: the user messages verbatim, then one
+  compaction item whose `encrypted_content` is threadkeeper's own sealed summary
+  (proxy/core/compaction.py), bound to the tenant.
+- `Compactions`, a turn hook of `POST /v1/responses`: a compaction item in the input, or
+  in a stored thread, reaches the provider as its summary text (a developer message),
+  never as the opaque item; with `context_management: [{"type": "compaction",
+  "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
+  is forwarded and the compaction item leads the response's `output` (streams: its
+  `response.output_item.added` / `.done` at output_index 0), as OpenAI does.
+- `POST /threadkeeper/v1/compactions/open`: an operator reads what a compaction of their
+  tenant holds (OpenAI's blobs are opaque); `threadkeeper compaction show` is the CLI.
+
+Policy `compaction.mode: upstream` turns all of this off for a tenant: requests and items
+go to the provider untouched (a tenant whose provider is OpenAI itself).
+
+The key is `THREADKEEPER_COMPACTION_KEY` (32 bytes, base64) when set, else the one the
+store holds, created at the first start (table server_secrets, first write wins, so
+replicas that start together share it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aiohttp import web
+
+from proxy.clock import Clock
+from proxy.core import fastjson
+from proxy.core.compaction import (
+    CompactionError,
+    CompactionKey,
+    compacted_output,
+    compaction_summary,
+    covered,
+    covers,
+    current_turn_start,
+    last_compaction,
+    render_summary,
+    replaced,
+    summary_message,
+)
+from proxy.core.items import Item, JsonDict
+from proxy.core.memory import is_summary
+from proxy.core.tokens import TokenCounter, vocabulary_loaded
+from proxy.ids import new_id
+from proxy.server import passthrough
+from proxy.server.api import RESPONSES
+from proxy.server.errors import ApiError, invalid
+from proxy.server.rebuild import off_the_loop
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
+from proxy.server.turn import Turn, TurnHook
+from proxy.server.validate import (
+    list_of_objects,
+    missing,
+    optional,
+    read_json_object,
+    required_string,
+    too_long,
+    wrong_type,
+)
+from proxy.sse import SSEDecoder, encode_event
+from proxy.store.base import Store
+from proxy.upstream import UpstreamResponse
+
+SECRET_NAME = "compaction"
+CONTEXT_MANAGEMENT = "context_management"
+MIN_THRESHOLD = 1000  # OpenAI's ContextManagementParam.compact_threshold minimum
+PROMPT_CACHE_KEY_CHARS = 64
+OPERATOR_MODEL = "gpt-4o"  # the vocabulary operator views render with (no budget applies)
+
+
+# -- the key ---------------------------------------------------------------------------------
+
+
+class KeyRing:
+    """The process's compaction key, read once at start: the configured one, else the
+    store's (created by the first replica that starts)."""
+
+    def __init__(self, configured: bytes | None) -> None:
+        self._key = CompactionKey(configured) if configured is not None else None
+        self._lock = asyncio.Lock()
+
+    async def key(self, store: Store, clock: Clock) -> CompactionKey:
+        if self._key is not None:
+            return self._key
+        async with self._lock:
+            if self._key is None:
+                self._key = await stored_key(store, clock, create=True)
+        assert self._key is not None
+        return self._key
+
+
+COMPACTION_KEY = web.AppKey("compaction_key", KeyRing)
+
+
+async def stored_key(store: Store, clock: Clock, *, create: bool) -> CompactionKey:
+    """The store's compaction key; created (insert-if-absent) when `create`, else
+    LookupError when there is none."""
+    value = await store.secret(SECRET_NAME)
+    if value is None:
+        if not create:
+            raise LookupError("the store holds no compaction key (no proxy has started on it)")
+        candidate = base64.b64encode(secrets.token_bytes(32)).decode("ascii")
+        value = await store.create_secret(SECRET_NAME, candidate, clock.iso())
+    return CompactionKey(base64.b64decode(value))
+
+
+async def request_key(request: web.Request) -> CompactionKey:
+    app = request.app
+    return await app[COMPACTION_KEY].key(app[STORE], app[CLOCK])
+
+
+def is_local(request: web.Request) -> bool:
+    return request[TENANT_POLICY].compaction.mode == "local"
+
+
+# -- opening and expanding -------------------------------------------------------------------
+
+
+def opened(key: CompactionKey, tenant: str, item: Item, param: str) -> JsonDict:
+    """The summary a compaction item seals; OpenAI's 400 naming `param` otherwise."""
+    try:
+        return key.open(tenant, item.raw.get("encrypted_content"))
+    except CompactionError as exc:
+        raise invalid(
+            f"Invalid '{param}.encrypted_content': {exc}",
+            param=f"{param}.encrypted_content",
+            code="invalid_encrypted_content",
+        ) from None
+
+
+async def check_stored_compactions(request: web.Request, raws: Sequence[JsonDict]) -> None:
+    """Compaction items a conversation is given must open for its tenant: one that does
+    not would refuse every later turn of the conversation (400 naming `items[i]`)."""
+    if not is_local(request) or not any(raw.get("type") == "compaction" for raw in raws):
+        return
+    key, tenant = await request_key(request), request[NAMESPACE]
+    for index, raw in enumerate(raws):
+        if raw.get("type") == "compaction":
+            opened(key, tenant, RESPONSES.item(raw), f"items[{index}]")
+
+
+@dataclass(frozen=True)
+class Expanded:
+    """Items with their last compaction replaced by its summary text (what it covers
+    dropped); `kept` the source index of each item; `summary` that compaction's content."""
+
+    items: list[Item]
+    kept: list[int]
+    summary: JsonDict | None = None
+
+
+def expand(
+    key: CompactionKey, tenant: str, items: Sequence[Item], counter: TokenCounter, param: str
+) -> Expanded:
+    """The one place a compaction item becomes what the provider reads. Every compaction
+    item is verified (a forged or foreign one is a 400 naming its index); the last one
+    stands for everything before it but user messages and instructions (OpenAI's
+    compacted output is those messages, then the compaction)."""
+    last = last_compaction(items)
+    if last is None:
+        return Expanded(list(items), list(range(len(items))))
+    for index, item in enumerate(items[:last]):
+        if item.kind == "compaction":
+            opened(key, tenant, item, f"{param}[{index}]")
+    summary = opened(key, tenant, items[last], f"{param}[{last}]")
+    text = render_summary(summary, counter)
+    pairs = replaced(items, last + 1, summary_message(text))
+    return Expanded([item for _, item in pairs], [index for index, _ in pairs], summary)
+
+
+def compact_items(
+    key: CompactionKey,
+    tenant: str,
+    items: Sequence[Item],
+    end: int,
+    counter: TokenCounter,
+    previous: JsonDict | None,
+) -> tuple[JsonDict, list[tuple[int, Item]]] | None:
+    """A compaction of what precedes `end` (after `previous`, the compaction those items
+    follow): the compaction item, and `items` with its summary in place of what it covers.
+    None when nothing there can be compacted."""
+    gone = covered(items, end)
+    if not gone:
+        return None
+    held = render_summary(previous, counter) if previous is not None else None
+    summaries = [items[i] for i in gone if is_summary(items[i])]
+    earlier = [item for item in summaries if item.text() != held]  # not `previous` itself
+    rest = [items[i] for i in gone if not is_summary(items[i])]
+    summary = compaction_summary(rest, previous, earlier)
+    text = render_summary(summary, counter)
+    return key.item(tenant, summary), replaced(items, end, summary_message(text))
+
+
+def raws(items: Sequence[Item]) -> list[JsonDict]:
+    """What off_the_loop measures: the items' JSON (an Item is not walked)."""
+    return [item.raw for item in items]
+
+
+async def counter_for(model: str) -> TokenCounter:
+    if vocabulary_loaded(model):
+        return TokenCounter.for_model(model)
+    return await asyncio.to_thread(TokenCounter.for_model, model)
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def compaction_threshold(body: JsonDict) -> int | None:
+    """`context_management` checked against OpenAI's ContextManagementParam (an array of
+    at least one {type, compact_threshold >= 1000 or null}; only type "compaction" is
+    supported); the compaction's threshold, or None (null: the proxy's own budget
+    decides, SPEC 5)."""
+    value = body.get(CONTEXT_MANAGEMENT)
+    if value is None:
+        return None
+    entries = list_of_objects(value, CONTEXT_MANAGEMENT)
+    if not entries:
+        raise invalid(
+            f"Invalid '{CONTEXT_MANAGEMENT}': empty array. Expected an array with minimum "
+            "length 1, but got an empty array instead.",
+            param=CONTEXT_MANAGEMENT,
+            code="empty_array",
+        )
+    threshold = None
+    for index, entry in enumerate(entries):
+        param = f"{CONTEXT_MANAGEMENT}[{index}]"
+        kind = entry.get("type")
+        if kind is None:
+            raise missing(f"{param}.type")
+        if not isinstance(kind, str):
+            raise wrong_type(f"{param}.type", "a string", kind)
+        if kind != "compaction":
+            raise invalid(
+                f"Invalid value: '{kind}'. Supported values are: 'compaction'.",
+                param=f"{param}.type",
+                code="invalid_value",
+            )
+        given = optional(entry, "compact_threshold", int, f"{param}.compact_threshold")
+        if given is not None and given < MIN_THRESHOLD:
+            raise invalid(
+                f"Invalid '{param}.compact_threshold': integer below minimum value. Expected "
+                f"a value >= {MIN_THRESHOLD}, but got {given} instead.",
+                param=f"{param}.compact_threshold",
+                code="integer_below_min_value",
+            )
+        if given is not None:
+            threshold = given if threshold is None else min(threshold, given)
+    return threshold
+
+
+def validate_compact(body: JsonDict) -> None:
+    """OpenAI's CompactResponseMethodPublicBody: `model` required; `input` a string or
+    items; `previous_response_id`, `instructions`, `prompt_cache_key` (<= 64) strings."""
+    from proxy.server.responses import validate_input_item  # responses imports this module
+
+    required_string(body, "model")
+    value = body.get("input")
+    if value is not None and not isinstance(value, str):
+        for index, item in enumerate(list_of_objects(value, "input")):
+            validate_input_item(item, f"input[{index}]")
+    optional(body, "previous_response_id", str)
+    optional(body, "instructions", str)
+    key = optional(body, "prompt_cache_key", str)
+    if key is not None and len(key) > PROMPT_CACHE_KEY_CHARS:
+        raise too_long("prompt_cache_key", PROMPT_CACHE_KEY_CHARS, len(key))
+    if value is None and body.get("previous_response_id") is None:
+        raise missing("input")
+
+
+# -- POST /v1/responses/compact --------------------------------------------------------------
+
+
+async def compact(request: web.Request) -> web.StreamResponse:
+    if not is_local(request):
+        return await passthrough.passthrough(request)
+    from proxy.server.responses import resolve_references  # responses imports this module
+
+    body, _ = await read_json_object(request)
+    validate_compact(body)
+    await resolve_references(request, body)
+    tenant = request[NAMESPACE]
+    counter = await counter_for(body["model"])
+    history = [*await _previous_items(request, body), *_input_items(body)]
+    key = await request_key(request)
+
+    def work() -> JsonDict:
+        given = expand(key, tenant, history, counter, "input")
+        items = given.items
+        made = compact_items(key, tenant, items, len(items), counter, given.summary)
+        if made is None:  # nothing but user messages: an empty summary still stands for them
+            item = key.item(tenant, compaction_summary([], given.summary))
+        else:
+            item = made[0]
+        summary = key.open(tenant, item["encrypted_content"])
+        input_tokens = counter.responses_prompt(items, body.get("instructions"), ())
+        output_tokens = counter.text(render_summary(summary, counter))
+        return {
+            "id": new_id("resp"),
+            "object": "response.compaction",
+            "created_at": int(request.app[CLOCK].now().timestamp()),
+            "output": compacted_output(items, item),
+            "usage": _usage(input_tokens, output_tokens),
+        }
+
+    return web.json_response(await off_the_loop(work, raws(history)))
+
+
+def _input_items(body: JsonDict) -> list[Item]:
+    given = body.get("input")
+    return RESPONSES.items(given) if given is not None else []
+
+
+async def _previous_items(request: web.Request, body: JsonDict) -> list[Item]:
+    """Every item of the chain that `previous_response_id` ends, from its thread's log
+    (the log keeps what the live window no longer sends, SPEC 2)."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return []
+    store, tenant = request.app[STORE], request[NAMESPACE]
+    stored = await store.get_response(tenant, previous)
+    if (
+        stored is None
+        or stored.status != "completed"
+        or stored.thread_id is None
+        or stored.output_last_seq is None
+    ):
+        raise ApiError(
+            400,
+            f"Previous response with id '{previous}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
+    rows = await store.items_between(tenant, stored.thread_id, 0, stored.output_last_seq)
+    return [RESPONSES.item(row.raw) for row in rows if row.api == "responses"]
+
+
+def _usage(input_tokens: int, output_tokens: int) -> JsonDict:
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
+
+
+# -- the turn hook of POST /v1/responses -----------------------------------------------------
+
+
+class Compactions(TurnHook):
+    """Compaction items reach the provider as text; `context_management` compacts a turn
+    that crosses its threshold. Runs before the other hooks' `restore` (ledger)."""
+
+    def __init__(self, request: web.Request, threshold: int | None) -> None:
+        self.request = request
+        self.threshold = threshold
+        self.tenant = request[NAMESPACE]
+        self.summary: JsonDict | None = None  # the last compaction the turn's items hold
+        self.item: JsonDict | None = None  # the compaction this turn made (output[0])
+
+    async def restore(self, turn: Turn) -> None:
+        if CONTEXT_MANAGEMENT in turn.body:
+            turn.rewritten = True  # the provider does not get context_management
+        loaded = turn.loaded
+        has_new = any(item.kind == "compaction" for item in turn.new)
+        has_kept = loaded is not None and any(i.kind == "compaction" for i in loaded.items)
+        if not (has_new or has_kept):
+            return
+        key = await request_key(self.request)
+        counter = await counter_for(turn.api.budget_inputs(turn.body).model)
+        if has_kept and loaded is not None:
+            # Only a changed key fails here: stored items were checked when they came in.
+            where = "conversation" if turn.body.get("conversation") else "previous_response_id"
+            window = await off_the_loop(
+                lambda: expand(key, self.tenant, loaded.items, counter, where), raws(loaded.items)
+            )
+            turn.loaded = _window(loaded, window.kept, window.items)
+            self.summary = window.summary
+        if has_new:
+            given = await off_the_loop(
+                lambda: expand(key, self.tenant, turn.new, counter, turn.api.history),
+                raws(turn.new),
+            )
+            turn.new, turn.given, turn.rewritten = given.items, len(given.items), True
+            self.summary = given.summary or self.summary
+
+    async def close_calls(self, turn: Turn) -> None:
+        if self.threshold is None:
+            return
+        inputs = turn.api.budget_inputs(turn.body)
+        counter = await counter_for(inputs.model)
+        known, new = list(turn.known), turn.new
+        everything = [*known, *new]
+        read = raws(everything)
+        tokens = await off_the_loop(
+            lambda: counter.responses_prompt(everything, inputs.instructions, inputs.tools), read
+        )
+        if tokens <= self.threshold:
+            return
+        key = await request_key(self.request)
+        end = current_turn_start(everything)
+        made = await off_the_loop(
+            lambda: compact_items(key, self.tenant, everything, end, counter, self.summary), read
+        )
+        if made is None:
+            return
+        self.item, pairs = made
+        self.request[LOG_FIELDS]["compaction"] = self.item["id"]
+        turn.rewritten = True
+        held = len(known)
+        if turn.loaded is not None and held:
+            window = [(index, item) for index, item in pairs if index < held]
+            turn.loaded = _window(turn.loaded, [i for i, _ in window], [x for _, x in window])
+        # New items it covers are committed as what was sent: the summary, not them.
+        turn.new = [item for index, item in pairs if index >= held]
+        turn.given = len(turn.new)
+
+    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
+        body.pop(CONTEXT_MANAGEMENT, None)
+        return body
+
+    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
+        if self.item is None:
+            return upstream
+        return WithCompaction(upstream, self.item)  # type: ignore[return-value]
+
+
+def _window(loaded: Any, kept: Sequence[int], items: Sequence[Item]) -> Any:
+    """A stored window as the projection reads it: its rows kept in step with `items`
+    (positions stay those of the thread's log, so the sticky cut maps back, SPEC 5)."""
+    return replace(loaded, stored=tuple(loaded.stored[i] for i in kept), items=tuple(items))
+
+
+# -- the compaction item in the answer -------------------------------------------------------
+
+
+LEADING_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
+
+
+class WithCompaction:
+    """The provider's answer with the turn's compaction item first in its `output`, as
+    OpenAI returns it; a stream gets the item's output_item.added and .done events before
+    the provider's first output event, and the provider's output indexes and sequence
+    numbers move up to make room. Everything else is the provider's answer."""
+
+    def __init__(self, upstream: UpstreamResponse, item: JsonDict) -> None:
+        self._upstream = upstream
+        self._item = item
+        self._sent = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._upstream, name)
+
+    async def aread(self) -> bytes:
+        body = await self._upstream.aread()
+        if self._upstream.status >= 400:
+            return body
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            return body  # the relay reports the provider's malformed answer
+        if isinstance(answer, dict) and isinstance(answer.get("output"), list):
+            answer["output"] = [self._item, *answer["output"]]
+            return fastjson.dumps(answer)
+        return body
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        decoder = SSEDecoder()
+        async for chunk in self._upstream.aiter_bytes():
+            frames = [self._frames(event.event, event.data) for event in decoder.feed(chunk)]
+            yield b"".join(frame for group in frames for frame in group)
+        for event in decoder.flush():
+            yield b"".join(self._frames(event.event, event.data))
+
+    def _frames(self, name: str | None, data: str) -> list[bytes]:
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return [encode_event(data, event=name)]
+        if not isinstance(payload, dict):
+            return [encode_event(data, event=name)]
+        kind = payload.get("type", name)
+        out = []
+        if not self._sent and kind not in LEADING_EVENTS:
+            out.extend(self._item_events(payload.get("sequence_number")))
+            self._sent = True
+        out.append(encode_event(fastjson.dumps(self._moved(payload)).decode(), event=name))
+        return out
+
+    def _item_events(self, sequence: Any) -> list[bytes]:
+        events = []
+        for offset, kind in enumerate(("response.output_item.added", "response.output_item.done")):
+            event: JsonDict = {"type": kind, "output_index": 0, "item": self._item}
+            if isinstance(sequence, int):
+                event["sequence_number"] = sequence + offset
+            events.append(encode_event(fastjson.dumps(event).decode(), event=kind))
+        return events
+
+    def _moved(self, payload: JsonDict) -> JsonDict:
+        if not self._sent:
+            return payload
+        moved = dict(payload)
+        if isinstance(moved.get("output_index"), int):
+            moved["output_index"] += 1
+        if isinstance(moved.get("sequence_number"), int):
+            moved["sequence_number"] += 2
+        response = moved.get("response")
+        if isinstance(response, dict) and isinstance(response.get("output"), list):
+            moved["response"] = {**response, "output": [self._item, *response["output"]]}
+        return moved
+
+
+# -- operators ---------------------------------------------------------------------------------
+
+
+SHOWN_TOKENS = 1 << 30  # an operator reads the whole state, not a budgeted excerpt
+
+
+def shown(key: CompactionKey, tenant: str, summary: JsonDict) -> JsonDict:
+    """What an operator reads of one compaction (CLI and endpoint alike): the structured
+    summary and its whole text."""
+    counter = TokenCounter.for_model(OPERATOR_MODEL)
+    return {
+        "object": "threadkeeper.compaction",
+        "id": key.item_id(tenant, summary),
+        "tenant": tenant,
+        "covers": covers(summary),
+        "summary": summary,
+        "text": render_summary(summary, counter, SHOWN_TOKENS),
+    }
+
+
+async def open_for_operator(request: web.Request) -> web.Response:
+    """POST /threadkeeper/v1/compactions/open {"encrypted_content": "..."}: the decrypted
+    summary, for the tenant that owns it (the caller's); another tenant's is a 400."""
+    body, _ = await read_json_object(request)
+    blob = body.get("encrypted_content")
+    if blob is None:
+        raise missing("encrypted_content")
+    if not isinstance(blob, str):
+        raise wrong_type("encrypted_content", "a string", blob)
+    key, tenant = await request_key(request), request[NAMESPACE]
+    try:
+        summary = key.open(tenant, blob)
+    except CompactionError as exc:
+        raise invalid(
+            f"Invalid 'encrypted_content': {exc}",
+            param="encrypted_content",
+            code="invalid_encrypted_content",
+        ) from None
+    await counter_for(OPERATOR_MODEL)  # its vocabulary loads off the loop
+    return web.json_response(await off_the_loop(lambda: shown(key, tenant, summary), summary))
+
+
+async def _key_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The key is read (or created) at start, after the store opens: a request never
+    writes it, so a refused one leaves the store as it was."""
+    await app[COMPACTION_KEY].key(app[STORE], app[CLOCK])
+    yield
+
+
+def add_routes(app: web.Application) -> None:
+    """Register before the `/v1/{tail}` passthrough, or these paths would be forwarded;
+    after the store's cleanup_ctx, which the key's reads."""
+    app[COMPACTION_KEY] = KeyRing(app[SETTINGS].compaction_key)
+    app.cleanup_ctx.append(_key_ctx)
+    app.router.add_post("/v1/responses/compact", compact, name="responses.compact")
+    app.router.add_post(
+        "/threadkeeper/v1/compactions/open", open_for_operator, name="compactions.open"
+    )

@@ -33,6 +33,7 @@ from proxy.server import (
     chat,
     conversations,
     explain,
+    inspector,
     ledger_routes,
     ops,
     passthrough,
@@ -177,6 +178,7 @@ def create_app(
     conversations.add_routes(app)
     ledger_routes.add_routes(app)
     explain.add_routes(app)
+    inspector.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 

@@ -1,0 +1,276 @@
+"""The thread inspector at /threadkeeper/ui/ through the real socket: off without an
+operator token, 401 with no page content for anyone without a valid token or session,
+tenant keys confined to their tenant, signed cookies and CSRF tokens checked, hostile
+thread text shown as text. The browser test is test_inspector_browser.py."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.fake_provider import Reply
+from proxy.server.state import POLICIES
+
+from .conftest import TENANT_KEY, Proxy
+from .test_explain_e2e import written
+from .test_ledger_e2e import CHAT_TOOLS, REFUND, tools_policy
+
+OPERATOR = "op-token-0123456789abcdef"
+OTHER_KEY = "sk-tk-globex-test-key"
+WINDOW = 6000
+HOSTILE = '<script>document.title="pwned"</script><img src=x onerror=alert(1)>'
+UI = "/threadkeeper/ui"
+
+
+@dataclass
+class Seeded:
+    thread_id: str
+    request_id: str  # the last model request on the thread
+
+
+async def seed_thread(proxy: Proxy, thread_id: str = "t-orders", turns: int = 8) -> Seeded:
+    """A chat thread driven past its window (cut and summarized), with hostile text in
+    its first message and, on its last turn, a guarded refund call left `issued`."""
+    client = proxy.client()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+    headers = {"X-Thread-Id": thread_id}
+    for turn in range(turns):
+        proxy.provider.script.append(Reply(text=f"Noted order ORD-{turn}. " + "detail " * 400))
+        text = (HOSTILE if turn == 0 else "") + f"Order ORD-{turn}: " + "words " * 400
+        messages.append({"role": "user", "content": text})
+        reply = await client.chat.completions.create(
+            model="gpt-4o", messages=messages, extra_headers=headers
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    proxy.provider.script.append(Reply(tool_calls=[REFUND]))
+    messages.append({"role": "user", "content": "Refund ORD-1 please"})
+    raw = await client.chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=messages, tools=CHAT_TOOLS, extra_headers=headers
+    )
+    assert raw.parse().choices[0].message.tool_calls
+    await written(proxy)
+    return Seeded(thread_id, raw.headers["x-threadkeeper-request-id"])
+
+
+def add_globex(proxy: Proxy) -> None:
+    """A second keyed tenant, so isolation is between two real tenants."""
+    key_hash = hashlib.sha256(OTHER_KEY.encode()).hexdigest()
+    (proxy.policies_dir / "globex.yaml").write_text(
+        f'tenant: globex\napi_keys: ["{key_hash}"]\nmodels:\n'
+        '  "*": {context_window: 128000, max_output_tokens: 4096}\n'
+    )
+    proxy.app[POLICIES].reload()  # type: ignore[index]
+
+
+async def inspector(make_proxy: Callable[..., Awaitable[Proxy]], **settings: Any) -> Proxy:
+    return await make_proxy(
+        window=WINDOW,
+        acme_extra=tools_policy(),
+        settings={"operator_token": OPERATOR, **settings},
+    )
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, "the page carries a CSRF token"
+    return found.group(1)
+
+
+async def test_the_inspector_is_off_without_an_operator_token(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await make_proxy()
+    async with proxy.http() as http:
+        for path in (f"{UI}/", f"{UI}/login", f"{UI}/ledger", f"{UI}/requests/req_x"):
+            answer = await http.get(path, headers=bearer(TENANT_KEY))
+            assert answer.status_code == 404, path
+        assert (await http.post(f"{UI}/login", data={"token": "x"})).status_code == 404
+
+
+async def test_no_or_wrong_token_is_401_with_no_page_content(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy)
+    thread = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    pages = (f"{UI}/", thread, f"{UI}/requests/{seeded.request_id}", f"{UI}/ledger")
+    async with proxy.http() as http:
+        for path in pages:
+            for headers in (
+                {},
+                bearer("wrong-token"),
+                bearer(OPERATOR + "x"),
+                bearer("sk-unknown-key"),  # the default policy allows unknown keys for the API
+                {"Authorization": f"Basic {OPERATOR}"},
+            ):
+                answer = await http.get(path, headers=headers)
+                assert answer.status_code == 401, (path, headers)
+                body = answer.text
+                for secret in ("ORD-", seeded.thread_id, seeded.request_id, "refund"):
+                    assert secret not in body, (path, secret)
+                assert f'href="{UI}/login"' in body
+        resolve = await http.post(
+            f"{UI}/ledger/resolve",
+            data={"tenant": "acme", "scope": "tenant", "key": "refund:ORD-1", "status": "failed"},
+        )
+        assert resolve.status_code == 401
+        answer = await http.get(f"{UI}/ledger", headers=bearer(OPERATOR))
+        assert 'data-key="refund:ORD-1" data-status="issued"' in answer.text, "store unchanged"
+
+
+async def test_operator_sees_every_tenant_and_a_tenant_key_only_its_own(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    add_globex(proxy)
+    seeded = await seed_thread(proxy)
+    thread = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    request = f"{UI}/requests/{seeded.request_id}"
+    async with proxy.http() as http:
+        for token in (OPERATOR, TENANT_KEY):
+            listed = await http.get(f"{UI}/", headers=bearer(token))
+            assert listed.status_code == 200 and seeded.thread_id in listed.text
+            for path in (thread, request):
+                assert (await http.get(path, headers=bearer(token))).status_code == 200, path
+        assert 'list="tenants"' in (await http.get(f"{UI}/", headers=bearer(OPERATOR))).text
+        for path in (thread, request, f"{UI}/?tenant=acme", f"{UI}/?q={seeded.thread_id}"):
+            answer = await http.get(path, headers=bearer(OTHER_KEY))
+            assert "ORD-" not in answer.text and seeded.request_id not in answer.text, path
+            if path in (thread, request):
+                assert answer.status_code == 404, path
+            else:
+                assert 'id="no-threads"' in answer.text, path
+        ledger = await http.get(f"{UI}/ledger", headers=bearer(OTHER_KEY))
+        assert ledger.status_code == 200 and "refund:ORD-1" not in ledger.text
+        forged = await http.post(
+            f"{UI}/ledger/resolve",
+            headers=bearer(OTHER_KEY),  # a bearer request needs no CSRF token: no browser sends one
+            data={
+                "tenant": "acme",
+                "scope": "tenant",
+                "key": "refund:ORD-1",
+                "status": "failed",
+            },
+        )
+        assert forged.status_code == 404, "a tenant key cannot settle another tenant's entry"
+        answer = await http.get(f"{UI}/ledger", headers=bearer(OPERATOR))
+        assert 'data-key="refund:ORD-1" data-status="issued"' in answer.text
+
+
+async def test_login_cookie_session_csrf_and_logout(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    await seed_thread(proxy)
+    async with proxy.http() as http:
+        form = await http.get(f"{UI}/login")
+        assert form.status_code == 200 and 'name="token"' in form.text
+        refused = await http.post(f"{UI}/login", data={"token": "nope"})
+        assert refused.status_code == 401 and "set-cookie" not in refused.headers
+        signed = await http.post(f"{UI}/login", data={"token": OPERATOR})
+        assert signed.status_code == 303 and signed.headers["location"] == f"{UI}/"
+        cookie = signed.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert OPERATOR not in cookie, "the cookie holds a signed session, not the token"
+        value = http.cookies["threadkeeper_session"]
+
+        ledger = await http.get(f"{UI}/ledger")
+        assert ledger.status_code == 200 and "refund:ORD-1" in ledger.text
+        entry = {"tenant": "acme", "scope": "tenant", "key": "refund:ORD-1"}
+        missing = await http.post(f"{UI}/ledger/resolve", data={**entry, "status": "failed"})
+        assert missing.status_code == 403
+        wrong = await http.post(
+            f"{UI}/ledger/resolve", data={**entry, "status": "failed", "csrf": "0" * 64}
+        )
+        assert wrong.status_code == 403
+        still = await http.get(f"{UI}/ledger")
+        assert 'data-key="refund:ORD-1" data-status="issued"' in still.text
+
+        for tampered in (
+            value[:-1] + ("0" if value[-1] != "0" else "1"),  # signature changed
+            "x" + value,  # payload changed
+            value.partition(".")[0],  # no signature
+            OPERATOR,  # the token itself is no session
+        ):
+            http.cookies.clear()
+            http.cookies.set("threadkeeper_session", tampered)
+            answer = await http.get(f"{UI}/ledger")
+            assert answer.status_code == 401 and "refund" not in answer.text
+
+        http.cookies.clear()
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        page = (await http.get(f"{UI}/ledger")).text
+        resolved = await http.post(
+            f"{UI}/ledger/resolve",
+            data={**entry, "status": "completed", "result": "refunded", "csrf": csrf_of(page)},
+        )
+        assert resolved.status_code == 303
+        assert (await http.get(resolved.headers["location"])).status_code == 200
+        shown = await http.get(f"{UI}/thread?tenant=acme&id=t-orders")
+        assert 'data-key="refund:ORD-1" data-status="completed"' in shown.text
+        again = await http.post(
+            f"{UI}/ledger/resolve",
+            data={**entry, "status": "failed", "csrf": csrf_of(page)},
+        )
+        assert again.status_code == 409, "only an issued entry resolves"
+
+        out = await http.post(f"{UI}/logout", data={"csrf": csrf_of(page)})
+        assert out.status_code == 303 and out.headers["location"] == f"{UI}/login"
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_a_tenant_session_ends_when_its_key_is_revoked(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    add_globex(proxy)
+    async with proxy.http() as http:
+        signed = await http.post(f"{UI}/login", data={"token": OTHER_KEY})
+        assert signed.status_code == 303
+        page = await http.get(f"{UI}/")
+        assert page.status_code == 200 and "tenant globex" in page.text
+        assert 'list="tenants"' not in page.text, "no tenant filter for a tenant"
+        (proxy.policies_dir / "globex.yaml").write_text(
+            'tenant: globex\napi_keys: []\nmodels:\n  "*": {context_window: 128000}\n'
+        )
+        proxy.app[POLICIES].reload()  # type: ignore[index]
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_hostile_thread_text_is_shown_as_text(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy, thread_id='t-<b>"x"</b>')
+    async with proxy.http() as http:
+        listed = await http.get(f"{UI}/", headers=bearer(OPERATOR))
+        assert "<b>" not in listed.text and "t-&lt;b&gt;&quot;x&quot;&lt;/b&gt;" in listed.text
+        shown = await http.get(
+            f"{UI}/thread",
+            params={"tenant": "acme", "id": seeded.thread_id},
+            headers=bearer(OPERATOR),
+        )
+        assert shown.status_code == 200
+        assert "<script>document.title" not in shown.text and "<img src=x" not in shown.text
+        assert "&lt;script&gt;document.title=&quot;pwned&quot;&lt;/script&gt;" in shown.text
+        # the one script of the page is the inspector's own, allowed by hash
+        assert shown.text.count("<script>") == 1
+        assert "script-src 'sha256-" in shown.headers["content-security-policy"]
+        request = await http.get(f"{UI}/requests/{seeded.request_id}", headers=bearer(OPERATOR))
+        assert request.status_code == 200 and request.text.count("<script>") == 1
+        assert "<b>" not in request.text
+
+
+async def test_unknown_ids_are_404_pages(make_proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    proxy = await inspector(make_proxy)
+    async with proxy.http() as http:
+        for path in (f"{UI}/requests/req_nope", f"{UI}/thread?tenant=acme&id=nope", f"{UI}/thread"):
+            answer = await http.get(path, headers=bearer(OPERATOR))
+            assert answer.status_code == 404 and "text/html" in answer.headers["content-type"]

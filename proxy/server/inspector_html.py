@@ -48,7 +48,7 @@ SECURITY_HEADERS = {
 STYLE = """\
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#fafbfc}
 header{background:#1d2330;color:#fff;padding:.5em 1em;display:flex;gap:1.5em;align-items:center}
-header a{color:#fff}header form{margin-left:auto}main{padding:1em 1.5em;max-width:1200px}
+header a{color:#fff}header .meta{color:#c8d0dc}header form{margin-left:auto}main{padding:1em 1.5em;max-width:1200px}
 table{border-collapse:collapse;margin:.5em 0}td,th{border-bottom:1px solid #dde;padding:.25em .6em;
 text-align:left;vertical-align:top}pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;
 background:#f0f2f5;padding:.4em}ol.timeline{list-style:none;padding:0}
@@ -60,8 +60,8 @@ background:#f0f2f5;padding:.4em}ol.timeline{list-style:none;padding:0}
 .badge{display:inline-block;padding:0 .4em;border-radius:3px;background:#dde;font-size:12px}
 .badge.issued{background:#fd8}.badge.completed{background:#8d8}.badge.failed{background:#f99}
 .meta{color:#556}.bar{display:flex;height:2.4em;border:1px solid #889;margin:.6em 0;width:100%}
-.seg{overflow:hidden;white-space:nowrap;font-size:11px;padding:2px;box-sizing:border-box;
-color:#fff;min-width:0}.seg-pinned{background:#c80}.seg-summary{background:#36c}
+.seg{overflow:hidden;white-space:nowrap;font-size:11px;padding:0;flex:none;line-height:2.4em;
+color:#fff;min-width:0;text-indent:2px}.seg-pinned{background:#c80}.seg-summary{background:#36c}
 .seg-history{background:#2a8}.seg-current{background:#7a3}.seg-output{background:#999}
 .seg-margin{background:#bbb;color:#333}.seg-free{background:#eee;color:#555}
 """

@@ -244,7 +244,7 @@ def thread_page(
 def _cut_line(start: int, summary: Sequence[Mapping[str, Any]]) -> str:
     blocks = "".join(
         f'<li class="summary" data-tokens="{esc(b["tokens"])}"><span class="badge">'
-        f"{esc(b['type'])} · {esc(b['tokens'])} tokens · stands for items before seq {esc(start)}"
+        f"{esc(b['type'])} · {esc(b['tokens'])} tokens · sent before the window"
         f'</span><pre class="summary-text">{esc(b["text"])}</pre></li>'
         for b in summary
     )
@@ -258,9 +258,10 @@ def _cut_line(start: int, summary: Sequence[Mapping[str, Any]]) -> str:
 def _item_line(item: Mapping[str, Any], compressed: Mapping[str, Any] | None) -> str:
     classes = ["item"]
     badges = []
-    if item["cut"]:
+    if item["cut"]:  # before the window: pinned items are carried, the rest not sent
         classes.append("cut-away")
-        badges.append('<span class="badge">not sent</span>')
+        text = "carried before the window" if item["pinned"] else "not sent"
+        badges.append(f'<span class="badge">{text}</span>')
     if item["pinned"]:
         classes.append("pinned")
         badges.append('<span class="badge pinned-badge">pinned</span>')
@@ -420,7 +421,8 @@ def ledger_page(
     )
     intro = (
         "<p>Side-effecting tool calls the proxy let through whose outcome the client never "
-        "reported. Until resolved, the proxy withholds a repeat of the same call.</p>"
+        "reported. Resolve one once you know what happened, as "
+        "<code>threadkeeper ledger resolve</code> does.</p>"
     )
     rows = (
         f'<tr class="entry" data-key="{esc(e["key"])}" data-status="{esc(e["status"])}">'

@@ -1,0 +1,55 @@
+"""The inspector's rendering, without a server: the token bar's segments and escaping."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from proxy.admin import window_segments
+from proxy.server.inspector_html import Chrome, threads_page, token_bar
+
+
+def record(blocks: list[dict[str, Any]], **projection: int) -> dict[str, Any]:
+    base = {"window": 1000, "system": 50, "tools": 10, "current": 40, "output": 200, "epsilon": 50}
+    base.update(projection)
+    history = base.get("history_after", 300)
+    base.update(
+        history_after=history,
+        prompt_tokens=base["system"] + base["tools"] + base["current"] + history,
+        history_budget=0,
+        history_before=0,
+    )
+    return {"projection": {**base, "blocks": blocks}}
+
+
+def test_sent_segments_add_up_to_the_prompt_tokens_and_the_rest_fills_the_window() -> None:
+    summary = {"kind": "summary", "first": 0, "last": 5, "tokens_before": 900}
+    shown = record([{**summary, "tokens_after": 120, "action": "summarized"}])
+    segments = {s.name: s.tokens for s in window_segments(shown)}
+    assert segments == {
+        "pinned": 60, "summary": 120, "history": 180, "current": 40,
+        "output": 200, "margin": 50, "free": 350,
+    }  # fmt: skip
+    assert sum(s.tokens for s in window_segments(shown) if s.sent) == 400
+    dropped = record([{**summary, "tokens_after": 0, "action": "dropped"}])
+    assert {s.name: s.tokens for s in window_segments(dropped)}["summary"] == 0
+
+
+def test_an_overflowing_window_is_drawn_against_the_sum() -> None:
+    over = record([], history_after=900)  # more than the window: nothing is left free
+    widths = [float(w) for w in re.findall(r"width:([0-9.]+)%", token_bar(over))]
+    assert abs(sum(widths) - 100) < 0.01 and 'data-tokens="0"' in token_bar(over)
+
+
+def test_every_value_is_escaped() -> None:
+    hostile = '"><script>alert(1)</script>'
+    thread = {
+        "tenant": hostile, "id": hostile, "kind": "chat", "items": 1,
+        "window_start": None, "created_at": hostile,
+    }  # fmt: skip
+    page = threads_page(
+        [thread], query=hostile, tenant=hostile, tenants=[hostile],
+        chrome=Chrome(who=hostile, csrf=hostile, signed_in=True),
+    )  # fmt: skip
+    assert "<script>alert" not in page and page.count("<script>") == 1
+    assert "&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in page

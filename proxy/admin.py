@@ -440,6 +440,16 @@ async def ledger_list(
     return [ledger_json(e) for e in await store.ledger_list(tenant, status=status, limit=limit)]
 
 
+async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -> list[JsonDict]:
+    """The ledger entries of these tool calls (a thread's), in call order."""
+    entries = []
+    for call_id in dict.fromkeys(call_ids):
+        entry = await store.ledger_by_call(tenant, call_id)
+        if entry is not None:
+            entries.append(ledger_json(entry))
+    return entries
+
+
 async def ledger_show(store: Store, tenant: str, scope: str, key: str) -> JsonDict:
     entry = await store.ledger_get(tenant, scope, key)
     if entry is None:

@@ -246,8 +246,9 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
         )
     except admin.AdminError:
         raise _not_found("No such thread.") from None
-    entries = await admin.ledger_list(request.app[STORE], tenant, None, LEDGER_LIMIT)
-    ledger = [e for e in entries if e["thread_id"] == thread_id]
+    ledger = await admin.ledger_for_calls(
+        request.app[STORE], tenant, [c for item in shown["log"] for c in item["call_ids"]]
+    )
     records = await request.app[STORE].explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
     requests = [r.record for r in records]
     return _html(

@@ -65,11 +65,14 @@ def add_globex(proxy: Proxy) -> None:
     proxy.app[POLICIES].reload()  # type: ignore[index]
 
 
-async def inspector(make_proxy: Callable[..., Awaitable[Proxy]], **settings: Any) -> Proxy:
+async def inspector(
+    make_proxy: Callable[..., Awaitable[Proxy]], store_url: str | None = None
+) -> Proxy:
     return await make_proxy(
         window=WINDOW,
         acme_extra=tools_policy(),
-        settings={"operator_token": OPERATOR, **settings},
+        store_url=store_url,
+        settings={"operator_token": OPERATOR},
     )
 
 
@@ -165,9 +168,10 @@ async def test_operator_sees_every_tenant_and_a_tenant_key_only_its_own(
 
 
 async def test_login_cookie_session_csrf_and_logout(
+    store_url: str,  # before make_proxy: a PostgreSQL schema outlives the proxy
     make_proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:
-    proxy = await inspector(make_proxy)
+    proxy = await inspector(make_proxy, store_url)
     await seed_thread(proxy)
     async with proxy.http() as http:
         form = await http.get(f"{UI}/login")
@@ -215,6 +219,7 @@ async def test_login_cookie_session_csrf_and_logout(
         assert (await http.get(resolved.headers["location"])).status_code == 200
         shown = await http.get(f"{UI}/thread?tenant=acme&id=t-orders")
         assert 'data-key="refund:ORD-1" data-status="completed"' in shown.text
+        assert shown.text.count('<a href="/threadkeeper/ui/requests/req_') == 9, "every turn"
         again = await http.post(
             f"{UI}/ledger/resolve",
             data={**entry, "status": "failed", "csrf": csrf_of(page)},

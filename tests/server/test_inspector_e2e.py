@@ -9,8 +9,10 @@ import hashlib
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+from proxy.clock import ManualClock
 from proxy.fake_provider import Reply
 from proxy.server.state import POLICIES
 
@@ -279,3 +281,29 @@ async def test_unknown_ids_are_404_pages(make_proxy: Callable[..., Awaitable[Pro
         for path in (f"{UI}/requests/req_nope", f"{UI}/thread?tenant=acme&id=nope", f"{UI}/thread"):
             answer = await http.get(path, headers=bearer(OPERATOR))
             assert answer.status_code == 404 and "text/html" in answer.headers["content-type"]
+
+
+async def test_a_session_expires_after_twelve_hours(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(settings={"operator_token": OPERATOR}, clock=clock)
+    async with proxy.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        clock.advance(timedelta(hours=11, minutes=59))
+        assert (await http.get(f"{UI}/")).status_code == 200
+        clock.advance(timedelta(minutes=2))
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_changing_the_operator_token_ends_every_session(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    first = await make_proxy(settings={"operator_token": OPERATOR})
+    second = await make_proxy(settings={"operator_token": OPERATOR + "-rotated"})
+    async with first.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        cookie = http.cookies["threadkeeper_session"]
+    async with second.http() as http:
+        http.cookies.set("threadkeeper_session", cookie)
+        assert (await http.get(f"{UI}/")).status_code == 401

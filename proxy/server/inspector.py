@@ -346,6 +346,7 @@ def add_routes(app: web.Application) -> None:
         return
     register_secret(token)
     router = app.router
+    router.add_get(PREFIX, lambda _: _redirect(f"{PREFIX}/"), name="ui.root")
     router.add_get(f"{PREFIX}/", _guarded(threads_page), name="ui.threads")
     router.add_get(f"{PREFIX}/thread", _guarded(thread_page), name="ui.thread")
     router.add_get(f"{PREFIX}/requests/{{request_id}}", _guarded(request_page), name="ui.request")

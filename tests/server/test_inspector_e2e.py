@@ -278,6 +278,8 @@ async def test_hostile_thread_text_is_shown_as_text(
 async def test_unknown_ids_are_404_pages(make_proxy: Callable[..., Awaitable[Proxy]]) -> None:
     proxy = await inspector(make_proxy)
     async with proxy.http() as http:
+        bare = await http.get(UI)
+        assert (bare.status_code, bare.headers["location"]) == (303, f"{UI}/")
         for path in (f"{UI}/requests/req_nope", f"{UI}/thread?tenant=acme&id=nope", f"{UI}/thread"):
             answer = await http.get(path, headers=bearer(OPERATOR))
             assert answer.status_code == 404 and "text/html" in answer.headers["content-type"]

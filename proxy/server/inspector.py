@@ -339,6 +339,10 @@ def _chrome(request: web.Request, viewer: Viewer) -> inspector_html.Chrome:
     )
 
 
+async def _to_index(request: web.Request) -> web.Response:
+    return _redirect(f"{PREFIX}/")
+
+
 def add_routes(app: web.Application) -> None:
     """The inspector's routes; none at all unless `operator_token` is set (so 404)."""
     token = app[SETTINGS].operator_token
@@ -346,7 +350,7 @@ def add_routes(app: web.Application) -> None:
         return
     register_secret(token)
     router = app.router
-    router.add_get(PREFIX, lambda _: _redirect(f"{PREFIX}/"), name="ui.root")
+    router.add_get(PREFIX, _to_index, name="ui.root")
     router.add_get(f"{PREFIX}/", _guarded(threads_page), name="ui.threads")
     router.add_get(f"{PREFIX}/thread", _guarded(thread_page), name="ui.thread")
     router.add_get(f"{PREFIX}/requests/{{request_id}}", _guarded(request_page), name="ui.request")

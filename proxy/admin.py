@@ -355,45 +355,47 @@ def explain_text(record: JsonDict) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One part of the context window as a request used it (the inspector's token bar)."""
+# --- what the model saw ----------------------------------------------------------------------
 
-    name: str
-    label: str
-    tokens: int
-    sent: bool  # part of the prompt; the others are what the window kept free
+BAR_GLYPHS = {
+    "pinned": "#",
+    "tools": "T",
+    "summary": "S",
+    "history": "=",
+    "current": "@",
+    "output reserve": "o",
+    "margin": "~",
+    "free": ".",
+}
 
 
-def window_segments(record: Mapping[str, Any]) -> list[Segment]:
-    """The window of one explain record, split so the sent segments add up to the
-    record's prompt tokens: pinned items, instructions and tools (the budget's S), the
-    summary standing for cut history, the history kept (verbatim or compressed), the
-    current turn (U); then the output reserve (O), the margin (epsilon) and what is left."""
-    projection = record["projection"]
-    summary = sum(
-        b["tokens_after"]
-        for b in projection["blocks"]
-        if b["kind"] == "summary" and b["action"] == "summarized"
-    )
+def token_bar(projection: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """The window split into what one request sent and what it left: pinned (system
+    text, instructions, reply priming), tools, summaries, the kept history, the current
+    turn (these sum to its prompt tokens), then the output reserve, the margin and what
+    stayed free. `projection` is an explain record's `projection`."""
+    summary = sum(b["tokens_after"] for b in projection["blocks"] if b["kind"] == "summary")
     sent = [
-        Segment(
-            "pinned",
-            "pinned, instructions, tools",
-            projection["system"] + projection["tools"],
-            True,
-        ),
-        Segment("summary", "summary", summary, True),
-        Segment("history", "history kept", projection["history_after"] - summary, True),
-        Segment("current", "current turn", projection["current"], True),
+        ("pinned", projection["system"]),
+        ("tools", projection["tools"]),
+        ("summary", summary),
+        ("history", projection["history_after"] - summary),
+        ("current", projection["current"]),
     ]
+    reserve = [("output reserve", projection["output"]), ("margin", projection["epsilon"])]
     used = projection["prompt_tokens"] + projection["output"] + projection["epsilon"]
-    return [
-        *sent,
-        Segment("output", "output reserve", projection["output"], False),
-        Segment("margin", "margin", projection["epsilon"], False),
-        Segment("free", "unused", max(0, projection["window"] - used), False),
-    ]
+    return [*sent, *reserve, ("free", max(0, projection["window"] - used))]
+
+
+def token_bar_text(projection: Mapping[str, Any], width: int = 72) -> str:
+    """The bar for a terminal: one glyph per window/width tokens, and a legend."""
+    segments = token_bar(projection)
+    total = max(1, sum(tokens for _, tokens in segments))
+    cells = "".join(
+        BAR_GLYPHS[name] * round(tokens * width / total) for name, tokens in segments if tokens
+    )
+    legend = "  ".join(f"{BAR_GLYPHS[name]} {name} {tokens}" for name, tokens in segments)
+    return f"[{cells[:width]}]\n{legend}"
 
 
 # --- ledger -------------------------------------------------------------------------------

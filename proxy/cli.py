@@ -103,7 +103,10 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="validate a policy directory; exit 1 listing file, field and problem"
     )
     check.add_argument("directory", type=Path)
-    policy_sub.add_parser("schema", help="print the policy JSON Schema (for editors and CI)")
+    schema = policy_sub.add_parser("schema", help="print the policy JSON Schema (editors, CI)")
+    schema.add_argument(
+        "--markdown", action="store_true", help="the policy reference (docs/policy.md) instead"
+    )
 
     _operator_commands(sub)
 
@@ -173,7 +176,12 @@ def _policy(args: argparse.Namespace) -> int:
     from proxy.policy import PolicyError, check_directory, policy_schema
 
     if args.policy_command == "schema":
-        print(json.dumps(policy_schema(), indent=2, sort_keys=True))
+        if args.markdown:
+            from proxy.policydoc import policy_reference
+
+            print(policy_reference(), end="")
+        else:
+            print(json.dumps(policy_schema(), indent=2, sort_keys=True))
         return 0
     try:
         tenants, errors = check_directory(args.directory)

@@ -12,13 +12,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 
+from proxy.admin import token_bar_text
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.logs import configure_logging
 from proxy.server.app import bound_port, start
 from proxy.settings import Settings
 
+DEMO_KEY = "sk-demo"
 DEMO_POLICY = """\
 tenant: default
 allow_unknown_keys: true
@@ -71,10 +74,11 @@ async def _drive(policies: Path, turns: int, window: int) -> None:
     runner = await start(settings)
     try:
         client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="sk-demo"
+            base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key=DEMO_KEY
         )
-        await _conversation(client, provider, turns, window)
+        last_request = await _conversation(client, provider, turns, window)
         await client.close()
+        await _what_the_model_saw(f"http://127.0.0.1:{bound_port(runner)}", last_request)
     finally:
         await runner.cleanup()
         await provider.stop()
@@ -82,7 +86,8 @@ async def _drive(policies: Path, turns: int, window: int) -> None:
 
 async def _conversation(
     client: openai.AsyncOpenAI, provider: FakeProvider, turns: int, window: int
-) -> None:
+) -> str:
+    """Drives the agent; the request id of its last model request."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are an order assistant."},
         {
@@ -125,6 +130,21 @@ async def _conversation(
             f"{raw.headers.get('x-threadkeeper-trimmed', '')}"
         )
     print("every request fit the window; every tool call went out with its result.")
+    return raw.headers["x-threadkeeper-request-id"]
+
+
+async def _what_the_model_saw(base_url: str, request_id: str) -> None:
+    """The last request's explain record, as a token bar and the summary it sent."""
+    url = f"{base_url}/threadkeeper/v1/requests/{request_id}"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers={"Authorization": f"Bearer {DEMO_KEY}"}) as response:
+            record = await response.json()
+    print(f"\nWhat the model saw on the last turn (threadkeeper threads explain {request_id}):")
+    print(token_bar_text(record["projection"]))
+    for stand_in in record["stand_ins"]:
+        if stand_in["kind"] == "summary":
+            print("\nThe summary that stands for the dropped turns:")
+            print(stand_in["text"])
 
 
 def _check_sent(messages: list[dict[str, Any]], tokens: int, window: int) -> None:

@@ -57,6 +57,7 @@ from proxy.store.base import (
     VersionConflict,
     stored_items,
 )
+from proxy.tracing import NO_TRACING, Tracing
 
 # Each lost race means another turn on the thread committed after this one last read it,
 # so a commit among N concurrent turns loses at most N - 1 times: the attempts bound how
@@ -290,14 +291,23 @@ class ThreadService:
         attempts: int = COMMIT_ATTEMPTS,
         pause: float = 0.005,
         cache: WindowCache | None = None,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.store = store
         self.clock = clock
         self.attempts = attempts
         self.pause = pause
         self.cache = cache
+        self.tracing = tracing
 
     async def load(self, tenant: str, thread_id: str) -> Loaded | None:
+        with self.tracing.span("thread.load", {"threadkeeper.thread_id": thread_id}) as span:
+            loaded = await self._load(tenant, thread_id)
+            if span is not None and loaded is not None:
+                span.set_attribute("threadkeeper.thread.items_loaded", len(loaded.items))
+            return loaded
+
+    async def _load(self, tenant: str, thread_id: str) -> Loaded | None:
         if self.cache is None:
             window = await self.store.load_window(tenant, thread_id)
             if window is None:
@@ -355,9 +365,10 @@ class ThreadService:
     ) -> Thread:
         """Append the turn's items with the new state at the version read, retrying a
         lost race after reloading; NotFound if a conversation vanished meanwhile."""
-        return await asyncio.shield(
-            self._commit(loaded, items, state, restate, response_id, response)
-        )
+        with self.tracing.span("thread.commit", {"threadkeeper.thread.items_added": len(items)}):
+            return await asyncio.shield(
+                self._commit(loaded, items, state, restate, response_id, response)
+            )
 
     async def _commit(
         self,

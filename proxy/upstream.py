@@ -67,6 +67,7 @@ from yarl import URL
 
 from proxy.logs import MIN_SECRET_LENGTH, REDACTED
 from proxy.sse import EventFramer, EventTooLarge
+from proxy.tracing import NO_TRACING, set_attributes
 
 log = logging.getLogger(__name__)
 
@@ -586,6 +587,7 @@ class Upstream:
         self._pool_size = pool_size
         self._max_body_bytes = max_body_bytes
         self._sleep = sleep  # injectable so tests can see the waits without taking them
+        self.tracing = NO_TRACING  # the app sets its own (proxy/tracing.py)
         self._pools: dict[tuple[str, str | None, int | None], _Pool] = {}
         self._closed = False
 
@@ -649,6 +651,24 @@ class Upstream:
         return response
 
     async def _attempt(self, request: UpstreamRequest, url: URL, number: int) -> UpstreamResponse:
+        if not self.tracing.on:
+            return await self._exchange(request, url, number, forwardable_headers(request.headers))
+        attributes: dict[str, str | int] = {
+            "http.request.method": request.method,
+            "server.address": url.host or "",
+            "url.path": url.path,
+            "http.request.resend_count": number - 1,
+        }
+        with self.tracing.span(f"{request.method} upstream", attributes, kind="client") as span:
+            headers = forwardable_headers(request.headers)
+            self.tracing.inject(headers)  # this attempt's traceparent, for the provider
+            answer = await self._exchange(request, url, number, headers)
+            set_attributes(span, {"http.response.status_code": answer.status})
+            return answer
+
+    async def _exchange(
+        self, request: UpstreamRequest, url: URL, number: int, headers: Mapping[str, str]
+    ) -> UpstreamResponse:
         pool = self._pool(url)
         await pool.acquire(self._connect_timeout)
         body = request.body
@@ -658,7 +678,7 @@ class Upstream:
             response = await pool.session.request(
                 request.method,
                 url,
-                headers=forwardable_headers(request.headers),
+                headers=headers,
                 data=data,
                 allow_redirects=False,
                 skip_auto_headers=("Content-Type",),  # none unless the client sent one

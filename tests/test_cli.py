@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,15 @@ def test_demo_runs_offline_and_checks_what_it_sent() -> None:
     assert [int(row[0]) for row in rows] == [1, 2, 3, 4]
     assert all(int(row[3]) <= 3000 for row in rows)  # tokens sent never above the window
     assert "every tool call went out with its result" in result.stdout
+    # It ends with what the model saw on the last turn: the token bar and the summary.
+    bar, legend = result.stdout.split("What the model saw on the last turn")[1].splitlines()[1:3]
+    assert bar.startswith("[#") and bar.endswith("]") and "S" in bar
+    sizes = {name: int(size) for name, size in re.findall(r"\S ([a-z ]+?) (\d+)", legend)}
+    sent = sum(sizes[n] for n in ("pinned", "tools", "summary", "history", "current"))
+    assert sent == int(rows[-1][3]), "the bar's sent segments sum to the prompt tokens"
+    assert sent + sizes["output reserve"] + sizes["margin"] + sizes["free"] == 3000
+    summary = result.stdout.split("The summary that stands for the dropped turns:\n")[1]
+    assert summary.startswith("[threadkeeper summary of earlier conversation]")
 
 
 def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]

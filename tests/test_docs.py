@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from proxy.metrics import Metrics
+from proxy.policydoc import policy_reference
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -36,3 +37,8 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
     suffixes = ("_bucket", "_sum", "_count")
     bases = {next((q[: -len(s)] for s in suffixes if q.endswith(s)), q) for q in queried}
     assert bases and bases <= _exposed_names()
+
+
+def test_the_policy_reference_is_generated_from_the_schema() -> None:
+    """Regenerate with `threadkeeper policy schema --markdown > docs/policy.md`."""
+    assert (DOCS / "policy.md").read_text() == policy_reference()

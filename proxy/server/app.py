@@ -20,6 +20,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -54,6 +55,7 @@ from proxy.server.state import (
     REQUEST_ID,
     SETTINGS,
     STORE,
+    TRACING,
     UPSTREAM,
     WINDOWS,
 )
@@ -61,7 +63,11 @@ from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.threads import WindowCache
+from proxy.tracing import Tracing, set_attributes
 from proxy.upstream import Upstream
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = structlog.get_logger("threadkeeper.request")
 
@@ -75,6 +81,20 @@ def route_name(request: web.Request) -> str:
 
 @web.middleware
 async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    tracing = request.app[TRACING]
+    if not tracing.on:
+        return await _in_context(request, handler, None)
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else request.path
+    attributes = {"http.request.method": request.method, "http.route": route}
+    name = f"{request.method} {route}"
+    with tracing.span(name, attributes, kind="server", parent_headers=request.headers) as span:
+        return await _in_context(request, handler, span)
+
+
+async def _in_context(
+    request: web.Request, handler: Handler, span: Span | None
+) -> web.StreamResponse:
     request_id = "req_" + secrets.token_hex(12)
     request[REQUEST_ID] = request_id
     request[LOG_FIELDS] = {}
@@ -90,6 +110,14 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = 499  # the client went away
         raise
     finally:
+        set_attributes(
+            span,
+            {
+                "http.response.status_code": status,
+                "threadkeeper.request_id": request_id,
+                "threadkeeper.tenant": request[LOG_FIELDS].get("tenant"),
+            },
+        )
         route = route_name(request)
         fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
@@ -139,8 +167,10 @@ def create_app(
     store: Store | None = None,
     env: Mapping[str, str] | None = None,
     clock: Clock | None = None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
-    """`clock` defaults to the system clock; tests pass a ManualClock to move time."""
+    """`clock` defaults to the system clock; tests pass a ManualClock to move time.
+    `tracing` defaults to what the OTEL_* variables of `env` configure (off without)."""
     app = web.Application(
         middlewares=[
             context_middleware,
@@ -159,6 +189,8 @@ def create_app(
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)
     app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
+    app[TRACING] = tracing if tracing is not None else Tracing.from_env(app[ENV])
+    app.on_cleanup.append(_flush_traces)
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
@@ -213,12 +245,17 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
             pool_size=settings.upstream_pool_size,
             max_body_bytes=settings.max_provider_body_bytes,
         )
+        upstream.tracing = app[TRACING]
         app[UPSTREAM] = upstream
         app[METRICS].upstream_connections_in_use.set_function(upstream.connections_in_use)
         yield
         await upstream.aclose()
 
     return ctx
+
+
+async def _flush_traces(app: web.Application) -> None:
+    await asyncio.to_thread(app[TRACING].shutdown)
 
 
 async def _policy_watch_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.logs import register_secret
 from proxy.policy import Policy, hash_key
 from proxy.server.errors import ApiError, Handler
-from proxy.server.state import LOG_FIELDS, NAMESPACE, POLICIES, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, POLICIES, TENANT_POLICY, TRACING
 
 # ":" cannot appear in a tenant id (policy.Tenant), so no keyed tenant shares a caller's
 # namespace. Domain-separated so the stored value is not the hash a policy file lists.
@@ -61,6 +61,13 @@ def store_namespace(policy: Policy, token: str | None) -> str:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if not request.path.startswith(("/v1/", "/threadkeeper/v1/")):
         return await handler(request)
+    with request.app[TRACING].span("auth"):
+        authenticate(request)
+    return await handler(request)
+
+
+def authenticate(request: web.Request) -> None:
+    """The tenant policy and store namespace of the request's bearer token, or a 401."""
     token = bearer_token(request)
     if token is not None and not is_utf8(token):
         # aiohttp hands undecodable header bytes over as lone surrogates (surrogateescape)
@@ -85,4 +92,3 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     request[LOG_FIELDS]["tenant"] = policy.tenant
     if namespace != policy.tenant:
         request[LOG_FIELDS]["caller"] = namespace.rpartition(CALLER_SEPARATOR)[2][:12]
-    return await handler(request)

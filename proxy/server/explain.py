@@ -122,10 +122,11 @@ def explain_ctx() -> Callable[[web.Application], AsyncIterator[None]]:
 
 
 def record_request(request: web.Request, status: int, latency_ms: float) -> None:
-    """Queues the record of a model request (one whose context was projected)."""
+    """Queues the record of a model request (one whose context was projected). A 4xx
+    leaves no record: bad input changes nothing in the store."""
     recorder = request.app.get(EXPLAIN)
     projection = request.get(PROJECTION)
-    if recorder is None or projection is None or NAMESPACE not in request:
+    if recorder is None or projection is None or 400 <= status < 500:
         return
     clock: Clock = request.app[CLOCK]
     request_id = request[REQUEST_ID]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from proxy.admin import window_segments
+from proxy import admin
 
 PREFIX = "/threadkeeper/ui"
 
@@ -62,7 +62,8 @@ background:#f0f2f5;padding:.4em}ol.timeline{list-style:none;padding:0}
 .meta{color:#556}.bar{display:flex;height:2.4em;border:1px solid #889;margin:.6em 0;width:100%}
 .seg{overflow:hidden;white-space:nowrap;font-size:11px;padding:0;flex:none;line-height:2.4em;
 color:#fff;min-width:0;text-indent:2px}.seg-pinned{background:#c80}.seg-summary{background:#36c}
-.seg-history{background:#2a8}.seg-current{background:#7a3}.seg-output{background:#999}
+.seg-tools{background:#a5c}.seg-history{background:#2a8}.seg-current{background:#7a3}
+.seg-output-reserve{background:#999}
 .seg-margin{background:#bbb;color:#333}.seg-free{background:#eee;color:#555}
 """
 
@@ -387,27 +388,41 @@ def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
     return _layout(f"Request {record['id']}", body, chrome)
 
 
+# The sent segments of admin.token_bar (they add up to the prompt tokens); the rest of
+# the window is what the request kept free.
+SENT_SEGMENTS = ("pinned", "tools", "summary", "history", "current")
+SEGMENT_LABELS = {
+    "pinned": "pinned and instructions",
+    "history": "history kept",
+    "current": "current turn",
+    "free": "unused",
+}
+
+
 def token_bar(record: Mapping[str, Any]) -> str:
     """The window as a stacked bar: each segment's width is its share of the window (of
     the sum when the segments overflow it); its tokens are in `data-tokens`."""
-    segments = window_segments(record)
-    total = max(record["projection"]["window"], sum(s.tokens for s in segments), 1)
+    window = record["projection"]["window"]
+    segments = [
+        (name.replace(" ", "-"), SEGMENT_LABELS.get(name, name), tokens, name in SENT_SEGMENTS)
+        for name, tokens in admin.token_bar(record["projection"])
+    ]
+    total = max(window, sum(tokens for _, _, tokens, _ in segments), 1)
     bar = "".join(
-        f'<div class="seg seg-{s.name}" data-segment="{s.name}" data-tokens="{s.tokens}" '
-        f'data-sent="{"true" if s.sent else "false"}" style="width:{100 * s.tokens / total:.3f}%" '
-        f'title="{esc(s.label)}: {s.tokens} tokens">{esc(s.label)} {s.tokens}</div>'
-        for s in segments
+        f'<div class="seg seg-{name}" data-segment="{name}" data-tokens="{tokens}" '
+        f'data-sent="{"true" if sent else "false"}" style="width:{100 * tokens / total:.3f}%" '
+        f'title="{esc(label)}: {tokens} tokens">{esc(label)} {tokens}</div>'
+        for name, label, tokens, sent in segments
     )
     legend = _table(
         ("Segment", "Tokens", "Sent"),
         (
-            f'<tr><td><span class="seg seg-{s.name}">&nbsp;&nbsp;</span> {esc(s.label)}</td>'
-            f"<td>{s.tokens}</td><td>{'yes' if s.sent else 'kept free'}</td></tr>"
-            for s in segments
+            f'<tr><td><span class="seg seg-{name}">&nbsp;&nbsp;</span> {esc(label)}</td>'
+            f"<td>{tokens}</td><td>{'yes' if sent else 'kept free'}</td></tr>"
+            for name, label, tokens, sent in segments
         ),
         "segments",
     )
-    window = record["projection"]["window"]
     return f'<div class="bar" id="token-bar" data-window="{esc(window)}">{bar}</div>{legend}'
 
 

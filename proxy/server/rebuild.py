@@ -29,8 +29,9 @@ from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.state import CLOCK, LOG_FIELDS, METRICS, TENANT_POLICY
+from proxy.server.state import CLOCK, LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
+from proxy.tracing import set_attributes
 
 # Below this many items and characters a count or projection costs well under a
 # millisecond: not worth a thread. Above, it runs in a worker thread (tiktoken's encoder
@@ -181,21 +182,23 @@ async def rebuild_turn(
     budget breakdown to the request's log line (every flow, stateless or not); a restate
     after a concurrent turn passes False."""
     history = [*loaded.items, *new] if loaded is not None else list(new)
-    projection, counter = await rebuild(
-        request[TENANT_POLICY],
-        model,
-        history,
-        tools=tools,
-        requested_output=requested_output,
-        instructions=instructions,
-        now=request.app[CLOCK].hour(),
-        param=param,
-        metrics=request.app[METRICS] if observe else None,
-        route=route,
-        first_position=loaded.first_position if loaded is not None else 0,
-        cut=loaded.cut() if loaded is not None else None,
-        small=small and loaded is None,
-    )
+    with request.app[TRACING].span("projection", {"gen_ai.request.model": model}) as span:
+        projection, counter = await rebuild(
+            request[TENANT_POLICY],
+            model,
+            history,
+            tools=tools,
+            requested_output=requested_output,
+            instructions=instructions,
+            now=request.app[CLOCK].hour(),
+            param=param,
+            metrics=request.app[METRICS] if observe else None,
+            route=route,
+            first_position=loaded.first_position if loaded is not None else 0,
+            cut=loaded.cut() if loaded is not None else None,
+            small=small and loaded is None,
+        )
+        set_attributes(span, budget_attributes(projection))
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection
@@ -215,6 +218,13 @@ def trimmed_header(projection: Projection) -> str:
     return (
         f"dropped={report.dropped}, compressed={report.compressed}, summarized={report.summarized}"
     )
+
+
+def budget_attributes(projection: Projection) -> dict[str, int]:
+    """The budget as span attributes (threadkeeper.budget.*)."""
+    return {
+        f"threadkeeper.budget.{name}": value for name, value in projection.report.totals().items()
+    }
 
 
 def budget_log_fields(projection: Projection) -> dict[str, Any]:

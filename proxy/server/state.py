@@ -12,6 +12,7 @@ from proxy.policy import Policy, PolicyRegistry
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.threads import ThreadService, WindowCache
+from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -21,6 +22,7 @@ METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
+TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"
@@ -37,4 +39,4 @@ NAMESPACE = web.RequestKey("store_namespace", str)
 
 def thread_service(app: web.Application) -> ThreadService:
     """The one way handlers reach threads: the app's store, clock and hot-window cache."""
-    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS])
+    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING])

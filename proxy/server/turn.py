@@ -37,9 +37,10 @@ from proxy.server.api import ApiShape
 from proxy.server.errors import invalid
 from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn, small_body
 from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
-from proxy.server.state import TENANT_POLICY
+from proxy.server.state import TENANT_POLICY, TRACING
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
+from proxy.tracing import genai_request, genai_response, set_attributes
 
 
 @dataclass
@@ -172,25 +173,34 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
     for hook in hooks:
         await hook.before_forward(turn)
     request, api = turn.request, turn.api
-    upstream = await send_upstream(
-        request,
-        request[TENANT_POLICY],
-        path=api.path,
-        body=raw,
-        stream=bool(sent.get("stream")),
-        route=api.route,
-    )
-    transformer: Transformer = (
-        Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
-    )
-    for hook in hooks:
-        transformer = hook.transformer(turn, transformer)
-
-    def answered(answer: JsonDict) -> None:
+    tracing = request.app[TRACING]
+    thread_id = turn.loaded.thread_id if turn.loaded is not None else None
+    attributes = genai_request(sent, thread_id) if tracing.on else {}
+    name = f"chat {sent.get('model')}"
+    with tracing.span(name, kind="client") as span:  # the model call, retries included
+        set_attributes(span, attributes)
+        upstream = await send_upstream(
+            request,
+            request[TENANT_POLICY],
+            path=api.path,
+            body=raw,
+            stream=bool(sent.get("stream")),
+            route=api.route,
+        )
+        transformer: Transformer = (
+            Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
+        )
         for hook in hooks:
-            hook.answered(turn, answer)
+            transformer = hook.transformer(turn, transformer)
 
-    extra = context_headers(turn.projection)
-    return await relay_answer(
-        request, upstream, api, transformer, extra_headers=extra, on_answer=answered
-    )
+        def answered(answer: JsonDict) -> None:
+            for hook in hooks:
+                hook.answered(turn, answer)
+            if span is not None:
+                set_attributes(span, genai_response(answer))
+
+        extra = context_headers(turn.projection)
+        with tracing.span("relay"):
+            return await relay_answer(
+                request, upstream, api, transformer, extra_headers=extra, on_answer=answered
+            )

@@ -18,6 +18,7 @@ from proxy.clock import Clock
 from proxy.fake_provider import FakeProvider
 from proxy.server.app import bound_port, create_app, start
 from proxy.settings import Settings
+from proxy.tracing import Tracing
 
 TENANT_KEY = "sk-tk-acme-test-key"
 PROVIDER_KEY = "sk-provider-secret-acme-0123456789"
@@ -100,6 +101,7 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
         settings: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         clock: Clock | None = None,
+        tracing: Tracing | None = None,
     ) -> Proxy:
         """`settings` overrides any Settings field; `env` replaces the process environment;
         `clock` (a ManualClock) replaces the system clock."""
@@ -118,6 +120,7 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
             config,
             env=env if env is not None else {"ACME_OPENAI_KEY": PROVIDER_KEY},
             clock=clock,
+            tracing=tracing,
         )
         runner = await start(config, app)
         runners.append(runner)

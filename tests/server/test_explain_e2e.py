@@ -154,3 +154,21 @@ async def test_records_past_their_retention_are_purged(
             break
         await asyncio.sleep(0.02)
     assert json.loads(gone.text)["error"]["code"] == "request_not_found"
+
+
+async def test_a_refused_request_leaves_no_record(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    """Bad input changes nothing in the store: a provider's 400 about the request, relayed,
+    is not explained (5xx faults are)."""
+    proxy = await make_proxy()
+    provider.script.append(Reply(status=400, text="Invalid 'temperature': 9 is above 2."))
+    refused = await chat(proxy, [{"role": "user", "content": "Hi"}], temperature=9)
+    assert refused.status_code == 400
+    provider.script += [Reply(status=503)] * 3  # every attempt the retry policy allows
+    failed = await chat(proxy, [{"role": "user", "content": "Hi"}])
+    assert failed.status_code >= 500
+    await written(proxy)
+    assert (await explain(proxy, refused.headers["x-threadkeeper-request-id"])).status_code == 404
+    kept = await explain(proxy, failed.headers["x-threadkeeper-request-id"])
+    assert kept.status_code == 200 and kept.json()["status"] == failed.status_code

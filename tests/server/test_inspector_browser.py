@@ -233,7 +233,7 @@ async def test_inspector_pages_in_chromium(
 
     projection = record["projection"]
     sent = [s for s in facts["segments"] if s["sent"]]
-    assert [s["name"] for s in sent] == ["pinned", "summary", "history", "current"]
+    assert [s["name"] for s in sent] == ["pinned", "tools", "summary", "history", "current"]
     assert sum(s["tokens"] for s in sent) == projection["prompt_tokens"] == facts["estimated"]
     assert next(s for s in sent if s["name"] == "summary")["tokens"] > 0
     assert sum(s["tokens"] for s in facts["segments"]) == facts["window"] == projection["window"]

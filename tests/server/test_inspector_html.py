@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.admin import window_segments
 from proxy.server.inspector_html import Chrome, threads_page, token_bar
 
 
@@ -22,17 +21,21 @@ def record(blocks: list[dict[str, Any]], **projection: int) -> dict[str, Any]:
     return {"projection": {**base, "blocks": blocks}}
 
 
+def sent_and_kept(bar: str) -> dict[str, tuple[int, bool]]:
+    found = re.findall(r'data-segment="([a-z-]+)" data-tokens="(\d+)" data-sent="(\w+)"', bar)
+    return {name: (int(tokens), sent == "true") for name, tokens, sent in found}
+
+
 def test_sent_segments_add_up_to_the_prompt_tokens_and_the_rest_fills_the_window() -> None:
     summary = {"kind": "summary", "first": 0, "last": 5, "tokens_before": 900}
     shown = record([{**summary, "tokens_after": 120, "action": "summarized"}])
-    segments = {s.name: s.tokens for s in window_segments(shown)}
-    assert segments == {
-        "pinned": 60, "summary": 120, "history": 180, "current": 40,
-        "output": 200, "margin": 50, "free": 350,
+    assert sent_and_kept(token_bar(shown)) == {
+        "pinned": (50, True), "tools": (10, True), "summary": (120, True),
+        "history": (180, True), "current": (40, True),
+        "output-reserve": (200, False), "margin": (50, False), "free": (350, False),
     }  # fmt: skip
-    assert sum(s.tokens for s in window_segments(shown) if s.sent) == 400
     dropped = record([{**summary, "tokens_after": 0, "action": "dropped"}])
-    assert {s.name: s.tokens for s in window_segments(dropped)}["summary"] == 0
+    assert sent_and_kept(token_bar(dropped))["summary"] == (0, True)
 
 
 def test_an_overflowing_window_is_drawn_against_the_sum() -> None:

@@ -74,6 +74,12 @@ def _sign(app: web.Application, data: bytes) -> str:
     return hmac.new(_secret(app), data, hashlib.sha256).hexdigest()
 
 
+def _bytes(text: str) -> bytes:
+    """Text from a header or a form as bytes to compare; undecodable input (lone
+    surrogates) is replaced, and then matches no signature or token."""
+    return text.encode("utf-8", "replace")
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
 
@@ -96,7 +102,7 @@ def session_cookie(app: web.Application, tenant: str | None, key_hash: str | Non
 
 def _session_viewer(request: web.Request, value: str) -> Viewer | None:
     body, _, signature = value.partition(".")
-    if not hmac.compare_digest(signature.encode(), _sign(request.app, body.encode()).encode()):
+    if not hmac.compare_digest(_bytes(signature), _sign(request.app, _bytes(body)).encode()):
         return None
     try:
         payload: dict[str, Any] = json.loads(_unb64(body))
@@ -150,7 +156,7 @@ def _check_csrf(request: web.Request, viewer: Viewer, form: Any) -> None:
     if not viewer.from_cookie:
         return
     given = str(form.get("csrf", ""))
-    if not hmac.compare_digest(given.encode(), csrf_token(request, viewer).encode()):
+    if not hmac.compare_digest(_bytes(given), csrf_token(request, viewer).encode()):
         raise _page(403, inspector_html.message_page("Forbidden", "Missing or wrong CSRF token."))
 
 

@@ -209,6 +209,10 @@ async def test_login_cookie_session_csrf_and_logout(
             http.cookies.set("threadkeeper_session", tampered)
             answer = await http.get(f"{UI}/ledger")
             assert answer.status_code == 401 and "refund" not in answer.text
+        http.cookies.clear()
+        raw = b"threadkeeper_session=\xff\xfe." + value.partition(".")[2].encode()
+        answer = await http.get(f"{UI}/ledger", headers={"Cookie": raw})  # type: ignore[dict-item]
+        assert answer.status_code == 401, "undecodable cookie bytes are no session, not a 500"
 
         http.cookies.clear()
         assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303

@@ -6,19 +6,22 @@ thread text shown as text. The browser test is test_inspector_browser.py."""
 from __future__ import annotations
 
 import hashlib
+import html
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from proxy import admin
 from proxy.clock import ManualClock
 from proxy.fake_provider import Reply
-from proxy.server.state import POLICIES
+from proxy.server.state import POLICIES, STORE
 
 from .conftest import TENANT_KEY, Proxy
 from .test_explain_e2e import written
 from .test_ledger_e2e import CHAT_TOOLS, REFUND, tools_policy
+from .test_stateful_responses_e2e import tool_turn
 
 OPERATOR = "op-token-0123456789abcdef"
 OTHER_KEY = "sk-tk-globex-test-key"
@@ -313,3 +316,38 @@ async def test_changing_the_operator_token_ends_every_session(
     async with second.http() as http:
         http.cookies.set("threadkeeper_session", cookie)
         assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_compressed_tool_results_expand_to_the_original(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    store = proxy.app[STORE]  # type: ignore[index]
+    for turn in range(14):
+        await client.responses.create(
+            model="gpt-4o", conversation=conversation.id, input=tool_turn(turn)
+        )
+        shown = await admin.show_thread(store, conversation.id, "acme")
+        if shown["compressed"]:
+            break
+    assert shown["compressed"], "a tool result was compressed"
+    compressed = shown["compressed"][0]
+    original = next(e for e in shown["log"] if e["seq"] == compressed["seq"])
+    async with proxy.http() as http:
+        page = await http.get(
+            f"{UI}/thread",
+            params={"tenant": "acme", "id": conversation.id},
+            headers=bearer(OPERATOR),
+        )
+    item = re.search(
+        rf'<li class="item[^"]* compressed" data-seq="{compressed["seq"]}".*?</li>', page.text, re.S
+    )
+    assert item, "the compressed item is marked"
+    assert f"compressed {compressed['original_tokens']} → {compressed['tokens']} tokens" in item[0]
+    sent_form = re.search(r'class="compressed-form">.*?<pre>(.*?)</pre>', item[0], re.S)
+    assert sent_form and html.unescape(sent_form[1]) == compressed["text"]
+    full = re.search(r'<pre class="full-text">(.*?)</pre>', item[0], re.S)
+    assert full and "shipment event 59" in html.unescape(full[1])
+    assert original["tokens"] == compressed["original_tokens"]

@@ -351,3 +351,34 @@ async def test_compressed_tool_results_expand_to_the_original(
     full = re.search(r'<pre class="full-text">(.*?)</pre>', item[0], re.S)
     assert full and "shipment event 59" in html.unescape(full[1])
     assert original["tokens"] == compressed["original_tokens"]
+
+
+async def test_pinned_items_are_marked(make_proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    proxy = await inspector(make_proxy)
+    messages = [
+        {"role": "system", "content": "You quote prices."},
+        {"role": "user", "content": "All prices in EUR, please."},  # acme's pin pattern
+    ]
+    proxy.provider.script.append(Reply(text="Understood."))
+    await proxy.client().chat.completions.create(
+        model="gpt-4o", messages=messages, extra_headers={"X-Thread-Id": "t-pins"}
+    )
+    messages += [
+        {"role": "assistant", "content": "Understood."},
+        {"role": "user", "content": "What does ORD-1 cost?"},
+    ]
+    proxy.provider.script.append(Reply(text="20 EUR."))
+    await proxy.client().chat.completions.create(
+        model="gpt-4o", messages=messages, extra_headers={"X-Thread-Id": "t-pins"}
+    )
+    async with proxy.http() as http:
+        page = await http.get(f"{UI}/thread?tenant=acme&id=t-pins", headers=bearer(OPERATOR))
+    found = re.findall(r'<li class="([^"]*)" data-seq="(\d+)"', page.text)
+    by_seq = {int(seq): cls.split() for cls, seq in found}
+    assert by_seq == {
+        0: ["item", "pinned"],
+        1: ["item", "pinned"],
+        2: ["item"],
+        3: ["item"],
+        4: ["item"],
+    }

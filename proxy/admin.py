@@ -121,6 +121,8 @@ async def show_thread(
     *,
     pin_patterns: tuple[str, ...] = (),
     detail: bool = False,
+    first_seq: int | None = None,
+    max_items: int | None = None,
 ) -> JsonDict:
     """The thread's log, where its verbatim window starts, what stands for the cut part
     (carried pinned items and summaries) and the compressed forms of tool results.
@@ -128,9 +130,14 @@ async def show_thread(
     Items the projection always keeps (instructions, user messages matching the tenant's
     `pin_patterns`) are marked `pinned`. With `detail` each log entry also carries its
     whole text (`full`) and the tool call ids it issues or answers (`call_ids`), which the
-    inspector's timeline shows."""
+    inspector's timeline shows. `max_items` bounds the log to that many items from
+    `first_seq` on (the last ones when `first_seq` is None): one page of a long thread."""
     thread = await resolve_thread(store, thread_id, tenant)
-    items = await _log(store, thread)
+    first, last = 0, thread.next_seq - 1
+    if max_items is not None:
+        first = max(0, last - max_items + 1) if first_seq is None else max(0, first_seq)
+        last = min(last, first + max_items - 1)
+    items = await _log(store, thread, first, last)
     cut = state_to_cut(thread.state)
     counter = TokenCounter.for_model("*")
     originals = {stored.seq: stored for stored in items}
@@ -483,9 +490,12 @@ async def ledger_resolve(
 # --- helpers ------------------------------------------------------------------------------
 
 
-async def _log(store: Store, thread: Thread) -> tuple[StoredItem, ...]:
-    """The whole log, the part before the cut included."""
-    return await store.items_between(thread.tenant, thread.id, 0, thread.next_seq - 1)
+async def _log(
+    store: Store, thread: Thread, first: int = 0, last: int | None = None
+) -> tuple[StoredItem, ...]:
+    """The log (the part before the cut included), whole unless bounded."""
+    last = thread.next_seq - 1 if last is None else last
+    return await store.items_between(thread.tenant, thread.id, first, last)
 
 
 def _item_of(stored: StoredItem) -> Item:

@@ -42,6 +42,7 @@ COOKIE = "threadkeeper_session"
 SESSION_SECONDS = 12 * 3600
 THREADS_LIMIT = 100
 LEDGER_LIMIT = 200
+PAGE_ITEMS = 200  # timeline items per page: the last ones, or those from ?from=SEQ
 RECENT_REQUESTS = 20
 SESSION_KEY_CONTEXT = b"threadkeeper-inspector-session-v1"
 
@@ -246,9 +247,16 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
         raise _not_found("No such thread.")
     policy = request.app[POLICIES].get(tenant.partition(":")[0])
     pins = tuple(policy.memory.pin_patterns) if policy is not None else ()
+    first = request.query.get("from", "")
     try:
         shown = await admin.show_thread(
-            request.app[STORE], thread_id, tenant, pin_patterns=pins, detail=True
+            request.app[STORE],
+            thread_id,
+            tenant,
+            pin_patterns=pins,
+            detail=True,
+            first_seq=int(first) if first.isdigit() else None,
+            max_items=PAGE_ITEMS,
         )
     except admin.AdminError:
         raise _not_found("No such thread.") from None
@@ -258,7 +266,9 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
     records = await request.app[STORE].explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
     requests = [r.record for r in records]
     return _html(
-        inspector_html.thread_page(shown, ledger, requests, chrome=_chrome(request, viewer))
+        inspector_html.thread_page(
+            shown, ledger, requests, chrome=_chrome(request, viewer), page_items=PAGE_ITEMS
+        )
     )
 
 

@@ -21,6 +21,7 @@ from urllib.parse import quote, urlencode
 from proxy import admin
 
 PREFIX = "/threadkeeper/ui"
+FULL_TEXT_MAX = 20_000  # characters of one item's text on the timeline
 
 SCRIPT = """\
 document.querySelectorAll("[data-toggle-all]").forEach(function (button) {
@@ -206,6 +207,7 @@ def thread_page(
     requests: Sequence[Mapping[str, Any]],
     *,
     chrome: Chrome,
+    page_items: int,
 ) -> str:
     start = shown["window_start"]
     meta = (
@@ -235,11 +237,32 @@ def thread_page(
     body = (
         meta
         + _toggles()
+        + _pages(shown, page_items)
         + f'<ol class="timeline" id="timeline">{"".join(lines)}</ol>'
         + "<h2>Recent requests on this thread</h2>"
         + _requests_table(requests)
     )
     return _layout(f"Thread {shown['id']}", body, chrome)
+
+
+def _pages(shown: Mapping[str, Any], page_items: int) -> str:
+    """Links to the items before and after this page of a long thread (admin.show_thread's
+    max_items); nothing when the page holds the whole log."""
+    log = shown["log"]
+    if not log:
+        return ""
+    first, last = log[0]["seq"], log[-1]["seq"]
+    url = thread_url(shown["tenant"], shown["id"])
+    links = []
+    if first > 0:
+        links.append(
+            f'<a id="earlier" href="{esc(url)}&amp;from={max(0, first - page_items)}">earlier items</a>'
+        )
+    if last < shown["items"] - 1:
+        links.append(f'<a id="later" href="{esc(url)}&amp;from={last + 1}">later items</a>')
+    if not links:
+        return ""
+    return f'<p class="meta">items {first}–{last} of {shown["items"]} · {" · ".join(links)}</p>'
 
 
 def _cut_line(start: int, summary: Sequence[Mapping[str, Any]]) -> str:
@@ -283,9 +306,17 @@ def _item_line(item: Mapping[str, Any], compressed: Mapping[str, Any] | None) ->
         f'<span class="meta">#{esc(item["seq"])} · {esc(item["type"])} · {esc(item["tokens"])} '
         f"tokens</span> {' '.join(badges)}"
         f'<details class="text"><summary>{esc(item["text"]) or "(no text)"}</summary>'
-        f'<pre class="full-text">{esc(item.get("full", item["text"]))}</pre></details>'
+        f'<pre class="full-text">{esc(_bounded(item.get("full", item["text"])))}</pre></details>'
         f"{sent_form}</li>"
     )
+
+
+def _bounded(text: str) -> str:
+    """An item's text on the page, up to FULL_TEXT_MAX characters (export has it all)."""
+    if len(text) <= FULL_TEXT_MAX:
+        return text
+    rest = len(text) - FULL_TEXT_MAX
+    return f"{text[:FULL_TEXT_MAX]}\n[... {rest} more characters: threadkeeper threads export]"
 
 
 def _ledger_line(entry: Mapping[str, Any], chrome: Chrome) -> str:

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 from proxy import admin
 from proxy.clock import ManualClock
 from proxy.fake_provider import Reply
+from proxy.server import inspector as inspector_module
 from proxy.server.state import POLICIES, STORE
 
 from .conftest import TENANT_KEY, Proxy
@@ -382,3 +385,24 @@ async def test_pinned_items_are_marked(make_proxy: Callable[..., Awaitable[Proxy
         3: ["item"],
         4: ["item"],
     }
+
+
+async def test_a_long_thread_is_paged(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inspector_module, "PAGE_ITEMS", 5)
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy)  # 19 items
+    url = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    async with proxy.http() as http:
+        last = (await http.get(url, headers=bearer(OPERATOR))).text
+        middle = (await http.get(f"{url}&from=7", headers=bearer(OPERATOR))).text
+        first = (await http.get(f"{url}&from=0", headers=bearer(OPERATOR))).text
+    seqs = [[int(s) for s in re.findall(r'<li class="item[^"]*" data-seq="(\d+)"', page)]
+            for page in (last, middle, first)]  # fmt: skip
+    assert seqs == [[14, 15, 16, 17, 18], [7, 8, 9, 10, 11], [0, 1, 2, 3, 4]]
+    assert 'id="later"' not in last and "from=9" in last  # earlier: from 14 - 5
+    assert "from=2" in middle and "from=12" in middle
+    assert 'id="earlier"' not in first and "from=5" in first
+    start = int(re.search(r'id="cut" data-window-start="(\d+)"', middle)[1])  # type: ignore[index]
+    assert 7 < start <= 11 and 'id="cut"' not in first and 'id="cut"' not in last

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.server.inspector_html import Chrome, threads_page, token_bar
+from proxy.server.inspector_html import FULL_TEXT_MAX, Chrome, _bounded, threads_page, token_bar
 
 
 def record(blocks: list[dict[str, Any]], **projection: int) -> dict[str, Any]:
@@ -56,3 +56,9 @@ def test_every_value_is_escaped() -> None:
     )  # fmt: skip
     assert "<script>alert" not in page and page.count("<script>") == 1
     assert "&quot;&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_a_long_item_text_is_bounded_on_the_page() -> None:
+    assert _bounded("x" * FULL_TEXT_MAX) == "x" * FULL_TEXT_MAX
+    shown = _bounded("x" * (FULL_TEXT_MAX + 7))
+    assert shown == "x" * FULL_TEXT_MAX + "\n[... 7 more characters: threadkeeper threads export]"

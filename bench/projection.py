@@ -6,12 +6,13 @@ costs. Histories of 100, 1,000 and 10,000 items are timed with a live window of 
 200 items; the full history without a cut is timed for information. The token cache is
 warmed by one projection of each case before timing (a store keeps counts with items).
 
-    python bench/projection.py          # prints a table and rewrites "## Projection"
-                                        # in bench/RESULTS.md
+    python bench/projection.py [--write]    # prints a table; --write replaces
+                                            # "## Projection" in bench/RESULTS.md
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -22,8 +23,8 @@ from functools import partial
 
 from results import write_section
 
-from proxy.core.compress import summarize_turns
 from proxy.core.items import Item, chat_item
+from proxy.core.memory import summarize_turns
 from proxy.core.projection import (
     CutPoint,
     ProjectionPolicy,
@@ -136,7 +137,7 @@ def section(results: dict[int, dict[str, float]]) -> str:
     )
     return f"""## Projection
 
-`python bench/projection.py` (Python {platform.python_version()}, {platform.machine()}).
+`python bench/projection.py --write` (Python {platform.python_version()}, {platform.machine()}).
 Median of {REPEATS} runs of `project_context` ({FULL_REPEATS} for the full history), the
 cases timed round-robin after one warm-up run each (token counts cached, as a store
 keeps them with its items). "Live window" is what a store passes: the items from the
@@ -162,9 +163,13 @@ not the thread; with twice the items in the window it is about twice the cost.
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    args = parser.parse_args()
     text = section(measure())
     print(text)
-    write_section("Projection", text)
+    if args.write:
+        write_section("Projection", text)
     return 0
 
 

@@ -41,8 +41,8 @@ import httpx
 from results import write_section
 
 from proxy.core.checkpoint import cut_to_state
-from proxy.core.compress import summarize_turns
 from proxy.core.items import Item, responses_item
+from proxy.core.memory import summarize_turns
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
 from proxy.fake_provider import FakeProvider

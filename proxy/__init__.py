@@ -15,7 +15,8 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
       repeated calls, record tool outputs     proxy/core/ledger.py, server/holdback.py
     orphan check (output for an unknown call) proxy/threads.py (first_orphan)
     budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
-    projection under the budget               proxy/core/projection.py (blocks, compress)
+    projection under the budget               proxy/core/projection.py (blocks, compress,
+                                              memory)
     invariant check (never send a broken one) proxy/core/invariants.py
     forward upstream, retries                 proxy/upstream.py
     check the answer's shape (else 502)       proxy/core/answers.py

@@ -1,54 +1,83 @@
-"""Deterministic compression of tool results and digests of dropped turns (seed section 8).
+"""Deterministic compression of tool results (seed section 8).
 
 Summarizing loses exact parameters, negations, times and sources; structured
 compression keeps them as fields (seed 8.3). So a compressed tool result keeps the
-tool's name, the call id and the time, the top-level scalar facts of a JSON result
-verbatim, and replaces long arrays and strings by explicit elision markers. A digest of
-dropped turns keeps the user's requests and constraints, the verified facts from tool
-results and the calls still waiting for a result, and keeps tool facts apart from what
-was merely said. Both are pure functions of their input: the same history always
-gives the same bytes, which keeps the provider's prompt cache warm.
+tool's name, the call id and the time, and what a later turn may need: for JSON the
+identifying values wherever they are nested (ids, amounts, statuses; lists by the ids of
+their elements), never transport metadata (request ids, hosts, generation times); for
+text the lines that look like errors, failures and tracebacks and the lines holding
+values the later conversation refers to. The rest is replaced by explicit elision
+markers. A pure function of its input: the same history always gives the same bytes,
+which keeps the provider's prompt cache warm. Digests of dropped turns live in
+proxy/core/memory.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from proxy.core.items import Api, Item, JsonDict, chat_item, message_text, responses_item
+from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
 from proxy.core.tokens import TokenCounter
 
 COMPRESSED_KEY = "threadkeeper_compressed"
-SUMMARY_MARKER = "[threadkeeper summary of earlier conversation]"
 ELIDED = "elided by threadkeeper"
 
 # Responses outputs whose `output` is text (or text parts) and can become a string;
 # computer/shell outputs carry screenshots or structured logs and keep their shape.
 COMPRESSIBLE_RESPONSES_TYPES = frozenset({"function_call_output", "custom_tool_call_output"})
 
-# Sentences that constrain the rest of the task (seed 7.1: "all amounts in CNY, tax
-# included by default" must survive trimming).
-CONSTRAINT_WORDS = re.compile(
-    r"\b(must|never|always|only|default|don'?t|do not|should|required?|make sure|all|every|each|tax(?:es)? included)\b"
-    r"|所有|必须|不要|不能|默认|只能|只要|总是|永远|务必|禁止|一律",
+# Keys whose values describe the transport of an answer, not the answer itself.
+TRANSPORT_KEY = re.compile(
+    r"^(?:x[-_].*"
+    r"|(?:request|req|trace|span|correlation|idempotency|parent)[-_]?ids?"
+    r"|served[-_]?by|server|host(?:name)?|node|pod|region[-_]?served"
+    r"|(?:generated|fetched|served|received|retrieved|cached|updated|created|processed|sent)[-_]?(?:at|on)"
+    r"|timestamp|ts|latency(?:[-_]?ms)?|elapsed(?:[-_]?ms)?|took(?:[-_]?ms)?|duration[-_]?ms"
+    r"|etag|api[-_]?version|schema[-_]?version|object|rate[-_]?limit.*|retry[-_]?after"
+    r"|next[-_]?cursor|cursor|has[-_]?more|page|per[-_]?page|page[-_]?size)$",
     re.IGNORECASE,
 )
-SENTENCE_END = re.compile(r"(?<=[.!?。！？\n])\s*")
-WHITESPACE = re.compile(r"\s+")
+# Objects under these keys are transport or debugging detail as a whole.
+TRANSPORT_SUBTREES = frozenset(
+    {"meta", "_meta", "metadata", "debug", "trace", "tracing", "headers", "pagination"}
+    | {"links", "_links", "diagnostics", "telemetry"}
+)
+# Keys whose values identify something or state an outcome: kept before any other.
+IMPORTANT_KEY = re.compile(
+    r"(?:^|[-_])(?:ids?|no|number|code|ref|reference|status|state|amount|total|price|cost"
+    r"|fee|balance|currency|email|sku|pnr|booking|confirmation|tracking|error|reason|result"
+    r"|outcome|approved|refund|quantity|qty|seat|flight|date|name|title|version|decision)"
+    r"(?:$|[-_])|[a-z]Id$",
+    re.IGNORECASE,
+)
+# Values that look like identifiers (ORD-1, YT123456, cus_8842) wherever they are.
+ID_VALUE = re.compile(
+    r"^(?:(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+"
+    r"|(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}"
+    r"|[a-z]{2,}_(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,})$"
+)
+# Lines of text output that report errors, failures and where they happened.
+ERROR_LINE = re.compile(
+    r"[Ee]rror\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
+    r"|\bexhausted\b|\bfatal\b|\bpanic|\btimed out\b|\brefused\b|\bdenied\b|\babort"
+    r"|^E {2,}\S|File \"[^\"]+\", line \d+"
+    r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
+)
+# Lines of a traceback (a frame, or the exception it ended with) rank above other errors.
+LOCATION_LINE = re.compile(
+    r"^\s*File \"[^\"]+\", line \d+|^\s*[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c"
+    r"|cc|cpp|h|hpp|cs|php|swift|scala):\d+|[Ee]rror\b|[Ee]xception\b|^Traceback"
+)
 
 
 def is_compressible(item: Item) -> bool:
     if item.kind != "tool_output":
         return False
     return item.api == "chat" or item.type in COMPRESSIBLE_RESPONSES_TYPES
-
-
-def is_summary(item: Item) -> bool:
-    """A digest made by a Summarizer (its text starts with SUMMARY_MARKER)."""
-    return item.is_instruction and item.text().startswith(SUMMARY_MARKER)
 
 
 # --- tool results -----------------------------------------------------------------------
@@ -102,17 +131,24 @@ JSON_LIMITS = (
 
 # Compressed forms already computed: deterministic in these inputs, and a stateless client
 # resends the same old tool results every turn. Bounded; cleared when full.
-_compressed: dict[tuple[str, str, str, int, str, str], Item] = {}
+_compressed: dict[tuple[str, str, str, int, str, str, frozenset[str]], Item] = {}
 COMPRESSED_CACHE_MAX = 8192
 
 
 def compress_tool_output(
-    item: Item, call: Item | None, max_tokens: int, counter: TokenCounter, now: str
+    item: Item,
+    call: Item | None,
+    max_tokens: int,
+    counter: TokenCounter,
+    now: str,
+    referenced: frozenset[str] = frozenset(),
 ) -> Item:
     """A replacement for a tool result that is at most max_tokens (item overhead included).
 
-    Only when max_tokens is below the size of the bare source marker is the result
-    larger; the caller compares sizes before using it.
+    `referenced` holds tokens the later conversation mentions (ids, values): the lines
+    and list elements holding them are kept before others. Only when max_tokens is
+    below the size of the bare source marker is the result larger; the caller compares
+    sizes before using it.
     """
     key = (
         item.api,
@@ -121,10 +157,11 @@ def compress_tool_output(
         max_tokens,
         counter.encoding.name,
         now,
+        referenced,
     )
     cached = _compressed.get(key)
     if cached is None:
-        cached = _compress(item, call, max_tokens, counter, now)
+        cached = _compress(item, call, max_tokens, counter, now, referenced)
         if len(_compressed) >= COMPRESSED_CACHE_MAX:
             _compressed.clear()
         _compressed[key] = cached
@@ -132,7 +169,12 @@ def compress_tool_output(
 
 
 def _compress(
-    item: Item, call: Item | None, max_tokens: int, counter: TokenCounter, now: str
+    item: Item,
+    call: Item | None,
+    max_tokens: int,
+    counter: TokenCounter,
+    now: str,
+    referenced: frozenset[str],
 ) -> Item:
     text = output_text(item)
     source = {
@@ -142,45 +184,251 @@ def _compress(
         "original_tokens": counter.item(item),
     }
     candidate = item
-    for body in _bodies(text, source, max_tokens):
+    for body in _bodies(text, source, max_tokens, referenced):
         candidate = _with_output(item, json.dumps(body, ensure_ascii=False))
         if _count(candidate, counter) <= max_tokens:
             return candidate
     return candidate
 
 
-def _bodies(text: str, source: JsonDict, max_tokens: int) -> Iterator[JsonDict]:
+def _bodies(
+    text: str, source: JsonDict, max_tokens: int, referenced: frozenset[str]
+) -> Iterator[JsonDict]:
     """Ever smaller compressed forms, ending with the bare source marker."""
-    parsed = _json_container(text)
+    parsed = json_container(text)
     if parsed is not None:
         for limits in JSON_LIMITS:
-            yield {COMPRESSED_KEY: source, **_structured(parsed, limits)}
+            yield {COMPRESSED_KEY: source, **_structured(parsed, limits, referenced)}
+        facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
+        yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
     while chars >= 16:
-        yield {COMPRESSED_KEY: source, "excerpt": head_and_tail(text, chars)}
+        yield {COMPRESSED_KEY: source, "excerpt": excerpt(text, chars, referenced)}
         chars //= 2
     yield {COMPRESSED_KEY: source}
     yield {COMPRESSED_KEY: {"tool": source["tool"], "call_id": source["call_id"]}}
 
 
-def _json_container(text: str) -> dict[str, Any] | list[Any] | None:
+def json_container(text: str) -> dict[str, Any] | list[Any] | None:
+    """The JSON object or array a tool result holds, if it is one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     return value if isinstance(value, dict | list) else None
 
 
-def _structured(value: dict[str, Any] | list[Any], limits: _Limits) -> JsonDict:
-    """Verified facts (top-level scalars, kept) apart from the elided rest."""
+def _structured(
+    value: dict[str, Any] | list[Any], limits: _Limits, referenced: frozenset[str]
+) -> JsonDict:
+    """Verified facts (identifying values found anywhere, kept) apart from the elided rest."""
+    facts = dict(
+        key_values(
+            value,
+            max_values=max(limits.items * 2, 4),
+            list_items=max(limits.items, 2),
+            referenced=referenced,
+        )
+    )
     if isinstance(value, list):
-        return {"verified_facts": {"item_count": len(value)}, "rest": _elide(value, limits)}
-    facts = {k: _elide(v, limits) for k, v in value.items() if _is_scalar(v)}
-    rest = {k: v for k, v in value.items() if not _is_scalar(v)}
-    body: JsonDict = {"verified_facts": facts}
-    if rest:
+        body: JsonDict = {"verified_facts": {"item_count": len(value), **facts}}
+        if limits.items:
+            body["rest"] = _elide(value, limits)
+        return body
+    rest = {k: v for k, v in value.items() if not _is_scalar(v) and not _is_transport(k)}
+    body = {"verified_facts": facts}
+    if rest and limits.items:
         body["rest"] = _elide(rest, limits)
     return body
+
+
+# --- the values that matter in JSON --------------------------------------------------------
+
+
+def key_values(
+    value: Any,
+    max_values: int = 12,
+    list_items: int = 8,
+    referenced: frozenset[str] = frozenset(),
+) -> list[tuple[str, Any]]:
+    """The identifying and outcome values of a JSON result, wherever they are nested.
+
+    Ids, amounts, statuses and values `referenced` later come first; transport metadata
+    never. A list becomes the identifying values of its first `list_items` elements (and
+    of any later element holding a referenced value). At most `max_values` pairs, in the
+    order they appear; a label is the key, prefixed by its parent's for generic keys.
+    """
+    found: list[tuple[int, str, Any]] = []  # (tier, label, value) in document order
+    _walk(value, "", found, list_items, referenced)
+    chosen = sorted(range(len(found)), key=lambda i: (found[i][0], i))[:max_values]
+    pairs: list[tuple[str, Any]] = []
+    seen: dict[str, int] = {}
+    for index in sorted(chosen):
+        _, label, kept = found[index]
+        seen[label] = seen.get(label, 0) + 1
+        pairs.append((label if seen[label] == 1 else f"{label}#{seen[label]}", kept))
+    return pairs
+
+
+GENERIC_KEYS = frozenset(
+    {"id", "status", "state", "name", "type", "code", "amount", "value", "total", "number"}
+    | {"date", "title", "result", "items", "data", "reason", "message", "currency"}
+)
+
+
+MAX_WALK_DEPTH = 16  # nesting levels searched for values; deeper objects are skipped
+
+
+def _walk(
+    value: Any,
+    parent: str,
+    found: list[tuple[int, str, Any]],
+    list_items: int,
+    referenced: frozenset[str],
+    depth: int = 0,
+) -> None:
+    if depth > MAX_WALK_DEPTH:
+        return
+    if isinstance(value, list):
+        summary = _list_summary(value, list_items, referenced)
+        if summary:
+            found.append((0 if _has_ids(summary) else 1, parent or "items", summary))
+        return
+    if not isinstance(value, dict):
+        return
+    for key, child in value.items():
+        if not isinstance(key, str) or _is_transport(key):
+            continue
+        label = f"{parent}.{key}" if parent and key.lower() in GENERIC_KEYS else key
+        if _is_scalar(child):
+            if child is None or child == "":
+                continue
+            tier = 0 if _important(key, child, referenced) else 1
+            found.append((tier, label, _short(child)))
+        elif isinstance(child, dict | list):
+            _walk(child, label, found, list_items, referenced, depth + 1)
+
+
+def _is_transport(key: Any) -> bool:
+    return isinstance(key, str) and (
+        key.lower() in TRANSPORT_SUBTREES or TRANSPORT_KEY.match(key) is not None
+    )
+
+
+def _important(key: str, value: Any, referenced: frozenset[str]) -> bool:
+    if IMPORTANT_KEY.search(key):
+        return True
+    return isinstance(value, str) and (ID_VALUE.match(value) is not None or value in referenced)
+
+
+def _short(value: Any) -> Any:
+    return _elide_string(value, 200) if isinstance(value, str) else value
+
+
+def _has_ids(values: list[Any]) -> bool:
+    return any(isinstance(v, str) and ID_VALUE.match(v.split(" ")[0]) for v in values)
+
+
+def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str]) -> list[Any]:
+    """A list by the identifying values of its elements, with the count of the rest."""
+    shown: list[Any] = []
+    for index, element in enumerate(value):
+        if index >= list_items and not referenced:
+            break
+        ident = _identity(element)
+        if ident is None:
+            continue
+        if index < list_items or (
+            isinstance(ident, str) and any(token in ident for token in referenced)
+        ):
+            shown.append(ident)
+    if len(value) > len(shown):
+        shown.append(f"(+{len(value) - len(shown)} more)")
+    return shown
+
+
+LIST_TEXT_CHARS = 48  # a text element of a list is named by its beginning
+
+
+def _identity(element: Any) -> Any:
+    """An element of a list as its identifying values (at most three, joined)."""
+    if _is_scalar(element):
+        return _elide_string(element, LIST_TEXT_CHARS) if isinstance(element, str) else element
+    if not isinstance(element, dict):
+        return f"[{len(element)} items]" if isinstance(element, list) else None
+    scalars = [
+        (k, v)
+        for k, v in element.items()
+        if isinstance(k, str) and _is_scalar(v) and v not in (None, "") and not _is_transport(k)
+    ]
+    important = [v for k, v in scalars if _important(k, v, frozenset())]
+    values = (important or [v for _, v in scalars])[:3]
+    if not values:
+        return f"{{{len(element)} keys}}"
+    return " ".join(str(_short(v)) for v in values)
+
+
+# --- text results ---------------------------------------------------------------------------
+
+
+def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> str:
+    """About `chars` characters of `text`: its head and tail, and between them the lines
+    that report errors or hold referenced values, each gap marked as elided."""
+    if len(text) <= chars:
+        return text
+    lines = text.splitlines(keepends=True)
+    scored = _scored_lines(lines, referenced)
+    if not scored:
+        return head_and_tail(text, chars)
+    edge = chars // 5
+    head_end = text.rfind("\n", 0, edge) + 1 or edge
+    tail_start = text.find("\n", len(text) - edge) + 1 or len(text) - edge
+    if tail_start <= head_end:
+        return head_and_tail(text, chars)
+    room = chars - head_end - (len(text) - tail_start)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    kept: list[int] = []
+    for _, index in sorted(scored):
+        if offsets[index] < head_end or offsets[index] >= tail_start:
+            continue
+        line = _elide_string(lines[index].rstrip("\n"), 300)
+        if len(line) + 1 <= room:
+            room -= len(line) + 1
+            kept.append(index)
+    parts = [text[:head_end]]
+    position = head_end
+    for index in sorted(kept):
+        if offsets[index] > position:
+            parts.append(f"[... {offsets[index] - position} characters {ELIDED} ...]\n")
+        parts.append(_elide_string(lines[index].rstrip("\n"), 300) + "\n")
+        position = offsets[index + 1]
+    if tail_start > position:
+        parts.append(f"[... {tail_start - position} characters {ELIDED} ...]\n")
+    parts.append(text[tail_start:])
+    return "".join(parts)
+
+
+def _scored_lines(lines: list[str], referenced: frozenset[str]) -> list[tuple[int, int]]:
+    """(rank, index) of the lines worth keeping, a lower rank first: code locations and
+    referenced values, then other error lines, then the lines around them (the code of
+    a traceback frame, the message after it)."""
+    ranks: dict[int, int] = {}
+    for index, line in enumerate(lines):
+        if LOCATION_LINE.search(line) or (referenced and any(t in line for t in referenced)):
+            ranks[index] = 0
+        elif ERROR_LINE.search(line):
+            ranks[index] = 1
+    for index, rank in list(ranks.items()):
+        for distance in range(1, CONTEXT_LINES + 1):
+            for neighbour in (index - distance, index + distance):
+                if 0 <= neighbour < len(lines) and lines[neighbour].strip():
+                    ranks[neighbour] = min(ranks.get(neighbour, 99), rank + 1 + distance)
+    return sorted((rank, index) for index, rank in ranks.items())
+
+
+CONTEXT_LINES = 2
 
 
 def _is_scalar(value: Any) -> bool:
@@ -239,241 +487,3 @@ def _count(item: Item, counter: TokenCounter) -> int:
     if item.api == "chat":
         return counter.chat_message(item.raw)
     return counter.responses_item(item.raw)
-
-
-# --- digests of dropped turns -------------------------------------------------------------
-
-
-class Summarizer(Protocol):
-    """Replaces dropped history by one instruction item at most max_tokens long.
-
-    The item's text must start with SUMMARY_MARKER. `previous_summary` is the digest the
-    dropped items are added to. An LLM summarizer plugs in here (SPEC section 5, step 2);
-    `summarize_turns` is the deterministic default.
-    """
-
-    def __call__(
-        self,
-        items: Sequence[Item],
-        counter: TokenCounter,
-        max_tokens: int,
-        previous_summary: Item | None,
-        /,
-    ) -> Item: ...
-
-
-# Sections of a digest, in the order they are written; the priority decides what
-# survives when the digest is over budget (constraints last to go).
-SECTIONS: tuple[tuple[str, int], ...] = (
-    ("Constraints stated by the user (their words):", 5),
-    ("Verified facts from tool results:", 3),
-    ("Pending actions (called, no result seen):", 4),
-    ("User requests:", 2),
-    ("Said by the assistant (not verified):", 1),
-    ("Earlier summary:", 0),
-)
-HEADER = re.compile(re.escape(SUMMARY_MARKER) + r" Stands for (\d+) earlier items")
-REQUEST_CHARS = 240
-FACT_CHARS = 160
-STATEMENT_CHARS = 160
-MAX_ENTRIES = 200  # newest entries per section considered; bounds the work
-
-
-def summarize_turns(
-    items: Sequence[Item],
-    counter: TokenCounter,
-    max_tokens: int,
-    previous_summary: Item | None = None,
-) -> Item:
-    """Deterministic digest of `items` (plus the previous digest), at most max_tokens
-    when max_tokens leaves room for the header line."""
-    api = _api_of(items, previous_summary)
-    sections = _previous_sections(previous_summary)
-    for title, entries in _sections_of(items).items():
-        sections[title].extend(entries)
-    count = len(items) + _previous_count(previous_summary)
-    header = (
-        f"{SUMMARY_MARKER} Stands for {count} earlier items no longer sent verbatim. "
-        "Tool facts are verified results; everything else is what was said, not checked."
-    )
-    return _fit_digest(api, header, sections, counter, max_tokens)
-
-
-def _api_of(items: Sequence[Item], previous: Item | None) -> Api:
-    if items:
-        return items[0].api
-    if previous is not None:
-        return previous.api
-    raise ValueError("summarize_turns needs items or a previous summary")
-
-
-def summary_item(api: Api, text: str) -> Item:
-    """Chat: a system message; Responses: a developer message."""
-    if api == "chat":
-        return chat_item({"role": "system", "content": text})
-    return responses_item({"type": "message", "role": "developer", "content": text})
-
-
-def _empty_sections() -> dict[str, list[str]]:
-    return {title: [] for title, _ in SECTIONS}
-
-
-def _previous_sections(previous: Item | None) -> dict[str, list[str]]:
-    """Entries of a digest this module wrote; any other text becomes one earlier entry."""
-    sections = _empty_sections()
-    if previous is None:
-        return sections
-    text = previous.text()
-    title = None
-    for line in text.splitlines()[1:]:
-        if line in sections:
-            title = line
-        elif title is not None and line.startswith("- "):
-            sections[title].append(line[2:])
-    if not HEADER.match(text):
-        sections["Earlier summary:"].append(_one_line(text, FACT_CHARS * 4))
-    return sections
-
-
-def _previous_count(previous: Item | None) -> int:
-    match = HEADER.match(previous.text()) if previous is not None else None
-    return int(match.group(1)) if match else 0
-
-
-def _sections_of(items: Sequence[Item]) -> dict[str, list[str]]:
-    sections = _empty_sections()
-    answered = {item.output_for for item in items if item.output_for is not None}
-    calls = {call_id: item for item in items for call_id in item.call_ids}
-    for item in items:
-        if item.is_user_message:
-            text = item.text()
-            sections["User requests:"].append(_one_line(text, REQUEST_CHARS))
-            sections["Constraints stated by the user (their words):"].extend(constraints(text))
-        elif item.kind == "tool_output":
-            call = calls.get(item.output_for or "")
-            sections["Verified facts from tool results:"].append(_fact(item, call))
-        elif item.kind == "tool_calls":
-            for call_id in item.call_ids:
-                if call_id not in answered:
-                    sections["Pending actions (called, no result seen):"].append(
-                        _pending(item, call_id)
-                    )
-            if item.text():
-                sections["Said by the assistant (not verified):"].append(
-                    _one_line(item.text(), STATEMENT_CHARS)
-                )
-        elif item.kind == "message" and item.role == "assistant" and item.text():
-            sections["Said by the assistant (not verified):"].append(
-                _one_line(item.text(), STATEMENT_CHARS)
-            )
-    return sections
-
-
-def constraints(text: str) -> list[str]:
-    """The user's sentences that constrain the task, kept word for word."""
-    found = []
-    for sentence in SENTENCE_END.split(text):
-        sentence = sentence.strip()
-        if sentence and CONSTRAINT_WORDS.search(sentence):
-            found.append(_one_line(sentence, REQUEST_CHARS))
-    return found
-
-
-def _one_line(text: str, chars: int) -> str:
-    return _elide_string(WHITESPACE.sub(" ", text).strip(), chars)
-
-
-def _fact(output: Item, call: Item | None) -> str:
-    """tool call_id: the top-level scalar facts of the result (or an excerpt of text)."""
-    name = tool_name(output, call)
-    text = output_text(output)
-    parsed = _json_container(text)
-    if isinstance(parsed, dict):
-        if isinstance(parsed.get(COMPRESSED_KEY), dict):
-            parsed = parsed.get("verified_facts") or {}
-        facts = {k: v for k, v in parsed.items() if _is_scalar(v)}
-        shown = json.dumps(facts, ensure_ascii=False) if facts else "(no scalar facts)"
-    elif isinstance(parsed, list):
-        shown = f"a list of {len(parsed)} items"
-    else:
-        shown = json.dumps(_one_line(text, FACT_CHARS), ensure_ascii=False)
-    return f"{name} {output.output_for}: {_elide_string(shown, FACT_CHARS * 2)}"
-
-
-def _pending(call: Item, call_id: str) -> str:
-    arguments: Any = call.raw.get("arguments", call.raw.get("input", ""))
-    for tool_call in call.raw.get("tool_calls") or []:
-        if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
-            function = tool_call.get("function")
-            if isinstance(function, Mapping):
-                arguments = function.get("arguments", "")
-                name = function.get("name", "unknown")
-                return f"{name} {call_id} {_one_line(str(arguments), FACT_CHARS)}"
-    name = call.name or call.type or "unknown"
-    return f"{name} {call_id} {_one_line(str(arguments), FACT_CHARS)}"
-
-
-def _fit_digest(
-    api: Api,
-    header: str,
-    sections: dict[str, list[str]],
-    counter: TokenCounter,
-    max_tokens: int,
-) -> Item:
-    """Keeps the highest-priority, newest entries that fit; recounts the exact result."""
-    candidates = _ranked_entries(sections, counter.text)
-    item = summary_item(api, header)
-    room = max_tokens - _count(item, counter)
-    while room > 0:
-        chosen = _choose(candidates, room)
-        item = summary_item(api, _render(header, sections, chosen))
-        excess = _count(item, counter) - max_tokens
-        if excess <= 0:
-            return item
-        room -= excess + 8
-    return summary_item(api, header)
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    title: str
-    index: int
-    rank: tuple[int, int]
-    tokens: int
-
-
-def _ranked_entries(
-    sections: dict[str, list[str]], count_text: Callable[[str], int]
-) -> list[_Entry]:
-    """Entries best first: by section priority, then newest first."""
-    priority = dict(SECTIONS)
-    entries = []
-    for title, lines in sections.items():
-        start = max(0, len(lines) - MAX_ENTRIES)
-        for index in range(start, len(lines)):
-            tokens = count_text(f"- {lines[index]}\n")
-            entries.append(_Entry(title, index, (-priority[title], -index), tokens))
-    entries.sort(key=lambda entry: entry.rank)
-    return entries
-
-
-def _choose(entries: list[_Entry], room: int) -> set[tuple[str, int]]:
-    chosen: set[tuple[str, int]] = set()
-    used: set[str] = set()
-    for entry in entries:
-        cost = entry.tokens + (0 if entry.title in used else 10)  # 10: the section title
-        if cost <= room:
-            room -= cost
-            chosen.add((entry.title, entry.index))
-            used.add(entry.title)
-    return chosen
-
-
-def _render(header: str, sections: dict[str, list[str]], chosen: set[tuple[str, int]]) -> str:
-    lines = [header]
-    for title, _ in SECTIONS:
-        kept = [line for i, line in enumerate(sections[title]) if (title, i) in chosen]
-        if kept:
-            lines.append(title)
-            lines.extend(f"- {line}" for line in kept)
-    return "\n".join(lines)

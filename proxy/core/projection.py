@@ -23,15 +23,10 @@ from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, segment
 from proxy.core.budget import history_budget
-from proxy.core.compress import (
-    Summarizer,
-    compress_tool_output,
-    is_compressible,
-    is_summary,
-    summarize_turns,
-)
+from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
 from proxy.core.items import Item
+from proxy.core.memory import Summarizer, is_summary, summarize_turns
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
 # The summary gets at most this share of B_H, and never more than SUMMARY_MAX_TOKENS.

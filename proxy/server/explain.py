@@ -23,7 +23,8 @@ import structlog
 from aiohttp import web
 
 from proxy.clock import Clock, utc_iso
-from proxy.core.compress import COMPRESSED_KEY, is_summary, output_text
+from proxy.core.compress import COMPRESSED_KEY, output_text
+from proxy.core.memory import is_summary
 from proxy.core.projection import Projection
 from proxy.periodic import every, running
 from proxy.server.errors import ApiError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from proxy.core.checkpoint import cut_to_state, state_to_cut
-from proxy.core.compress import SUMMARY_MARKER
 from proxy.core.items import chat_item, responses_item
+from proxy.core.memory import SUMMARY_MARKER
 from proxy.core.projection import CutPoint
 
 

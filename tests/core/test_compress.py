@@ -2,13 +2,9 @@ import json
 
 import pytest
 
-from proxy.core.compress import (
-    SUMMARY_MARKER,
-    compress_tool_output,
-    is_summary,
-    summarize_turns,
-)
+from proxy.core.compress import compress_tool_output
 from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary, summarize_turns
 from proxy.core.tokens import TokenCounter
 
 NOW = "2025-01-02T03:04:05Z"
@@ -42,7 +38,9 @@ def test_json_result_keeps_facts_and_marks_elisions(counter: TokenCounter) -> No
     assert body["threadkeeper_compressed"]["tool"] == "lookup_order"
     assert body["threadkeeper_compressed"]["call_id"] == "call_1"
     assert body["threadkeeper_compressed"]["time"] == NOW
-    assert body["verified_facts"] == {"status": "shipped", "tracking_no": "YT123456"}
+    facts = body["verified_facts"]
+    assert facts["status"] == "shipped" and facts["tracking_no"] == "YT123456"
+    assert facts["rows"][:2] == ["SKU-0", "SKU-1"]  # a list by its elements' ids
     assert "more items elided by threadkeeper" in small.raw["content"]
     assert counter.item(small) <= 300
 
@@ -106,8 +104,9 @@ def test_summary_keeps_constraints_facts_and_pending_calls(counter: TokenCounter
     assert summary.raw["role"] == "system" and text.startswith(SUMMARY_MARKER)
     assert "所有金额都用人民币，默认含税。" in text
     assert "Never refund twice." in text
-    assert 'lookup_order call_1: {"status": "shipped", "tracking_no": "YT123456"}' in text
-    assert "refund_order call_2" in text
+    assert "lookup_order(order_id=ORD-1) -> status=shipped, tracking_no=YT123456" in text
+    assert "refund_order(order_id=ORD-1)" in text
+    assert "call_1" not in text and "call_2" not in text  # no call ids in a digest
     assert text.index("Verified facts") < text.index("not verified")
     assert counter.item(summary) <= 400
     assert is_summary(summary)
@@ -150,3 +149,97 @@ def test_english_task_constraints_survive_the_summary(counter: TokenCounter) -> 
     ]
     text = summarize_turns(turns, counter, 300, None).text()
     assert "All amounts in CNY, tax included." in text
+
+
+# --- content-aware compression (issue 10, item 4) --------------------------------------------
+
+
+def pytest_log(passed: int = 410) -> str:
+    """A long pytest run: one failure with its traceback, a pool warning mid-log."""
+    lines = [
+        "============================= test session starts ==============================",
+        "platform linux -- Python 3.11.9, pytest-8.3.2, pluggy-1.5.0",
+        "collected 412 items",
+    ]
+    for i in range(passed):
+        lines.append(f"tests/billing/test_invoices.py::test_invoice_case_{i:03d} PASSED")
+        if i == passed // 3:
+            lines.append(
+                "WARNING  billing.db:pool.py:41 connection pool exhausted "
+                "(max_connections=200 reached), waiting 5.0s"
+            )
+        if i == passed // 2:
+            lines += [
+                "=================================== FAILURES ===================================",
+                "    def prorate(plan, days_used):",
+                ">       return plan.price_cents * days_used // (plan.cycle_days - days_used - 30)",
+                "E       ZeroDivisionError: integer division or modulo by zero",
+                "",
+                "src/billing/proration.py:88: ZeroDivisionError",
+            ]
+    lines.append("================== 1 failed, 411 passed in 38.21s ==================")
+    return "\n".join(lines)
+
+
+def test_a_long_log_keeps_its_traceback_and_mid_log_failure(counter: TokenCounter) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_7", "content": pytest_log()})
+    assert 6000 <= counter.item(output) <= 7500  # the issue's 6.7k-token log
+    small = compress_tool_output(output, chat_call("call_7", "run_tests"), 800, counter, NOW)
+    assert counter.item(small) <= 800
+    excerpt = json.loads(small.raw["content"])["excerpt"]
+    assert "src/billing/proration.py:88: ZeroDivisionError" in excerpt
+    assert "connection pool exhausted (max_connections=200 reached)" in excerpt
+    assert "E       ZeroDivisionError: integer division or modulo by zero" in excerpt
+    assert excerpt.startswith("=====") and excerpt.endswith("in 38.21s ==================")
+    assert "characters elided by threadkeeper" in excerpt
+
+
+def test_a_log_keeps_its_errors_even_at_a_quarter_of_the_room(counter: TokenCounter) -> None:
+    output = chat_item({"role": "tool", "tool_call_id": "call_7", "content": pytest_log()})
+    small = compress_tool_output(output, None, 200, counter, NOW)
+    excerpt = json.loads(small.raw["content"])["excerpt"]
+    assert counter.item(small) <= 200
+    assert "proration.py:88" in excerpt
+
+
+def test_text_lines_holding_referenced_values_are_kept(counter: TokenCounter) -> None:
+    rows = [f"row {i}: booking BK-{1000 + i} confirmed" for i in range(600)]
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": "\n".join(rows)})
+    plain = compress_tool_output(output, None, 300, counter, NOW)
+    kept = compress_tool_output(output, None, 300, counter, NOW, frozenset({"BK-1377"}))
+    assert "BK-1377" not in plain.raw["content"]
+    assert "row 377: booking BK-1377 confirmed" in json.loads(kept.raw["content"])["excerpt"]
+
+
+def test_json_facts_are_found_nested_without_transport_metadata(counter: TokenCounter) -> None:
+    body = {
+        "request_id": "req_8f2a91",
+        "served_by": "api-eu-3",
+        "generated_at": "2026-11-30T10:00:00Z",
+        "meta": {"trace_id": "tr-99", "page": 1},
+        "data": {
+            "order": {"id": "ORD-7731", "status": "lost_in_transit", "notes": "x " * 800},
+            "refunds": [
+                {"refund_id": f"RF-{i}", "amount": 10 + i, "currency": "EUR", "blob": "y" * 300}
+                for i in range(40)
+            ],
+        },
+    }
+    output = chat_item({"role": "tool", "tool_call_id": "c1", "content": json.dumps(body)})
+    small = compress_tool_output(output, None, 400, counter, NOW, frozenset({"RF-33"}))
+    facts = json.loads(small.raw["content"])["verified_facts"]
+    text = json.dumps(facts)
+    assert "ORD-7731" in text and "lost_in_transit" in text and "RF-0" in text
+    assert "RF-33" in text  # referenced later: kept although past the first elements
+    for noise in ("req_8f2a91", "api-eu-3", "2026-11-30T10:00:00Z", "tr-99"):
+        assert noise not in small.raw["content"]
+    assert counter.item(small) <= 400
+
+
+def test_json_lists_are_summarized_by_their_identifying_values(counter: TokenCounter) -> None:
+    body = [{"sku": f"SKU-{i}", "qty": i, "note": "n" * 50} for i in range(30)]
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": json.dumps(body)})
+    small = compress_tool_output(output, None, 200, counter, NOW)
+    facts = json.loads(small.raw["content"])["verified_facts"]
+    assert facts["item_count"] == 30
+    assert facts["items"][0].startswith("SKU-0") and facts["items"][-1].endswith("more)")

@@ -3,8 +3,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from proxy.core.compress import SUMMARY_MARKER, summary_item
 from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import SUMMARY_MARKER, summary_item
 from proxy.core.projection import (
     ContextLengthExceeded,
     CutPoint,

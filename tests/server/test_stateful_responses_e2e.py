@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from proxy.core.compress import SUMMARY_MARKER
+from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply, response_object
 from proxy.server.state import STORE
 from proxy.store.base import Store

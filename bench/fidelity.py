@@ -1,0 +1,1476 @@
+"""Memory fidelity: what the provider still sees of a long conversation (issue 10).
+
+    python bench/fidelity.py [--write] [--summarizer] [--only NAME]
+
+Four scripted conversations that overflow a small window several times (customer support
+with two refunds, a coding agent with multi-thousand-token test logs, travel booking with
+parallel tool calls and a preference changed mid-way, an incident run on the Responses
+API). Each plants facts: a text that must appear in what the provider receives, the turn
+it appears in, and whether it is must-keep or nice-to-keep.
+
+Every scenario runs through the proxy (`python -m proxy serve`, a SQLite file, the fake
+provider of proxy/fake_provider.py in this process, scripted with exact answers so every
+run sends the same bytes) in two modes:
+
+- stateless: the client resends its whole history every request (Chat Completions, or
+  Responses with `store: false`);
+- stateful: Chat with `X-Thread-Id` (the client sends only what is new), Responses with
+  `previous_response_id` (only the new input items).
+
+Baselines are computed on the same histories the stateless client sends: drop the oldest
+message until the request fits (OpenAI's `truncation: auto`, LangChain's
+`trim_messages`), and keep the system text plus the last k turns (one k per scenario, the
+largest that makes every request fit). Tokens are counted as the proxy counts them (the
+fake provider's counters, which use the project's TokenCounter).
+
+Only public surfaces are used (HTTP through the proxy, policy files, the fake provider),
+so the bench measures whatever the memory code on the branch does. --summarizer adds a row
+with policy `memory.summarizer` pointed at the fake provider, which answers summary
+requests badly (prose, ids dropped): the guard is what is measured. --write replaces the
+"## Fidelity" section of bench/RESULTS.md (and nothing else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+
+from proxy.fake_provider import (
+    FakeProvider,
+    Reply,
+    chat_completion,
+    chat_prompt_tokens,
+    response_object,
+    responses_prompt_tokens,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+RESERVE_OUTPUT, SAFETY_MARGIN = 1000, 200
+SUMMARIZER_MODEL = "fid-summarizer"
+# The window of each scenario's model (the policy's `models` section).
+WINDOWS = {"gpt-4.1-mini": 8000, "gpt-4o-mini": 12000, "gpt-4o": 16000}
+
+Api = Literal["chat", "responses"]
+Kind = Literal["must", "nice"]
+JsonDict = dict[str, Any]
+
+
+# --- scenarios --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    call_id: str
+    name: str
+    arguments: JsonDict
+    output: str  # what the client's tool returns
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: str
+    steps: tuple[tuple[Call, ...] | str, ...]  # tool calls (answered by the client) or text
+
+
+@dataclass(frozen=True)
+class Fact:
+    text: str
+    turn: int
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    api: Api
+    model: str
+    system: str
+    turns: tuple[Turn, ...]
+    facts: tuple[Fact, ...]
+
+    @property
+    def window(self) -> int:
+        return WINDOWS[self.model]
+
+
+def _log_lines(rng: random.Random, count: int, kind: str) -> list[str]:
+    words = ("alpha", "bravo", "cache", "delta", "ledger", "queue", "shard", "tenant", "vector")
+    return [
+        f"{kind} {i:04d} {rng.choice(words)}-{rng.randrange(10_000):04d} "
+        f"{rng.choice(words)} took {rng.randrange(1, 900)}ms ok"
+        for i in range(count)
+    ]
+
+
+def _tracking(rng: random.Random, order: str, count: int) -> JsonDict:
+    hubs = ("Rotterdam", "Leipzig", "Venlo", "Duisburg", "Kassel", "Erfurt")
+    return {
+        "request_id": f"req_{rng.randrange(16**8):08x}",
+        "served_by": f"orders-{rng.randrange(9)}",
+        "order": order,
+        "events": [
+            {
+                "at": f"2026-11-{1 + i % 28:02d}T{i % 24:02d}:{(7 * i) % 60:02d}:00Z",
+                "hub": rng.choice(hubs),
+                "scan": f"SC{rng.randrange(10**7):07d}",
+                "note": "parcel scanned at sorting facility",
+            }
+            for i in range(count)
+        ],
+    }
+
+
+def support() -> Scenario:
+    """Customer support, 8k window: two refunds, a rule in turn 1, a changed preference."""
+    rng = random.Random(1)
+    order_turns = [
+        ("ORD-48377", "Where is my kettle, ORD-48377?", "ORD-48377 ships from Rotterdam today."),
+        ("ORD-48390", "And the lamp in ORD-48390?", "ORD-48390 was delivered on Nov 14."),
+        ("ORD-48401", "What about ORD-48401, the rug?", "ORD-48401 is waiting at the Kassel hub."),
+        ("ORD-48455", "Check ORD-48455 please.", "ORD-48455 left the Leipzig hub."),
+        ("ORD-48470", "Is ORD-48470 late?", "ORD-48470 is on schedule."),
+        ("ORD-48488", "And ORD-48488?", "ORD-48488 is out for delivery."),
+        ("ORD-48502", "Now ORD-48502, the speaker.", "ORD-48502 is at the Venlo hub."),
+        ("ORD-48519", "And ORD-48519?", "ORD-48519 was returned to sender."),
+        ("ORD-48533", "What about ORD-48533?", "ORD-48533 is delayed by a day."),
+        ("ORD-48540", "Last one: ORD-48540.", "ORD-48540 was delivered yesterday."),
+    ]
+
+    def lookup(i: int, order: str) -> Call:
+        output = json.dumps(_tracking(rng, order, 50))
+        return Call(f"call_sup_get_{i}", "get_order", {"order_id": order}, output)
+
+    turns = [
+        Turn(
+            "Hi, I'm Maria Keller (maria.keller@example.org). My rules for this chat: never "
+            "issue a refund above 200 EUR without asking me first, and contact me by SMS "
+            "only at +49 151 2345 6789.",
+            ("Hello Maria. Noted: no refund above 200 EUR without your approval, SMS only.",),
+        ),
+        Turn(
+            "My headphones from order ORD-48213 never arrived.",
+            (
+                (lookup(0, "ORD-48213"),),
+                "Order ORD-48213 (49.90 EUR) is marked lost_in_transit.",
+            ),
+        ),
+        Turn(
+            "Please refund it.",
+            (
+                (
+                    Call(
+                        "call_sup_refund_1",
+                        "refund_order",
+                        {"order_id": "ORD-48213", "amount": "49.90", "reason": "never arrived"},
+                        json.dumps(
+                            {
+                                "request_id": "req_5f1a2b",
+                                "refund_id": "RF-20931",
+                                "status": "approved",
+                                "amount": "49.90 EUR",
+                            }
+                        ),
+                    ),
+                ),
+                "Refund RF-20931 of 49.90 EUR is approved.",
+            ),
+        ),
+    ]
+    for i, (order, question, answer) in enumerate(order_turns[:3], start=1):
+        turns.append(Turn(question, ((lookup(i, order),), answer)))
+    turns.append(
+        Turn(
+            "The blender from ORD-48412 arrived broken, refund 189.00 EUR.",
+            (
+                (
+                    Call(
+                        "call_sup_refund_2",
+                        "refund_order",
+                        {"order_id": "ORD-48412", "amount": "189.00", "reason": "arrived broken"},
+                        json.dumps(
+                            {
+                                "request_id": "req_77c0de",
+                                "refund_id": "RF-20977",
+                                "status": "on_hold",
+                                "hold_reason": "supervisor approval required above 150 EUR",
+                            }
+                        ),
+                    ),
+                ),
+                "Refund RF-20977 of 189.00 EUR is on hold pending supervisor approval.",
+            ),
+        )
+    )
+    turns.append(
+        Turn(
+            "Actually, switch my contact channel to e-mail instead of SMS.",
+            ("Done: from now on we contact you by e-mail.",),
+        )
+    )
+    for i, (order, question, answer) in enumerate(order_turns[3:], start=4):
+        turns.append(Turn(question, ((lookup(i, order),), answer)))
+    turns.append(Turn("Which refunds do I have open or done?", ("Two refunds, see above.",)))
+    facts = (
+        Fact("above 200 EUR without asking me first", 0, "must"),
+        Fact("maria.keller@example.org", 0, "nice"),
+        Fact("ORD-48213", 1, "must"),
+        Fact("lost_in_transit", 1, "nice"),
+        Fact("RF-20931", 2, "must"),
+        Fact("ships from Rotterdam", 3, "nice"),
+        Fact("RF-20977", 6, "must"),
+        Fact("pending supervisor approval", 6, "must"),
+        Fact("e-mail instead of SMS", 7, "must"),
+        Fact("ORD-48455 left the Leipzig hub", 8, "nice"),
+    )
+    return Scenario(
+        "support",
+        "chat",
+        "gpt-4.1-mini",
+        "You are the support agent of an electronics shop. Be brief.",
+        tuple(turns),
+        facts,
+    )
+
+
+def _pytest_log(rng: random.Random, failing: bool) -> str:
+    lines = [
+        "============================= test session starts ==============================",
+        "platform linux -- Python 3.11.7, pytest-8.3.2",
+        "collected 412 items",
+        "",
+    ]
+    lines += [
+        f"tests/billing/test_{name}.py::{name} PASSED"
+        for name in (f"case_{i:03d}_{rng.randrange(10**6):06d}" for i in range(150))
+    ]
+    lines.append(
+        "WARNING db: connection pool exhausted (max_connections=200 reached), "
+        "request queued for 2.3s"
+    )
+    lines += _log_lines(rng, 130, "DEBUG sql")
+    if failing:
+        lines += [
+            "=================================== FAILURES ===================================",
+            "___________________________ test_prorate_zero_days ____________________________",
+            "    def test_prorate_zero_days():",
+            ">       assert prorate(Decimal('30.00'), days=0, period=30) == Decimal('0.00')",
+            "tests/billing/test_proration.py:41: ",
+            "billing/proration.py:88: in prorate",
+            "    return (amount * days / used_days).quantize(CENT)",
+            "E   ZeroDivisionError: division by zero",
+            "=========================== short test summary info ============================",
+            "FAILED tests/billing/test_proration.py::test_prorate_zero_days - ZeroDivisionError",
+            "================== 1 failed, 411 passed in 48.12s ==================",
+        ]
+    else:
+        lines.append("================== 412 passed in 47.80s ==================")
+    return "\n".join(lines)
+
+
+def _source(rng: random.Random, path: str, lines: int, extra: str = "") -> str:
+    body = [f"# {path}"]
+    for i in range(lines):
+        name = f"helper_{i:03d}"
+        body.append(f"def {name}(value, factor={rng.randrange(2, 99)}):")
+        body.append(f"    return value * factor - {rng.randrange(1000)}  # {name}")
+    if extra:
+        body.insert(len(body) // 2, extra)
+    return "\n".join(body)
+
+
+def coding() -> Scenario:
+    """A coding agent, 16k window: two ~6k-token test logs, file reads, a decision."""
+    rng = random.Random(2)
+
+    def read(i: int, path: str, extra: str = "") -> Call:
+        return Call(
+            f"call_code_read_{i}", "read_file", {"path": path}, _source(rng, path, 100, extra)
+        )
+
+    turns = [
+        Turn(
+            "Project rules: Python 3.11 only. Never touch the migrations/ folder. Every change "
+            "needs a test.",
+            ("Understood: 3.11, migrations/ is off limits, tests with every change.",),
+        ),
+        Turn(
+            "Run the billing tests.",
+            (
+                (
+                    Call(
+                        "call_code_test_1",
+                        "run_tests",
+                        {"path": "tests/billing"},
+                        _pytest_log(rng, failing=True),
+                    ),
+                ),
+                "One failure: test_prorate_zero_days, a ZeroDivisionError.",
+            ),
+        ),
+        Turn(
+            "Open the proration module.",
+            ((read(1, "billing/proration.py"),), "Line 88 divides by used_days."),
+        ),
+        Turn(
+            "Fix it with a guard.",
+            (
+                (
+                    Call(
+                        "call_code_write_1",
+                        "write_file",
+                        {
+                            "path": "billing/proration.py",
+                            "patch": "if used_days == 0: return CENT * 0",
+                        },
+                        json.dumps({"ok": True, "bytes": 4211}),
+                    ),
+                ),
+                "Patched: prorate returns 0.00 when used_days is 0.",
+            ),
+        ),
+        Turn(
+            "Rerun the tests.",
+            (
+                (
+                    Call(
+                        "call_code_test_2",
+                        "run_tests",
+                        {"path": "tests/billing"},
+                        _pytest_log(rng, failing=False),
+                    ),
+                ),
+                "All 412 pass now.",
+            ),
+        ),
+        Turn(
+            "What version are we on?",
+            (
+                (read(2, "pyproject.toml", 'version = "2.4.0"'),),
+                "We are on 2.4.0; I will bump the version to 2.4.1 in the release commit.",
+            ),
+        ),
+        Turn(
+            "Show me the invoice module.",
+            (
+                (read(3, "billing/invoice.py", 'SAMPLE_INVOICE = "INV-2024-0042"'),),
+                "The invoice module builds INV numbers.",
+            ),
+        ),
+        Turn("And the tax module.", ((read(4, "billing/tax.py"),), "tax.py applies VAT.")),
+        Turn(
+            "And the currency module.",
+            ((read(5, "billing/currency.py"),), "currency.py rounds to cents."),
+        ),
+        Turn("Open the settings.", ((read(6, "billing/settings.py"),), "Settings are read once.")),
+        Turn(
+            "Where is the pool size configured, and why did the pool run out in the first run?",
+            ((read(7, "billing/db.py"),), "db.py sets the pool size."),
+        ),
+        Turn(
+            "Open the refunds module.", ((read(8, "billing/refunds.py"),), "refunds.py is small.")
+        ),
+        Turn("Open the reports module.", ((read(9, "billing/reports.py"),), "reports.py is big.")),
+        Turn(
+            "Run the whole suite once more.",
+            (
+                (
+                    Call(
+                        "call_code_test_3",
+                        "run_tests",
+                        {"path": "tests"},
+                        _pytest_log(rng, failing=False),
+                    ),
+                ),
+                "All green.",
+            ),
+        ),
+        Turn("Open the exports module.", ((read(10, "billing/exports.py"),), "exports.py is ok.")),
+        Turn(
+            "Write the changelog entry for this release.",
+            ("Changelog: fix proration division by zero.",),
+        ),
+    ]
+    facts = (
+        Fact("Never touch the migrations/ folder", 0, "must"),
+        Fact("Python 3.11 only", 0, "must"),
+        Fact("billing/proration.py:88", 1, "must"),
+        Fact("connection pool exhausted (max_connections=200 reached)", 1, "must"),
+        Fact("ZeroDivisionError", 1, "nice"),
+        Fact("bump the version to 2.4.1", 5, "must"),
+        Fact("INV-2024-0042", 6, "nice"),
+    )
+    return Scenario(
+        "coding agent",
+        "chat",
+        "gpt-4o",
+        "You are a coding agent working in the billing repository.",
+        tuple(turns),
+        facts,
+    )
+
+
+def _offers(rng: random.Random, kind: str, count: int) -> str:
+    rows: list[JsonDict]
+    if kind == "flights":
+        rows = [
+            {
+                "flight": f"{rng.choice(('LH', 'TP', 'FR', 'U2'))}{rng.randrange(1000, 9999)}",
+                "departs": f"2027-05-12T{rng.randrange(6, 22):02d}:{rng.randrange(60):02d}",
+                "price_eur": rng.randrange(90, 480),
+                "stops": rng.randrange(2),
+                "fare": rng.choice(("light", "classic", "flex")),
+            }
+            for _ in range(count)
+        ]
+    else:
+        rows = [
+            {
+                "name": f"{rng.choice(('Casa', 'Hotel', 'Pousada', 'Residencial'))} "
+                f"{rng.choice(('Alfama', 'Baixa', 'Sol', 'Tejo', 'Luz', 'Mar'))} {i}",
+                "price_eur_night": rng.randrange(60, 260),
+                "rating": rng.randrange(60, 99) / 10,
+                "district": rng.choice(("Alfama", "Chiado", "Belem", "Baixa")),
+            }
+            for i in range(count)
+        ]
+    return json.dumps({"request_id": f"req_{rng.randrange(16**8):08x}", kind: rows})
+
+
+def travel() -> Scenario:
+    """Travel booking, 12k window: parallel tool calls, rules in turn 1, a changed seat."""
+    rng = random.Random(3)
+    flights = _offers(rng, "flights", 30).replace('"flight": "', '"flight": "LH1172', 1)
+    turns = [
+        Turn(
+            "My rules: total budget 1800 EUR, no red-eye flights, and I'm vegetarian. "
+            "I prefer an aisle seat.",
+            ("Noted: 1800 EUR total, no red-eyes, vegetarian, aisle seat.",),
+        ),
+        Turn(
+            "Find flights Berlin to Lisbon on May 12 and hotels for 5 nights.",
+            (
+                (
+                    Call("call_trv_f1", "search_flights", {"from": "BER", "to": "LIS"}, flights),
+                    Call(
+                        "call_trv_h1",
+                        "search_hotels",
+                        {"city": "Lisbon", "nights": 5},
+                        _offers(rng, "hotels", 25),
+                    ),
+                ),
+                "Best: LH1172 at 09:40 for 212 EUR; Hotel Arcadia at 96 EUR a night.",
+            ),
+        ),
+        Turn(
+            "Book LH1172 and Hotel Arcadia.",
+            (
+                (
+                    Call(
+                        "call_trv_bf",
+                        "book_flight",
+                        {"flight": "LH1172", "seat": "aisle"},
+                        json.dumps({"booking_ref": "BK-7Q2X9", "status": "confirmed"}),
+                    ),
+                    Call(
+                        "call_trv_bh",
+                        "book_hotel",
+                        {"hotel": "Hotel Arcadia", "nights": 5},
+                        json.dumps({"confirmation": "HA-55120", "status": "confirmed"}),
+                    ),
+                ),
+                "Booked: flight BK-7Q2X9, hotel HA-55120. Total so far 692 EUR.",
+            ),
+        ),
+        Turn(
+            "Find vegetarian restaurants near the hotel.",
+            (
+                (
+                    Call(
+                        "call_trv_r1",
+                        "search_restaurants",
+                        {"near": "Hotel Arcadia"},
+                        _offers(rng, "hotels", 30),
+                    ),
+                ),
+                "Three vegetarian places nearby.",
+            ),
+        ),
+        Turn(
+            "Change of plan: I want a window seat, not aisle.",
+            (
+                (
+                    Call(
+                        "call_trv_seat",
+                        "change_seat",
+                        {"booking_ref": "BK-7Q2X9", "seat": "window"},
+                        json.dumps({"status": "changed", "seat": "14A"}),
+                    ),
+                ),
+                "Seat changed to 14A, a window seat.",
+            ),
+        ),
+    ]
+    for i, place in enumerate(
+        ("Sintra", "Cascais", "Evora", "Obidos", "Porto", "Nazare", "Tomar", "Coimbra"), start=1
+    ):
+        turns.append(
+            Turn(
+                f"Look at a day trip to {place}: trains and tours.",
+                (
+                    (
+                        Call(
+                            f"call_trv_t{i}",
+                            "search_trains",
+                            {"to": place},
+                            _offers(rng, "flights", 40),
+                        ),
+                        Call(
+                            f"call_trv_o{i}",
+                            "search_tours",
+                            {"city": place},
+                            _offers(rng, "hotels", 32),
+                        ),
+                    ),
+                    f"{place}: trains every hour, tours from 35 EUR.",
+                ),
+            )
+        )
+    turns.append(Turn("Recap my bookings and preferences.", ("Recap as above.",)))
+    facts = (
+        Fact("total budget 1800 EUR", 0, "must"),
+        Fact("no red-eye flights", 0, "must"),
+        Fact("I'm vegetarian", 0, "must"),
+        Fact("LH1172", 1, "nice"),
+        Fact("BK-7Q2X9", 2, "must"),
+        Fact("HA-55120", 2, "must"),
+        Fact("window seat, not aisle", 4, "must"),
+        Fact("14A", 4, "nice"),
+    )
+    return Scenario(
+        "travel",
+        "chat",
+        "gpt-4o-mini",
+        "You are a travel agent. Use the tools.",
+        tuple(turns),
+        facts,
+    )
+
+
+def incident() -> Scenario:
+    """An incident run on the Responses API, 12k window: metrics dumps, a runbook rule."""
+    rng = random.Random(4)
+
+    def query(i: int, service: str, extra: str = "") -> Call:
+        lines = _log_lines(rng, 160, f"{service} p99")
+        if extra:
+            lines.insert(55, extra)
+        return Call(f"call_inc_q{i}", "query_logs", {"service": service}, "\n".join(lines))
+
+    turns = [
+        Turn(
+            "Runbook rule: never restart the primary database during business hours; "
+            "page the on-call DBA (Priya, ext 4471) first.",
+            ("Rule noted.",),
+        ),
+        Turn(
+            "Checkout errors are spiking. Look at the checkout service.",
+            (
+                (
+                    query(
+                        1, "checkout", "ERROR upstream payments-api returned 503 for 38% of calls"
+                    ),
+                ),
+                "payments-api returns 503 for 38% of checkout calls.",
+            ),
+        ),
+        Turn(
+            "Check payments-api.",
+            (
+                (query(2, "payments-api", "ERROR pg: remaining connection slots are reserved"),),
+                "payments-api cannot get database connections.",
+            ),
+        ),
+        Turn(
+            "Open an incident.",
+            (
+                (
+                    Call(
+                        "call_inc_open",
+                        "open_incident",
+                        {"severity": "SEV2"},
+                        json.dumps({"incident": "INC-8812", "status": "open"}),
+                    ),
+                ),
+                "Opened INC-8812 as SEV2.",
+            ),
+        ),
+        Turn(
+            "Check the database.", ((query(3, "db-primary"),), "The primary is at its slot limit.")
+        ),
+        Turn("Check the replicas.", ((query(4, "db-replica"),), "Replicas are fine.")),
+        Turn("Check the cache layer.", ((query(5, "redis"),), "Cache is healthy.")),
+        Turn("Check the gateway.", ((query(6, "gateway"),), "Gateway is healthy.")),
+        Turn("Check the queue.", ((query(7, "queue"),), "Queue lag is normal.")),
+        Turn("Check the search service.", ((query(8, "search"),), "Search is healthy.")),
+        Turn("Check the auth service.", ((query(9, "auth"),), "Auth is healthy.")),
+        Turn("Check payments-api once more.", ((query(10, "payments-api"),), "Still failing.")),
+        Turn("Check the load balancer.", ((query(11, "lb"),), "The load balancer is fine.")),
+        Turn(
+            "What should we do next?",
+            ("Raise the payments-api pool limit; do not restart the primary.",),
+        ),
+    ]
+    facts = (
+        Fact("never restart the primary database during business hours", 0, "must"),
+        Fact("ext 4471", 0, "must"),
+        Fact("returned 503 for 38% of calls", 1, "nice"),
+        Fact("remaining connection slots are reserved", 2, "must"),
+        Fact("INC-8812", 3, "must"),
+    )
+    return Scenario(
+        "incident (Responses)",
+        "responses",
+        "gpt-4o-mini",
+        "You are the incident commander's assistant.",
+        tuple(turns),
+        facts,
+    )
+
+
+def check_facts(scenario: Scenario) -> None:
+    """Each fact's text first appears in the history during the turn it is planted in, so
+    a miss is the memory's doing, not the scenario's."""
+    runs = histories(scenario)
+    final = "\n".join([*strings(runs[-1][1]), *strings(chat_reply(scenario.turns[-1].steps[-1]))])
+    for fact in scenario.facts:
+        after = ["\n".join(strings(items)) for turn, items in runs if turn > fact.turn]
+        assert fact.text in (after or [final])[0], (scenario.name, fact)
+        if fact.turn > 0:
+            earlier = [items for turn, items in runs if turn < fact.turn][-1]
+            assert fact.text not in "\n".join(strings(earlier)), (scenario.name, fact)
+
+
+SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    "support": support,
+    "coding": coding,
+    "travel": travel,
+    "incident": incident,
+}
+
+
+# --- the client's history, in either API's shape ---------------------------------------------
+
+
+@dataclass
+class Step:
+    """One request of a scenario: the turn it belongs to and the answer it is scripted."""
+
+    turn: int
+    reply: tuple[Call, ...] | str
+    first: bool  # the first request of its turn (the user message is new)
+
+
+def steps(scenario: Scenario) -> Iterator[Step]:
+    for number, turn in enumerate(scenario.turns):
+        for position, reply in enumerate(turn.steps):
+            yield Step(number, reply, position == 0)
+
+
+def chat_user(text: str) -> JsonDict:
+    return {"role": "user", "content": text}
+
+
+def chat_reply(reply: tuple[Call, ...] | str) -> JsonDict:
+    if isinstance(reply, str):
+        return {"role": "assistant", "content": reply}
+    calls = [
+        {
+            "id": c.call_id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for c in reply
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def chat_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
+    return [{"role": "tool", "tool_call_id": c.call_id, "content": c.output} for c in reply]
+
+
+def responses_reply(reply: tuple[Call, ...] | str, index: int) -> list[JsonDict]:
+    if isinstance(reply, str):
+        return [
+            {
+                "id": f"msg_fid{index:04d}",
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": reply, "annotations": []}],
+            }
+        ]
+    return [
+        {
+            "id": f"fc_{c.call_id}",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": c.call_id,
+            "name": c.name,
+            "arguments": json.dumps(c.arguments),
+        }
+        for c in reply
+    ]
+
+
+def responses_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
+    return [
+        {"type": "function_call_output", "call_id": c.call_id, "output": c.output} for c in reply
+    ]
+
+
+def scripted_answer(scenario: Scenario, reply: tuple[Call, ...] | str, index: int) -> JsonDict:
+    """The provider's exact answer, ids fixed so every run sends the same bytes."""
+    if scenario.api == "chat":
+        stub = {"model": scenario.model, "messages": []}
+        answer = chat_completion(
+            stub,
+            Reply(
+                text=reply if isinstance(reply, str) else None,
+                tool_calls=None
+                if isinstance(reply, str)
+                else [(c.name, json.dumps(c.arguments)) for c in reply],
+            ),
+        )
+        answer["id"] = f"chatcmpl-fid{index:04d}"
+        answer["created"] = 1_800_000_000
+        answer["choices"][0]["message"] = {**chat_reply(reply), "refusal": None}
+        return answer
+    answer = response_object({"model": scenario.model, "input": []}, Reply(text="x"))
+    answer["id"] = f"resp_fid{index:04d}"
+    answer["created_at"] = answer["completed_at"] = 1_800_000_000
+    answer["output"] = responses_reply(reply, index)
+    return answer
+
+
+@dataclass
+class Sent:
+    """What one request put before the provider (or a baseline would have)."""
+
+    turn: int
+    items: list[JsonDict]  # chat messages, or Responses input items
+    instructions: str | None = None
+    error: str | None = None
+
+
+def histories(scenario: Scenario) -> list[tuple[int, list[JsonDict]]]:
+    """The stateless client's full history at each request (chat messages or input items),
+    with the system text as the first chat message or as a leading system input item."""
+    out: list[tuple[int, list[JsonDict]]] = []
+    history: list[JsonDict] = [{"role": "system", "content": scenario.system}]
+    for index, step in enumerate(steps(scenario)):
+        if step.first:
+            history.append(chat_user(scenario.turns[step.turn].user))
+        out.append((step.turn, list(history)))
+        if scenario.api == "chat":
+            history.append(chat_reply(step.reply))
+            if not isinstance(step.reply, str):
+                history.extend(chat_outputs(step.reply))
+        else:
+            history.extend(responses_reply(step.reply, index))
+            if not isinstance(step.reply, str):
+                history.extend(responses_outputs(step.reply))
+    return out
+
+
+# --- metrics ----------------------------------------------------------------------------------
+
+
+def strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value (texts, arguments, outputs), where a fact may stand."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from strings(v)
+
+
+def visible(sent: Sent) -> str:
+    return "\n".join([sent.instructions or "", *strings(sent.items)])
+
+
+def recall(requests: Sequence[Sent], facts: Sequence[Fact]) -> list[float]:
+    """Per request with at least one fact planted in an earlier turn: the share of those
+    facts whose text appears in what the request sent."""
+    shares: list[float] = []
+    for sent in requests:
+        due = [f for f in facts if f.turn < sent.turn]
+        if not due:
+            continue
+        text = visible(sent)
+        shares.append(sum(f.text in text for f in due) / len(due))
+    return shares
+
+
+def tool_pair_violations(items: Sequence[JsonDict]) -> int:
+    """Calls sent without their output plus outputs sent without their call."""
+    calls: set[str] = set()
+    outputs: set[str] = set()
+    for item in items:
+        for call in item.get("tool_calls") or ():
+            calls.add(str(call.get("id")))
+        if item.get("type") == "function_call":
+            calls.add(str(item.get("call_id")))
+        if item.get("role") == "tool":
+            outputs.add(str(item.get("tool_call_id")))
+        if item.get("type") == "function_call_output":
+            outputs.add(str(item.get("call_id")))
+    return len(calls ^ outputs)
+
+
+def prompt_tokens(api: Api, model: str, items: Sequence[JsonDict], instructions: str | None) -> int:
+    if api == "chat":
+        return chat_prompt_tokens({"model": model, "messages": list(items)})
+    return responses_prompt_tokens(
+        {"model": model, "input": list(items), "instructions": instructions}
+    )
+
+
+def prefix_reuse(api: Api, model: str, requests: Sequence[Sent]) -> list[float]:
+    """Per request after the first: the tokens of the longest run of leading items
+    (instructions first, then messages or input items) equal, as JSON values, to the
+    previous request's, over the request's prompt tokens. A provider's prompt cache can
+    reuse at most that share (it caches by token prefix)."""
+    shares: list[float] = []
+    for previous, current in itertools.pairwise(requests):
+        total = prompt_tokens(api, model, current.items, current.instructions)
+        if current.instructions != previous.instructions:
+            shares.append(0.0)
+            continue
+        shared = 0
+        for a, b in zip(previous.items, current.items, strict=False):
+            if a != b:
+                break
+            shared += 1
+        instructions_tokens = prompt_tokens(api, model, [], current.instructions)
+        empty = prompt_tokens(api, model, [], None)
+        prefix = prompt_tokens(api, model, current.items[:shared], current.instructions)
+        # Per-request priming tokens are not part of any prefix.
+        reused = prefix - empty if shared else instructions_tokens - empty
+        shares.append(max(0, reused) / max(1, total - empty))
+    return shares
+
+
+@dataclass
+class Row:
+    system: str
+    mode: str
+    scenario: str
+    requests: list[Sent]
+    window: int
+    api: Api
+    model: str
+    facts: tuple[Fact, ...]
+    note: str = ""
+
+    @property
+    def received(self) -> list[Sent]:
+        """The requests that reached the provider (a refused one is counted apart)."""
+        return [s for s in self.requests if s.error is None]
+
+    def must(self) -> list[float]:
+        return recall(self.received, [f for f in self.facts if f.kind == "must"])
+
+    def all(self) -> list[float]:
+        return recall(self.received, self.facts)
+
+    def rules(self) -> list[float]:
+        """Per request after turn 1: 1 when every must-keep fact of turn 1 is visible."""
+        first = [f for f in self.facts if f.turn == 0 and f.kind == "must"]
+        return [float(all(f.text in visible(s) for f in first)) for s in self.received if s.turn]
+
+    def violations(self) -> int:
+        return sum(tool_pair_violations(s.items) for s in self.received)
+
+    def fills(self) -> list[float]:
+        return [
+            prompt_tokens(self.api, self.model, s.items, s.instructions) / self.window
+            for s in self.received
+        ]
+
+    def reuse(self) -> list[float]:
+        return prefix_reuse(self.api, self.model, self.received)
+
+    def errors(self) -> int:
+        return sum(s.error is not None for s in self.requests)
+
+
+# --- baselines --------------------------------------------------------------------------------
+
+
+def _split_system(
+    scenario: Scenario, items: list[JsonDict]
+) -> tuple[list[JsonDict], str | None, list[JsonDict]]:
+    """(leading system messages kept by every baseline, instructions, the rest)."""
+    if scenario.api == "responses":
+        return [], items[0]["content"], items[1:]
+    return items[:1], None, items[1:]
+
+
+def _fits(scenario: Scenario, items: list[JsonDict], instructions: str | None) -> bool:
+    budget = scenario.window - RESERVE_OUTPUT - SAFETY_MARGIN
+    return prompt_tokens(scenario.api, scenario.model, items, instructions) <= budget
+
+
+def drop_oldest(scenario: Scenario) -> list[Sent]:
+    out: list[Sent] = []
+    for turn, items in histories(scenario):
+        head, instructions, rest = _split_system(scenario, items)
+        while len(rest) > 1 and not _fits(scenario, head + rest, instructions):
+            rest = rest[1:]
+        out.append(Sent(turn, head + rest, instructions))
+    return out
+
+
+def _last_turns(rest: list[JsonDict], k: int) -> list[JsonDict]:
+    starts = [i for i, item in enumerate(rest) if item.get("role") == "user"]
+    return rest[starts[-k] :] if len(starts) >= k else rest
+
+
+def last_k_turns(scenario: Scenario) -> tuple[int, list[Sent]]:
+    """The largest k for which every request of the scenario fits (at least 1)."""
+    runs = histories(scenario)
+    best = 1
+    for k in range(1, len(scenario.turns) + 1):
+        ok = True
+        for _, items in runs:
+            head, instructions, rest = _split_system(scenario, items)
+            if not _fits(scenario, head + _last_turns(rest, k), instructions):
+                ok = False
+                break
+        if not ok:
+            break
+        best = k
+    out = []
+    for turn, items in runs:
+        head, instructions, rest = _split_system(scenario, items)
+        out.append(Sent(turn, head + _last_turns(rest, best), instructions))
+    return best, out
+
+
+# --- the proxy run ----------------------------------------------------------------------------
+
+
+POLICY = """\
+tenant: default
+allow_unknown_keys: true
+models:
+  "*": {{context_window: 128000, max_output_tokens: 1000}}
+{models}
+budget: {{reserve_output_tokens: {reserve}, safety_margin_tokens: {margin}}}
+{memory}
+"""
+
+BAD_SUMMARY = (
+    "The user talked with the assistant about several things and some orders and refunds "
+    "were discussed, and the assistant helped with various tasks."
+)
+
+
+def policy_text(summarizer: bool) -> str:
+    models = "\n".join(
+        f'  "{name}": {{context_window: {window}, max_output_tokens: {RESERVE_OUTPUT}}}'
+        for name, window in WINDOWS.items()
+    )
+    memory = ""
+    if summarizer:
+        memory = (
+            f"memory: {{summarizer: {{model: {SUMMARIZER_MODEL}, max_tokens: 800, "
+            "timeout_seconds: 5}}"
+        )
+    return POLICY.format(models=models, reserve=RESERVE_OUTPUT, margin=SAFETY_MARGIN, memory=memory)
+
+
+class ScriptedProvider:
+    """The fake provider (public surface only: `script`, `requests`, `app`) answering each
+    model request with the answer the client scripts just before it, and summary requests
+    (model SUMMARIZER_MODEL, either API) with bad prose, whenever they come."""
+
+    def __init__(self) -> None:
+        self.fake = FakeProvider(models=(*WINDOWS, SUMMARIZER_MODEL))
+        self.summary_requests = 0
+        # Told apart by model before the usual routes, so they never take a turn's answer.
+        self.fake.app.middlewares.append(self._summaries)
+
+    @web.middleware
+    async def _summaries(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "POST" and request.path.endswith(("/chat/completions", "/responses")):
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                body = None
+            if isinstance(body, dict) and body.get("model") == SUMMARIZER_MODEL:
+                self.summary_requests += 1
+                build = (
+                    chat_completion if request.path.endswith("/completions") else response_object
+                )
+                return web.json_response(build(body, Reply(text=BAD_SUMMARY)))
+        return await handler(request)
+
+    def answer_next(self, answer: JsonDict) -> None:
+        """The exact answer to the next model request (none left over from a refused one)."""
+        self.fake.script[:] = [Reply(body=answer)]
+
+    @property
+    def model_requests(self) -> list[Any]:
+        return self.fake.model_requests
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ProxyProcess:
+    base: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def last_error(self) -> str:
+        """The last line of the proxy's log that names an exception (for failed requests)."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        named = [line for line in lines if "Error" in line or "Exception" in line]
+        return (named or lines or ["(empty log)"])[-1].strip()[:300]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_proxy(tmp: Path, upstream: str, name: str, policy: str) -> ProxyProcess | str:
+    """`python -m proxy serve` on a fresh SQLite file; a string says why it did not start."""
+    policies = tmp / f"policies-{name}"
+    policies.mkdir()
+    (policies / "default.yaml").write_text(policy)
+    port = free_port()
+    log = tmp / f"{name}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        upstream,
+        "--policies",
+        str(policies),
+        "--store",
+        f"sqlite:///{tmp}/{name}.db",
+    ]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "THREADKEEPER_LOG_LEVEL": "warning"}
+    environment.pop("THREADKEEPER_WORKERS", None)
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, env=environment, stdout=sink, stderr=sink)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            last = (log.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            return last.replace(str(policies) + os.sep, "")[:300]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                return ProxyProcess(f"http://127.0.0.1:{port}", process, log)
+        except urllib.error.HTTPError:
+            return ProxyProcess(f"http://127.0.0.1:{port}", process, log)
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    return "the proxy never answered /healthz"
+
+
+async def run_through_proxy(
+    session: aiohttp.ClientSession,
+    base: str,
+    provider: ScriptedProvider,
+    scenario: Scenario,
+    stateful: bool,
+    tag: str,
+) -> list[Sent]:
+    """Drive the scenario through the proxy; what the provider received, per request."""
+    sent: list[Sent] = []
+    thread = f"fid-{tag}-{scenario.name.split()[0]}"
+    previous_id: str | None = None
+    seen = 0  # how many items of the history the proxy already has (stateful)
+    for index, ((turn, history), step) in enumerate(
+        zip(histories(scenario), steps(scenario), strict=True)
+    ):
+        headers = {"Authorization": "Bearer sk-fidelity"}
+        if scenario.api == "chat":
+            path = "/v1/chat/completions"
+            messages = history if not stateful else [history[0], *history[max(1, seen) :]]
+            body: JsonDict = {"model": scenario.model, "messages": messages}
+            if stateful:
+                headers["X-Thread-Id"] = thread
+        else:
+            path = "/v1/responses"
+            items = history[1:]
+            body = {"model": scenario.model, "instructions": scenario.system}
+            if stateful:
+                body["input"] = items[max(0, seen - 1) :]
+                if previous_id is not None:
+                    body["previous_response_id"] = previous_id
+            else:
+                body["input"] = items
+                body["store"] = False
+        provider.answer_next(scripted_answer(scenario, step.reply, index))
+        before = len(provider.model_requests)
+        async with session.post(base + path, json=body, headers=headers) as response:
+            status, raw = response.status, await response.text()
+        try:
+            answer: Any = json.loads(raw)
+        except ValueError:
+            answer = raw  # a proxy bug: not even an error envelope
+        received = [
+            r
+            for r in provider.model_requests[before:]
+            if isinstance(r.json, dict) and r.json.get("model") == scenario.model
+        ]
+        error = None if status == 200 else f"{status} {json.dumps(answer)[:240]}"
+        if received:
+            got = received[-1].json
+            if scenario.api == "chat":
+                sent.append(Sent(turn, list(got.get("messages") or []), error=error))
+            else:
+                given = got.get("input")
+                items_in = [{"role": "user", "content": given}] if isinstance(given, str) else given
+                sent.append(Sent(turn, list(items_in or []), got.get("instructions"), error))
+        else:
+            sent.append(Sent(turn, [], error=error or "the provider received nothing"))
+        if scenario.api == "responses" and isinstance(answer, dict):
+            previous_id = answer.get("id", previous_id)
+        # The proxy holds its answer too: the next request starts after it.
+        answered = 1 if scenario.api == "chat" else len(responses_reply(step.reply, index))
+        seen = len(history) + answered
+    return sent
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+async def measure(
+    scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path
+) -> tuple[list[Row], list[str]]:
+    for scenario in scenarios:
+        check_facts(scenario)
+    rows: list[Row] = []
+    notes: list[str] = []
+    provider = ScriptedProvider()
+    upstream = await provider.fake.start()
+    systems: list[tuple[str, str]] = [("threadkeeper", policy_text(False))]
+    if with_summarizer:
+        systems.append(("threadkeeper + LLM summarizer (answers badly)", policy_text(True)))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for system, policy in systems:
+                name = "summarizer" if "summarizer" in system else "deterministic"
+                proxy = await asyncio.to_thread(start_proxy, tmp, upstream, name, policy)
+                if isinstance(proxy, str):
+                    policy_note = (
+                        " with `memory.summarizer: {model, max_tokens, timeout_seconds}` "
+                        "(not supported by this build?)"
+                        if name == "summarizer"
+                        else ""
+                    )
+                    notes.append(f"{system}: skipped, `serve` did not start{policy_note}: {proxy}")
+                    continue
+                summaries_before = provider.summary_requests
+                try:
+                    for scenario in scenarios:
+                        for stateful in (False, True):
+                            mode = stateful_label(scenario) if stateful else "stateless"
+                            requests = await run_through_proxy(
+                                session, proxy.base, provider, scenario, stateful, f"{name}-{mode}"
+                            )
+                            rows.append(
+                                Row(
+                                    system,
+                                    mode,
+                                    scenario.name,
+                                    requests,
+                                    scenario.window,
+                                    scenario.api,
+                                    scenario.model,
+                                    scenario.facts,
+                                )
+                            )
+                finally:
+                    proxy.stop()
+                if any(r.errors() for r in rows if r.system == system):
+                    notes.append(f"{system}: the proxy's log ends with `{proxy.last_error()}`")
+                if name == "summarizer":
+                    calls = provider.summary_requests - summaries_before
+                    notes.append(
+                        f"{system}: the provider received {calls} summary requests"
+                        + (
+                            " (the policy loads but nothing calls the summarizer yet)"
+                            if calls == 0
+                            else ""
+                        )
+                    )
+    finally:
+        await provider.fake.stop()
+    for scenario in scenarios:
+        rows.append(
+            Row(
+                "drop oldest until it fits",
+                "same histories",
+                scenario.name,
+                drop_oldest(scenario),
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+            )
+        )
+        k, kept = last_k_turns(scenario)
+        rows.append(
+            Row(
+                "keep the last k turns",
+                "same histories",
+                scenario.name,
+                kept,
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+                note=f"k={k}",
+            )
+        )
+    return rows, notes
+
+
+def stateful_label(scenario: Scenario) -> str:
+    return "X-Thread-Id" if scenario.api == "chat" else "previous_response_id"
+
+
+def _pct(values: Sequence[float]) -> str:
+    return f"{statistics.mean(values):.0%}" if values else "-"
+
+
+def _worst(values: Sequence[float]) -> str:
+    return f"{min(values):.0%}" if values else "-"
+
+
+def summary_table(rows: Sequence[Row]) -> list[str]:
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        mode = "stateful" if row.mode in ("X-Thread-Id", "previous_response_id") else row.mode
+        groups.setdefault((row.system, mode), []).append(row)
+    lines = [
+        "| system | mode | must-keep recall, mean | worst request | all facts, mean "
+        "| turn-1 rules present | tool-pair violations | mean fill | mean prefix reuse "
+        "| failed requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (system, mode), group in groups.items():
+        must = [v for r in group for v in r.must()]
+        every = [v for r in group for v in r.all()]
+        fills = [v for r in group for v in r.fills()]
+        reuse = [v for r in group for v in r.reuse()]
+        rules = [v for r in group for v in r.rules()]
+        lines.append(
+            f"| {system} | {mode} | {_pct(must)} | {_worst(must)} | {_pct(every)} | "
+            f"{_pct(rules)} | "
+            f"{sum(r.violations() for r in group)} | {_pct(fills)} | {_pct(reuse)} | "
+            f"{sum(r.errors() for r in group)} |"
+        )
+    return lines
+
+
+def detail_table(rows: Sequence[Row]) -> list[str]:
+    lines = [
+        "| scenario | system | mode | requests | must-keep mean | worst | all facts "
+        "| tool-pair violations | mean fill | prefix reuse | failed |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in sorted(rows, key=lambda r: r.scenario):
+        system = f"{row.system} ({row.note})" if row.note else row.system
+        lines.append(
+            f"| {row.scenario} | {system} | {row.mode} | {len(row.requests)} | "
+            f"{_pct(row.must())} | {_worst(row.must())} | {_pct(row.all())} | "
+            f"{row.violations()} | {_pct(row.fills())} | {_pct(row.reuse())} | {row.errors()} |"
+        )
+    return lines
+
+
+def lost_facts(rows: Sequence[Row]) -> list[str]:
+    """Which must-keep facts the proxy's requests lost, and in how many requests."""
+    lines = []
+    for row in rows:
+        if not row.system.startswith("threadkeeper"):
+            continue
+        for fact in row.facts:
+            if fact.kind != "must":
+                continue
+            due = [s for s in row.received if s.turn > fact.turn]
+            missing = sum(fact.text not in visible(s) for s in due)
+            if missing:
+                lines.append(
+                    f"- {row.scenario}, {row.system}, {row.mode}: `{fact.text}` (turn {fact.turn}) "
+                    f"missing in {missing} of {len(due)} requests"
+                )
+    return lines
+
+
+def failures(rows: Sequence[Row]) -> list[str]:
+    """Requests the proxy did not forward (left out of the other columns), first error each."""
+    lines = []
+    for row in rows:
+        failed = [s for s in row.requests if s.error is not None]
+        if failed:
+            lines.append(
+                f"- {row.scenario}, {row.system}, {row.mode}: {len(failed)} of "
+                f"{len(row.requests)} requests failed, the first (turn {failed[0].turn}): "
+                f"`{failed[0].error}`"
+            )
+    return lines
+
+
+def commit() -> str:
+    run = subprocess.run(
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%h (%cs)", "--", "proxy"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "proxy"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    label = run.stdout.strip() or "unknown commit"
+    return label + (" (with uncommitted changes under proxy/)" if dirty else "")
+
+
+def section(
+    rows: Sequence[Row],
+    notes: Sequence[str],
+    scenarios: Sequence[Scenario],
+    seconds: float,
+    label: str = "",
+) -> str:
+    windows = ", ".join(
+        f"{s.name} {s.window:,} ({len(list(steps(s)))} requests, {len(s.turns)} turns, "
+        f"{sum(f.kind == 'must' for f in s.facts)} must-keep + "
+        f"{sum(f.kind == 'nice' for f in s.facts)} nice-to-keep facts)"
+        for s in scenarios
+    )
+    parts = [
+        "## Fidelity",
+        "",
+        f"`python bench/fidelity.py --write`, proxy/ as of `{commit()}`"
+        f"{f' ({label})' if label else ''}, {seconds:.0f} s. "
+        "Scripted long conversations through `python -m proxy serve` (SQLite) and the fake "
+        "provider, every request the provider received checked for each planted fact. "
+        f"Windows (tokens): {windows}; output reserve {RESERVE_OUTPUT}, margin "
+        f"{SAFETY_MARGIN}, the policy's memory settings otherwise default. Baselines are "
+        "computed on the histories the stateless client sends (system message always kept).",
+        "",
+        "Definitions. *Recall* of a request: the share of the facts planted in earlier turns "
+        "whose text appears verbatim in some string of what the provider received "
+        "(instructions, message texts, tool-call arguments, tool outputs); *mean* over "
+        "every such request, *worst* the lowest single request. *Tool-pair violations*: "
+        "calls without their output plus outputs without their call, summed over requests. "
+        "*Turn-1 rules present*: the share of requests after turn 1 that carry every "
+        "must-keep fact of turn 1 (the user's standing rules). *Fill*: the request's prompt tokens (tiktoken, as the proxy counts) over the window. "
+        "*Prefix reuse* of a request after the first of a run: the prompt tokens of the "
+        "longest run of leading items (instructions, then messages or input items) equal as "
+        "JSON to the previous request's leading items, over the request's prompt tokens "
+        "(the per-request priming tokens left out of both); the ceiling of what a provider's "
+        "prompt cache can reuse.",
+        "",
+        *summary_table(rows),
+        "",
+        "Per scenario:",
+        "",
+        *detail_table(rows),
+        "",
+    ]
+    failed = failures(rows)
+    if failed:
+        parts += ["Requests that failed (not in the figures above):", "", *failed, ""]
+    lost = lost_facts(rows)
+    if lost:
+        parts += ["Must-keep facts threadkeeper lost:", "", *lost, ""]
+    if notes:
+        parts += ["Notes:", "", *(f"- {n}" for n in notes), ""]
+    parts += [
+        "Targets (issue 10): must-keep recall 100% in every request, all facts >= 90% mean, "
+        "prefix reuse >= 85% mean in every mode, 0 tool-pair violations.",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--write", action="store_true", help='replace "## Fidelity" in bench/RESULTS.md'
+    )
+    parser.add_argument(
+        "--summarizer",
+        action="store_true",
+        help="add a row with the LLM summarizer answering badly",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="run only this scenario (repeatable)",
+    )
+    parser.add_argument("--label", default="", help="said after the commit, e.g. 'before'")
+    args = parser.parse_args(argv)
+    scenarios = [SCENARIOS[name]() for name in args.only or SCENARIOS]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+        rows, notes = asyncio.run(measure(scenarios, args.summarizer, Path(tmp)))
+    text = section(rows, notes, scenarios, time.monotonic() - started, args.label)
+    print(text)
+    if args.write:
+        from results import write_section
+
+        write_section("Fidelity", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

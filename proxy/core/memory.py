@@ -1,0 +1,856 @@
+"""What a summary of dropped turns holds: a structured memory state and its one text form.
+
+A digest keeps what a later turn needs and what a plain excerpt loses: the user's
+standing rules in their own words, the preferences in force (a changed one only as
+"changed from"), the decisions taken, the open tasks and the calls still waiting for a
+result, the verified values of tool results and of the calls' arguments (ids, amounts,
+statuses; never transport metadata), and the entities (ids, references, e-mails,
+amounts). `extract` builds the state from items (on top of an earlier state), `render`
+writes it as one text block under a token budget, `must_keep` names the strings any
+summary of the items must contain verbatim (the LLM summarizer's guard).
+
+Everything here is a pure function of its input: the same state renders to the same
+bytes, and the text holds no call ids and no clock, so a summary's bytes never change
+with token noise or the hour (issue 10, item 4).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from proxy.core.compress import (
+    COMPRESSED_KEY,
+    ERROR_LINE,
+    json_container,
+    key_values,
+    output_text,
+    tool_name,
+)
+from proxy.core.items import Api, Item, chat_item, responses_item
+from proxy.core.tokens import TokenCounter
+
+SUMMARY_MARKER = "[threadkeeper summary of earlier conversation]"
+HEADER = re.compile(re.escape(SUMMARY_MARKER) + r" Stands for (\d+) earlier items")
+STATE_VERSION = 1
+
+SENTENCE_CHARS = 400  # a rule, decision or task longer than this is cut (marked)
+REQUEST_CHARS = 240
+STATEMENT_CHARS = 160
+FACT_CHARS = 400
+EARLIER_CHARS = 640
+SECTION_MAX = 400  # entries kept per section: the oldest and newest halves
+ENTITIES_PER_ITEM = 16
+WHITESPACE = re.compile(r"\s+")
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Preference:
+    """A preference in force; `changed_from` is the one it replaced, if any."""
+
+    text: str
+    changed_from: str = ""
+
+    def rendered(self) -> str:
+        if self.changed_from:
+            return f"{self.text} (changed from: {self.changed_from})"
+        return self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A call without a result; the call id only matches a later result, never shown."""
+
+    text: str
+    call_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryState:
+    """Everything a digest knows, oldest entry first in every section."""
+
+    count: int = 0  # items the state stands for
+    constraints: tuple[str, ...] = ()
+    preferences: tuple[Preference, ...] = ()
+    decisions: tuple[str, ...] = ()
+    open_tasks: tuple[str, ...] = ()
+    pending: tuple[Pending, ...] = ()
+    facts: tuple[str, ...] = ()
+    entities: tuple[str, ...] = ()
+    requests: tuple[str, ...] = ()
+    said: tuple[str, ...] = ()
+    earlier: tuple[str, ...] = ()  # a foreign summary this state was built on
+
+    def must_keep(self) -> tuple[str, ...]:
+        """Strings every summary of this state must hold verbatim: the rules, the latest
+        preferences, decisions, open tasks, pending calls and entities (the ids and
+        amounts of the facts among them), in render order."""
+        kept: list[str] = [*self.constraints, *(p.text for p in self.preferences)]
+        kept += [*self.decisions, *self.open_tasks, *(p.text for p in self.pending)]
+        kept += self.entities
+        return tuple(dict.fromkeys(kept))
+
+
+@dataclass(frozen=True, slots=True)
+class _Section:
+    title: str
+    name: str  # the MemoryState field
+    priority: int  # inside a tier, what survives first when over budget (higher first)
+    essential: bool  # ranks in the first tier (facts: only those with ids or amounts)
+
+    def entries(self, state: MemoryState) -> list[str]:
+        values = getattr(state, self.name)
+        if self.name == "preferences":
+            return [p.rendered() for p in values]
+        if self.name == "pending":
+            return [p.text for p in values]
+        return list(values)
+
+    def is_essential(self, entry: str) -> bool:
+        """Whether `entry` survives before every non-essential entry when over budget."""
+        return self.essential and (self.name != "facts" or bool(entities_in(entry)))
+
+
+SECTIONS: tuple[_Section, ...] = (
+    _Section("Constraints stated by the user (their words):", "constraints", 9, True),
+    _Section("Current preferences of the user:", "preferences", 8, True),
+    _Section("Decisions taken:", "decisions", 7, True),
+    _Section("Open tasks:", "open_tasks", 7, True),
+    _Section("Pending actions (called, no result seen):", "pending", 7, True),
+    _Section("Verified facts from tool results:", "facts", 4, True),
+    _Section("Entities (ids, references, amounts):", "entities", 6, True),
+    _Section("Earlier summary:", "earlier", 3, False),
+    _Section("User requests:", "requests", 2, False),
+    _Section("Said by the assistant (not verified):", "said", 1, False),
+)
+_BY_TITLE = {s.title: s for s in SECTIONS}
+
+
+# --- sentences and what they state ----------------------------------------------------------
+
+ABBREVIATIONS = frozenset(
+    "e.g i.e etc mr mrs ms dr prof sr jr st vs approx nr inc ltd co corp fig al cf resp"
+    " dept est no tel ca".split()
+)
+# A sentence ends at ., ! or ? followed by white space (so never inside an e-mail
+# address, a version, a decimal or a URL), at CJK full stops, and at line ends.
+_BOUNDARY = re.compile(r"[.!?]+[\"'’”)\]]*(?=\s)|[。！？]+|\n+")
+_BULLET = re.compile(r"^(?:[-*•·]|\d{1,3}[.)])\s+")
+_LAST_WORD = re.compile(r"([\w.]+)$")
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text`, bullets stripped, white space collapsed."""
+    found: list[str] = []
+    start = 0
+    for match in _BOUNDARY.finditer(text):
+        piece = text[start : match.end()]
+        if match.group().startswith(".") and _is_abbreviation(text[start : match.start()]):
+            continue
+        if re.fullmatch(r"\s*(?:\d{1,3}|[A-Za-z])[.)]\s*", piece):
+            continue  # a list number or an initial, not a sentence
+        _append_sentence(found, piece)
+        start = match.end()
+    _append_sentence(found, text[start:])
+    return found
+
+
+def _is_abbreviation(before: str) -> bool:
+    match = _LAST_WORD.search(before)
+    if match is None:
+        return False
+    word = match.group(1).lower().rstrip(".")
+    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+
+
+def _append_sentence(found: list[str], piece: str) -> None:
+    piece = _BULLET.sub("", WHITESPACE.sub(" ", piece).strip())
+    if piece:
+        found.append(piece)
+
+
+_DAY = (
+    r"(?:\d|monday|tuesday|wednesday|thursday|friday|saturday|sunday|tomorrow|tonight|today"
+    r"|noon|midnight|eod|cob|end of|the end|next|this|jan|feb|mar|apr|may|jun|jul|aug|sep|oct"
+    r"|nov|dec)"
+)
+# Statements of a rule: imperatives at the start of a clause, modal obligations, limits
+# and deadlines. A keyword in the middle of a story ("says her headphones never
+# arrived") is not a rule.
+RULE = re.compile(
+    r"(?:^|[,;:(]\s*|\b(?:and|but|or|so|please|also|then)\s+)"
+    r"(?:never|always|don'?t|do not|avoid|only|make sure|ensure|remember to|no longer)\b"
+    r"|\b(?:must|mustn'?t|shall not|may not|is not allowed|are not allowed|not allowed"
+    r"|forbidden|prohibited|mandatory|required|requirements?|constraints?)\b"
+    r"|\b(?:you|we|i|they|it|answers?|replies|everything)\s+(?:should(?:n'?t| not)?"
+    r"|need to|have to|cannot|can'?t|will never|always|never)\b"
+    r"|\bonly\s*[.!]?$|^only\b"
+    r"|\bbudget\b|\bdeadline\b|\b(?:at most|at least|no more than|no less than|maximum|minimum"
+    r"|up to|not exceed|under)\s+[$€£¥]?\d"
+    r"|\b(?:by|before|until|no later than)\s+" + _DAY + r"|\brules?\s*:"
+    r"|(?:^|[,;:]\s*|\b(?:and|but)\s+)no\s+(?!problem|worries|thanks|idea|rush|one\b|need\b)"
+    r"[a-z][\w-]+"
+    r"|\b(?:vegetarian|vegan|halal|kosher|gluten[- ]free|allergic|allergy)\b"
+    r"|\btax(?:es)? included\b|\bby default\b|^(?:all|every|each)\s+\w+\s+(?:in|are|is|must)\b"
+    r"|所有|必须|不要|不能|默认|只能|只要|总是|永远|务必|禁止|一律",
+    re.IGNORECASE,
+)
+PREFERENCE = re.compile(
+    r"\b(?:i(?:'d| would)? prefer|i(?:'d| would) rather|prefer(?:ably|red)?|instead"
+    r"|changed? my mind|switch (?:it |me |that )?to|change (?:it|that|this|my \w+) to)\b",
+    re.IGNORECASE,
+)
+# A change of mind that replaces a preference already stated on the same subject.
+CHANGE = re.compile(
+    r"\b(?:actually|make (?:it|that) an?|rather than|go for|on second thought)\b", re.IGNORECASE
+)
+# Words that name what a preference is about: a later preference about the same
+# subject replaces the earlier one.
+TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("seat", ("seat", "aisle", "window", "middle")),
+    ("meal", ("meal", "food", "breakfast", "dinner", "lunch")),
+    ("room", ("hotel", "room", "suite", "bed")),
+    ("flight", ("flight", "airline", "red-eye", "departure", "nonstop", "layover")),
+    ("time", ("morning", "afternoon", "evening", "night", "am", "pm", "o'clock")),
+    ("language", ("english", "french", "german", "spanish", "chinese", "japanese", "language")),
+    ("format", ("format", "json", "markdown", "csv", "table", "bullets", "yaml")),
+    ("contact", ("email", "e-mail", "phone", "sms", "call me", "text me")),
+    ("payment", ("card", "paypal", "payment", "invoice", "cash")),
+    ("delivery", ("delivery", "shipping", "courier", "pickup", "express")),
+    ("tone", ("tone", "formal", "casual", "concise", "short", "detailed", "verbose")),
+)
+DECISION = re.compile(
+    r"\b(?:i'll|i will|we'll|we will|let'?s|let us|decided|decide to|going to|the plan is"
+    r"|on hold|approved|confirmed|booked|agreed|chose|chosen|selected|go with|settled on"
+    r"|will (?:bump|set|use|switch|book|refund|issue|escalate|change|update|proceed|keep"
+    r"|cancel|hold|send|ship|release|merge|deploy|revert)"
+    r"|bump(?:ed|ing)? (?:the )?version|set (?:the )?\w+ to|escalat(?:e|ed|ing) to)\b",
+    re.IGNORECASE,
+)
+OPEN_TASK = re.compile(
+    r"\b(?:pending|awaiting|waiting (?:for|on)|still (?:need|have) to|need to|to-?do"
+    r"|next step|follow[- ]up|not yet|remaining|blocked (?:on|by)|once .+ (?:i|we)'?ll"
+    r"|after .+ (?:i|we)'?ll|later)\b",
+    re.IGNORECASE,
+)
+
+# Entities: e-mail addresses, amounts with a currency, identifiers and reference codes.
+EMAIL = r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
+CURRENCY = r"(?:EUR|USD|GBP|CNY|RMB|JPY|CHF|CAD|AUD|INR|SEK|NOK|DKK|PLN|euros?|dollars?|€|\$|£|¥)"
+AMOUNT = (
+    r"(?:[$€£¥]\s?\d[\d,]*(?:\.\d+)?(?:\s?(?:k|m|bn))?"
+    r"|\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
+)
+IDENT = (
+    r"(?<![\w./-])(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
+    r"|(?<![\w./-])(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}\b"
+    r"|\b(?!call_|fc_|toolu_|resp_|msg_|req_|trace_|span_|rs_|ctc_)[a-z]{2,}_"
+    r"(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,}\b"
+)
+ENTITY = re.compile(f"(?P<email>{EMAIL})|(?P<amount>{AMOUNT})|(?P<id>{IDENT})")
+
+
+def entities_in(text: str) -> list[str]:
+    """E-mail addresses, amounts with a currency and identifiers, in order, once each."""
+    found = [m.group().strip() for m in ENTITY.finditer(text)]
+    return list(dict.fromkeys(f for f in found if f))
+
+
+def referenced_values(items: Iterable[Item]) -> frozenset[str]:
+    """The ids, e-mails and amounts that `items` mention (user and assistant text, call
+    arguments): compress_tool_output keeps the lines and elements of older tool results
+    that hold them."""
+    found: set[str] = set()
+    for item in items:
+        if item.kind == "message":
+            found.update(entities_in(item.text()))
+        elif item.kind == "tool_calls":
+            found.update(entities_in(item.text() + " " + json.dumps(item.raw.get("tool_calls"))))
+            found.update(entities_in(str(item.raw.get("arguments", ""))))
+    return frozenset(found)
+
+
+def is_rule(sentence: str) -> bool:
+    """Whether a sentence states a standing constraint (a rule, a limit, a deadline)."""
+    return RULE.search(sentence) is not None
+
+
+def constraints(text: str) -> list[str]:
+    """The user's sentences that constrain the task, kept word for word."""
+    return [_cut(s, SENTENCE_CHARS) for s in sentences(text) if is_rule(s)]
+
+
+def topic(text: str) -> str:
+    """What a preference is about: a known subject, else the text itself."""
+    lowered = text.lower()
+    best: tuple[int, str] | None = None
+    for name, words in TOPICS:
+        for word in words:
+            at = re.search(r"(?<![\w-])" + re.escape(word) + r"s?(?![\w-])", lowered)
+            if at is not None and (best is None or at.start() < best[0]):
+                best = (at.start(), name)
+    return best[1] if best else lowered
+
+
+# --- extraction -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Builder:
+    """Sections being filled, oldest first, each entry once."""
+
+    lists: dict[str, list[str]] = field(default_factory=dict)
+    seen: dict[str, set[str]] = field(default_factory=dict)
+    preferences: list[Preference] = field(default_factory=list)
+    pending: list[Pending] = field(default_factory=list)
+    count: int = 0
+
+    @classmethod
+    def of(cls, state: MemoryState) -> _Builder:
+        builder = cls(count=state.count)
+        for section in SECTIONS:
+            if section.name not in ("preferences", "pending"):
+                builder.add(section.name, getattr(state, section.name))
+        builder.preferences = list(state.preferences)
+        builder.pending = list(state.pending)
+        return builder
+
+    def add(self, name: str, entries: Iterable[str]) -> None:
+        target = self.lists.setdefault(name, [])
+        seen = self.seen.setdefault(name, set())
+        for entry in entries:
+            if entry and entry not in seen:
+                seen.add(entry)
+                target.append(entry)
+
+    def has_topic(self, text: str) -> bool:
+        """Whether a preference about the subject of `text` was stated already."""
+        subject = topic(text)
+        return any(topic(p.text) == subject for p in self.preferences)
+
+    def prefer(self, text: str) -> None:
+        """A later preference about the same subject replaces the earlier one."""
+        subject = topic(text)
+        for index, earlier in enumerate(self.preferences):
+            if earlier.text == text:
+                return
+            if topic(earlier.text) == subject:
+                del self.preferences[index]
+                self.preferences.append(Preference(text, earlier.text))
+                return
+        self.preferences.append(Preference(text))
+
+    def state(self) -> MemoryState:
+        lists = {name: tuple(_bounded(entries)) for name, entries in self.lists.items()}
+        return MemoryState(
+            count=self.count,
+            preferences=tuple(_bounded(self.preferences)),
+            pending=tuple(_bounded(self.pending)),
+            **lists,
+        )
+
+
+def _bounded(entries: list[Any]) -> list[Any]:
+    if len(entries) <= SECTION_MAX:
+        return entries
+    half = SECTION_MAX // 2
+    return entries[:half] + entries[-half:]
+
+
+def extract(items: Sequence[Item], previous: MemoryState | None = None) -> MemoryState:
+    """The state of `previous` plus what `items` add, every earlier entry kept."""
+    builder = _Builder.of(previous or MemoryState())
+    builder.count += len(items)
+    answered = {item.output_for for item in items if item.output_for is not None}
+    waiting = {p.call_id: p.text for p in builder.pending if p.call_id in answered}
+    builder.pending = [p for p in builder.pending if p.call_id not in waiting]
+    calls = {call_id: item for item in items for call_id in item.call_ids}
+    for item in items:
+        if item.is_user_message:
+            _user_message(builder, item.text())
+        elif item.kind == "tool_output":
+            call = calls.get(item.output_for or "")
+            fact, amounts = _fact(item, call, waiting.get(item.output_for or ""))
+            builder.add("facts", [fact])
+            builder.add("entities", (entities_in(fact) + amounts)[:ENTITIES_PER_ITEM])
+        elif item.kind == "tool_calls":
+            for call_id in item.call_ids:
+                if call_id not in answered:
+                    arguments, amounts = _arguments(item, call_id)
+                    text = _cut(f"{_call_name(item, call_id)}({arguments})", FACT_CHARS)
+                    builder.pending.append(Pending(text, call_id))
+                    builder.add("entities", (entities_in(text) + amounts)[:ENTITIES_PER_ITEM])
+            _assistant_message(builder, item.text())
+        elif item.kind == "message" and item.role == "assistant":
+            _assistant_message(builder, item.text())
+    return builder.state()
+
+
+def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
+    """`later` (a state of later items) added to `previous`, as `extract` would."""
+    builder = _Builder.of(previous)
+    builder.count += later.count
+    for section in SECTIONS:
+        if section.name not in ("preferences", "pending"):
+            builder.add(section.name, getattr(later, section.name))
+    for preference in later.preferences:
+        builder.prefer(preference.text)
+    builder.pending.extend(p for p in later.pending if p not in builder.pending)
+    return builder.state()
+
+
+def _user_message(builder: _Builder, text: str) -> None:
+    if not text.strip():
+        return
+    builder.add("requests", [_cut(text, REQUEST_CHARS)])
+    for sentence in sentences(text):
+        kept = _cut(sentence, SENTENCE_CHARS)
+        if PREFERENCE.search(sentence) or (CHANGE.search(sentence) and builder.has_topic(kept)):
+            builder.prefer(kept)
+        elif is_rule(sentence):
+            builder.add("constraints", [kept])
+        elif DECISION.search(sentence):
+            builder.add("decisions", [kept])
+        elif OPEN_TASK.search(sentence):
+            builder.add("open_tasks", [kept])
+    builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
+
+
+def _assistant_message(builder: _Builder, text: str) -> None:
+    if not text.strip():
+        return
+    plain = []
+    for sentence in sentences(text):
+        kept = _cut(sentence, SENTENCE_CHARS)
+        if DECISION.search(sentence):
+            builder.add("decisions", [kept])
+        elif OPEN_TASK.search(sentence):
+            builder.add("open_tasks", [kept])
+        else:
+            plain.append(sentence)
+    if plain:
+        builder.add("said", [_cut(" ".join(plain), STATEMENT_CHARS)])
+    builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
+
+
+def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
+    """tool(arguments) -> the values that matter in its result; and the amounts with
+    their currency that the JSON of both holds. `described` is the call's text when the
+    call itself was summarized earlier (a pending call)."""
+    name = tool_name(output, call)
+    arguments, amounts = _arguments(call, output.output_for or "") if call else ("", [])
+    head = f"{name}({arguments})" if call is not None or described is None else described
+    text = output_text(output)
+    parsed = json_container(text)
+    if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
+        excerpt = parsed.get("excerpt")  # a compressed text result
+        text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
+        if parsed is not None:
+            parsed = parsed.get("verified_facts") or {}
+    if parsed is not None:
+        pairs = key_values(parsed)
+        shown = _pairs_text(pairs) if pairs else "(no values)"
+        amounts = amounts + _amounts(pairs)
+    else:
+        shown = json.dumps(_text_gist(text), ensure_ascii=False)
+    return _cut(f"{head} -> {shown}", FACT_CHARS), amounts
+
+
+AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def _amounts(pairs: list[tuple[str, Any]]) -> list[str]:
+    """ "89.99 EUR" for an amount key next to a currency key in the same object."""
+    labels = dict(pairs)
+    found = []
+    for label, value in pairs:
+        if isinstance(value, bool) or not AMOUNT_KEY.search(label):
+            continue
+        if not isinstance(value, int | float | str) or not NUMBER.fullmatch(str(value)):
+            continue
+        parent = label.rsplit(".", 1)[0] if "." in label else ""
+        currency = labels.get(f"{parent}.currency" if parent else "currency")
+        if isinstance(currency, str) and currency.strip():
+            found.append(f"{value} {currency.strip()}")
+    return found
+
+
+def _pairs_text(pairs: list[tuple[str, Any]]) -> str:
+    return ", ".join(f"{label}={_value_text(value)}" for label, value in pairs)
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_value_text(v) for v in value) + "]"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _text_gist(text: str) -> str:
+    """A text result: its lines with errors or entities, else its beginning."""
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and (ERROR_LINE.search(line) or entities_in(line))
+    ]
+    return _cut(" | ".join(lines[:4]) if lines else text, FACT_CHARS // 2)
+
+
+def _call_name(call: Item, call_id: str) -> str:
+    for tool_call in call.raw.get("tool_calls") or []:
+        if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
+            function = tool_call.get("function")
+            if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+                return str(function["name"])
+    legacy = call.raw.get("function_call")
+    if isinstance(legacy, Mapping) and isinstance(legacy.get("name"), str):
+        return str(legacy["name"])
+    return call.name or call.type or "unknown"
+
+
+def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
+    """The values of a call's arguments (amounts, reasons, ids), not transport fields,
+    and the amounts with their currency among them."""
+    arguments: Any = call.raw.get("arguments", call.raw.get("input", ""))
+    for tool_call in call.raw.get("tool_calls") or []:
+        if isinstance(tool_call, Mapping) and tool_call.get("id") == call_id:
+            function = tool_call.get("function")
+            if isinstance(function, Mapping):
+                arguments = function.get("arguments", "")
+    legacy = call.raw.get("function_call")
+    if not arguments and isinstance(legacy, Mapping):
+        arguments = legacy.get("arguments", "")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    parsed = json_container(arguments)
+    if isinstance(parsed, dict):
+        pairs = key_values(parsed, max_values=8)
+        return _pairs_text(pairs), _amounts(pairs)
+    return _cut(arguments, STATEMENT_CHARS), []
+
+
+def _cut(text: str, chars: int) -> str:
+    text = WHITESPACE.sub(" ", text).strip()
+    if len(text) <= chars:
+        return text
+    return f"{text[:chars]}[... {len(text) - chars} more characters]"
+
+
+def must_keep(items: Sequence[Item]) -> tuple[str, ...]:
+    """The exact strings any summary of `items` must contain: constraint sentences, the
+    latest preferences, decisions, open tasks, pending calls, ids and amounts, and the
+    tool facts that hold them."""
+    return extract(items).must_keep()
+
+
+def guard(candidate: MemoryState, reference: MemoryState) -> MemoryState:
+    """`candidate` (an LLM's state) with every must-keep string of `reference` (the
+    deterministic state of the same items) it lacks appended, verbatim, to the section
+    it came from. Its rendering then holds all of `reference.must_keep()` when it has room.
+    """
+    written = "\n".join(e for section in SECTIONS for e in section.entries(candidate))
+
+    def lacking(entries: Iterable[Any], text: Callable[[Any], str]) -> tuple[Any, ...]:
+        return tuple(e for e in entries if text(e) not in written)
+
+    return replace(
+        candidate,
+        count=max(candidate.count, reference.count),
+        constraints=candidate.constraints + lacking(reference.constraints, str),
+        preferences=candidate.preferences + lacking(reference.preferences, _text_of),
+        decisions=candidate.decisions + lacking(reference.decisions, str),
+        open_tasks=candidate.open_tasks + lacking(reference.open_tasks, str),
+        pending=candidate.pending + lacking(reference.pending, _text_of),
+        entities=candidate.entities + lacking(reference.entities, str),
+    )
+
+
+def _text_of(entry: Preference | Pending) -> str:
+    return entry.text
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def header(state: MemoryState) -> str:
+    return (
+        f"{SUMMARY_MARKER} Stands for {state.count} earlier items no longer sent verbatim. "
+        "Tool facts are verified results; everything else is what was said, not checked."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    section: int
+    index: int
+    text: str
+    rank: tuple[int, int, int]
+    tokens: int
+
+
+def render(state: MemoryState, counter: TokenCounter, max_tokens: int) -> str:
+    """The state as one text block of at most max_tokens (when the header line fits).
+
+    Over budget, must-keep entries (rules, preferences, decisions, tasks, pending calls,
+    entities, facts with ids or amounts) survive before the others; inside a section
+    entries keep their order and the older ones are never dropped for newer ones.
+    """
+    head = header(state)
+    entries = _ranked(state, counter.text)
+    room = max_tokens - counter.text(head)
+    while room > 0:
+        text = _text(head, _choose(entries, room))
+        excess = counter.text(text) - max_tokens
+        if excess <= 0:
+            return text
+        room -= excess + 4
+    return head
+
+
+def _ranked(state: MemoryState, count_text: Callable[[str], int]) -> list[_Entry]:
+    entries = []
+    for number, section in enumerate(SECTIONS):
+        for index, text in enumerate(section.entries(state)):
+            tier = 0 if section.is_essential(text) else 1
+            rank = (tier, -section.priority, index)
+            entries.append(_Entry(number, index, text, rank, count_text(f"- {text}\n")))
+    entries.sort(key=lambda entry: entry.rank)
+    return entries
+
+
+def _choose(entries: list[_Entry], room: int) -> list[_Entry]:
+    chosen: list[_Entry] = []
+    titled: set[int] = set()
+    for entry in entries:
+        cost = entry.tokens + (0 if entry.section in titled else 12)  # 12: the title line
+        if cost <= room:
+            room -= cost
+            chosen.append(entry)
+            titled.add(entry.section)
+    return chosen
+
+
+def _text(head: str, chosen: list[_Entry]) -> str:
+    """Chosen entries under their titles, in section order, oldest first."""
+    lines = [head]
+    current = -1
+    for entry in sorted(chosen, key=lambda entry: (entry.section, entry.index)):
+        if entry.section != current:
+            lines.append(SECTIONS[entry.section].title)
+            current = entry.section
+        lines.append(f"- {entry.text}")
+    return "\n".join(lines)
+
+
+# --- reading a digest back --------------------------------------------------------------------
+
+
+def parse(text: str) -> MemoryState:
+    """The state a rendered digest holds (older digest formats included); any other text
+    becomes one "earlier summary" entry."""
+    match = HEADER.match(text)
+    if match is None:
+        return MemoryState(earlier=(_cut(text, EARLIER_CHARS),) if text.strip() else ())
+    lists: dict[str, list[str]] = {}
+    section: _Section | None = None
+    for line in text.splitlines()[1:]:
+        if line in _BY_TITLE:
+            section = _BY_TITLE[line]
+        elif section is not None and line.startswith("- "):
+            entry = line[2:]
+            if section.name in ("facts", "pending"):
+                entry = _OLD_CALL_ID.sub(r"\1\2 ", entry, count=1)
+            lists.setdefault(section.name, []).append(entry)
+    if "entities" not in lists:  # a digest written before the entities had a section
+        found = [e for entries in lists.values() for entry in entries for e in entities_in(entry)]
+        lists["entities"] = list(dict.fromkeys(found))
+    preferences = tuple(_preference(p) for p in lists.pop("preferences", []))
+    pending = tuple(Pending(p) for p in lists.pop("pending", []))
+    return MemoryState(
+        count=int(match.group(1)),
+        preferences=preferences,
+        pending=pending,
+        **{name: tuple(entries) for name, entries in lists.items()},
+    )
+
+
+# Digests written before issue 10 named the call: "lookup_order call_1: {...}".
+_OLD_CALL_ID = re.compile(r"^([\w.-]+) (?:call|fc|toolu|ctc)_[\w-]+(:?) ")
+_CHANGED = re.compile(r"^(.*) \(changed from: (.*)\)$")
+
+
+def _preference(text: str) -> Preference:
+    match = _CHANGED.match(text)
+    return Preference(match.group(1), match.group(2)) if match else Preference(text)
+
+
+def to_json(state: MemoryState) -> str:
+    """A stable JSON form of the state (for storage and encryption)."""
+    body: dict[str, Any] = {"version": STATE_VERSION, "count": state.count}
+    for section in SECTIONS:
+        values = getattr(state, section.name)
+        if section.name == "preferences":
+            body[section.name] = [{"text": p.text, "changed_from": p.changed_from} for p in values]
+        elif section.name == "pending":
+            body[section.name] = [{"text": p.text, "call_id": p.call_id} for p in values]
+        else:
+            body[section.name] = list(values)
+    return json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def from_json(value: str | Mapping[str, Any]) -> MemoryState:
+    """The state `to_json` wrote (or an equivalent mapping); ValueError when malformed."""
+    body = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(body, Mapping):
+        raise ValueError("a memory state is a JSON object")
+    count = body.get("count", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError("count must be a non-negative integer")
+    lists: dict[str, tuple[str, ...]] = {}
+    for section in SECTIONS:
+        if section.name not in ("preferences", "pending"):
+            lists[section.name] = tuple(_strings(body.get(section.name, []), section.name))
+    preferences = tuple(
+        Preference(*_pair(p, "text", "changed_from", "preferences"))
+        for p in _list(body.get("preferences", []), "preferences")
+    )
+    pending = tuple(
+        Pending(*_pair(p, "text", "call_id", "pending"))
+        for p in _list(body.get("pending", []), "pending")
+    )
+    return MemoryState(count=count, preferences=preferences, pending=pending, **lists)
+
+
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list")
+    return value
+
+
+def _strings(value: Any, name: str) -> list[str]:
+    entries = _list(value, name)
+    if not all(isinstance(e, str) for e in entries):
+        raise ValueError(f"{name} must be a list of strings")
+    return [_cut(e, SENTENCE_CHARS * 2) for e in entries if e.strip()]
+
+
+def _pair(value: Any, first: str, second: str, name: str) -> tuple[str, str]:
+    if isinstance(value, str):
+        return _cut(value, SENTENCE_CHARS * 2), ""
+    if isinstance(value, Mapping):
+        a, b = value.get(first), value.get(second, "")
+        if isinstance(a, str) and isinstance(b, str):
+            return _cut(a, SENTENCE_CHARS * 2), _cut(b, SENTENCE_CHARS * 2)
+    raise ValueError(f"{name} entries must be strings or objects with a string {first!r}")
+
+
+# --- the Summarizer seam ------------------------------------------------------------------------
+
+
+class Summarizer(Protocol):
+    """Replaces dropped history by one instruction item at most max_tokens long.
+
+    The item's text must start with SUMMARY_MARKER. `previous_summary` is the digest the
+    dropped items are added to. An LLM summarizer plugs in here (SPEC section 5, step 2);
+    `summarize_turns` is the deterministic default.
+    """
+
+    def __call__(
+        self,
+        items: Sequence[Item],
+        counter: TokenCounter,
+        max_tokens: int,
+        previous_summary: Item | None,
+        /,
+    ) -> Item: ...
+
+
+def is_summary(item: Item) -> bool:
+    """A digest made by a Summarizer (its text starts with SUMMARY_MARKER)."""
+    return item.is_instruction and item.text().startswith(SUMMARY_MARKER)
+
+
+def summary_item(api: Api, text: str) -> Item:
+    """Chat: a system message; Responses: a developer message."""
+    if api == "chat":
+        return chat_item({"role": "system", "content": text})
+    return responses_item({"type": "message", "role": "developer", "content": text})
+
+
+def state_of(summary: Item | None) -> MemoryState | None:
+    """The state a digest item holds, if any."""
+    return parse(summary.text()) if summary is not None else None
+
+
+def summarize_turns(
+    items: Sequence[Item],
+    counter: TokenCounter,
+    max_tokens: int,
+    previous_summary: Item | None = None,
+) -> Item:
+    """Deterministic digest of `items` (plus the previous digest), at most max_tokens
+    when max_tokens leaves room for the header line."""
+    api = _api_of(items, previous_summary)
+    state = extract(items, state_of(previous_summary))
+    return fit_summary(api, state, counter, max_tokens)
+
+
+def fit_summary(api: Api, state: MemoryState, counter: TokenCounter, max_tokens: int) -> Item:
+    """The digest item of `state`, item overhead included in max_tokens."""
+    limit = max_tokens - _count(summary_item(api, ""), counter)
+    while True:
+        item = summary_item(api, render(state, counter, limit))
+        excess = _count(item, counter) - max_tokens
+        if excess <= 0 or item.text() == header(state):
+            return item
+        limit -= excess
+
+
+def _api_of(items: Sequence[Item], previous: Item | None) -> Api:
+    if items:
+        return items[0].api
+    if previous is not None:
+        return previous.api
+    raise ValueError("summarize_turns needs items or a previous summary")
+
+
+def _count(item: Item, counter: TokenCounter) -> int:
+    """Uncached count: failed candidates must not fill the shared cache."""
+    if item.api == "chat":
+        return counter.chat_message(item.raw)
+    return counter.responses_item(item.raw)
+
+
+__all__ = [
+    "SUMMARY_MARKER",
+    "MemoryState",
+    "Pending",
+    "Preference",
+    "Summarizer",
+    "constraints",
+    "entities_in",
+    "extract",
+    "fit_summary",
+    "from_json",
+    "guard",
+    "is_rule",
+    "is_summary",
+    "merge",
+    "must_keep",
+    "parse",
+    "referenced_values",
+    "render",
+    "sentences",
+    "state_of",
+    "summarize_turns",
+    "summary_item",
+    "to_json",
+]

@@ -1,0 +1,547 @@
+"""The memory state a digest holds: what is extracted, how it renders, what must be kept."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.core.compress import compress_tool_output
+from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import (
+    SUMMARY_MARKER,
+    MemoryState,
+    Pending,
+    Preference,
+    constraints,
+    entities_in,
+    extract,
+    from_json,
+    guard,
+    is_rule,
+    merge,
+    must_keep,
+    parse,
+    referenced_values,
+    render,
+    sentences,
+    summarize_turns,
+    to_json,
+)
+from proxy.core.tokens import TokenCounter
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.for_model("gpt-4o")
+
+
+def user(text: str) -> Item:
+    return chat_item({"role": "user", "content": text})
+
+
+def assistant(text: str) -> Item:
+    return chat_item({"role": "assistant", "content": text})
+
+
+def call(call_id: str, name: str, arguments: dict[str, Any]) -> Item:
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+    )
+
+
+def result(call_id: str, body: Any) -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": json.dumps(body)})
+
+
+def support_thread() -> list[Item]:
+    return [
+        user(
+            "Customer Anna Berg (anna.berg@shop.example.org) says her headphones never "
+            "arrived. My rules: never refund more than 200 EUR without approval, and always "
+            "reply in English. I prefer short answers."
+        ),
+        call("call_a1", "lookup_order", {"order_id": "ORD-7731"}),
+        result(
+            "call_a1",
+            {
+                "request_id": "req_9f8e7d",
+                "served_by": "api-eu-3",
+                "generated_at": "2026-11-30T10:00:00Z",
+                "data": {
+                    "order": {
+                        "id": "ORD-7731",
+                        "status": "lost_in_transit",
+                        "total": {"amount": 89.99, "currency": "EUR"},
+                    }
+                },
+            },
+        ),
+        assistant("ORD-7731 is lost in transit. I'll refund 89.99 EUR to the original card."),
+        call(
+            "call_a2",
+            "issue_refund",
+            {"order_id": "ORD-7731", "amount": 89.99, "currency": "EUR", "reason": "lost"},
+        ),
+        result(
+            "call_a2", {"trace_id": "tr-1", "refund": {"refund_id": "RF-5501", "status": "done"}}
+        ),
+        user("Actually, I'd rather have detailed answers instead. Refund the 12.50 EUR fee too."),
+        assistant(
+            "The refund of the shipping fee is on hold pending supervisor approval, which "
+            "usually takes one business day; I will follow up with the customer as soon as "
+            "the supervisor has decided, and then close ticket TCK-2231."
+        ),
+        call("call_a3", "request_approval", {"refund_for": "ORD-7731", "amount": "12.50"}),
+    ]
+
+
+# --- sentences and rules ------------------------------------------------------------------
+
+
+def test_sentences_do_not_split_addresses_versions_decimals_or_abbreviations() -> None:
+    text = (
+        "Customer Anna (anna.berg@shop.example.org) says her headphones never arrived. "
+        "Use Python 3.11 only. She paid $89.99, e.g. by card. Mr. Smith agreed. "
+        "See https://docs.example.com/v2.1/api.html?x=1 for details! Done"
+    )
+    assert sentences(text) == [
+        "Customer Anna (anna.berg@shop.example.org) says her headphones never arrived.",
+        "Use Python 3.11 only.",
+        "She paid $89.99, e.g. by card.",
+        "Mr. Smith agreed.",
+        "See https://docs.example.com/v2.1/api.html?x=1 for details!",
+        "Done",
+    ]
+
+
+def test_sentences_split_lines_and_strip_bullets() -> None:
+    text = "My rules:\n- total budget 1800 EUR\n2. no red-eye flights\n所有金额都用人民币。默认含税"
+    assert sentences(text) == [
+        "My rules:",
+        "total budget 1800 EUR",
+        "no red-eye flights",
+        "所有金额都用人民币。",
+        "默认含税",
+    ]
+
+
+def test_the_issues_misfiled_fragments_are_not_constraints() -> None:
+    # Issue 10: a naive split filed these two fragments as constraints.
+    text = (
+        "Customer Anna (anna.berg@shop.example.org) says her headphones never arrived. "
+        "The service needs Python 3.11 only."
+    )
+    found = constraints(text)
+    assert "org) says her headphones never arrived." not in found
+    assert "11 only." not in found and "- 11 only." not in found
+    assert not any(c.startswith(("org)", "11 only", "- 11")) for c in found)
+    assert not is_rule("org) says her headphones never arrived.")
+    assert found == ["The service needs Python 3.11 only."]
+
+
+def test_rules_without_a_pin_pattern_are_constraints() -> None:
+    rules = "My rules: total budget 1800 EUR, no red-eye flights, and I'm vegetarian"
+    assert constraints(f"Hi! {rules}. Thanks.") == [f"{rules}."]
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "Never refund twice.",
+        "always answer in French",
+        "You must get approval above 200 EUR.",
+        "Don't book anything before I confirm.",
+        "Only economy class.",
+        "At most 2 stops per leg.",
+        "The deadline is March 3.",
+        "Submit it by Friday.",
+        "Keep the total under 1800 EUR, no hotels outside the center.",
+        "All amounts in CNY, tax included.",
+        "所有金额都用人民币，默认含税。",
+        "We mustn't touch the production database.",
+    ],
+)
+def test_rule_statements_are_detected(sentence: str) -> None:
+    assert is_rule(sentence)
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "Customer Anna says her headphones never arrived.",
+        "No, thanks.",
+        "I don't know which flight is better.",
+        "The order ORD-7731 was shipped on Monday.",
+        "What about the hotel?",
+    ],
+)
+def test_stories_and_questions_are_not_rules(sentence: str) -> None:
+    assert not is_rule(sentence)
+
+
+def test_entities_are_ids_emails_and_amounts_with_currency() -> None:
+    text = (
+        "Order ORD-7731 (ref YT123456, cus_8842) for anna@x.example.org: 1,800 EUR, $89.99, "
+        "€12.50 and 30 dollars; call_abc123 and 2026-11-30T10:00:00Z are not entities."
+    )
+    assert entities_in(text) == [
+        "ORD-7731",
+        "YT123456",
+        "cus_8842",
+        "anna@x.example.org",
+        "1,800 EUR",
+        "$89.99",
+        "€12.50",
+        "30 dollars",
+    ]
+
+
+# --- extraction -----------------------------------------------------------------------------
+
+
+def test_extract_keeps_rules_decisions_pending_calls_and_nested_facts() -> None:
+    state = extract(support_thread())
+    assert state.count == 9
+    assert state.constraints == (
+        "My rules: never refund more than 200 EUR without approval, and always reply in English.",
+    )
+    assert state.preferences == (
+        Preference(
+            "Actually, I'd rather have detailed answers instead.", "I prefer short answers."
+        ),
+    )
+    # A decision is kept whole, not cut at 160 characters into an "unverified" bucket.
+    assert any(d.startswith("The refund of the shipping fee is on hold") for d in state.decisions)
+    assert any(d.endswith("close ticket TCK-2231.") for d in state.decisions)
+    assert state.pending == (
+        Pending("request_approval(refund_for=ORD-7731, amount=12.50)", "call_a3"),
+    )
+    lookup, refund = state.facts
+    assert lookup.startswith("lookup_order(order_id=ORD-7731) -> ")
+    assert "order.status=lost_in_transit" in lookup and "order.total.amount=89.99" in lookup
+    assert refund.startswith("issue_refund(order_id=ORD-7731, amount=89.99, currency=EUR")
+    assert "reason=lost" in refund and "refund_id=RF-5501" in refund
+    for noise in ("req_9f8e7d", "api-eu-3", "2026-11-30", "tr-1", "call_a"):
+        assert noise not in to_json(state).replace('"call_id":"call_a3"', "")
+    for entity in ("ORD-7731", "RF-5501", "TCK-2231", "anna.berg@shop.example.org", "89.99 EUR"):
+        assert entity in state.entities
+
+
+def test_a_later_result_closes_a_pending_call() -> None:
+    first = extract(support_thread())
+    later = extract([result("call_a3", {"approval": "granted"})], first)
+    assert later.pending == ()
+    assert any(f.startswith("request_approval(") for f in later.facts)
+
+
+def test_a_preference_replaced_twice_keeps_only_the_latest_change() -> None:
+    state = extract(
+        [
+            user("I prefer an aisle seat."),
+            user("Actually, a window seat instead."),
+            user("Hmm, I'd prefer a middle seat after all. I prefer the vegetarian meal."),
+        ]
+    )
+    assert state.preferences == (
+        Preference("Hmm, I'd prefer a middle seat after all.", "Actually, a window seat instead."),
+        Preference("I prefer the vegetarian meal."),
+    )
+
+
+def test_user_decisions_and_open_tasks_are_kept() -> None:
+    state = extract([user("Let's go with the 9:40 flight. I still need to send the invoice.")])
+    assert state.decisions == ("Let's go with the 9:40 flight.",)
+    assert state.open_tasks == ("I still need to send the invoice.",)
+
+
+def test_text_tool_results_keep_their_error_lines() -> None:
+    log = "\n".join([*(f"step {i} ok" for i in range(50)), "src/billing/proration.py:88: Error"])
+    items = [
+        call("c1", "run_tests", {"path": "tests/"}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": log}),
+    ]
+    (fact,) = extract(items).facts
+    assert fact == 'run_tests(path=tests/) -> "src/billing/proration.py:88: Error"'
+
+
+def test_responses_items_are_extracted_too() -> None:
+    items = [
+        responses_item({"type": "message", "role": "user", "content": "Never book red-eyes."}),
+        responses_item(
+            {
+                "type": "function_call",
+                "call_id": "fc_1",
+                "name": "book",
+                "arguments": '{"flight": "LH-1234", "price": 420, "currency": "EUR"}',
+            }
+        ),
+    ]
+    state = extract(items)
+    assert state.constraints == ("Never book red-eyes.",)
+    assert state.pending == (Pending("book(flight=LH-1234, price=420, currency=EUR)", "fc_1"),)
+    assert "420 EUR" in state.entities and "LH-1234" in state.entities
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def test_render_is_stable_and_holds_no_call_ids_or_times(counter: TokenCounter) -> None:
+    state = extract(support_thread())
+    text = render(state, counter, 2000)
+    assert text == render(extract(support_thread()), counter, 2000)
+    assert text.startswith(f"{SUMMARY_MARKER} Stands for 9 earlier items")
+    assert not re.search(r"call_a\d|\d{2}:\d{2}Z|T\d{2}:00", text)
+    assert counter.text(text) <= 2000
+
+
+def test_rendered_text_reads_back_to_the_same_rendering(counter: TokenCounter) -> None:
+    state = extract(support_thread())
+    text = render(state, counter, 2000)
+    assert render(parse(text), counter, 2000) == text
+    assert parse(text).count == 9
+
+
+def test_json_round_trip(counter: TokenCounter) -> None:
+    state = extract(support_thread())
+    assert from_json(to_json(state)) == state
+    assert to_json(from_json(to_json(state))) == to_json(state)
+
+
+@pytest.mark.parametrize(
+    "body",
+    ['"x"', "[]", '{"count": -1}', '{"constraints": "x"}', '{"pending": [{"text": 3}]}'],
+)
+def test_malformed_json_states_are_value_errors(body: str) -> None:
+    with pytest.raises(ValueError):
+        from_json(body)
+
+
+def test_an_older_digest_format_is_parsed_without_its_call_ids() -> None:
+    old = (
+        f"{SUMMARY_MARKER} Stands for 6 earlier items no longer sent verbatim. Tool facts ...\n"
+        "Constraints stated by the user (their words):\n- Never refund twice.\n"
+        "Verified facts from tool results:\n"
+        '- lookup_order call_1: {"status": "shipped"}\n'
+        "Pending actions (called, no result seen):\n"
+        '- refund_order call_2 {"order_id":"ORD-1"}\n'
+        "User requests:\n- Refund it.\n"
+    )
+    state = parse(old)
+    assert state.count == 6 and state.constraints == ("Never refund twice.",)
+    assert state.facts == ('lookup_order: {"status": "shipped"}',)
+    assert state.pending == (Pending('refund_order {"order_id":"ORD-1"}'),)
+    assert state.requests == ("Refund it.",)
+
+
+def test_foreign_text_becomes_an_earlier_summary() -> None:
+    assert parse("The user wants a refund.") == MemoryState(earlier=("The user wants a refund.",))
+
+
+def test_must_keep_survives_before_nice_to_keep(counter: TokenCounter) -> None:
+    state = extract(support_thread())
+    full = render(state, counter, 4000)
+    small = render(state, counter, 260)
+    assert counter.text(small) <= 260
+    assert "User requests:" in full and "User requests:" not in small
+    for kept in state.constraints + state.decisions:
+        assert kept in small
+
+
+def test_older_entries_are_not_evicted_for_newer_ones(counter: TokenCounter) -> None:
+    items: list[Item] = []
+    for n in range(1, 7):
+        items += [
+            call(f"call_{n}", "issue_refund", {"order_id": f"ORD-{n}", "amount": 10 * n}),
+            result(f"call_{n}", {"refund_id": f"RF-{n}", "status": "done"}),
+        ]
+    state = extract(items)
+    text = render(state, counter, 150)
+    kept = [n for n in range(1, 7) if f"RF-{n}," in text or f"RF-{n}\n" in text]
+    assert kept and kept == list(range(1, len(kept) + 1))  # the first refund goes last
+
+
+def test_re_summarizing_keeps_every_earlier_must_keep_entry(counter: TokenCounter) -> None:
+    thread = support_thread()
+    first = summarize_turns(thread[:4], counter, 1000, None)
+    second = summarize_turns(thread[4:], counter, 1000, first)
+    text = second.text()
+    assert "Stands for 9 earlier items" in text
+    for kept in must_keep(thread[:4]) + must_keep(thread[4:]):
+        assert kept in text
+
+
+def test_merge_equals_extracting_in_one_go() -> None:
+    thread = support_thread()
+    assert merge(extract(thread[:4]), extract(thread[4:])) == extract(thread)
+
+
+# --- properties -----------------------------------------------------------------------------
+
+_words = st.sampled_from(
+    [
+        "never",
+        "refund",
+        "ORD-17",
+        "RF-2",
+        "1800 EUR",
+        "$30",
+        "budget",
+        "I prefer",
+        "window seat",
+        "aisle seat",
+        "instead",
+        "I'll",
+        "approve",
+        "pending",
+        "anna@x.example.org",
+        "only",
+        "no",
+        "3.11",
+        "the",
+        "flight",
+        "e.g.",
+        "must",
+        "later",
+    ]
+)
+_sentence = st.lists(_words, min_size=1, max_size=12).map(lambda ws: " ".join(ws) + ".")
+_message = st.lists(_sentence, min_size=1, max_size=4).map(" ".join)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[Item]:
+    items: list[Item] = []
+    for turn in range(draw(st.integers(1, 6))):
+        items.append(user(draw(_message)))
+        if draw(st.booleans()):
+            call_id = f"call_{turn}"
+            amount = draw(st.integers(1, 5000))
+            items.append(call(call_id, "pay", {"order_id": f"ORD-{turn}", "amount": amount}))
+            if draw(st.booleans()):
+                items.append(result(call_id, {"status": "ok", "receipt": f"RC-{turn}"}))
+        items.append(assistant(draw(_message)))
+    return items
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations())
+def test_must_keep_is_kept_by_a_render_with_room(items: list[Item]) -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    state = extract(items)
+    text = render(state, counter, 100_000)
+    for kept in must_keep(items):
+        assert kept in text
+    assert render(parse(text), counter, 100_000) == text  # a digest reads back whole
+    assert from_json(to_json(state)) == state
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations(), st.integers(0, 600))
+def test_render_never_exceeds_the_budget_when_the_header_fits(
+    items: list[Item], max_tokens: int
+) -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    state = extract(items)
+    text = render(state, counter, max_tokens)
+    assert text.startswith(SUMMARY_MARKER)
+    header_tokens = counter.text(text.split("\n", 1)[0])
+    if header_tokens <= max_tokens:
+        assert counter.text(text) <= max_tokens
+    assert text == render(state, counter, max_tokens)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(conversations(), st.integers(60, 500))
+def test_summarize_turns_fits_its_item_budget(items: list[Item], max_tokens: int) -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    summary = summarize_turns(items, counter, max_tokens, None)
+    assert counter.item(summary) <= max_tokens
+
+
+def test_referenced_values_are_the_entities_later_items_mention() -> None:
+    later = [
+        user("What happened to refund RF-5501 of 89.99 EUR?"),
+        call("call_9", "lookup_refund", {"refund_id": "RF-5502"}),
+    ]
+    assert referenced_values(later) == frozenset({"RF-5501", "89.99 EUR", "RF-5502"})
+
+
+def test_deeply_nested_results_are_walked_to_a_bounded_depth() -> None:
+    deep = '{"next": ' * 400 + '{"refund_id": "RF-1"}' + "}" * 400
+    text = '{"id": "ORD-1", "deep": ' + deep + "}"
+    items = [
+        call("c1", "f", {}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": text}),
+    ]
+    (fact,) = extract(items).facts
+    assert fact == "f() -> id=ORD-1"
+
+
+def test_a_result_nested_past_the_json_parser_is_text() -> None:
+    text = "[" * 100_000 + "]" * 100_000
+    items = [
+        call("c1", "f", {}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": text}),
+    ]
+    (fact,) = extract(items).facts
+    assert fact.startswith('f() -> "[[[')
+
+
+def test_guard_appends_what_an_llm_state_lost(counter: TokenCounter) -> None:
+    reference = extract(support_thread())
+    written = MemoryState(
+        count=9,
+        constraints=(reference.constraints[0],),
+        decisions=("Refunded the order.",),
+        entities=("ORD-7731",),
+    )
+    guarded = guard(written, reference)
+    assert guarded.constraints == reference.constraints  # present: not repeated
+    assert guarded.decisions[0] == "Refunded the order."
+    assert guarded.decisions[1:] == reference.decisions
+    assert guarded.entities.count("ORD-7731") == 1
+    text = render(guarded, counter, 100_000)
+    assert all(kept in text for kept in reference.must_keep())
+    assert guard(guarded, reference) == guarded
+
+
+def test_a_change_of_mind_replaces_the_preference_on_its_subject() -> None:
+    state = extract(
+        [
+            user("I prefer a window seat."),
+            user("Actually, make it an aisle seat. Actually, the order never arrived."),
+        ]
+    )
+    assert state.preferences == (
+        Preference("Actually, make it an aisle seat.", "I prefer a window seat."),
+    )
+
+
+def test_compressed_results_are_read_for_their_facts_and_excerpts(counter: TokenCounter) -> None:
+    log = "\n".join([*(f"step {i} ok" for i in range(400)), "src/billing/proration.py:88: Error"])
+    json_body = {"order": {"id": "ORD-9", "status": "lost"}, "rows": ["x" * 90] * 200}
+    items = [
+        call("c1", "run_tests", {}),
+        compress_tool_output(
+            chat_item({"role": "tool", "tool_call_id": "c1", "content": log}),
+            None,
+            200,
+            counter,
+            "",
+        ),
+        call("c2", "lookup", {}),
+        compress_tool_output(result("c2", json_body), None, 200, counter, ""),
+    ]
+    tests, lookup = extract(items).facts
+    assert tests.startswith('run_tests() -> "') and "proration.py:88: Error" in tests
+    assert lookup.startswith("lookup() -> order.id=ORD-9, order.status=lost")

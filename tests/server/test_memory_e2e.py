@@ -1,0 +1,73 @@
+"""What the provider receives once a thread outgrows its window (issue 10, item 4): the
+summary keeps the user's rules stated without a pin pattern, never files fragments of an
+e-mail address or a version as rules, keeps tool values nested in results and arguments,
+and holds no call ids."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from proxy.core.memory import SUMMARY_MARKER
+
+RULES = "My rules: total budget 1800 EUR, no red-eye flights, and I'm vegetarian."
+OPENING = (
+    "Customer Anna (anna.berg@shop.example.org) says her headphones never arrived. "
+    f"The tooling needs Python 3.11 only. {RULES}"
+)
+
+
+def turn_input(turn: int) -> list[dict[str, Any]]:
+    log = [f"fare {i} for LH-{100 + turn}: class {i % 5}, seat map row {i}" for i in range(60)]
+    said = OPENING if turn == 0 else f"Check flight LH-{100 + turn}."
+    return [
+        {"role": "user", "content": said},
+        {
+            "type": "function_call",
+            "call_id": f"call_{turn}",
+            "name": "hold_fare",
+            "arguments": json.dumps({"flight": f"LH-{100 + turn}", "amount": 400 + turn}),
+        },
+        {
+            "type": "function_call_output",
+            "call_id": f"call_{turn}",
+            "output": json.dumps(
+                {
+                    "request_id": f"req_{turn}x9",
+                    "served_by": "fares-eu-2",
+                    "data": {"hold": {"hold_id": f"HLD-{turn}", "status": "held"}, "log": log},
+                }
+            ),
+        },
+    ]
+
+
+def summary_of(inputs: list[dict[str, Any]]) -> str | None:
+    for item in inputs:
+        content = item.get("content")
+        if isinstance(content, str) and content.startswith(SUMMARY_MARKER):
+            return content
+    return None
+
+
+async def test_summaries_keep_unpinned_rules_and_nested_values(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = await make_proxy(window=6000)
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    for turn in range(14):
+        await client.responses.create(
+            model="gpt-4o", conversation=conversation.id, input=turn_input(turn)
+        )
+    summaries = [summary_of(r.json["input"]) for r in proxy.provider.model_requests]
+    summarized = [s for s in summaries if s is not None]
+    assert summarized, "the thread never outgrew its window"
+    for summary in summarized:
+        assert RULES in summary
+        constraints = summary.split("Constraints stated by the user (their words):\n")[1]
+        rule_lines = constraints.split("\n\n")[0].splitlines()
+        assert "- org) says her headphones never arrived." not in rule_lines
+        assert "- 11 only." not in rule_lines
+        assert not re.search(r"\bcall_\d+\b", summary)  # no call ids
+        assert "req_" not in summary and "fares-eu-2" not in summary  # no transport metadata
+        assert "HLD-0" in summary and "LH-100" in summary  # ids from results and arguments

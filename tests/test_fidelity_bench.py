@@ -1,0 +1,144 @@
+"""bench/fidelity.py measures what it says: its metrics on hand-checked cases, one short
+scenario end to end through the proxy, and its section written only where it is told."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from fidelity import (
+    Call,
+    Fact,
+    Scenario,
+    Sent,
+    Turn,
+    check_facts,
+    drop_oldest,
+    histories,
+    last_k_turns,
+    measure,
+    prefix_reuse,
+    recall,
+    section,
+    tool_pair_violations,
+)
+from results import write_section
+
+HELLO = {"role": "user", "content": "hello world"}  # 3 + 1 ("user") + 2 tokens
+OTHER = {"role": "user", "content": "good night"}
+
+
+def test_prefix_reuse_counts_the_tokens_of_the_leading_items_repeated() -> None:
+    requests = [
+        Sent(0, [HELLO, HELLO]),
+        Sent(1, [HELLO, HELLO, HELLO]),  # 12 of 18 message tokens repeat the previous request
+        Sent(2, [OTHER, HELLO, HELLO]),  # the first item differs: nothing is reused
+        Sent(3, [OTHER, HELLO, HELLO]),  # all of it
+    ]
+    assert prefix_reuse("chat", "gpt-4o", requests) == [12 / 18, 0.0, 1.0]
+
+
+def test_prefix_reuse_of_responses_starts_with_the_instructions() -> None:
+    requests = [
+        Sent(0, [HELLO], "Be brief."),
+        Sent(1, [OTHER], "Be brief."),  # only the instructions repeat
+        Sent(2, [OTHER], "Be terse."),  # new instructions: nothing repeats
+    ]
+    first, second = prefix_reuse("responses", "gpt-4o", requests)
+    assert 0.0 < first < 1.0
+    assert second == 0.0
+
+
+def test_recall_counts_facts_planted_in_earlier_turns_only() -> None:
+    facts = [Fact("RF-1", 0, "must"), Fact("RF-2", 1, "must")]
+    requests = [
+        Sent(0, [{"role": "user", "content": "refund RF-1"}]),  # nothing due yet
+        Sent(1, [{"role": "user", "content": "RF-2 only"}]),  # RF-1 due and lost
+        Sent(
+            2,
+            [
+                {"role": "tool", "tool_call_id": "c", "content": '{"id": "RF-1"}'},
+                {"role": "user", "content": "RF-2"},
+            ],
+        ),  # both due, both visible
+        Sent(3, [{"role": "system", "content": "summary: RF-2"}], instructions="RF-1"),
+    ]
+    assert recall(requests, facts) == [0.0, 1.0, 1.0]
+
+
+def test_tool_pair_violations_count_both_directions() -> None:
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        ],
+    }
+    answer_a = {"role": "tool", "tool_call_id": "a", "content": "1"}
+    answer_b = {"role": "tool", "tool_call_id": "b", "content": "2"}
+    assert tool_pair_violations([call, answer_a, answer_b]) == 0
+    assert tool_pair_violations([call, answer_a]) == 1
+    assert tool_pair_violations([answer_a, answer_b]) == 2
+    responses = [{"type": "function_call", "call_id": "x", "name": "f", "arguments": "{}"}]
+    assert tool_pair_violations(responses) == 1
+
+
+def tiny(api: str = "chat") -> Scenario:
+    lookup = Call("call_t1", "get_order", {"id": "ORD-1"}, '{"status": "shipped", "ref": "TR-77"}')
+    return Scenario(
+        "tiny",
+        api,  # type: ignore[arg-type]
+        "gpt-4o-mini",
+        "Be brief.",
+        (
+            Turn("Rule: refunds need approval.", ("Noted.",)),
+            Turn("Where is ORD-1?", ((lookup,), "ORD-1 shipped.")),
+            Turn("Thanks.", ("You're welcome.",)),
+        ),
+        (Fact("refunds need approval", 0, "must"), Fact("TR-77", 1, "nice")),
+    )
+
+
+def test_baselines_keep_whole_histories_that_fit() -> None:
+    scenario = tiny()
+    check_facts(scenario)
+    full = [items for _, items in histories(scenario)]
+    assert [sent.items for sent in drop_oldest(scenario)] == full
+    k, kept = last_k_turns(scenario)
+    assert k == 3
+    assert [sent.items for sent in kept] == full
+
+
+async def test_a_short_scenario_runs_end_to_end_through_the_proxy(tmp_path: Path) -> None:
+    scenarios = [tiny("chat"), tiny("responses")]
+    rows, notes = await measure(scenarios, with_summarizer=False, tmp=tmp_path)
+    proxied = [row for row in rows if row.system == "threadkeeper"]
+    assert [(row.scenario, row.mode) for row in proxied] == [
+        ("tiny", "stateless"),
+        ("tiny", "X-Thread-Id"),
+        ("tiny", "stateless"),
+        ("tiny", "previous_response_id"),
+    ]
+    for row in proxied:
+        assert [sent.error for sent in row.requests] == [None] * 4
+        assert [sent.turn for sent in row.requests] == [0, 1, 1, 2]
+        # The history fits the window: the provider saw every fact and every pair.
+        assert row.must() == [1.0, 1.0, 1.0] and row.all() == [1.0, 1.0, 1.0]
+        assert row.violations() == 0
+        assert len(row.reuse()) == 3
+    text = section(rows, notes, scenarios, 1.0)
+    assert text.startswith("## Fidelity\n")
+    assert "| threadkeeper | stateful |" in text
+
+
+def test_write_section_replaces_only_its_own_section(tmp_path: Path) -> None:
+    path = tmp_path / "RESULTS.md"
+    path.write_text("# Benchmark results\n\n## A\n\nold a\n\n## B\n\nold b\n")
+    write_section("A", "## A\n\nnew a\n", path)
+    write_section("C", "## C\n\nnew c\n", path)
+    assert path.read_text() == (
+        "# Benchmark results\n\n## A\n\nnew a\n\n## B\n\nold b\n\n## C\n\nnew c\n"
+    )

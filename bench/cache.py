@@ -5,9 +5,10 @@
 Drives one long agent conversation through the projection turn by turn and measures,
 for every request, the share of its input tokens that repeat the previous request's
 prefix (what a provider's prompt cache can reuse). Compared: the sticky cut (cut down
-to target_fill of the budget and keep the cut) against trimming the minimum every turn
-(target_fill 1.0, no cut carried over). With --write, replaces the "## Prompt cache"
-section of bench/RESULTS.md.
+to target_fill of the budget and keep the cut), a stateless client's requests (no cut
+carried over: cuts at whole chunks of the history, summary blocks appended) and trimming
+the minimum every turn (target_fill 1.0, no cut carried over). With --write, replaces the
+"## Prompt cache" section of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def shared_prefix_tokens(previous: list[Item], current: list[Item], counter: Tok
     return shared
 
 
-def run(turns: int, sticky: bool) -> list[float]:
+def run(turns: int, sticky: bool, stateless: bool = False) -> list[float]:
+    """Prefix reuse per request; `stateless`: no cut is carried over and the requests are
+    projected as a stateless client's (whole chunks)."""
     counter = TokenCounter.for_model("gpt-4o")
-    policy = ProjectionPolicy(keep_recent_turns=2, target_fill=0.65 if sticky else 1.0)
+    fill = 0.65 if sticky or stateless else 1.0
+    policy = ProjectionPolicy(keep_recent_turns=2, target_fill=fill)
     history: list[Item] = [chat_item({"role": "system", "content": "You are an order assistant."})]
     cut: CutPoint | None = None
     previous: list[Item] = []
@@ -71,7 +75,12 @@ def run(turns: int, sticky: bool) -> list[float]:
     for turn in range(turns):
         history.extend(chat_item(m) for m in turn_messages(turn))
         request = ProjectionRequest(
-            items=history, window=WINDOW, output=OUTPUT, epsilon=MARGIN, cut=cut if sticky else None
+            items=history,
+            window=WINDOW,
+            output=OUTPUT,
+            epsilon=MARGIN,
+            cut=cut if sticky else None,
+            stateless=stateless,
         )
         projection = project_context(request, counter, policy)
         cut = projection.cut
@@ -89,6 +98,7 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     sticky, minimal = run(args.turns, True), run(args.turns, False)
+    stateless = run(args.turns, False, stateless=True)
     section = "\n".join(
         [
             "## Prompt cache",
@@ -101,6 +111,9 @@ def main() -> None:
             "| strategy | mean prefix reuse | median | requests with < 50% reuse |",
             "|---|---:|---:|---:|",
             _row("sticky cut to 65% of the budget (threadkeeper)", sticky),
+            _row(
+                "stateless client: whole chunks, summary blocks appended (threadkeeper)", stateless
+            ),
             _row("trim the minimum every turn", minimal),
             "",
         ]

@@ -25,6 +25,9 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
                                               in proxy/server/hooks/persist.py
     log the budget breakdown, metrics         proxy/server/rebuild.py, proxy/logs.py,
                                               proxy/metrics.py
+    after the answer: LLM summaries of the    proxy/server/hooks/summaries.py,
+      chunks cut (or about to be), in the     proxy/server/summaries.py, proxy/summarizer.py,
+      background, stored by chunk digest      proxy/core/llm_summary.py, memory.guard
 
 Around the requests: `serve --workers N` forks N processes on one port under a supervisor
 (proxy/server/workers.py); every handler and background task reads time from the app's one

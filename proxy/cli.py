@@ -358,6 +358,7 @@ def _project(request: dict[str, Any], args: argparse.Namespace) -> int:
         epsilon=args.margin,
         tools_tokens=counter.tools(request.get("tools") or []),
         instructions_tokens=counter.text(instructions) + 3 if instructions else 0,
+        stateless=True,  # one request on its own, as a stateless client's is projected
     )
     policy = ProjectionPolicy(
         keep_recent_turns=args.keep_recent_turns,

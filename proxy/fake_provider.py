@@ -78,6 +78,7 @@ class Reply:
     retry_after: str | None = None  # value of the Retry-After header
     raw: bytes | None = None
     frames: list[bytes] | None = None
+    release: asyncio.Event | None = None  # the answer waits until the test sets it
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class FakeProvider:
         self.models = tuple(models)
         self.requests: list[RecordedRequest] = []
         self.script: list[Reply] = []
+        # Replies for requests of one model, taken before `script` (a summarizer model's
+        # calls then never take a turn's reply, whatever order they arrive in).
+        self.scripts: dict[str, list[Reply]] = {}
         self.base_url: str | None = None
         self._app = self._build_app()
         self._runner: web.AppRunner | None = None
@@ -157,7 +161,10 @@ class FakeProvider:
         self.requests.append(recorded)
         return recorded
 
-    def _next_reply(self) -> Reply:
+    def _next_reply(self, body: JsonDict) -> Reply:
+        own = self.scripts.get(body.get("model") or "")
+        if own:
+            return own.pop(0)
         return self.script.pop(0) if self.script else Reply()
 
     # --- model endpoints --------------------------------------------------------------
@@ -179,9 +186,11 @@ class FakeProvider:
             return error_response(
                 400, unpaired, param="messages" if "messages" in body else "input"
             )
-        reply = self._next_reply()
+        reply = self._next_reply(body)
         if reply.delay:
             await asyncio.sleep(reply.delay)
+        if reply.release is not None:
+            await reply.release.wait()
         headers = reply_headers(reply)
         if reply.status >= 400:
             return error_response(reply.status, reply.text, headers, reply.body)

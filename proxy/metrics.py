@@ -79,6 +79,28 @@ class Metrics:
             "Upstream pool connections busy with a request (connecting, sending or answering).",
             registry=self.registry,
         )
+        # The LLM summarizer (proxy/summarizer.py): every call it makes, off the request path.
+        self.summarizer_calls = Counter(
+            "threadkeeper_summarizer_calls",
+            "Summarizer model calls by tenant and outcome (ok: used as written; guarded: "
+            "used with must-keep lines appended; error, timeout, unparseable: the "
+            "deterministic digest stands).",
+            ("tenant", "outcome"),
+            registry=self.registry,
+        )
+        self.summarizer_tokens = Counter(
+            "threadkeeper_summarizer_tokens",
+            "Tokens the summarizer model reported, by tenant and direction (in, out).",
+            ("tenant", "direction"),
+            registry=self.registry,
+        )
+        self.summaries_skipped = Counter(
+            "threadkeeper_summaries_skipped",
+            "Background summaries not started because the tenant's or the process's cap "
+            "of running ones was reached (the deterministic digest stands).",
+            ("tenant",),
+            registry=self.registry,
+        )
         for kind in TRIM_KINDS:  # export zeros so dashboards see every kind from the start
             self.trimmed.labels(kind=kind)
 

@@ -161,15 +161,42 @@ class BudgetPolicy(_Frozen):
 
 
 class SummarizerPolicy(_Frozen):
-    enabled: bool = False
-    model: str = Field(default="gpt-4o-mini", min_length=1)
+    """An LLM writes the summaries (proxy/summarizer.py), through the tenant's own upstream,
+    off the request path; absent, the deterministic digest is the only one."""
+
+    model: str = Field(min_length=1)
+    max_tokens: int = Field(default=800, gt=0)  # the rendered summary's size
+    timeout_seconds: float = Field(default=20.0, gt=0)  # one summary, retries included
+    instructions: str | None = Field(default=None, min_length=1)  # added to the prompt
+    # A stateful thread whose history fills this share of its budget gets its next cut's
+    # summary written in the background, before the cut needs it.
+    high_water: float = Field(default=0.8, gt=0, le=1)
+
+
+def _legacy_summarizer(value: Any) -> Any:
+    """`{enabled: false, model: m}` (the old form) is no summarizer; `enabled: true` is
+    `{model: m}`. Any other mapping is the current form."""
+    if not isinstance(value, dict) or "enabled" not in value:
+        return value
+    rest = {k: v for k, v in value.items() if k != "enabled"}
+    if value["enabled"] is False:
+        return None
+    if value["enabled"] is True:
+        return {"model": "gpt-4o-mini", **rest}
+    raise ValueError(
+        "the old 'enabled' flag must be true or false; write `summarizer: {model: ...}` "
+        "to turn the LLM summarizer on, or leave summarizer out"
+    )
 
 
 class MemoryPolicy(_Frozen):
     keep_recent_turns: int = Field(default=3, ge=0)
     tool_result_max_tokens: int = Field(default=800, gt=0)
     pin_patterns: list[Regex] = Field(default_factory=list)
-    summarizer: SummarizerPolicy = Field(default_factory=SummarizerPolicy)
+    # Summary blocks are appended, one per cut, so the prefix repeats; above this share of
+    # the history budget the chain is consolidated into one block (proxy/core/projection.py).
+    summary_chain_max_share: float = Field(default=0.3, gt=0, le=1)
+    summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
 
 
 class ToolPolicy(_Frozen):
@@ -321,7 +348,9 @@ def _one_line(text: str) -> str:
 
 
 def _first_error(path: Path, exc: ValidationError) -> PolicyError:
-    error = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    # A misspelt field is also a missing one: name the misspelling, it says what to fix.
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = error["loc"]
     return PolicyError(path, _dotted(loc) or "(top level)", _problem(error, loc))
 

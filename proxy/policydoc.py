@@ -92,6 +92,8 @@ def _row(path: str, field: Mapping[str, Any]) -> str:
 def _type(field: Mapping[str, Any]) -> str:
     if "anyOf" in field:
         return " or ".join(_type(option) for option in field["anyOf"])
+    if "$ref" in field:  # a nested model, e.g. an optional section (anyOf [model, null])
+        return "object"
     kind = field.get("type", "")
     if kind == "array":
         return f"list of {_type(field.get('items', {})) or 'values'}"

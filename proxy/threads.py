@@ -117,7 +117,7 @@ class Loaded:
             for seq, item in cut.compressed
             if (position := self._position_of(seq, exact=True)) is not None
         )
-        return CutPoint(self._position_of(cut.start) or 0, cut.summary, compressed)
+        return replace(cut, start=self._position_of(cut.start) or 0, compressed=compressed)
 
     def state_after(self, cut: CutPoint | None) -> JsonDict:
         """The thread state to commit: the projection's cut in store seqs (None keeps

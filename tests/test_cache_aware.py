@@ -1,17 +1,80 @@
-"""Cache-aware trimming (SPEC section 5): sticky cuts repeat the previous prefix."""
+"""Cache-aware trimming (SPEC section 5): sticky cuts repeat the previous prefix, and so
+do a stateless client's requests (cuts at whole chunks of the history); the summary
+blocks form a chain that each cut extends (issue 10)."""
 
 from __future__ import annotations
 
 import statistics
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from cache import run
+from cache import MARGIN, OUTPUT, WINDOW, run, turn_messages
+
+from proxy.core.items import Item, chat_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary
+from proxy.core.projection import CutPoint, ProjectionPolicy, ProjectionRequest, project_context
+from proxy.core.tokens import TokenCounter
+
+POLICY = ProjectionPolicy(keep_recent_turns=2, target_fill=0.65)
 
 
 def test_sticky_cuts_keep_most_of_the_previous_prefix() -> None:
     sticky, minimal = run(120, sticky=True), run(120, sticky=False)
     assert statistics.mean(sticky) > 0.85
     assert statistics.mean(sticky) > statistics.mean(minimal) + 0.2
+
+
+def test_stateless_requests_keep_most_of_the_previous_prefix() -> None:
+    stateless, minimal = run(120, sticky=False, stateless=True), run(120, sticky=False)
+    assert statistics.mean(stateless) > 0.85
+    assert statistics.mean(stateless) > statistics.mean(minimal) + 0.2
+
+
+def stands_for(block: Item) -> int:
+    header = block.text().removeprefix(SUMMARY_MARKER + " Stands for ")
+    return int(header.split(" ", 1)[0])
+
+
+def chains(turns: int, stateless: bool) -> list[tuple[Item, ...]]:
+    """The summary blocks of each request of one long conversation (a stateful thread
+    passes its cut on; a stateless client does not), checking on the way that the two
+    recent turns and the current one are sent verbatim (they always fit here)."""
+    counter = TokenCounter.for_model("gpt-4o")
+    history: list[Item] = [chat_item({"role": "system", "content": "You are an order assistant."})]
+    cut: CutPoint | None = None
+    sent_chains = []
+    for turn in range(turns):
+        history.extend(chat_item(m) for m in turn_messages(turn))
+        request = ProjectionRequest(
+            history, WINDOW, OUTPUT, MARGIN, cut=None if stateless else cut, stateless=stateless
+        )
+        projection = project_context(request, counter, POLICY)
+        cut = projection.cut
+        recent = history[-12:]  # two closed turns and the current one, 4 items each
+        assert [i.raw for i in projection.items[-12:]] == [i.raw for i in recent]
+        assert projection.report.dropped == 0
+        sent_chains.append(tuple(i for i in projection.items if is_summary(i)))
+    return sent_chains
+
+
+def test_each_cut_extends_the_summary_chain_except_at_a_consolidation() -> None:
+    """Across many cuts, each request's summary blocks are the previous request's blocks,
+    byte for byte, with new ones after them; only a consolidation rewrites the chain from
+    its first block, and it then stands for more than its first block did."""
+    for stateless in (False, True):
+        requests = chains(300, stateless)
+        extended = consolidated = 0
+        for before, after in pairwise(requests):
+            if after == before:
+                continue
+            if after[: len(before)] == before:
+                extended += 1
+                continue
+            consolidated += 1
+            assert stands_for(after[0]) > stands_for(before[0])
+            assert sum(map(stands_for, after)) > sum(map(stands_for, before))
+        assert extended >= 5, stateless
+        assert 1 <= consolidated <= extended, stateless

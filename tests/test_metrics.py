@@ -25,6 +25,9 @@ def test_render_exports_every_metric_in_prometheus_text_format() -> None:
     metrics.upstream_retries.labels(route="/v1/chat/completions").inc()
     metrics.rebuild_seconds.observe(0.002)
     metrics.ledger_unknown_outcome.labels(tenant="acme", tool="refund_order").inc()
+    metrics.summarizer_calls.labels(tenant="acme", outcome="guarded").inc()
+    metrics.summarizer_tokens.labels(tenant="acme", direction="in").inc(900)
+    metrics.summaries_skipped.labels(tenant="acme").inc()
     body, content_type = metrics.render()
     assert content_type.startswith("text/plain")
     text = body.decode()
@@ -36,6 +39,9 @@ def test_render_exports_every_metric_in_prometheus_text_format() -> None:
         "threadkeeper_upstream_retries_total",
         "threadkeeper_rebuild_seconds_bucket",
         "threadkeeper_ledger_unknown_outcome_total",
+        "threadkeeper_summarizer_calls_total",
+        "threadkeeper_summarizer_tokens_total",
+        "threadkeeper_summaries_skipped_total",
     ):
         assert name in text
     found = samples(metrics)

@@ -47,7 +47,7 @@ def test_minimal_file_gets_spec_defaults(tmp_path: Path) -> None:
     assert policy.budget.safety_margin_tokens == 500
     assert policy.memory.keep_recent_turns == 3
     assert policy.memory.tool_result_max_tokens == 800
-    assert policy.memory.summarizer.enabled is False
+    assert policy.memory.summarizer is None
     assert policy.retry.max_attempts == 3
     assert policy.limits_for("anything") == BUILTIN_LIMITS
 
@@ -124,6 +124,31 @@ def test_shipped_policy_files_are_valid(tmp_path: Path) -> None:
             "tenant: acme\nretry: {initial_backoff: 2, max_backoff: 1}\n",
             "retry.max_backoff",
             "1 is below initial_backoff (2)",
+        ),
+        (
+            "tenant: acme\nmemory: {summarizer: {max_tokens: 500}}\n",
+            "memory.summarizer.model",
+            "required field is missing",
+        ),
+        (
+            "tenant: acme\nmemory: {summarizer: {modle: gpt-4o-mini}}\n",
+            "memory.summarizer.modle",
+            "unknown field; did you mean 'model'?",
+        ),
+        (
+            "tenant: acme\nmemory: {summarizer: {model: m, timeout_seconds: 0}}\n",
+            "memory.summarizer.timeout_seconds",
+            "greater than 0",
+        ),
+        (
+            "tenant: acme\nmemory: {summarizer: {model: m, high_water: 1.2}}\n",
+            "memory.summarizer.high_water",
+            "less than or equal",
+        ),
+        (
+            "tenant: acme\nmemory: {summarizer: {enabled: 'yes', model: m}}\n",
+            "memory.summarizer",
+            "the old 'enabled' flag must be true or false",
         ),
     ],
 )
@@ -459,3 +484,23 @@ def test_upstream_deadline_defaults_to_900_seconds_and_must_be_positive(tmp_path
             write(tmp_path, "acme.yaml", "tenant: acme\nupstream: {deadline_seconds: 0}\n")
         )
     assert raised.value.field == "upstream.deadline_seconds"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("memory: {summarizer: {enabled: false, model: gpt-4o}}", None),  # the old off form
+        ("memory: {summarizer: {enabled: true, model: gpt-4o}}", "gpt-4o"),
+        ("memory: {summarizer: {enabled: true}}", "gpt-4o-mini"),  # the old default model
+        ("memory: {summarizer: {model: gpt-4.1-mini}}", "gpt-4.1-mini"),
+    ],
+)
+def test_summarizer_is_on_when_present_and_old_files_keep_their_meaning(
+    tmp_path: Path, text: str, expected: str | None
+) -> None:
+    policy = load_policy_file(write(tmp_path, "acme.yaml", f"tenant: acme\n{text}\n"))
+    summarizer = policy.memory.summarizer
+    assert (summarizer.model if summarizer is not None else None) == expected
+    if summarizer is not None:
+        assert (summarizer.max_tokens, summarizer.timeout_seconds) == (800, 20.0)
+        assert (summarizer.high_water, summarizer.instructions) == (0.8, None)

@@ -2,9 +2,12 @@
 
 A thread's state holds the sticky cut of its last projection (SPEC section 5): where the
 verbatim window starts (`window_start`, the key the store's `load_window` reads), what
-stands for everything before it (`summary`: carried pinned items and the digest) and the
-compressed forms of tool results (`compressed`). Positions are the thread's log
-positions. Other keys of the state belong to other features and are kept untouched.
+stands for everything before it (`summary`: carried pinned items and the chain of summary
+blocks, in the order they are sent; a state written before the chain holds one block,
+which reads as a chain of one), the full-room form of a last block that was sent smaller
+(`summary_deferred`, absent when none) and the compressed forms of tool results
+(`compressed`). Positions are the thread's log positions. Other keys of the state belong
+to other features and are kept untouched.
 
 >>> cut = CutPoint(4, (chat_item({"role": "system", "content": "Be brief."}),))
 >>> state_to_cut(cut_to_state(cut)) == cut
@@ -22,6 +25,7 @@ from proxy.core.projection import CutPoint
 WINDOW_START = "window_start"
 SUMMARY = "summary"
 COMPRESSED = "compressed"
+DEFERRED = "summary_deferred"
 
 
 def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) -> JsonDict:
@@ -34,6 +38,10 @@ def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) ->
     state[COMPRESSED] = [
         {"position": position, **_item_json(item)} for position, item in cut.compressed
     ]
+    if cut.deferred is not None:
+        state[DEFERRED] = _item_json(cut.deferred)
+    else:
+        state.pop(DEFERRED, None)
     return state
 
 
@@ -46,7 +54,8 @@ def state_to_cut(state: Mapping[str, Any]) -> CutPoint | None:
     compressed = tuple(
         (int(entry["position"]), _item(entry)) for entry in state.get(COMPRESSED) or ()
     )
-    return CutPoint(start, summary, compressed)
+    deferred = state.get(DEFERRED)
+    return CutPoint(start, summary, compressed, _item(deferred) if deferred else None)
 
 
 def _item_json(item: Item) -> JsonDict:

@@ -5,11 +5,27 @@ SPEC section 5, seed sections 4, 6, 7, 8 and 13. The history is cut into blocks
 are history H with budget B_H (proxy/core/budget.py). When H > B_H, pressure is relieved
 in this order, stopping as soon as the context fits:
 
-1. compress large tool results of the older closed turns (all but keep_recent_turns);
-2. replace the oldest closed turns by one summary; when cutting, cut down to
-   target_fill * B_H, so the next turns send the same prefix (cache-aware, SPEC 5);
+1. compress every large tool result of the older closed turns (all but
+   keep_recent_turns): which ones depends on the history alone, so from one request to
+   the next only the turn that stopped being recent changes, near the end;
+2. replace the oldest closed turns by a summary block appended to the summary chain
+   (`[pinned][summary 1][summary 2]...` keeps its bytes from one cut to the next); a
+   thread cuts down to target_fill * B_H, so the next turns send the same prefix
+   (cache-aware, SPEC 5); a request without a stored cut (a stateless client, a new
+   thread) is cut at whole chunks of its history, one block per chunk, so the same
+   history prefix gives the same cut and the same bytes; above
+   summary_chain_max_share of B_H the chain is consolidated once into one block;
 3. compress, then summarize, the recent closed turns too;
-4. if pinned + current turn alone exceed the window, raise ContextLengthExceeded.
+4. a summary is never dropped: it gets at least SUMMARY_MIN_TOKENS, more of the oldest
+   turns being cut into it if need be; if pinned + current turn alone exceed the
+   window, or leave less than that for a history that must be cut, raise
+   ContextLengthExceeded.
+
+A block's room comes from the budget without the current turn, so a large current turn
+does not starve it; a block that had to be smaller is kept in full in the cut
+(`deferred`) and takes its place when room returns. Summaries come from the request's
+ready ones (`ProjectionRequest.summaries`, by chunk_digest), else the Summarizer; the
+blocks made are listed in Projection.chunks.
 
 The cut is sticky: the returned CutPoint is passed back with the next request and
 applied before anything else. Every projection is checked by check_invariants before
@@ -18,20 +34,31 @@ it is returned.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, segment
 from proxy.core.budget import history_budget
 from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
-from proxy.core.items import Item
-from proxy.core.memory import Summarizer, is_summary, summarize_turns
+from proxy.core.items import Item, content_digest
+from proxy.core.memory import (
+    HEADER,
+    SUMMARY_MARKER,
+    Summarizer,
+    is_summary,
+    summarize_turns,
+    summary_item,
+)
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
-# The summary gets at most this share of B_H, and never more than SUMMARY_MAX_TOKENS.
+# A summary block gets this share of B_H (the budget without the current turn), never
+# more than SUMMARY_MAX_TOKENS; a summary is never given less than SUMMARY_MIN_TOKENS
+# (if that cannot fit, the request is refused rather than the summary dropped).
 SUMMARY_SHARE = 0.1
 SUMMARY_MAX_TOKENS = 1000
+SUMMARY_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -40,6 +67,8 @@ class ProjectionPolicy:
     tool_result_max_tokens: int = 800
     pin_patterns: tuple[str, ...] = ()
     target_fill: float = 0.65
+    # The summary chain is consolidated into one block above this share of B_H.
+    summary_chain_max_share: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -53,6 +82,41 @@ class CutPoint:
     start: int
     summary: tuple[Item, ...]
     compressed: tuple[tuple[int, Item], ...] = ()
+    deferred: Item | None = None  # full-room form of the last block, sent smaller
+
+    @property
+    def chain(self) -> tuple[Item, ...]:
+        """The summary blocks, oldest first (a cut stored before the chain holds one)."""
+        return tuple(item for item in self.summary if is_summary(item))
+
+
+@dataclass(frozen=True)
+class SummaryChunk:
+    """One summary block this projection made: what it stands for and under which limit.
+
+    `digest` names the inputs (`chunk_digest`): a summary written elsewhere for them (an
+    LLM summarizer in the background) comes back in ProjectionRequest.summaries under
+    that key and is used instead of calling the summarizer. `ready` says it was.
+    """
+
+    digest: str
+    items: tuple[Item, ...]
+    max_tokens: int
+    previous: Item | None
+    summary: Item
+    ready: bool = False
+
+
+def chunk_digest(items: Sequence[Item], max_tokens: int, previous: Item | None) -> str:
+    """The key of a summary's inputs: the items' content digests, the limit and the
+    previous summary it extends (consolidation), if any."""
+    return content_digest(
+        {
+            "items": [item.digest for item in items],
+            "max_tokens": max_tokens,
+            "previous": previous.digest if previous is not None else None,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -66,6 +130,13 @@ class ProjectionRequest:
     first_position: int = 0
     cut: CutPoint | None = None
     now: str = ""
+    # No stored cut comes back (a stateless client, or a thread's first cut): cuts fall on
+    # whole chunks of the history counted from its start, so the same history prefix
+    # gives the same bytes.
+    stateless: bool = False
+    # Summaries already written for chunks, by chunk_digest (e.g. by an LLM summarizer
+    # after an earlier request exposed the chunk in Projection.chunks).
+    summaries: Mapping[str, Item] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -139,18 +210,25 @@ class Projection:
     report: ProjectionReport
     cut: CutPoint | None
     changed: bool
+    chunks: tuple[SummaryChunk, ...] = ()  # the summary blocks made for this projection
 
 
 class ContextLengthExceeded(Exception):
-    """Pinned text + tools + current turn + output reserve alone exceed the window."""
+    """Pinned text + tools + current turn + output reserve alone exceed the window, or
+    leave less than SUMMARY_MIN_TOKENS for the summary of a history that must be cut."""
 
-    def __init__(self, report: ProjectionReport) -> None:
+    def __init__(self, report: ProjectionReport, summary_min: int = 0) -> None:
         self.report = report
         r = report
         needed = r.system + r.tools + r.current + r.output + r.epsilon
+        if summary_min:
+            needed += summary_min
+            removed = f"even with all earlier history replaced by a {summary_min}-token summary"
+        else:
+            removed = "even with all earlier history removed"
         super().__init__(
             f"This model's maximum context length is {r.window} tokens. However, your "
-            f"messages resulted in {needed} tokens even with all earlier history removed "
+            f"messages resulted in {needed} tokens {removed} "
             f"(pinned {r.system}, tools {r.tools}, current turn {r.current}, output reserve "
             f"{r.output}, margin {r.epsilon}). Please reduce the length of the messages, "
             "instructions or tools, or lower the maximum output tokens."
@@ -165,16 +243,29 @@ class _State:
     """What the projection decided so far; positions are absolute log positions."""
 
     request: ProjectionRequest
+    policy: ProjectionPolicy
+    summarizer: Summarizer
     blocks: list[Block]
     counter: TokenCounter
     start: int  # first position still sent verbatim
-    carried: tuple[Item, ...]  # pinned items from before the given items (from the cut)
-    digest: Item | None  # summary of everything before start
-    new_cut: bool = False  # the digest must be rebuilt for the turns cut now
+    old: tuple[Item, ...]  # the cut's prefix: carried pinned items and summary blocks, in order
+    carried: tuple[Item, ...]  # the old pinned items no given item repeats (part of S)
+    chain: tuple[Item, ...]  # the old summary blocks, oldest first
+    deferred: Item | None = None  # the full-room form of the last block, made smaller
     replaced: dict[int, Item] = field(default_factory=dict)
     counts: list[int] = field(default_factory=list)  # tokens of each given item, counted once
     closed: list[Block] = field(default_factory=list)  # closed turns at or after start
-    turn_tokens: list[int] = field(default_factory=list)
+    turn_tokens: list[int] = field(default_factory=list)  # of each closed turn, as sent
+    cut: int = 0  # closed turns cut now (the first `cut` of `closed`)
+    new_cut: bool = False
+    capacity: int = 0  # B_H as if the current turn were empty and nothing pinned
+    room: int = 0  # a new summary block's full room
+    chain_max: int = 0  # the chain is consolidated above this
+    new_blocks: list[tuple[int, Item]] = field(default_factory=list)  # (region end, block)
+    consolidated: bool = False  # the new block replaces the old chain
+    made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
+    spans: dict[tuple[int, int, int], Item | None] = field(default_factory=dict)
+    cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
 
     def tokens(self, position: int) -> int:
         """Tokens the item at `position` costs as sent (compressed when replaced)."""
@@ -187,6 +278,14 @@ class _State:
         offset = self.request.first_position
         return sum(self.counts[p - offset] for p in block.positions)
 
+    @property
+    def chain_tokens(self) -> int:
+        return self.counter.items(self.chain)
+
+    def rest(self, cut: int | None = None) -> int:
+        """Tokens of the closed turns kept after cutting the first `cut` (default: now)."""
+        return sum(self.turn_tokens[self.cut if cut is None else cut :])
+
 
 def project_context(
     request: ProjectionRequest,
@@ -196,7 +295,7 @@ def project_context(
 ) -> Projection:
     """The context to send for `request`, under its budget, with the cut to keep."""
     blocks = segment(request.items, policy.pin_patterns, request.first_position)
-    state = _initial_state(request, blocks, counter)
+    state = _initial_state(request, policy, summarizer, blocks, counter)
     fixed = _fixed_tokens(state)
     budget = history_budget(
         request.window,
@@ -208,39 +307,76 @@ def project_context(
     )
     if budget < 0:
         raise ContextLengthExceeded(_overflow_report(state, fixed, budget))
-    relieved = _relieve(state, budget, policy)
-    digest = _final_digest(state, budget, summarizer) if state.new_cut else state.digest
-    return _finish(state, fixed, budget, digest, relieved or request.cut is not None)
+    # The summary's room is decided on the budget without the current turn and the pinned
+    # items: a transient large current turn must not starve a block that then stays for
+    # many turns, and a pinned message appearing must not change every block's bytes.
+    state.capacity = capacity = budget + fixed.current + fixed.pinned
+    state.room = _summary_room(capacity)
+    state.chain_max = int(capacity * policy.summary_chain_max_share)
+    _expand_deferred(state, budget)
+    if request.stateless:
+        relieved = _relieve_stateless(state, budget, fixed)
+    else:
+        relieved = _relieve(state, budget, policy)
+        if state.new_cut:
+            _settle(state, budget, fixed)
+    keep = relieved or request.cut is not None or state.cut_changed
+    return _finish(state, fixed, budget, keep)
 
 
 # --- the sticky cut -------------------------------------------------------------------------
 
 
 def _initial_state(
-    request: ProjectionRequest, blocks: list[Block], counter: TokenCounter
+    request: ProjectionRequest,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+    blocks: list[Block],
+    counter: TokenCounter,
 ) -> _State:
     """The state after applying the previous cut, realigned to a block boundary."""
     cut = request.cut
     start = request.first_position
+    old: tuple[Item, ...] = ()
     carried: tuple[Item, ...] = ()
-    digest = None
     replaced: dict[int, Item] = {}
+    deferred = None
     if cut is not None:
         end = request.first_position + len(request.items)
         start = _aligned_start(min(max(cut.start, start), end), blocks)
-        given = {
+        old = cut.summary
+        given = Counter(
             item.digest
             for block in blocks
             if block.kind == "pinned" and block.first < start
             for item in block.items
-        }
-        carried = tuple(i for i in cut.summary if not is_summary(i) and i.digest not in given)
-        digest = next((i for i in reversed(cut.summary) if is_summary(i)), None)
+        )
+        kept = []
+        for item in old:
+            if is_summary(item):
+                continue
+            if given[item.digest] > 0:
+                given[item.digest] -= 1
+            else:
+                kept.append(item)
+        carried = tuple(kept)
         current = {p for block in blocks if block.kind == "current" for p in block.positions}
         replaced = {p: i for p, i in cut.compressed if p >= start and p not in current}
+        deferred = cut.deferred
     counts = [counter.item(item) for item in request.items]
     state = _State(
-        request, blocks, counter, start, carried, digest, replaced=replaced, counts=counts
+        request,
+        policy,
+        summarizer,
+        blocks,
+        counter,
+        start,
+        old,
+        carried,
+        tuple(i for i in old if is_summary(i)),
+        deferred,
+        replaced=replaced,
+        counts=counts,
     )
     state.closed = [b for b in blocks if b.kind == "turn" and b.first >= start]
     state.turn_tokens = [_block_tokens(state, b) for b in state.closed]
@@ -266,6 +402,7 @@ def _block_tokens(state: _State, block: Block) -> int:
 class _Fixed:
     system: int
     current: int
+    pinned: int  # the pinned and carried items' share of `system`
 
 
 def _fixed_tokens(state: _State) -> _Fixed:
@@ -274,7 +411,26 @@ def _fixed_tokens(state: _State) -> _Fixed:
     pinned += state.counter.items(state.carried)
     system = pinned + state.request.instructions_tokens + REPLY_PRIMING
     current = sum(state.original_tokens(b) for b in state.blocks if b.kind == "current")
-    return _Fixed(system, current)
+    return _Fixed(system, current, pinned)
+
+
+def _expand_deferred(state: _State, budget: int) -> None:
+    """A block made smaller than its room (a large current turn left little) takes its
+    full form again once it fits, or when a cut comes anyway. Only the last block
+    changes: the bytes of the blocks before it stay as they were."""
+    full = state.deferred
+    if full is None or not state.chain:
+        state.deferred = None
+        return
+    extra = state.counter.item(full) - state.counter.item(state.chain[-1])
+    history = _history(state)
+    if history + extra > budget and history <= budget:
+        return  # no room yet, and nothing else changes: keep the prefix
+    last = state.chain[-1]
+    state.old = tuple(full if item is last else item for item in state.old)
+    state.chain = (*state.chain[:-1], full)
+    state.deferred = None
+    state.cut_changed = True
 
 
 # --- pressure relief (SPEC section 5) -------------------------------------------------------
@@ -287,44 +443,35 @@ def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
     target = int(budget * policy.target_fill)
-    room = _summary_room(budget)
-    _compress_until_fits(state, budget, policy, older)
+    _compress_until_fits(state, -1, policy, older)  # all of them (see _relieve_stateless)
     if _history(state) > budget and older > 0:
-        _cut_to_target(state, older, target, room)
+        _cut_to_target(state, older, target)
     if _history(state) > budget:
         _compress_until_fits(state, budget, policy, turns)
     if _history(state) > budget:
-        _cut_to_target(state, turns, target, room)
+        _cut_to_target(state, turns, target)
     return True
 
 
 def _summary_room(budget: int) -> int:
-    return min(SUMMARY_MAX_TOKENS, int(budget * SUMMARY_SHARE))
+    return max(SUMMARY_MIN_TOKENS, min(SUMMARY_MAX_TOKENS, int(budget * SUMMARY_SHARE)))
 
 
 def _history(state: _State) -> int:
-    """Tokens of the closed turns still kept, plus the old digest while no new cut.
-
-    After a new cut the digest is sized to what is left (_final_digest), so only the
-    turns count here.
-    """
-    kept = sum(state.turn_tokens)
-    if not state.new_cut and state.digest is not None:
-        kept += state.counter.item(state.digest)
+    """Tokens of the summary chain and the closed turns still kept; once turns are cut,
+    at least SUMMARY_MIN_TOKENS for their summary (its size is settled last)."""
+    kept = state.chain_tokens + state.rest()
+    if state.new_cut:
+        kept += SUMMARY_MIN_TOKENS
     return kept
-
-
-def _cut_count(state: _State) -> int:
-    return len(state.closed) - len(state.turn_tokens)
 
 
 def _compress_until_fits(state: _State, budget: int, policy: ProjectionPolicy, upto: int) -> None:
     """Steps 1 and 3: large tool results of the kept closed turns before `upto`, oldest
     first, until the history fits."""
-    offset = _cut_count(state)
     calls = _calls_by_id(state.closed)
     history = _history(state)
-    for turn in range(offset, upto):
+    for turn in range(state.cut, upto):
         block = state.closed[turn]
         for position, item in zip(block.positions, block.items, strict=True):
             if history <= budget:
@@ -344,7 +491,7 @@ def _compress_until_fits(state: _State, budget: int, policy: ProjectionPolicy, u
             after = state.counter.item(smaller)
             if after < before:
                 state.replaced[position] = smaller
-                state.turn_tokens[turn - offset] -= before - after
+                state.turn_tokens[turn] -= before - after
                 history -= before - after
 
 
@@ -352,30 +499,299 @@ def _calls_by_id(blocks: Sequence[Block]) -> dict[str, Item]:
     return {call_id: item for b in blocks for item in b.items for call_id in item.call_ids}
 
 
-def _cut_to_target(state: _State, highest: int, target: int, room: int) -> None:
+def _cut_to_target(state: _State, highest: int, target: int) -> None:
     """Steps 2 and 3: summarize the fewest oldest turns (at least one more, at most up to
-    `highest`) that bring the kept turns plus a summary down to target_fill * B_H."""
-    offset = _cut_count(state)
-    rest = sum(state.turn_tokens)
-    cut = offset
+    `highest`) that bring the chain, a new block of full room and the kept turns down to
+    target_fill * B_H. A chain that the new block would push over its share is counted
+    at its consolidated size."""
+    chain = state.chain_tokens + state.room
+    if state.chain and chain > state.chain_max:
+        chain = _consolidated_room(state)
+    rest = state.rest()
+    cut = state.cut
     while cut < highest:
-        rest -= state.turn_tokens[cut - offset]
+        rest -= state.turn_tokens[cut]
         cut += 1
-        if rest + room <= target:
+        if rest + chain <= target:
             break
-    del state.turn_tokens[: cut - offset]
+    state.cut = cut
     state.new_cut = True
 
 
-def _final_digest(state: _State, budget: int, summarizer: Summarizer) -> Item | None:
-    """The summary of the turns cut now (and the old digest), if it fits what is left."""
-    dropped = _cut_count(state)
-    items = [item for block in state.closed[:dropped] for item in block.items]
-    room = min(_summary_room(budget), budget - sum(state.turn_tokens))
-    if room <= 0 or (not items and state.digest is None):
+def _consolidated_room(state: _State) -> int:
+    return max(state.room, state.chain_max // 2)
+
+
+# --- the summary blocks of a stateful cut ------------------------------------------------
+
+
+def _settle(state: _State, budget: int, fixed: _Fixed) -> None:
+    """The block for the turns cut now, appended to the chain. A summary is never
+    dropped: when it does not fit, more of the oldest kept turns are cut into it (the
+    older ones first), then the chain is consolidated with it; a summary gets at least
+    SUMMARY_MIN_TOKENS or the request is refused with the breakdown."""
+    older = max(0, len(state.closed) - state.policy.keep_recent_turns)
+    while True:
+        if _append_block(state, budget):
+            return
+        if state.cut < older:
+            state.cut += 1
+            continue
+        if _consolidate_all(state, budget):
+            return
+        if state.cut < len(state.closed):
+            state.cut += 1
+            continue
+        raise ContextLengthExceeded(_overflow_report(state, fixed, budget), SUMMARY_MIN_TOKENS)
+
+
+def _cut_items(state: _State, first: int = 0, end: int | None = None) -> list[Item]:
+    stop = state.cut if end is None else end
+    return [item for block in state.closed[first:stop] for item in block.items]
+
+
+def _region_end(state: _State, cut: int) -> int:
+    """The first log position after the first `cut` closed turns (pinned items before it
+    go into the prefix ahead of the block that stands for those turns)."""
+    return state.closed[cut - 1].last + 1
+
+
+def _append_block(state: _State, budget: int) -> bool:
+    """One new block for the cut turns at its full room, or what is left of it (at least
+    SUMMARY_MIN_TOKENS); consolidated with the chain when the chain outgrows its share."""
+    if state.cut == 0:
+        return _history(state) - SUMMARY_MIN_TOKENS <= budget
+    rest = state.rest()
+    room = min(state.room, budget - rest - state.chain_tokens)
+    if room < SUMMARY_MIN_TOKENS:
+        return False
+    items = _cut_items(state)
+    block = _summary(state, items, room, None)
+    if block is None:
+        return False
+    if state.chain and state.chain_tokens + state.counter.item(block) > state.chain_max:
+        return _consolidate_all(state, budget)
+    state.new_blocks = [(_region_end(state, state.cut), block)]
+    state.consolidated = False
+    if room < state.room:
+        full = _summary(state, items, state.room, None)
+        if full is not None and state.counter.item(full) > state.counter.item(block):
+            state.deferred = full
+    return True
+
+
+def _consolidate_all(state: _State, budget: int) -> bool:
+    """The chain and the cut turns as one block (the summarizer extends the joined chain
+    with the cut turns), when at least SUMMARY_MIN_TOKENS are left for it."""
+    if not state.chain and state.cut == 0:
+        return False
+    room = min(_consolidated_room(state), budget - state.rest())
+    if room < SUMMARY_MIN_TOKENS:
+        return False
+    previous = _joined(state.chain) if state.chain else None
+    block = _summary(state, _cut_items(state), room, previous)
+    if block is None:
+        return False
+    end = _region_end(state, state.cut) if state.cut else state.start
+    state.new_blocks = [(end, block)]
+    state.consolidated = True
+    state.new_cut = True
+    state.deferred = None
+    return True
+
+
+def _joined(chain: Sequence[Item]) -> Item:
+    """The chain's blocks as one previous summary for the summarizer to extend: one
+    header that stands for every block's items, then each block's entries."""
+    if len(chain) == 1:
+        return chain[0]
+    texts = [item.text() for item in chain]
+    headers = [HEADER.match(text) for text in texts]
+    if not all(headers):
+        return summary_item(chain[0].api, "\n".join(texts))
+    total = sum(int(match.group(1)) for match in headers if match)
+    first = texts[0].replace(
+        headers[0].group(0) if headers[0] else "",
+        f"{SUMMARY_MARKER} Stands for {total} earlier items",
+        1,
+    )
+    bodies = [text.partition("\n")[2] for text in texts[1:]]
+    return summary_item(chain[0].api, "\n".join([first, *(b for b in bodies if b)]))
+
+
+# --- stateless cuts: whole chunks of the history -------------------------------------------
+
+
+def _relieve_stateless(state: _State, budget: int, fixed: _Fixed) -> bool:
+    """Cuts at whole chunks of the closed turns, counted from the start of the history,
+    so the same history prefix always gives the same cut and the same blocks (one per
+    chunk), whatever follows it. Only when even every whole chunk of the older turns
+    leaves too little is the cut finer or the chain squeezed.
+
+    Large tool results are compressed whole chunk by whole chunk, then in every older
+    turn, not just enough of them to fit: which ones then depends on the history alone,
+    and changes only when a chunk completes (or, failing that, when a turn stops being
+    recent, near the end of the prefix)."""
+    if _history(state) <= budget:
+        return False
+    policy = state.policy
+    turns = len(state.closed)
+    older = max(0, turns - policy.keep_recent_turns)
+    ends = _chunk_ends(state)
+    whole = ends[-1] if ends else 0
+    for upto in (min(whole, older), older):
+        _compress_until_fits(state, -1, policy, upto)  # all of them: -1 is never reached
+        if _history(state) <= budget:
+            return True
+    for highest in (older, turns):
+        if highest == turns:
+            _compress_until_fits(state, budget, policy, turns)
+        candidates = [e for e in ends if e <= highest]
+        candidates += range(max(whole, state.cut) + 1, highest + 1)
+        for cut in candidates:
+            if _try_chunks(state, cut, budget, ends):
+                return True
+        if highest > 0 and _squeeze(state, highest, budget):
+            return True
+    raise ContextLengthExceeded(_overflow_report(state, fixed, budget), SUMMARY_MIN_TOKENS)
+
+
+def _chunk_ends(state: _State) -> list[int]:
+    """Where whole chunks end (counts of closed turns): a chunk closes at the first turn
+    that brings it to (1 - target_fill) of the history's capacity, so a cut leaves room
+    for about that much more history before the next one. Turns are measured as they are
+    sent once compressed (a large tool result as tool_result_max_tokens), which depends on
+    the turn alone: the same history prefix always has the same chunks."""
+    share = 1 - state.policy.target_fill
+    size = max(2 * state.room, int(share * state.capacity), SUMMARY_MIN_TOKENS)
+    ceiling = state.policy.tool_result_max_tokens
+    offset = state.request.first_position
+    ends, total = [], 0
+    for index, block in enumerate(state.closed):
+        for position, item in zip(block.positions, block.items, strict=True):
+            tokens = state.counts[position - offset]
+            total += min(tokens, ceiling) if is_compressible(item) else tokens
+        if total >= size:
+            ends.append(index + 1)
+            total = 0
+    return ends
+
+
+def _try_chunks(state: _State, cut: int, budget: int, ends: list[int]) -> bool:
+    """The chain for cutting the first `cut` closed turns, at full rooms: one block per
+    whole chunk (the leading ones consolidated in fixed groups once the chain outgrows its
+    share) and one for the turns after the last whole chunk; kept when it fits."""
+    if state.chain_tokens + state.rest(cut) + SUMMARY_MIN_TOKENS > budget:
+        return False  # too little is cut for any chain to fit
+    whole = [e for e in ends if e <= cut]
+    spans = list(zip([0, *whole], whole, strict=False))
+    if not whole or whole[-1] < cut:
+        spans.append((whole[-1] if whole else 0, cut))
+    blocks = [_chunk_block(state, first, end, state.room) for first, end in spans]
+    if any(b is None for b in blocks):
+        return False
+    chain: list[tuple[int, Item]] = [
+        (_region_end(state, end), b) for (_, end), b in zip(spans, blocks, strict=True) if b
+    ]
+    chain = _grouped(state, chain, spans)
+    tokens = state.chain_tokens + sum(state.counter.item(b) for _, b in chain)
+    if tokens + state.rest(cut) > budget:
+        return False
+    state.cut, state.new_cut, state.new_blocks = cut, True, chain
+    return True
+
+
+def _grouped(
+    state: _State, chain: list[tuple[int, Item]], spans: list[tuple[int, int]]
+) -> list[tuple[int, Item]]:
+    """Once the blocks outgrow the chain's share, the leading chunks are consolidated in
+    groups of a fixed number of chunks, so the consolidated block also changes only
+    when a group is complete."""
+    counter = state.counter
+    if len(chain) < 2 or sum(counter.item(b) for _, b in chain) <= state.chain_max:
+        return chain
+    group = max(1, state.chain_max // max(1, state.room) // 2)
+    room = _consolidated_room(state)
+    size = group
+    while size < len(chain):
+        block = _chunk_block(state, 0, spans[size - 1][1], room)
+        if block is None:
+            break
+        grouped = [(chain[size - 1][0], block), *chain[size:]]
+        if sum(counter.item(b) for _, b in grouped) <= state.chain_max:
+            return grouped
+        size += group
+    block = _chunk_block(state, 0, spans[-1][1], room)
+    return [(chain[-1][0], block)] if block is not None else chain
+
+
+def _chunk_block(state: _State, first: int, end: int, room: int) -> Item | None:
+    key = (first, end, room)
+    if key not in state.spans:
+        state.spans[key] = _summary(state, _cut_items(state, first, end), room, None)
+    return state.spans[key]
+
+
+def _squeeze(state: _State, cut: int, budget: int) -> bool:
+    """Last resort: everything cut, in one block of what is left (at least the floor)."""
+    room = min(_consolidated_room(state), budget - state.rest(cut) - state.chain_tokens)
+    if room < SUMMARY_MIN_TOKENS:
+        return False
+    block = _summary(state, _cut_items(state, 0, cut), room, None)
+    if block is None:
+        return False
+    state.cut, state.new_cut = cut, True
+    state.new_blocks = [(_region_end(state, cut), block)]
+    return True
+
+
+# --- one summary block ----------------------------------------------------------------------
+
+# Deterministic digests already made, by chunk digest, encoding and API: a stateless
+# client resends the same chunks every turn. Bounded; cleared when full.
+_made: dict[tuple[str, str, str], Item] = {}
+MADE_CACHE_MAX = 4096
+
+
+def _summary(state: _State, items: Sequence[Item], room: int, previous: Item | None) -> Item | None:
+    """The summary of `items` (extending `previous`) in at most `room` tokens: a ready one
+    from the request when it fits, else the summarizer's, else the deterministic digest;
+    None when none fits. The ones sent are listed in Projection.chunks."""
+    if not items and previous is None:
         return None
-    digest = summarizer(items, state.counter, room, state.digest)
-    return digest if state.counter.item(digest) <= room else None
+    digest = chunk_digest(items, room, previous)
+    known = state.made.get(digest)
+    if known is not None:
+        return known.summary
+    counter = state.counter
+    ready = state.request.summaries.get(digest)
+    if ready is not None and is_summary(ready) and counter.item(ready) <= room:
+        made, from_request = ready, True
+    else:
+        made, from_request = _summarize(state, items, room, previous, digest), False
+        if counter.item(made) > room:
+            return None
+    state.made[digest] = SummaryChunk(digest, tuple(items), room, previous, made, from_request)
+    return made
+
+
+def _summarize(
+    state: _State, items: Sequence[Item], room: int, previous: Item | None, digest: str
+) -> Item:
+    counter = state.counter
+    if state.summarizer is not summarize_turns:
+        made = state.summarizer(items, counter, room, previous)
+        if counter.item(made) <= room and is_summary(made):
+            return made
+    api = items[0].api if items else previous.api if previous is not None else "chat"
+    key = (digest, counter.encoding.name, api)  # a Chat and a Responses history may match
+    cached = _made.get(key)
+    if cached is None:
+        cached = summarize_turns(items, counter, room, previous)
+        if len(_made) >= MADE_CACHE_MAX:
+            _made.clear()
+        _made[key] = cached
+    return cached
 
 
 # --- the result -----------------------------------------------------------------------------
@@ -387,26 +803,28 @@ class _Outcome:
 
     start: int
     prefix: tuple[Item, ...]
-    digest: Item | None
+    chain: tuple[Item, ...]  # the summary blocks in the prefix
     cut_away: tuple[int, ...]  # positions of given, non-pinned items before start
 
 
-def _finish(
-    state: _State, fixed: _Fixed, budget: int, digest: Item | None, keep_cut: bool
-) -> Projection:
+def _finish(state: _State, fixed: _Fixed, budget: int, keep_cut: bool) -> Projection:
     request, offset = state.request, state.request.first_position
-    outcome = _outcome(state, digest)
+    outcome = _outcome(state)
     sent = list(outcome.prefix)
     for index in range(outcome.start - offset, len(request.items)):
         sent.append(state.replaced.get(index + offset, request.items[index]))
     check_invariants(request.items, sent, _relative(state, "pinned"), _relative(state, "current"))
     report = _report(state, fixed, budget, sent, outcome)
     compressed = tuple(sorted((p, i) for p, i in state.replaced.items() if p >= outcome.start))
-    cut = CutPoint(outcome.start, outcome.prefix, compressed) if keep_cut else None
+    cut = None
+    if keep_cut:
+        cut = CutPoint(outcome.start, outcome.prefix, compressed, state.deferred)
     changed = len(sent) != len(request.items) or any(
         a is not b for a, b in zip(sent, request.items, strict=True)
     )
-    return Projection(tuple(sent), report, cut, changed)
+    made = {id(chunk.summary): chunk for chunk in state.made.values()}
+    chunks = tuple(made[id(b)] for b in outcome.chain if id(b) in made)
+    return Projection(tuple(sent), report, cut, changed, chunks)
 
 
 def _relative(state: _State, kind: str) -> list[int]:
@@ -414,24 +832,43 @@ def _relative(state: _State, kind: str) -> list[int]:
     return [p - offset for b in state.blocks if b.kind == kind for p in b.positions]
 
 
-def _outcome(state: _State, digest: Item | None) -> _Outcome:
+def _outcome(state: _State) -> _Outcome:
+    """The prefix: the old cut's prefix as it was (so its bytes repeat), then, for each new
+    block, the pinned items of the turns it stands for and the block itself."""
     start = _new_start(state)
-    pinned_before = [
-        item for b in state.blocks if b.kind == "pinned" and b.first < start for item in b.items
-    ]
-    prefix = (*state.carried, *pinned_before, *((digest,) if digest is not None else ()))
-    pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
+    old = state.old
+    if state.consolidated:
+        old = tuple(item for item in old if not is_summary(item))
+    # A given pinned item the old prefix already holds (a history resent whole) is sent
+    # once, where the old prefix has it.
+    repeated = Counter(item.digest for item in old if not is_summary(item))
+    pinned: list[tuple[int, Item]] = []
+    for block in state.blocks:
+        if block.kind != "pinned" or block.first >= start:
+            continue
+        for position, item in zip(block.positions, block.items, strict=True):
+            if position < state.start and repeated[item.digest] > 0:
+                repeated[item.digest] -= 1
+            else:
+                pinned.append((position, item))
+    prefix = list(old)
+    for end, summary in state.new_blocks:
+        prefix += [item for position, item in pinned if position < end]
+        pinned = [(position, item) for position, item in pinned if position >= end]
+        prefix.append(summary)
+    prefix += [item for _, item in pinned]
+    chain = tuple(item for item in prefix if is_summary(item))
+    pinned_positions = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     offset = state.request.first_position
-    cut_away = tuple(p for p in range(offset, start) if p not in pinned)
-    return _Outcome(start, prefix, digest, cut_away)
+    cut_away = tuple(p for p in range(offset, start) if p not in pinned_positions)
+    return _Outcome(start, tuple(prefix), chain, cut_away)
 
 
 def _new_start(state: _State) -> int:
-    dropped = _cut_count(state)
-    if dropped == 0:
+    if state.cut == 0:
         return state.start
-    if dropped < len(state.closed):
-        return state.closed[dropped].first
+    if state.cut < len(state.closed):
+        return state.closed[state.cut].first
     current = [b for b in state.blocks if b.kind == "current" and b.positions]
     return current[0].first if current else state.request.first_position + len(state.request.items)
 
@@ -445,13 +882,19 @@ def _report(
         state.tokens(p) for p in range(outcome.start, request.first_position + len(request.items))
     )
     prompt = sent_tokens + request.instructions_tokens + request.tools_tokens + REPLY_PRIMING
-    summarized = len(outcome.cut_away) if outcome.digest is not None else 0
+    # Every item of the history not sent verbatim counts, whether it was cut now or on an
+    # earlier request: the stored log before the given window, less its pinned items
+    # (sent verbatim from the cut), plus the given items cut now.
+    old_pinned = sum(1 for item in state.old if not is_summary(item))
+    earlier = max(0, request.first_position - old_pinned)
+    not_verbatim = earlier + len(outcome.cut_away)
+    summarized = not_verbatim if outcome.chain else 0
     return replace(
         _overflow_report(state, fixed, budget),
         history_after=prompt - fixed.system - request.tools_tokens - fixed.current,
         prompt_tokens=prompt,
         blocks=_block_reports(state, outcome),
-        dropped=len(outcome.cut_away) - summarized,
+        dropped=not_verbatim - summarized,
         compressed=sum(1 for p in state.replaced if p >= outcome.start),
         summarized=summarized,
     )
@@ -481,12 +924,12 @@ def _overflow_report(state: _State, fixed: _Fixed, budget: int) -> ProjectionRep
 def _block_reports(state: _State, outcome: _Outcome) -> tuple[BlockReport, ...]:
     counter = state.counter
     reports: list[BlockReport] = []
-    if outcome.digest is not None or outcome.cut_away:
+    if outcome.chain or outcome.cut_away:
         offset = state.request.first_position
         before = sum(state.counts[p - offset] for p in outcome.cut_away)
-        after = counter.item(outcome.digest) if outcome.digest is not None else 0
+        after = counter.items(outcome.chain)
         first = 0 if state.request.cut is not None else offset
-        action = "summarized" if outcome.digest is not None else "dropped"
+        action = "summarized" if outcome.chain else "dropped"
         reports.append(
             BlockReport("summary", first, outcome.start - 1, before or after, after, action)
         )

@@ -55,13 +55,16 @@ from proxy.server.state import (
     REQUEST_ID,
     SETTINGS,
     STORE,
+    SUMMARIES,
     TRACING,
     UPSTREAM,
     WINDOWS,
 )
+from proxy.server.summaries import BackgroundSummaries
 from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
+from proxy.summarizer import LlmSummarizer
 from proxy.threads import WindowCache
 from proxy.tracing import Tracing, set_attributes
 from proxy.upstream import Upstream
@@ -192,6 +195,7 @@ def create_app(
     app[TRACING] = tracing if tracing is not None else Tracing.from_env(app[ENV])
     app.on_cleanup.append(_flush_traces)
     app.cleanup_ctx.append(_store_ctx(store))
+    app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
     app.cleanup_ctx.append(explain.explain_ctx())
@@ -234,6 +238,16 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
             await store.close()
 
     return ctx
+
+
+async def _summaries_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Background LLM summaries (proxy/server/summaries.py): cancelled and awaited at
+    shutdown, so none outlives the store it writes to."""
+    metrics = app[METRICS]
+    background = BackgroundSummaries(app[STORE], LlmSummarizer(metrics), metrics, app[CLOCK])
+    app[SUMMARIES] = background
+    yield
+    await background.aclose()
 
 
 def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from proxy.server.api import CHAT
 from proxy.server.errors import invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import THREAD_HEADER, ChatThread
+from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY
 from proxy.server.turn import TurnHook, run_turn
@@ -94,7 +95,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     thread_id = request.headers.get(THREAD_HEADER)
     if thread_id is not None:
         hooks.append(ChatThread(request, thread_id_param(thread_id)))
-    return await run_turn(request, CHAT, body, raw, [*hooks, UsageHook()])
+    return await run_turn(request, CHAT, body, raw, [*hooks, SummaryHook(request), UsageHook()])
 
 
 def refuse_unguarded_choices(body: JsonDict, policy: Policy) -> None:

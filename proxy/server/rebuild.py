@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -83,6 +83,7 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
         tool_result_max_tokens=policy.memory.tool_result_max_tokens,
         pin_patterns=tuple(policy.memory.pin_patterns),
         target_fill=policy.budget.target_fill,
+        summary_chain_max_share=policy.memory.summary_chain_max_share,
     )
 
 
@@ -101,9 +102,14 @@ async def rebuild(
     first_position: int = 0,
     cut: CutPoint | None = None,
     small: bool = False,
+    stateless: bool = False,
+    summaries: Mapping[str, Item] | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
-    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut."""
+    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and is cut at
+    whole chunks of its history (`stateless`) so its prefix repeats from one request to
+    the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
+    chunk digest."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -128,6 +134,8 @@ async def rebuild(
             first_position=first_position,
             cut=cut,
             now=now,
+            stateless=stateless,
+            summaries=summaries if summaries is not None else {},
         )
         return project_context(request, counter, projection_policy(policy))
 
@@ -173,10 +181,12 @@ async def rebuild_turn(
     route: str,
     observe: bool = True,
     small: bool = False,
+    summaries: Mapping[str, Item] | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
     `small`: everything projected came from a small client body (`small_body`).
+    `summaries`: LLM summaries ready for the chunks it may cut (hooks/summaries.py).
 
     When `observe`, the projection is the request's own: it goes to the metrics and its
     budget breakdown to the request's log line (every flow, stateless or not); a restate
@@ -197,6 +207,8 @@ async def rebuild_turn(
             first_position=loaded.first_position if loaded is not None else 0,
             cut=loaded.cut() if loaded is not None else None,
             small=small and loaded is None,
+            stateless=loaded is None or loaded.thread is None,
+            summaries=summaries,
         )
         set_attributes(span, budget_attributes(projection))
     if observe:

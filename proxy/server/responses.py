@@ -28,6 +28,7 @@ from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
+from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.rebuild import off_the_loop
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, thread_service
@@ -98,7 +99,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if body.get("store") is not False or is_stateful(body):
         hooks.append(ResponseChain(request, body))
-    return await run_turn(request, RESPONSES, body, raw, [*hooks, UsageHook()])
+    return await run_turn(
+        request, RESPONSES, body, raw, [*hooks, SummaryHook(request), UsageHook()]
+    )
 
 
 # Stored items that need their id as input (a reasoning item is replayed by id).

@@ -9,6 +9,7 @@ from aiohttp import web
 from proxy.clock import Clock
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
+from proxy.server.summaries import BackgroundSummaries
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.threads import ThreadService, WindowCache
@@ -24,6 +25,8 @@ WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadServ
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
+# LLM summaries written in the background (absent: no summarizer anywhere in this app)
+SUMMARIES = web.AppKey("summaries", BackgroundSummaries)
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"
 )  # the process environment, read once at start (policy keys)

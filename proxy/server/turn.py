@@ -5,6 +5,7 @@
     orphan check (SPEC 6)             here, on a stored thread
     answer dangling calls             hooks: close_calls
     budget + projection (SPEC 4-5)    rebuild.rebuild_turn (logs the budget breakdown)
+                                      hooks: projected
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
     forward                           relay.send_upstream
@@ -23,7 +24,7 @@ is a named point of the turn, called on every hook in the order given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,8 @@ class Turn:
     counter: TokenCounter | None = None
     keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
     response_id: str | None = None  # the proxy's own id of this answer, when it has one
+    # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
+    summaries: Mapping[str, Item] = field(default_factory=dict)
 
     @property
     def known(self) -> Sequence[Item]:
@@ -80,6 +83,10 @@ class TurnHook:
 
     async def close_calls(self, turn: Turn) -> None:
         """Answer calls that would otherwise reach the provider without an output."""
+
+    async def projected(self, turn: Turn) -> None:
+        """The projection is made; a hook may make it again (`project`) with what it
+        learnt from it (summaries read since)."""
 
     def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
         """The provider's request, once its history is the projection's."""
@@ -130,6 +137,8 @@ async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
     for hook in hooks:
         await hook.close_calls(turn)
     turn.projection, turn.counter = await project(turn)
+    for hook in hooks:
+        await hook.projected(turn)
 
 
 async def project(
@@ -150,6 +159,7 @@ async def project(
         route=turn.api.route,
         observe=observe,
         small=small_body(turn.raw),
+        summaries=turn.summaries,
     )
 
 

@@ -210,6 +210,22 @@ class IdempotencyRecord:
     owner: str = ""
 
 
+@dataclass(frozen=True)
+class StoredSummary:
+    """A summary an LLM wrote for one run of history items (a chunk), by its digest."""
+
+    tenant: str
+    model: str  # the summarizer model that wrote it
+    api: Literal["chat", "responses"]
+    digest: str  # the chunk's digest (proxy/core/projection.py)
+    raw: JsonDict  # the summary item as sent
+    state: JsonDict | None  # the structured memory state it was rendered from
+    created_at: str
+
+
+MAX_SUMMARY_DIGESTS = 100  # digests one summaries_get reads at most
+
+
 class Store(Protocol):
     """Async storage contract shared by the SQLite and PostgreSQL backends.
 
@@ -442,3 +458,15 @@ class Store(Protocol):
 
     async def idempotency_purge(self, now: str) -> int:
         """Delete expired records. Returns how many."""
+
+    # LLM summaries, by chunk digest (proxy/server/summaries.py) ----------------------
+    async def summary_put(self, summary: StoredSummary) -> bool:
+        """Stores a summary; the first write of a (tenant, model, api, digest) wins and
+        a later one returns False, changing nothing."""
+        ...
+
+    async def summaries_get(
+        self, tenant: str, model: str, api: str, digests: Sequence[str]
+    ) -> dict[str, StoredSummary]:
+        """The stored summaries among `digests` (at most MAX_SUMMARY_DIGESTS), by digest."""
+        ...

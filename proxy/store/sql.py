@@ -23,6 +23,7 @@ from proxy.store.base import (
     NewItem,
     StoredItem,
     StoredResponse,
+    StoredSummary,
     Thread,
     stored_items,
 )
@@ -283,6 +284,27 @@ ABORT_IDEMPOTENCY = "DELETE FROM idempotency WHERE tenant = $1 AND key = $2 AND 
 
 PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
 
+# LLM summaries -------------------------------------------------------------------------
+
+SUMMARY_COLUMNS = "tenant, model, api, digest, raw, state, created_at"
+
+INSERT_SUMMARY = f"""
+INSERT INTO summaries ({SUMMARY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (tenant, model, api, digest) DO NOTHING
+RETURNING digest
+"""
+
+
+def select_summaries(count: int) -> str:
+    """The summaries of `count` digests ($4...): one placeholder each, which both
+    dialects bind (SQLite has no arrays)."""
+    digests = ", ".join(f"${n}" for n in range(4, 4 + count))
+    return (
+        f"SELECT {SUMMARY_COLUMNS} FROM summaries "
+        f"WHERE tenant = $1 AND model = $2 AND api = $3 AND digest IN ({digests})"
+    )
+
+
 # explain records -------------------------------------------------------------------------
 
 INSERT_EXPLAIN = """
@@ -379,6 +401,18 @@ def idempotency_from_row(row: Row) -> IdempotencyRecord:
     )
 
 
+def summary_from_row(row: Row) -> StoredSummary:
+    return StoredSummary(
+        tenant=row["tenant"],
+        model=row["model"],
+        api=row["api"],
+        digest=row["digest"],
+        raw=loads(row["raw"]),
+        state=loads(row["state"]),
+        created_at=row["created_at"],
+    )
+
+
 # dataclass -> parameters ---------------------------------------------------------------
 
 
@@ -464,6 +498,19 @@ def window_start(state: JsonDict) -> int:
     """First seq still sent verbatim (SPEC section 2, thread state)."""
     start = state.get("window_start", 0)
     return start if isinstance(start, int) and start > 0 else 0
+
+
+def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
+    state = None if summary.state is None else dumps(summary.state)
+    return (
+        summary.tenant,
+        summary.model,
+        summary.api,
+        summary.digest,
+        dumps(summary.raw),
+        state,
+        summary.created_at,
+    )
 
 
 def explain_from_row(row: Row) -> ExplainRecord:

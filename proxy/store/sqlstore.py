@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 from proxy.store import sql
 from proxy.store.base import (
+    MAX_SUMMARY_DIGESTS,
     AlreadyExists,
     ExplainRecord,
     Heartbeat,
@@ -30,6 +31,7 @@ from proxy.store.base import (
     ResponseStatus,
     StoredItem,
     StoredResponse,
+    StoredSummary,
     StoreUnavailable,
     Thread,
     ThreadKind,
@@ -437,6 +439,23 @@ class SqlStore:
     async def idempotency_purge(self, now: str) -> int:
         async with self.db.write() as conn:
             return await conn.execute(sql.PURGE_IDEMPOTENCY, now)
+
+    # LLM summaries --------------------------------------------------------------------
+    async def summary_put(self, summary: StoredSummary) -> bool:
+        async with self.db.write() as conn:
+            return await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary)) is not None
+
+    async def summaries_get(
+        self, tenant: str, model: str, api: str, digests: Sequence[str]
+    ) -> dict[str, StoredSummary]:
+        wanted = list(dict.fromkeys(digests))
+        if len(wanted) > MAX_SUMMARY_DIGESTS:
+            raise ValueError(f"at most {MAX_SUMMARY_DIGESTS} digests, got {len(wanted)}")
+        if not wanted:
+            return {}
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.select_summaries(len(wanted)), tenant, model, api, *wanted)
+        return {row["digest"]: sql.summary_from_row(row) for row in rows}
 
 
 async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:

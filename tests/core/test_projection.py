@@ -1,15 +1,23 @@
 import json
+import re
 from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
 from proxy.core.items import Item, chat_item, responses_item
-from proxy.core.memory import SUMMARY_MARKER, summary_item
+from proxy.core.memory import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.projection import (
+    SUMMARY_MAX_TOKENS,
+    SUMMARY_MIN_TOKENS,
+    SUMMARY_SHARE,
     ContextLengthExceeded,
     CutPoint,
+    Projection,
     ProjectionPolicy,
     ProjectionRequest,
+    chunk_digest,
     project_context,
 )
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
@@ -214,3 +222,198 @@ def test_report_serializes_for_logs(counter: TokenCounter) -> None:
     json.dumps(data)
     kinds = {block["kind"] for block in data["blocks"]}  # type: ignore[attr-defined]
     assert kinds == {"pinned", "summary", "turn", "current"}
+
+
+# --- issue 10: a summary is never dropped; summary room; the summary chain --------------------
+
+
+def stands_for(summaries: Sequence[Item]) -> int:
+    """How many earlier items a chain of summary blocks says it stands for."""
+    found = [
+        re.match(re.escape(SUMMARY_MARKER) + r" Stands for (\d+)", s.text()) for s in summaries
+    ]
+    assert all(found)
+    return sum(int(m.group(1)) for m in found if m)
+
+
+def booking_history(turns: int) -> list[Item]:
+    items = [chat_item({"role": "system", "content": "You are a travel agent."})]
+    for n in range(turns):
+        items += [
+            chat_item({"role": "user", "content": f"Q{n}: hotel {n} must be near the station."}),
+            chat_item({"role": "assistant", "content": f"Booked hotel {n}, ref BK-{n}."}),
+        ]
+    return items
+
+
+def test_summary_is_never_dropped_when_the_recent_turns_fill_the_budget(
+    counter: TokenCounter,
+) -> None:
+    """Issue 10 (travel thread): the recent turns left 2 tokens of a 4686-token budget, the
+    summary got no room and was dropped with the cut stored; from then on the summary
+    stood for 4 earlier items instead of 13. Now the earlier summary stays in the chain
+    and more turns are cut into a new block until it fits."""
+    first_items = [*booking_history(200), chat_item({"role": "user", "content": "Q200: flights"})]
+    big = "lorem ipsum " * 900
+    later = [
+        *first_items,
+        chat_item({"role": "assistant", "content": f"Flights: {big}"}),
+        chat_item({"role": "user", "content": "Q201: and trains?"}),
+        chat_item({"role": "assistant", "content": f"Trains: {big}"}),
+        chat_item({"role": "user", "content": "Pick one."}),
+    ]
+    recent = counter.items(later[-5:-1])
+    fixed = counter.item(later[0]) + REPLY_PRIMING + counter.item(later[-1])
+    window = fixed + recent + 2 + 500 + 100  # the two recent turns leave 2 tokens
+    first = project_context(request(first_items, window), counter, POLICY)
+    assert first.cut is not None and len(first.cut.chain) == 1
+    earlier = first.cut.chain[0]
+    second = project_context(request(later, window, cut=first.cut), counter, POLICY)
+    report = second.report
+    assert report.history_budget == recent + 2
+    assert report.dropped == 0 and report.history_after <= report.history_budget
+    assert second.cut is not None
+    chain = second.cut.chain
+    assert chain[0] == earlier and chain[0].raw == earlier.raw  # the earlier block, as sent
+    cut_items = second.cut.start - 1  # everything before the window but the system message
+    assert stands_for(chain) == cut_items == report.summarized
+    assert second.items[: len(first.cut.summary)] == first.cut.summary
+    assert second.items[-1] == later[-1]
+
+
+def test_summary_that_cannot_get_its_floor_is_refused_with_the_breakdown(
+    counter: TokenCounter,
+) -> None:
+    items = [*booking_history(30), chat_item({"role": "user", "content": "word " * 400})]
+    fixed = counter.item(items[0]) + REPLY_PRIMING + counter.item(items[-1])
+    window = fixed + SUMMARY_MIN_TOKENS - 1 + 500 + 100
+    with pytest.raises(ContextLengthExceeded) as caught:
+        project_context(request(items, window), counter, POLICY)
+    message = str(caught.value)
+    assert caught.value.report.history_budget == SUMMARY_MIN_TOKENS - 1
+    assert f"replaced by a {SUMMARY_MIN_TOKENS}-token summary" in message
+    assert f"current turn {caught.value.report.current}" in message
+    # one token more and the whole history stands in a summary of at least the floor
+    projection = project_context(request(items, window + 1), counter, POLICY)
+    assert projection.report.dropped == 0 and projection.cut is not None
+    assert stands_for(projection.cut.chain) == len(items) - 2
+
+
+def test_summary_room_is_not_starved_by_a_large_current_turn(counter: TokenCounter) -> None:
+    """The room of a block comes from the budget without the current turn, and older
+    turns are cut to give it that room."""
+    items = [*chat_history(150)[:-1], chat_item({"role": "user", "content": "word " * 3000})]
+    projection = project_context(request(items, 9000), counter, POLICY)
+    report = projection.report
+    capacity = report.history_budget + report.current + report.system - REPLY_PRIMING
+    assert report.history_budget < 6000 < capacity
+    room = min(SUMMARY_MAX_TOKENS, int(capacity * SUMMARY_SHARE))
+    assert [c.max_tokens for c in projection.chunks] == [room]
+    assert projection.cut is not None and projection.cut.deferred is None
+    assert projection.chunks[0].summary == projection.cut.chain[0]
+
+
+def test_squeezed_block_takes_its_full_room_when_room_returns(counter: TokenCounter) -> None:
+    """When the recent turns and a large current turn leave a block less than its room,
+    it is sent smaller, its full form is kept in the cut, and a later request that has
+    the room sends the full form in its place, the bytes before it unchanged."""
+    recent = [
+        chat_item({"role": "user", "content": "Q90: compare the two routes"}),
+        chat_item({"role": "assistant", "content": "Route A: " + "lorem " * 700}),
+    ]
+    items = [*booking_history(60), *recent, chat_item({"role": "user", "content": "x " * 1500})]
+    fixed = counter.item(items[0]) + REPLY_PRIMING + counter.item(items[-1])
+    window = fixed + counter.items(items[-5:-1]) + 150 + 600  # two recent turns, 150 left
+    first = project_context(request(items, window), counter, POLICY)
+    assert first.cut is not None and first.cut.deferred is not None
+    squeezed = first.cut.chain[-1]
+    assert counter.item(squeezed) < counter.item(first.cut.deferred)
+    assert [c.max_tokens for c in first.chunks] == [150]
+    assert counter.items(first.items[-5:-1]) + 150 == first.report.history_budget
+    small = [*items[:-1], chat_item({"role": "user", "content": "Thanks."})]
+    second = project_context(request(small, window, cut=first.cut), counter, POLICY)
+    assert second.cut is not None and second.cut.deferred is None
+    assert second.cut.chain[-1] == first.cut.deferred
+    before = first.items.index(squeezed)
+    assert second.items[:before] == first.items[:before]
+    assert second.items[before] == first.cut.deferred
+
+
+def test_successive_cuts_append_blocks_until_the_chain_is_consolidated(
+    counter: TokenCounter,
+) -> None:
+    items = booking_history(10)
+    cut = None
+    chains: list[tuple[Item, ...]] = []
+    for n in range(10, 400):
+        items += [
+            chat_item({"role": "user", "content": f"Q{n}: hotel {n} must be near the station."}),
+            chat_item({"role": "assistant", "content": f"Booked hotel {n}, ref BK-{n}."}),
+        ]
+        projection = project_context(
+            request([*items, chat_item({"role": "user", "content": "next"})], 3000, cut=cut),
+            counter,
+            POLICY,
+        )
+        cut = projection.cut
+        if cut is not None and (not chains or cut.chain != chains[-1]):
+            chains.append(cut.chain)
+    appended = consolidated = 0
+    for before, after in pairwise(chains):
+        if after[: len(before)] == before:
+            assert len(after) == len(before) + 1
+            appended += 1
+        else:
+            assert len(after) == 1  # a consolidation: one block for the whole chain
+            assert stands_for(after) > stands_for(before)
+            consolidated += 1
+    assert appended >= 3 and consolidated >= 1
+    assert cut is not None and stands_for(cut.chain) == cut.start - 1
+
+
+def test_stateless_cuts_fall_on_whole_chunks_and_repeat_their_bytes(
+    counter: TokenCounter,
+) -> None:
+    """Without a stored cut, the same history prefix gives the same blocks: the next
+    request (one more turn) sends the previous one's summary blocks first, unchanged."""
+    items = booking_history(60)
+    previous: Projection | None = None
+    extended = kept = 0
+    for n in range(60, 260):
+        items += [
+            chat_item({"role": "user", "content": f"Q{n}: hotel {n} must be near the station."}),
+            chat_item({"role": "assistant", "content": f"Booked hotel {n}, ref BK-{n}."}),
+        ]
+        req = request([*items, chat_item({"role": "user", "content": "next"})], 3000)
+        projection = project_context(replace(req, stateless=True), counter, POLICY)
+        assert projection.report.dropped == 0
+        assert projection.report.prompt_tokens <= 3000 - 600
+        chain = tuple(i for i in projection.items if is_summary(i))
+        assert tuple(c.summary for c in projection.chunks) == chain
+        assert stands_for(chain) == projection.report.summarized
+        if previous is not None:
+            before = tuple(i for i in previous.items if is_summary(i))
+            if chain == before:
+                kept += 1
+                sent = len(previous.items) - 1  # all but the previous current turn
+                assert projection.items[:sent] == previous.items[:sent]
+            elif chain[: len(before)] == before:
+                extended += 1
+        previous = projection
+    assert kept > 150 and extended >= 3
+
+
+def test_ready_summaries_are_used_by_chunk_digest(counter: TokenCounter) -> None:
+    items = [*booking_history(150), chat_item({"role": "user", "content": "next"})]
+    req = replace(request(items, 3000), stateless=True)
+    first = project_context(req, counter, POLICY)
+    assert first.chunks and not any(c.ready for c in first.chunks)
+    chunk = first.chunks[0]
+    assert chunk.digest == chunk_digest(chunk.items, chunk.max_tokens, chunk.previous)
+    better = summary_item("chat", f"{SUMMARY_MARKER} Stands for {len(chunk.items)} earlier items.")
+    too_big = summary_item("chat", f"{SUMMARY_MARKER} " + "x " * (chunk.max_tokens + 10))
+    second = project_context(replace(req, summaries={chunk.digest: better}), counter, POLICY)
+    assert second.chunks[0].ready and second.chunks[0].summary == better
+    assert better in second.items
+    third = project_context(replace(req, summaries={chunk.digest: too_big}), counter, POLICY)
+    assert [i.raw for i in third.items] == [i.raw for i in first.items]

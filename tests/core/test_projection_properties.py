@@ -14,6 +14,7 @@ from proxy.core.blocks import segment
 from proxy.core.invariants import check_invariants
 from proxy.core.items import Api, Item, chat_item, responses_item
 from proxy.core.projection import (
+    SUMMARY_MIN_TOKENS,
     ContextLengthExceeded,
     Projection,
     ProjectionPolicy,
@@ -111,6 +112,7 @@ class Case:
     next_turn: list[Item]
     window_share: float
     api: Api
+    stateless: bool
 
 
 @st.composite
@@ -122,7 +124,8 @@ def cases(draw: st.DrawFn) -> Case:
         items += draw(turn(builder, closed=True))
     items += draw(turn(builder, closed=False))
     next_turn = draw(turn(builder, closed=False))
-    return Case(items, next_turn, draw(st.integers(-5, 120)) / 100, api)
+    share = draw(st.integers(-5, 120)) / 100
+    return Case(items, next_turn, share, api, draw(st.booleans()))
 
 
 POLICY = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300, pin_patterns=("^PIN",))
@@ -137,15 +140,18 @@ def window_for(case: Case) -> int:
     return fixed + TOOLS + OUTPUT + EPSILON + int(case.window_share * history)
 
 
-def project(items: Sequence[Item], window: int, cut: object = None) -> Projection:
+def project(
+    items: Sequence[Item], window: int, cut: object = None, stateless: bool = False
+) -> Projection:
     request = ProjectionRequest(
         items,
         window,
         OUTPUT,
         EPSILON,
         tools_tokens=TOOLS,
-        cut=cut,
-        now="2025-01-01T00:00:00Z",  # type: ignore[arg-type]
+        cut=cut,  # type: ignore[arg-type]
+        now="2025-01-01T00:00:00Z",
+        stateless=stateless,
     )
     return project_context(request, COUNTER, POLICY)
 
@@ -163,14 +169,19 @@ def outcome(projection: Projection) -> str:
 def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
     window = window_for(case)
     try:
-        projection = project(case.items, window)
+        projection = project(case.items, window, stateless=case.stateless)
     except ContextLengthExceeded as exc:
         event("outcome: context_length_exceeded")
-        assert exc.report.history_budget < 0
+        # Refused only when the fixed parts overflow, or when a history that must be cut
+        # leaves less than a summary's floor (a summary is never dropped instead).
+        r = exc.report
+        assert r.history_budget < 0 or r.history_before > r.history_budget >= 0
+        assert r.history_budget < SUMMARY_MIN_TOKENS
         return
     sent = projection.items
     report = projection.report
     event(f"outcome: {outcome(projection)}")
+    assert report.dropped == 0  # whatever is cut is summarized, never silently dropped
     assert report.prompt_tokens == COUNTER.items(sent) + TOOLS + REPLY_PRIMING
     assert report.prompt_tokens <= window - OUTPUT - EPSILON
     blocks = segment(case.items, POLICY.pin_patterns)
@@ -186,12 +197,19 @@ def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
 def test_recent_turns_are_verbatim_whenever_they_fit(case: Case) -> None:
     window = window_for(case)
     blocks = segment(case.items, POLICY.pin_patterns)
-    turns = [b for b in blocks if b.kind == "turn"][-POLICY.keep_recent_turns :]
+    closed = [b for b in blocks if b.kind == "turn"]
+    turns = closed[-POLICY.keep_recent_turns :]
     fixed = sum(COUNTER.items(b.items) for b in blocks if b.kind != "turn") + REPLY_PRIMING
     recent = sum(COUNTER.items(b.items) for b in turns)
-    if fixed + TOOLS + recent + OUTPUT + EPSILON > window:
+    # Once older turns are cut, their summary needs at least SUMMARY_MIN_TOKENS too.
+    history = sum(COUNTER.items(b.items) for b in closed)
+    summary = SUMMARY_MIN_TOKENS if fixed + TOOLS + history + OUTPUT + EPSILON > window else 0
+    if fixed + TOOLS + recent + summary + OUTPUT + EPSILON > window:
+        event("recent turns do not fit")
         return
-    sent = {id(item) for item in project(case.items, window).items}
+    event("recent turns fit")
+    projection = project(case.items, window, stateless=case.stateless)
+    sent = {id(item) for item in projection.items}
     assert all(id(item) in sent for b in turns for item in b.items)
 
 
@@ -200,7 +218,8 @@ def test_recent_turns_are_verbatim_whenever_they_fit(case: Case) -> None:
 def test_projection_is_deterministic(case: Case) -> None:
     window = window_for(case)
     try:
-        first, second = project(case.items, window), project(case.items, window)
+        first = project(case.items, window, stateless=case.stateless)
+        second = project(case.items, window, stateless=case.stateless)
     except ContextLengthExceeded:
         return
     assert [i.raw for i in first.items] == [i.raw for i in second.items]

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from proxy.clock import ManualClock
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.server.explain import EXPLAIN
+from proxy.server.state import STORE
 
 from .conftest import TENANT_KEY, Proxy
 from .test_ledger_e2e import REFUND, ChatAgent, Shop, tools_policy
@@ -172,3 +173,35 @@ async def test_a_refused_request_leaves_no_record(
     assert (await explain(proxy, refused.headers["x-threadkeeper-request-id"])).status_code == 404
     kept = await explain(proxy, failed.headers["x-threadkeeper-request-id"])
     assert kept.status_code == 200 and kept.json()["status"] == failed.status_code
+
+
+async def test_every_request_counts_the_history_it_did_not_send_verbatim(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    """One meaning for the counts: a request after a cut counts the items an earlier cut
+    summarized, in the header, the log line and the explain record alike (it said
+    summarized=0 while its log line showed a summary block)."""
+    proxy = await make_proxy(window=WINDOW)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+    counts = []
+    for turn in range(12):
+        provider.script.append(Reply(text=f"Noted ORD-{turn}. " + "detail " * 400))
+        messages.append({"role": "user", "content": f"Order ORD-{turn}: " + "words " * 400})
+        with capture_logs() as logs:
+            answer = await chat(proxy, messages, thread="t-counts")
+        messages.append(answer.json()["choices"][0]["message"])
+        header = dict(
+            part.strip().split("=") for part in answer.headers["x-threadkeeper-trimmed"].split(",")
+        )
+        logged = next(line for line in logs if line["event"] == "request")["budget"]
+        record = (await explain(proxy, answer.headers["x-threadkeeper-request-id"])).json()
+        assert int(header["summarized"]) == logged["summarized"]
+        assert logged["summarized"] == record["projection"]["summarized"]
+        assert int(header["dropped"]) == 0
+        counts.append(logged["summarized"])
+    thread = await proxy.app[STORE].get_thread("acme", "t-counts")  # type: ignore[index]
+    before_window = thread.state["window_start"] - 1  # all but the pinned system message
+    cut_at = next(turn for turn, count in enumerate(counts) if count)
+    assert cut_at < len(counts) - 2, "the thread was cut with turns to spare"
+    assert all(count > 0 for count in counts[cut_at:]), counts
+    assert counts == sorted(counts) and counts[-1] == before_window

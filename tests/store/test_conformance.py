@@ -12,6 +12,7 @@ import pytest
 
 from proxy.core.items import content_digest
 from proxy.store.base import (
+    MAX_SUMMARY_DIGESTS,
     AlreadyExists,
     ExplainRecord,
     Heartbeat,
@@ -21,6 +22,7 @@ from proxy.store.base import (
     NotFound,
     Store,
     StoredResponse,
+    StoredSummary,
     VersionConflict,
 )
 from proxy.store.migrate import CREATE_SCHEMA_VERSION, RECORD_VERSION, load_migrations, migrate
@@ -837,3 +839,52 @@ async def test_idempotency_purge(store: Store) -> None:
 
 async def test_ping(store: Store) -> None:
     await store.ping()
+
+
+# -- LLM summaries (migration 006) ---------------------------------------------------------
+
+
+def summary(digest: str, text: str = "a summary", **fields: Any) -> StoredSummary:
+    values: dict[str, Any] = {
+        "tenant": "acme",
+        "model": "gpt-4o-mini",
+        "api": "chat",
+        "digest": digest,
+        "raw": {"role": "system", "content": text},
+        "state": {"constraints": ["Never refund twice — ünïcode kept"]},
+        "created_at": T0,
+    }
+    values.update(fields)
+    return StoredSummary(**values)
+
+
+async def test_summary_round_trips_and_first_write_wins(store: Store) -> None:
+    first = summary("d1", "first")
+    assert await store.summary_put(first) is True
+    assert await store.summary_put(summary("d1", "second", created_at=T1)) is False
+    assert await store.summaries_get("acme", "gpt-4o-mini", "chat", ["d1"]) == {"d1": first}
+    no_state = summary("d2", state=None)
+    assert await store.summary_put(no_state) is True
+    found = await store.summaries_get("acme", "gpt-4o-mini", "chat", ["d2", "d1", "d1", "nope"])
+    assert found == {"d1": first, "d2": no_state}
+    assert await store.summaries_get("acme", "gpt-4o-mini", "chat", []) == {}
+
+
+async def test_summaries_are_keyed_by_tenant_model_and_api(store: Store) -> None:
+    await store.summary_put(summary("d1"))
+    assert await store.summaries_get("other", "gpt-4o-mini", "chat", ["d1"]) == {}
+    assert await store.summaries_get("acme", "gpt-4o", "chat", ["d1"]) == {}
+    assert await store.summaries_get("acme", "gpt-4o-mini", "responses", ["d1"]) == {}
+    other = summary("d1", "theirs", tenant="other")
+    assert await store.summary_put(other) is True  # another tenant's row, not a conflict
+    assert await store.summaries_get("other", "gpt-4o-mini", "chat", ["d1"]) == {"d1": other}
+
+
+async def test_summaries_get_reads_a_bounded_number_of_digests(store: Store) -> None:
+    digests = [f"d{n}" for n in range(MAX_SUMMARY_DIGESTS)]
+    for digest in digests[:3]:
+        await store.summary_put(summary(digest))
+    found = await store.summaries_get("acme", "gpt-4o-mini", "chat", digests)
+    assert sorted(found) == ["d0", "d1", "d2"]
+    with pytest.raises(ValueError, match="at most"):
+        await store.summaries_get("acme", "gpt-4o-mini", "chat", [*digests, "one more"])

@@ -1,0 +1,204 @@
+"""LLM summaries at the turn's named points (proxy/server/summaries.py does the work).
+
+- load: the projection gets the LLM summaries ready for its chunks (`turn.summaries`);
+- projected: digests it asked for and lacked are read from the store (another process
+  wrote them); when some were there, the projection is made again with them;
+- answered: the answer reached the client;
+- finished: only then, the summaries the turn lacked are started in the background:
+  the chunks a stateless request had summarized deterministically, and past the
+  high-water mark the chunk its next cut is predicted to take.
+
+Nothing here waits for a summarizer call, and nothing here raises into the turn: a
+failure to read or start summaries is logged and the deterministic digest stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+from aiohttp import web
+
+from proxy.core.items import Item
+from proxy.core.projection import Projection, SummaryChunk
+from proxy.policy import Policy
+from proxy.server.auth import bearer_token
+from proxy.server.rebuild import budget_log_fields, rebuild
+from proxy.server.relay import provider_key, upstream_base
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
+from proxy.server.summaries import BackgroundSummaries, Job, Ready
+from proxy.server.turn import Turn, TurnHook, project
+from proxy.server.validate import JsonDict
+from proxy.summarizer import Target
+
+log = structlog.get_logger("threadkeeper.summaries")
+
+# How many turns like the current one a stateful thread's next cut is looked for in.
+LOOKAHEAD_TURNS = 4
+
+
+class SummaryHook(TurnHook):
+    """Present on every model turn; does nothing for a tenant without a summarizer."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.policy: Policy = request[TENANT_POLICY]
+        self.background: BackgroundSummaries | None = request.app.get(SUMMARIES)
+        self.ready: Ready | None = None
+        self.answer: JsonDict | None = None  # set once the answer reached the client
+        self.target: Target | None = None
+
+    async def load(self, turn: Turn) -> None:
+        settings = self.policy.memory.summarizer
+        if settings is None or self.background is None:
+            return
+        namespace = self.request[NAMESPACE]
+        self.ready = self.background.ready(namespace, settings.model, turn.api.name)
+        turn.summaries = self.ready
+
+    async def projected(self, turn: Turn) -> None:
+        if self.ready is None or self.background is None or not self.ready.missing():
+            return
+        try:
+            found = await self.background.fetch(self.ready)
+        except Exception:
+            log.exception("summaries_read_failed", tenant=self.policy.tenant)
+            return
+        if found:  # observed once: the request's log line gets the projection it sends
+            turn.projection, turn.counter = await project(turn, observe=False)
+            self.request[LOG_FIELDS].update(budget_log_fields(turn.projection))
+
+    def answered(self, turn: Turn, answer: JsonDict) -> None:
+        self.answer = answer
+
+    async def finished(self, turn: Turn) -> None:
+        """After the answer was relayed: start what later requests will want."""
+        if self.answer is None or self.ready is None or turn.projection is None:
+            return
+        try:
+            self.target = self._target()
+            if stateless(turn):
+                self._summarize_chunks(turn)
+            if self._past_high_water(turn.projection):
+                self._predict_next_cut(turn, self.answer)
+        except Exception:
+            log.exception("summaries_not_started", tenant=self.policy.tenant)
+
+    def _summarize_chunks(self, turn: Turn) -> None:
+        """Stateless: the chunks this request summarized deterministically, so the
+        client's next request (which resends them) gets their LLM summary."""
+        assert turn.projection is not None and self.background is not None
+        for chunk in sent_chunks(turn.projection):
+            self.background.submit(self._job(turn, chunk))
+
+    def _past_high_water(self, projection: Projection) -> bool:
+        settings = self.policy.memory.summarizer
+        assert settings is not None
+        report = projection.report
+        return report.history_after >= settings.high_water * report.history_budget > 0
+
+    def _predict_next_cut(self, turn: Turn, answer: JsonDict) -> None:
+        """Past the high-water mark: the coming requests are projected ahead, in the
+        background: this turn and its reply join the history, and the turns until the
+        cut are assumed to be like this one (copies of it; a copy of its user message is
+        the current turn). The chunk the first projected cut takes gets its LLM summary
+        now, so the request that makes the cut sends it from the start and the prefix
+        never changes for it. When the real cut takes the same chunk (same items, limit
+        and previous summary: the same digest) it sends the LLM summary; otherwise the
+        deterministic digest, as without a summarizer. Stateful threads and stateless
+        clients alike (whose chunks are whole runs of the history from its start, so the
+        real cut matches whenever the turns ahead do not change the chunk's room)."""
+        assert turn.projection is not None and self.background is not None
+        asked = [item for item in turn.new if item.is_user_message]
+        if not asked:
+            return
+        reply = [turn.api.item(raw) for raw in turn.api.reply(answer) or []]
+        real = [*turn.known, *turn.new, *reply]
+        start = max(i for i, item in enumerate(real) if item is asked[-1])
+        this_turn = [item.raw for item in real[start:]]
+        api = turn.api
+        loaded = turn.loaded
+        cut, first_position = None, 0  # a stateless client's next request: none stored
+        whole_chunks = stateless(turn)
+        if loaded is not None and not whole_chunks:
+            cut, first_position = turn.projection.cut or loaded.cut(), loaded.first_position
+        inputs = turn.api.budget_inputs(turn.body)
+        namespace = self.request[NAMESPACE]
+        ready = self.background.ready(namespace, self._model(), turn.api.name)
+        now = self.request.app[CLOCK].hour()
+
+        async def predict() -> None:
+            for ahead in range(LOOKAHEAD_TURNS):
+                assumed = [api.item(dict(raw)) for raw in this_turn * ahead]
+                history = [*real, *assumed, api.item(dict(this_turn[0]))]
+                projection, _ = await rebuild(
+                    self.policy,
+                    inputs.model,
+                    history,
+                    tools=inputs.tools,
+                    requested_output=inputs.requested_output,
+                    instructions=inputs.instructions,
+                    now=now,
+                    first_position=first_position,
+                    cut=cut,
+                    stateless=whole_chunks,
+                    summaries=ready,
+                )
+                chunks = sent_chunks(projection)
+                if chunks:
+                    await self._summarize_predicted(turn, chunks, real)
+                    return
+
+        thread = loaded.thread_id if loaded is not None else asked[-1].digest
+        key = (namespace, "predict", thread)  # the namespace first: the caps count it
+        self.background.spawn(namespace, self.policy.tenant, key, predict)
+
+    async def _summarize_predicted(
+        self, turn: Turn, chunks: Sequence[SummaryChunk], real: Sequence[Item]
+    ) -> None:
+        """The predicted chunks made of the thread's own items (never of the assumed
+        turns ahead, which the real cut will hold other items for)."""
+        assert self.background is not None
+        own = {id(item) for item in real}
+        for chunk in chunks:
+            if all(id(item) in own for item in chunk.items):
+                await self.background.run_now(self._job(turn, chunk))
+
+    def _job(self, turn: Turn, chunk: SummaryChunk) -> Job:
+        assert turn.counter is not None and self.target is not None
+        return Job(
+            namespace=self.request[NAMESPACE],
+            policy=self.policy,
+            target=self.target,
+            api=turn.api.name,
+            digest=chunk.digest,
+            items=chunk.items,
+            max_tokens=chunk.max_tokens,
+            previous=chunk.previous,
+            counter=turn.counter,
+        )
+
+    def _model(self) -> str:
+        settings = self.policy.memory.summarizer
+        assert settings is not None
+        return settings.model
+
+    def _target(self) -> Target:
+        """The tenant's upstream with the key its turns use (the client's own bearer in
+        passthrough mode, which a turn forwards too)."""
+        key = provider_key(self.request, self.policy) or bearer_token(self.request) or ""
+        return Target(upstream_base(self.request, self.policy), key)
+
+
+def sent_chunks(projection: Projection) -> list[SummaryChunk]:
+    """The blocks the projection sends as the deterministic digest (Projection.chunks
+    lists only blocks sent; `ready` ones are LLM summaries already)."""
+    return [chunk for chunk in projection.chunks if not chunk.ready]
+
+
+def stateless(turn: Turn) -> bool:
+    """Whether the turn's history is the client's alone, cut at whole chunks with no
+    stored cut: no thread, or one not stored yet (a Responses `store: false` request
+    without a previous response is sent again whole; a new thread that is stored is not,
+    and only wastes one summary when it arrives over budget)."""
+    return turn.loaded is None or turn.loaded.thread is None

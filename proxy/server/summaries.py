@@ -1,0 +1,258 @@
+"""LLM summaries in the background, never on a request's path (issue 10, item 2).
+
+A request never waits for the summarizer: its projection uses the LLM summaries already
+written for the chunks it cuts (`ProjectionRequest.summaries`, by chunk digest) and the
+deterministic digest for any other. After the turn has been relayed, the summaries that
+were missing are written in the background and stored (the `summaries` table, by
+tenant, summarizer model, api and chunk digest), so a later request finds them:
+
+- a stateless client that resends its history gets, from its next request on, the LLM
+  summary of each chunk its history is cut into, paid for once;
+- a stateful thread whose history crossed `memory.summarizer.high_water` of its budget
+  gets its next cut's summary written before that cut is made; a cut already sent with
+  the deterministic digest keeps it (the thread's prefix stays byte-identical).
+
+Background work is bounded: at most `max_running` summaries at a time in the process
+and `max_per_tenant` per tenant; beyond that a summary is skipped (counted, the
+deterministic digest stands), never queued without bound. A summary that failed is not
+tried again for `retry_after` seconds. Errors are logged, never raised into a request;
+`aclose` (the app's cleanup) cancels what is still running and waits for it.
+
+    background = BackgroundSummaries(store, LlmSummarizer(metrics), metrics, clock)
+    ready = background.ready(tenant, model, "chat")        # a Mapping for the projection
+    background.submit(Job(...))                            # after the turn
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+import structlog
+
+from proxy.clock import Clock
+from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+from proxy.store.base import MAX_SUMMARY_DIGESTS, Store, StoredSummary
+from proxy.summarizer import LlmSummarizer, Target
+
+log = structlog.get_logger("threadkeeper.summaries")
+
+MAX_RUNNING = 16
+MAX_PER_TENANT = 4
+CACHE_ENTRIES = 4096  # summary items kept in memory (each a few KB)
+RETRY_AFTER = 300.0  # seconds before a chunk whose summary failed is tried again
+
+Key = tuple[str, str, str, str]  # (namespace, summarizer model, api, chunk digest)
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One chunk to summarize: whose, with what, and the items it holds."""
+
+    namespace: str  # the store's tenant key (auth.store_namespace)
+    policy: Policy
+    target: Target
+    api: str
+    digest: str  # the chunk's key (proxy/core/projection.py, chunk_digest)
+    items: Sequence[Item] = field(repr=False)
+    max_tokens: int  # the room the projection gives the chunk's summary
+    previous: Item | None = field(repr=False)  # the summary the chunk extends, if any
+    counter: TokenCounter = field(repr=False)
+
+    @property
+    def key(self) -> Key:
+        assert self.policy.memory.summarizer is not None
+        return (self.namespace, self.policy.memory.summarizer.model, self.api, self.digest)
+
+
+class Ready(Mapping[str, Item]):
+    """The LLM summaries a projection may use, by chunk digest; remembers which digests
+    it was asked for, so the ones it lacked can be read from the store or written."""
+
+    def __init__(self, cache: Mapping[Key, Item], prefix: tuple[str, str, str]) -> None:
+        self._cache = cache
+        self._prefix = prefix
+        self.asked: dict[str, None] = {}  # digests asked for, in order (a set with order)
+
+    def __getitem__(self, digest: str) -> Item:
+        self.asked[digest] = None
+        item = self._cache.get((*self._prefix, digest))
+        if item is None:
+            raise KeyError(digest)
+        return item
+
+    def __iter__(self) -> Iterator[str]:
+        """The digests ready now (a snapshot: the loop may add entries meanwhile)."""
+        prefix = self._prefix
+        return iter([key[3] for key in list(self._cache) if key[:3] == prefix])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def missing(self) -> list[str]:
+        """Digests asked for that had no summary."""
+        return [d for d in self.asked if (*self._prefix, d) not in self._cache]
+
+
+class BackgroundSummaries:
+    """The process's background summaries: a bounded set of tasks and the summaries
+    they wrote (an in-memory cache in front of the store)."""
+
+    def __init__(
+        self,
+        store: Store,
+        summarizer: LlmSummarizer,
+        metrics: Metrics,
+        clock: Clock,
+        *,
+        max_running: int = MAX_RUNNING,
+        max_per_tenant: int = MAX_PER_TENANT,
+    ) -> None:
+        self.store = store
+        self.summarizer = summarizer
+        self.metrics = metrics
+        self.clock = clock
+        self.max_running = max_running
+        self.max_per_tenant = max_per_tenant
+        self._cache: dict[Key, Item] = {}
+        self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
+        self._failed: dict[Key, datetime] = {}
+        self._closed = False  # after aclose nothing starts (a request ending late)
+
+    def ready(self, namespace: str, model: str, api: str) -> Ready:
+        return Ready(self._cache, (namespace, model, api))
+
+    async def fetch(self, ready: Ready) -> int:
+        """Reads the summaries `ready` lacked from the store (another process, or an
+        earlier life of this one, wrote them); how many it found."""
+        wanted = ready.missing()[:MAX_SUMMARY_DIGESTS]
+        if not wanted:
+            return 0
+        namespace, model, api = ready._prefix
+        found = await self.store.summaries_get(namespace, model, api, wanted)
+        for digest, stored in found.items():
+            self._remember((namespace, model, api, digest), _item(stored))
+        return len(found)
+
+    def submit(self, job: Job) -> bool:
+        """Starts writing `job`'s summary unless it is ready, running, failed lately, or
+        the caps are reached (then it is counted as skipped); True when started."""
+        if not self._wanted(job.key):
+            return False
+        return self.spawn(job.namespace, job.policy.tenant, job.key, lambda: self._run(job))
+
+    def spawn(
+        self,
+        namespace: str,
+        tenant: str,
+        key: tuple[str, ...],
+        work: Callable[[], Coroutine[Any, Any, None]],
+    ) -> bool:
+        """Runs `work()` as a background task under the caps, once per `key` at a time
+        (`key[0]` is the namespace the per-tenant cap counts); False (counted as skipped
+        when a cap is reached) when it is not started. What `work` raises is logged."""
+        if key in self._running or self._closed:
+            return False
+        tenant_running = sum(1 for k in self._running if k[0] == namespace)
+        if len(self._running) >= self.max_running or tenant_running >= self.max_per_tenant:
+            self.metrics.summaries_skipped.labels(tenant).inc()
+            log.info("summary_skipped", tenant=tenant, key=key[-1])
+            return False
+        task = asyncio.create_task(_logged(work(), tenant), name=f"summary {key[-1][:16]}")
+        self._running[key] = task
+        task.add_done_callback(lambda _: self._running.pop(key, None))
+        return True
+
+    def _wanted(self, key: Key) -> bool:
+        return key not in self._cache and key not in self._running and not self._failed_lately(key)
+
+    async def run_now(self, job: Job) -> None:
+        """Writes `job`'s summary inside an already running background task (one that
+        found its chunks itself), unless it is ready, running or failed lately."""
+        if self._wanted(job.key):
+            await self._run(job)
+
+    async def _run(self, job: Job) -> None:
+        """Never raises (but cancellation): a failure is logged and remembered."""
+        key = job.key
+        try:
+            stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
+            if job.digest in stored:
+                self._remember(key, _item(stored[job.digest]))
+                return
+            written = await self.summarizer.write(
+                job.policy, job.target, job.items, job.counter, job.max_tokens, job.previous
+            )
+            if written is None:
+                self._fail(key)
+                return
+            summary = StoredSummary(
+                tenant=job.namespace,
+                model=key[1],
+                api=written.item.api,
+                digest=job.digest,
+                raw=written.item.raw,
+                state=written.state,
+                created_at=self.clock.iso(),
+            )
+            if not await self.store.summary_put(summary):  # another process was first
+                stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
+                summary = stored.get(job.digest, summary)
+            self._remember(key, _item(summary))
+        except Exception:
+            self._fail(key)
+            log.exception("summary_failed", tenant=job.policy.tenant, digest=job.digest)
+
+    def _failed_lately(self, key: Key) -> bool:
+        failed = self._failed.get(key)
+        if failed is None:
+            return False
+        if (self.clock.now() - failed).total_seconds() < RETRY_AFTER:
+            return True
+        del self._failed[key]
+        return False
+
+    def _fail(self, key: Key) -> None:
+        _bounded_put(self._failed, key, self.clock.now())
+
+    def _remember(self, key: Key, item: Item) -> None:
+        _bounded_put(self._cache, key, item)
+
+    async def idle(self) -> None:
+        """Waits until no summary is being written (tests; a drain before shutdown)."""
+        while self._running:
+            await asyncio.gather(*list(self._running.values()), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Cancels what is running and waits for it; closes the summarizer's pool."""
+        self._closed = True
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.summarizer.aclose()
+
+
+def _item(stored: StoredSummary) -> Item:
+    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+
+
+def _bounded_put(entries: dict[Key, V], key: Key, value: V) -> None:
+    """Puts an entry, first dropping the oldest ones beyond CACHE_ENTRIES."""
+    while len(entries) >= CACHE_ENTRIES:
+        del entries[next(iter(entries))]
+    entries[key] = value
+
+
+async def _logged(work: Coroutine[Any, Any, None], tenant: str) -> None:
+    try:
+        await work
+    except Exception:
+        log.exception("background_summary_failed", tenant=tenant)

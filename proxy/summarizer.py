@@ -1,0 +1,158 @@
+"""The LLM summarizer: one stateless Chat Completions call through the tenant's upstream.
+
+Never on a client's request path: proxy/server/summaries.py runs it in the background
+and the projection uses what it stored. The call is the `openai` SDK's `AsyncOpenAI`
+pointed at the tenant's provider (its base URL and key, as a turn would use them), with
+the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
+`timeout_seconds`. What it answers passes proxy/core/llm_summary.py (parse into the
+memory state, render, guard); anything else (an error, a timeout, an unparseable or
+wrong-shaped answer) is None and the deterministic digest stands. Every call is logged
+and counted per tenant (calls by outcome, tokens in and out).
+
+>>> summarizer = LlmSummarizer(metrics)
+>>> written = await summarizer.write(policy, Target(base_url, key), items, counter, 1000)
+>>> await summarizer.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import openai
+import structlog
+
+from proxy.core.items import Item
+from proxy.core.llm_summary import Written, summary_from_answer, summary_messages
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+
+log = structlog.get_logger("threadkeeper.summarizer")
+
+Outcome = Literal["ok", "guarded", "error", "timeout", "unparseable"]
+# The model may spend this many times the summary's size on the JSON it answers with
+# (keys, quotes); the rendering is cut to max_tokens.
+ANSWER_ALLOWANCE = 2
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a tenant's summaries are written: its upstream, with the key a turn uses."""
+
+    base_url: str
+    api_key: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One summarizer call: what came of it and what the provider reported."""
+
+    outcome: Outcome
+    written: Written | None
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+
+class LlmSummarizer:
+    """Writes summaries with the tenant's summarizer model. One HTTP pool serves every
+    tenant (an SDK client per call is only a view on it); `aclose` closes it."""
+
+    def __init__(self, metrics: Metrics, http: httpx.AsyncClient | None = None) -> None:
+        self.metrics = metrics
+        self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=32))
+
+    async def write(
+        self,
+        policy: Policy,
+        target: Target,
+        items: Sequence[Item],
+        counter: TokenCounter,
+        max_tokens: int,
+        previous: Item | None = None,
+    ) -> Written | None:
+        """The guarded LLM summary of `items` (following `previous`) in at most
+        max_tokens and the policy's own max_tokens, or None (the deterministic digest
+        stands)."""
+        started = time.perf_counter()
+        call = await self._call(policy, target, items, counter, max_tokens, previous)
+        self._observe(policy, call, time.perf_counter() - started, len(items))
+        return call.written
+
+    async def _call(
+        self,
+        policy: Policy,
+        target: Target,
+        items: Sequence[Item],
+        counter: TokenCounter,
+        max_tokens: int,
+        previous: Item | None,
+    ) -> Call:
+        settings = policy.memory.summarizer
+        assert settings is not None
+        client = openai.AsyncOpenAI(
+            base_url=target.base_url,
+            api_key=target.api_key,
+            http_client=self.http,  # type: ignore[arg-type]  # the SDK takes httpx's too
+            max_retries=policy.retry.max_attempts - 1,
+            timeout=settings.timeout_seconds,
+        )
+        messages: Any = summary_messages(items, settings.instructions, previous)
+        try:
+            async with asyncio.timeout(settings.timeout_seconds):
+                completion = await client.chat.completions.create(
+                    model=settings.model,
+                    messages=messages,
+                    max_tokens=settings.max_tokens * ANSWER_ALLOWANCE,
+                    temperature=0,
+                    response_format={"type": "json_object"},
+                )
+        except (TimeoutError, openai.APITimeoutError):
+            return Call("timeout", None)
+        except (openai.OpenAIError, httpx.HTTPError, ValueError) as exc:
+            log.warning("summarizer_error", tenant=policy.tenant, error=_error(exc))
+            return Call("error", None)
+        usage = completion.usage
+        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
+        answer = completion.choices[0].message.content if completion.choices else None
+        written = None
+        if answer:
+            # Reading the chunk's must-keep strings walks every item: not on the loop.
+            limit = min(max_tokens, settings.max_tokens)
+            written = await asyncio.to_thread(
+                summary_from_answer, answer, items, counter, limit, previous
+            )
+        if written is None:
+            return Call("unparseable", None, *tokens)
+        return Call("guarded" if written.appended else "ok", written, *tokens)
+
+    def _observe(self, policy: Policy, call: Call, seconds: float, items: int) -> None:
+        tenant = policy.tenant
+        self.metrics.summarizer_calls.labels(tenant, call.outcome).inc()
+        self.metrics.summarizer_tokens.labels(tenant, "in").inc(call.tokens_in)
+        self.metrics.summarizer_tokens.labels(tenant, "out").inc(call.tokens_out)
+        assert policy.memory.summarizer is not None
+        log.info(
+            "summarizer_call",
+            tenant=tenant,
+            model=policy.memory.summarizer.model,
+            outcome=call.outcome,
+            items=items,
+            tokens_in=call.tokens_in,
+            tokens_out=call.tokens_out,
+            appended=len(call.written.appended) if call.written is not None else 0,
+            latency_ms=round(seconds * 1000, 3),
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _error(exc: BaseException) -> str:
+    """What went wrong, without the request (which may quote the provider key)."""
+    status = getattr(exc, "status_code", None)
+    return f"{type(exc).__name__}" + (f" {status}" if status is not None else "")

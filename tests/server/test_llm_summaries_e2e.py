@@ -1,0 +1,305 @@
+"""LLM summaries through the real socket: written in the background by the tenant's
+summarizer model (the fake provider, scripted), used by the later request that cuts,
+guarded, and never on a turn's path."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from proxy.core.memory import SUMMARY_MARKER
+from proxy.fake_provider import Reply
+from proxy.server.state import SUMMARIES
+from proxy.server.summaries import BackgroundSummaries
+
+from .conftest import PROVIDER_KEY, Proxy
+
+SUMMARIZER = "gpt-4.1-mini"
+MEMORY = f", summarizer: {{model: {SUMMARIZER}, max_tokens: 300, timeout_seconds: 10}}"
+RULE = "My rules: never refund more than 100 EUR without approval."
+# Where the guard puts the rule the summarizer left out: back in its section, verbatim.
+GUARDED_RULE = f"Constraints stated by the user (their words):\n- {RULE}"
+LLM_DECISION = "Refunds are handled one order at a time, as the customer agreed."
+
+
+def background(proxy: Proxy) -> BackgroundSummaries:
+    return proxy.app[SUMMARIES]  # type: ignore[index]
+
+
+def summarizer_answer(**changes: Any) -> Reply:
+    """A state that leaves out the turn-1 rule (the guard must add it back)."""
+    state: dict[str, Any] = {
+        "constraints": [],
+        "preferences": [],
+        "decisions": [LLM_DECISION],
+        "open_tasks": [],
+        "pending_calls": [],
+        "facts": [],
+        "entities": [],
+    }
+    state.update(changes)
+    return Reply(text=json.dumps(state))
+
+
+def user_turn(number: int, where: str = "") -> str:
+    """The turns of a support thread; `where` makes one thread's texts its own."""
+    if number == 0:
+        return f"{RULE} Order ORD-1000 arrived broken{where}; please look into it."
+    detail = " The box was crushed and the item inside is scratched all over." * 12
+    return (
+        f"Order ORD-{1000 + number} arrived broken too{where}; refund rfd_{50000 + number} "
+        f"was opened for it.{detail}"
+    )
+
+
+def summary_blocks(messages: list[dict[str, Any]]) -> list[str]:
+    return [
+        m["content"]
+        for m in messages
+        if m["role"] == "system" and str(m["content"]).startswith(SUMMARY_MARKER)
+    ]
+
+
+def summarizer_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") == SUMMARIZER]
+
+
+def turn_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") != SUMMARIZER]
+
+
+async def test_a_stateful_thread_gets_its_next_cut_summarized_in_the_background(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(8)]
+    client = proxy.client()
+    cut_at = None
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-llm"},
+        )
+        await background(proxy).idle()  # what the turn started in the background is done
+        if summary_blocks(turn_requests(proxy)[-1].json["messages"]):
+            cut_at = number
+            break
+    assert cut_at is not None, "the thread never outgrew its budget"
+    calls = summarizer_requests(proxy)
+    assert calls, "no summary was written ahead of the cut"
+    # Written before the request that cut: its summarizer call came before that turn.
+    requests = proxy.provider.model_requests
+    assert requests.index(calls[0]) < requests.index(turn_requests(proxy)[-1])
+    first = calls[0]
+    assert first.headers["Authorization"] == f"Bearer {PROVIDER_KEY}"
+    assert first.json["response_format"] == {"type": "json_object"}
+    assert "ORD-1000" in first.json["messages"][1]["content"]
+    [block] = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert LLM_DECISION in block  # the LLM's summary, not the deterministic digest
+    assert GUARDED_RULE in block
+    # The cut is sticky: the next turn sends the same summary bytes.
+    await client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": user_turn(cut_at + 1)}],
+        extra_headers={"X-Thread-Id": "t-llm"},
+    )
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == [block]
+
+
+async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    release = asyncio.Event()
+    proxy.provider.scripts[SUMMARIZER] = [Reply(text=summarizer_answer().text, release=release)]
+    client = proxy.client()
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-slow"},
+        )
+        # The client has its answer; a summary it started is still waiting on `release`.
+        if background(proxy)._running:
+            break
+    else:
+        raise AssertionError("no turn started a background summary")
+    assert not release.is_set()
+    # The next turn is served while the summarizer still hangs.
+    await client.chat.completions.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Anything else on ORD-1000?"}],
+        extra_headers={"X-Thread-Id": "t-slow"},
+    )
+    assert background(proxy)._running and not release.is_set()
+    release.set()
+    await background(proxy).idle()
+    assert summarizer_requests(proxy)
+
+
+async def test_a_growing_stateless_history_gets_its_first_cut_summarized_ahead(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    blocks: list[str] = []
+    for number in range(30):
+        history.append({"role": "user", "content": user_turn(number)})
+        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            break
+    assert blocks, "the history never outgrew its budget"
+    # The request that made the cut already sent the LLM summary (written ahead).
+    assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
+    # The resend keeps the block's bytes (the prefix holds).
+    history.append({"role": "user", "content": "Any news?"})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"])[0] == blocks[0]
+
+
+async def test_a_stateless_history_summarized_by_the_digest_gets_the_llm_summary_next(
+    store_url: str, make_proxy: Any
+) -> None:
+    """A client whose first request already overflows: the digest is sent, the LLM
+    summary of that chunk is written after the turn and used from the resend on; it is
+    paid for once, by this process or any other on the same store."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    for number in range(24):
+        history.append({"role": "user", "content": user_turn(number)})
+        history.append({"role": "assistant", "content": f"Noted for ORD-{1000 + number}."})
+    history.append({"role": "user", "content": "Summarize the refunds, please."})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    deterministic = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert deterministic and all(LLM_DECISION not in block for block in deterministic)
+    await background(proxy).idle()
+    paid = len(summarizer_requests(proxy))
+    assert paid >= 1
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert any(LLM_DECISION in block and GUARDED_RULE in block for block in blocks)
+    await background(proxy).idle()
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
+    assert len(summarizer_requests(proxy)) == paid  # not paid twice
+
+    # Another process on the same store reads the summaries; it does not pay again.
+    other: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
+    await other.client().chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == blocks
+    await background(other).idle()
+    assert len(summarizer_requests(proxy)) == paid
+
+
+def responses_summary_blocks(body: dict[str, Any]) -> list[str]:
+    return [
+        item["content"]
+        for item in body.get("input") or []
+        if item.get("role") == "developer"
+        and isinstance(item.get("content"), str)
+        and item["content"].startswith(SUMMARY_MARKER)
+    ]
+
+
+async def test_a_response_chain_gets_its_next_cut_summarized_in_the_background(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(8)]
+    client = proxy.client()
+    previous = None
+    blocks: list[str] = []
+    for number in range(30):
+        response = await client.responses.create(
+            model="gpt-4o", input=user_turn(number), previous_response_id=previous
+        )
+        previous = response.id
+        await background(proxy).idle()
+        blocks = responses_summary_blocks(turn_requests(proxy)[-1].json)
+        if blocks:
+            break
+    assert blocks, "the chain never outgrew its budget"
+    assert summarizer_requests(proxy)
+    [block] = blocks
+    assert LLM_DECISION in block and GUARDED_RULE in block
+
+
+async def test_a_summarizer_that_answers_badly_leaves_the_digest(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    bad = [Reply(text="The customer had several broken orders."), Reply(status=500)]
+    proxy.provider.scripts[SUMMARIZER] = bad * 10
+    client = proxy.client()
+    blocks: list[str] = []
+    for number in range(30):
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)}],
+            extra_headers={"X-Thread-Id": "t-bad"},
+        )
+        await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            break
+    assert blocks and summarizer_requests(proxy)
+    assert LLM_DECISION not in blocks[0] and RULE in blocks[0]  # the deterministic digest
+    async with proxy.http() as http:
+        metrics = await http.get("/metrics")
+    assert 'threadkeeper_summarizer_calls_total{outcome="unparseable",tenant="acme"}' in (
+        metrics.text
+    )
+
+
+async def test_a_tenant_without_a_summarizer_never_calls_one(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(window=5000)
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    for number in range(60):
+        history.append({"role": "user", "content": user_turn(number)})
+        history.append({"role": "assistant", "content": "Noted."})
+    history.append({"role": "user", "content": "Summarize."})
+    await client.chat.completions.create(model="gpt-4o", messages=history)
+    assert summary_blocks(proxy.provider.model_requests[-1].json["messages"])
+    assert len(proxy.provider.model_requests) == 1
+    assert not background(proxy)._running
+
+
+async def test_a_responses_client_with_store_false_gets_llm_summaries(make_proxy: Any) -> None:
+    """`store: false` without a previous response: the client sends its whole input
+    each time, like a stateless Chat client, and is cut at whole chunks."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    inputs: list[dict[str, Any]] = []
+    blocks: list[str] = []
+    for number in range(30):
+        inputs.append({"role": "user", "content": user_turn(number, " in Lyon")})
+        response = await client.responses.create(model="gpt-4o", input=inputs, store=False)
+        inputs.append({"role": "assistant", "content": response.output_text})
+        await background(proxy).idle()
+        blocks = responses_summary_blocks(turn_requests(proxy)[-1].json)
+        if blocks:
+            break
+    assert blocks, "the input never outgrew its budget"
+    assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
+
+
+async def test_chat_and_responses_histories_with_the_same_text_do_not_share_blocks(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(window=5000)
+    client = proxy.client()
+    turns = [user_turn(number, " twice") for number in range(24)]
+    messages: list[dict[str, Any]] = []
+    for text in turns:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "Noted."}]
+    messages.append({"role": "user", "content": "Summarize."})
+    await client.chat.completions.create(model="gpt-4o", messages=messages)
+    await client.responses.create(model="gpt-4o", input=messages, store=False)
+    assert responses_summary_blocks(proxy.provider.model_requests[-1].json)

@@ -1,0 +1,197 @@
+"""Background LLM summaries (proxy/server/summaries.py): bounded, stored, cancelled at
+shutdown, failures logged and remembered, never raised."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from proxy.clock import ManualClock
+from proxy.core.items import Item, chat_item
+from proxy.core.llm_summary import Written
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+from proxy.server.summaries import RETRY_AFTER, BackgroundSummaries, Job
+from proxy.store import open_store
+from proxy.store.base import Store, StoredSummary
+from proxy.summarizer import Target
+
+POLICY = Policy.model_validate({"tenant": "acme", "memory": {"summarizer": {"model": "m"}}})
+ITEMS = (chat_item({"role": "user", "content": "Never ship on Fridays."}),)
+
+
+class FakeSummarizer:
+    """Answers from a script: an item's text, None (a bad answer) or an exception; an
+    Event makes the call wait until the test sets it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.script: list[Any] = []
+        self.gate: asyncio.Event | None = None
+        self.started = asyncio.Event()  # set by the first call
+        self.closed = False
+
+    async def write(
+        self,
+        policy: Policy,
+        target: Target,
+        items: Sequence[Item],
+        counter: TokenCounter,
+        max_tokens: int,
+        previous: Item | None = None,
+    ) -> Written | None:
+        self.calls.append(items[0].text())
+        self.started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        outcome = self.script.pop(0) if self.script else "summary"
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome is None:
+            return None
+        return Written(chat_item({"role": "system", "content": outcome}), {"count": 1}, ())
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    store = await open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    await store.migrate()
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def fake() -> FakeSummarizer:
+    return FakeSummarizer()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+async def background(
+    store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> AsyncIterator[BackgroundSummaries]:
+    background = BackgroundSummaries(
+        store,
+        fake,
+        Metrics(),
+        clock,
+        max_running=2,
+        max_per_tenant=1,  # type: ignore[arg-type]
+    )
+    yield background
+    await background.aclose()
+
+
+def job(digest: str, namespace: str = "acme") -> Job:
+    return Job(
+        namespace=namespace,
+        policy=POLICY,
+        target=Target("http://upstream.test/v1", "key"),
+        api="chat",
+        digest=digest,
+        items=ITEMS,
+        max_tokens=500,
+        previous=None,
+        counter=TokenCounter.for_model("gpt-4o-mini"),
+    )
+
+
+async def test_a_written_summary_is_stored_and_ready_and_never_written_twice(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer
+) -> None:
+    ready = background.ready("acme", "m", "chat")
+    assert ready.get("d1") is None and ready.missing() == ["d1"]
+    assert background.submit(job("d1"))
+    await background.idle()
+    assert ready["d1"].text() == "summary" and ready.missing() == []
+    stored = await store.summaries_get("acme", "m", "chat", ["d1"])
+    assert stored["d1"].raw == {"role": "system", "content": "summary"}
+    assert not background.submit(job("d1"))  # ready: no second call
+    assert len(fake.calls) == 1
+
+
+async def test_a_summary_another_process_stored_is_read_not_written(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer
+) -> None:
+    theirs = StoredSummary("acme", "m", "chat", "d1", {"role": "system", "content": "x"}, None, "t")
+    await store.summary_put(theirs)
+    ready = background.ready("acme", "m", "chat")
+    assert "d1" not in ready  # asked for, not in memory ...
+    assert await background.fetch(ready) == 1  # ... but in the store
+    assert ready["d1"].text() == "x"
+    background.submit(job("d2"))
+    await store.summary_put(replace_digest(theirs, "d3"))
+    background.submit(job("d3", namespace="acme"))  # the per-tenant cap: skipped for now
+    await background.idle()
+    assert fake.calls == ["Never ship on Fridays."]  # d2 only
+
+
+def replace_digest(summary: StoredSummary, digest: str) -> StoredSummary:
+    return StoredSummary(
+        summary.tenant, summary.model, summary.api, digest, summary.raw, summary.state, "t"
+    )
+
+
+async def test_running_summaries_are_capped_per_tenant_and_per_process(
+    background: BackgroundSummaries, fake: FakeSummarizer
+) -> None:
+    fake.gate = asyncio.Event()
+    assert background.submit(job("a1", "acme"))
+    assert not background.submit(job("a2", "acme"))  # acme has 1 running
+    assert background.submit(job("b1", "beta"))
+    assert not background.submit(job("c1", "gamma"))  # 2 running in the process
+    skipped = background.metrics.summaries_skipped.labels("acme")._value.get()
+    assert skipped == 2
+    hold = asyncio.Event()
+    assert not background.spawn("beta", "beta", ("beta", "predict", "t1"), hold.wait)
+    fake.gate.set()
+    await background.idle()
+    assert background.spawn("beta", "beta", ("beta", "predict", "t1"), hold.wait)
+    assert not background.submit(job("b2", "beta"))  # the prediction counts for beta
+    hold.set()
+    await background.idle()
+    assert background.submit(job("a2", "acme"))  # room again
+    await background.idle()
+
+
+async def test_a_failed_summary_is_logged_and_not_retried_until_later(
+    background: BackgroundSummaries, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    fake.script = [RuntimeError("provider exploded"), None]
+    with capture_logs() as logs:
+        assert background.submit(job("d1"))
+        await background.idle()
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["summary_failed"]
+    assert not background.submit(job("d1"))
+    clock.advance(RETRY_AFTER + 1)
+    assert background.submit(job("d1"))  # tried again: a bad answer this time
+    await background.idle()
+    assert not background.submit(job("d1"))
+    assert len(fake.calls) == 2 and "d1" not in background.ready("acme", "m", "chat")
+
+
+async def test_shutdown_cancels_running_summaries_and_closes_the_pool(
+    store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    background = BackgroundSummaries(store, fake, Metrics(), clock)  # type: ignore[arg-type]
+    fake.gate = asyncio.Event()  # never set: the call would wait forever
+    assert background.submit(job("d1"))
+    await fake.started.wait()
+    await background.aclose()
+    assert fake.closed
+    assert not background.submit(job("d2"))  # nothing starts after shutdown
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("summary ")]
+    assert await store.summaries_get("acme", "m", "chat", ["d1"]) == {}

@@ -1,0 +1,190 @@
+"""The LLM summarizer's call through the tenant's upstream (proxy/summarizer.py), mocked
+with respx: the openai SDK sends through the httpx pool the summarizer hands it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import respx
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from proxy.core import memory
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+from proxy.summarizer import LlmSummarizer, Target
+from tests.core.test_llm_summary import REFUND, RULE, good_answer, support_items
+
+BASE = "http://tenant-upstream.test/v1"
+URL = f"{BASE}/chat/completions"
+KEY = "sk-tenant-provider-key-0123456789"
+
+
+def policy(**summarizer: Any) -> Policy:
+    settings = {"model": "gpt-4.1-mini", "max_tokens": 600, "timeout_seconds": 5, **summarizer}
+    return Policy.model_validate(
+        {
+            "tenant": "acme",
+            "memory": {"summarizer": settings},
+            "retry": {"max_attempts": 2, "initial_backoff": 0.01, "max_backoff": 0.01},
+        }
+    )
+
+
+def completion(content: str | None, prompt: int = 321, answer: int = 54) -> httpx.Response:
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "gpt-4.1-mini",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": content},
+            }
+        ],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": 1},
+    }
+    return httpx.Response(200, json=body)
+
+
+@pytest.fixture
+async def summarizer() -> AsyncIterator[LlmSummarizer]:
+    summarizer = LlmSummarizer(Metrics())
+    yield summarizer
+    await summarizer.aclose()
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.for_model("gpt-4o-mini")
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, _ = metrics.render()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+
+
+def calls(metrics: Metrics, outcome: str) -> float:
+    key = ("threadkeeper_summarizer_calls_total", (("outcome", outcome), ("tenant", "acme")))
+    return samples(metrics).get(key, 0.0)
+
+
+async def write(summarizer: LlmSummarizer, counter: TokenCounter, **settings: Any) -> Any:
+    return await summarizer.write(
+        policy(**settings), Target(BASE, KEY), support_items(), counter, 1000
+    )
+
+
+@respx.mock
+async def test_a_good_answer_is_used_and_the_call_is_stateless_chat_completions(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    route = respx.post(URL).mock(return_value=completion(good_answer()))
+    with capture_logs() as logs:
+        written = await write(summarizer, counter, instructions="Keep ticket numbers.")
+    assert written is not None and written.appended == ()
+    request = route.calls.last.request
+    assert request.headers["authorization"] == f"Bearer {KEY}"
+    body = json.loads(request.content)
+    assert body["model"] == "gpt-4.1-mini"
+    assert body["response_format"] == {"type": "json_object"}
+    assert body["max_tokens"] == 1200  # twice the summary's size, for the JSON around it
+    assert body["messages"][0]["content"].endswith("Keep ticket numbers.")
+    assert "store" not in body and "tools" not in body  # nothing of the client's turn
+    metrics = summarizer.metrics
+    assert calls(metrics, "ok") == 1
+    tokens = samples(metrics)
+    assert (
+        tokens[("threadkeeper_summarizer_tokens_total", (("direction", "in"), ("tenant", "acme")))]
+        == 321
+    )
+    assert (
+        tokens[("threadkeeper_summarizer_tokens_total", (("direction", "out"), ("tenant", "acme")))]
+        == 54
+    )
+    logged = [entry for entry in logs if entry["event"] == "summarizer_call"]
+    assert logged[0]["outcome"] == "ok" and logged[0]["tokens_in"] == 321
+    assert KEY not in json.dumps(logs, default=str)
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("changes", "dropped"),
+    [
+        ({"entities": ["100 EUR"], "decisions": ["A refund was approved."], "facts": []}, REFUND),
+        ({"constraints": []}, RULE),
+    ],
+)
+async def test_an_answer_that_drops_must_keep_facts_is_guarded(
+    summarizer: LlmSummarizer, counter: TokenCounter, changes: dict[str, Any], dropped: str
+) -> None:
+    respx.post(URL).mock(return_value=completion(good_answer(**changes)))
+    written = await write(summarizer, counter)
+    assert written is not None and dropped in written.appended
+    assert all(kept in written.item.text() for kept in memory.must_keep(support_items()))
+    assert calls(summarizer.metrics, "guarded") == 1
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    "content",
+    ["The refund was approved and the customer is happy.", '{"constraints": [', None, "{}"],
+)
+async def test_prose_invalid_json_or_no_answer_keeps_the_digest(
+    summarizer: LlmSummarizer, counter: TokenCounter, content: str | None
+) -> None:
+    respx.post(URL).mock(return_value=completion(content))
+    assert await write(summarizer, counter) is None
+    assert calls(summarizer.metrics, "unparseable") == 1
+
+
+@respx.mock
+async def test_a_provider_that_never_answers_times_out(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    never = asyncio.Event()
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    respx.post(URL).mock(side_effect=hang)
+    assert await write(summarizer, counter, timeout_seconds=0.05) is None
+    assert calls(summarizer.metrics, "timeout") == 1
+
+
+@respx.mock
+async def test_retries_are_bounded_by_the_tenant_policy(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    route = respx.post(URL).mock(return_value=httpx.Response(500, json={"error": {}}))
+    with capture_logs() as logs:
+        assert await write(summarizer, counter) is None
+    assert route.call_count == 2  # retry.max_attempts
+    assert calls(summarizer.metrics, "error") == 1
+    assert [e["error"] for e in logs if e["event"] == "summarizer_error"] == [
+        "InternalServerError 500"
+    ]
+
+
+@respx.mock
+async def test_a_500_then_an_answer_is_retried(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    route = respx.post(URL).mock(
+        side_effect=[httpx.Response(500, json={"error": {}}), completion(good_answer())]
+    )
+    assert await write(summarizer, counter) is not None
+    assert route.call_count == 2 and calls(summarizer.metrics, "ok") == 1

@@ -35,6 +35,9 @@ Around the requests: `serve --workers N` forks N processes on one port under a s
 (proxy/server/workers.py); every handler and background task reads time from the app's one
 clock (proxy/clock.py, app key CLOCK); background loops (heartbeats and recovery sweeps in
 proxy/server/recovery.py, the idempotency purge, policy reloads) run on proxy/periodic.py.
+What operators see: explain records (proxy/server/explain.py), the threads and ledger CLI
+(proxy/admin.py, proxy/cli.py) and the thread inspector pages built from the same
+functions (proxy/server/inspector.py serves them, inspector_html.py renders them).
 
 proxy/core/ is pure Python (no network, database, web framework, environment or clock),
 enforced by the banned-import rule in proxy/core/ruff.toml. Everything with I/O sits at

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.clock import utc_now
+from proxy.core.blocks import compile_pins, is_pinned
 from proxy.core.checkpoint import state_to_cut
 from proxy.core.compress import COMPRESSED_KEY
 from proxy.core.items import Item, JsonDict, chat_item, content_digest, message_text, responses_item
@@ -113,28 +114,54 @@ def threads_table(threads: Sequence[JsonDict]) -> Row:
     )
 
 
-async def show_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
+async def show_thread(
+    store: Store,
+    thread_id: str,
+    tenant: str | None,
+    *,
+    pin_patterns: tuple[str, ...] = (),
+    detail: bool = False,
+    first_seq: int | None = None,
+    max_items: int | None = None,
+) -> JsonDict:
     """The thread's log, where its verbatim window starts, what stands for the cut part
-    (carried pinned items and summaries) and the compressed forms of tool results."""
+    (carried pinned items and summaries) and the compressed forms of tool results.
+
+    Items the projection always keeps (instructions, user messages matching the tenant's
+    `pin_patterns`) are marked `pinned`. With `detail` each log entry also carries its
+    whole text (`full`) and the tool call ids it issues or answers (`call_ids`), which the
+    inspector's timeline shows. `max_items` bounds the log to that many items from
+    `first_seq` on (the last ones when `first_seq` is None): one page of a long thread."""
     thread = await resolve_thread(store, thread_id, tenant)
-    items = await _log(store, thread)
+    first, last = 0, thread.next_seq - 1
+    if max_items is not None:
+        first = max(0, last - max_items + 1) if first_seq is None else max(0, first_seq)
+        last = min(last, first + max_items - 1)
+    items = await _log(store, thread, first, last)
     cut = state_to_cut(thread.state)
     counter = TokenCounter.for_model("*")
     originals = {stored.seq: stored for stored in items}
+    pins = compile_pins(pin_patterns)
+    log = []
+    for stored in items:
+        item = _item_of(stored)
+        entry: JsonDict = {
+            "seq": stored.seq,
+            "id": stored.item_id,
+            "api": stored.api,
+            "type": _item_kind(item),
+            "tokens": stored.tokens,
+            "text": _preview(item),
+            "cut": cut is not None and stored.seq < cut.start,
+            "pinned": is_pinned(item, pins),
+        }
+        if detail:
+            entry["full"] = _full_text(item)
+            entry["call_ids"] = _call_ids(item)
+        log.append(entry)
     return {
         **thread_json(thread),
-        "log": [
-            {
-                "seq": stored.seq,
-                "id": stored.item_id,
-                "api": stored.api,
-                "type": _kind(stored),
-                "tokens": stored.tokens,
-                "text": _preview(stored),
-                "cut": cut is not None and stored.seq < cut.start,
-            }
-            for stored in items
-        ],
+        "log": log,
         "summary": [
             {"type": _item_kind(item), "tokens": counter.item(item), "text": item.text()}
             for item in (cut.summary if cut is not None else ())
@@ -422,6 +449,16 @@ async def ledger_list(
     return [ledger_json(e) for e in await store.ledger_list(tenant, status=status, limit=limit)]
 
 
+async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -> list[JsonDict]:
+    """The ledger entries of these tool calls (a thread's), in call order."""
+    entries = []
+    for call_id in dict.fromkeys(call_ids):
+        entry = await store.ledger_by_call(tenant, call_id)
+        if entry is not None:
+            entries.append(ledger_json(entry))
+    return entries
+
+
 async def ledger_show(store: Store, tenant: str, scope: str, key: str) -> JsonDict:
     entry = await store.ledger_get(tenant, scope, key)
     if entry is None:
@@ -453,17 +490,16 @@ async def ledger_resolve(
 # --- helpers ------------------------------------------------------------------------------
 
 
-async def _log(store: Store, thread: Thread) -> tuple[StoredItem, ...]:
-    """The whole log, the part before the cut included."""
-    return await store.items_between(thread.tenant, thread.id, 0, thread.next_seq - 1)
+async def _log(
+    store: Store, thread: Thread, first: int = 0, last: int | None = None
+) -> tuple[StoredItem, ...]:
+    """The log (the part before the cut included), whole unless bounded."""
+    last = thread.next_seq - 1 if last is None else last
+    return await store.items_between(thread.tenant, thread.id, first, last)
 
 
 def _item_of(stored: StoredItem) -> Item:
     return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
-
-
-def _kind(stored: StoredItem) -> str:
-    return _item_kind(_item_of(stored))
 
 
 def _item_kind(item: Item) -> str:
@@ -474,13 +510,34 @@ def _item_kind(item: Item) -> str:
     return f"{kind} {item.raw.get('role', '')}".strip() if kind == "message" else str(kind)
 
 
-def _preview(stored: StoredItem) -> str:
-    item = _item_of(stored)
+def _full_text(item: Item) -> str:
+    """What the item says: its text, else a tool call's arguments or a tool result."""
     text = item.text() or item.raw.get("output") or item.raw.get("arguments") or ""
-    if not isinstance(text, str):
-        text = json.dumps(text, ensure_ascii=False)
-    text = " ".join(text.split())
+    if item.api == "chat" and item.raw.get("tool_calls"):
+        calls = [
+            f"{(call.get('function') or {}).get('name', '')}"
+            f"({(call.get('function') or {}).get('arguments', '')})"
+            for call in item.raw["tool_calls"]
+            if isinstance(call, dict)
+        ]
+        text = "\n".join([text, *calls]) if text else "\n".join(calls)
+    return text if isinstance(text, str) else json.dumps(text, ensure_ascii=False)
+
+
+def _preview(item: Item) -> str:
+    text = " ".join(_full_text(item).split())
     return text if len(text) <= TEXT_PREVIEW else text[: TEXT_PREVIEW - 1] + "…"
+
+
+def _call_ids(item: Item) -> list[str]:
+    """The tool call ids the item issues (a call) or answers (a result)."""
+    raw = item.raw
+    if item.api == "chat":
+        ids = [c.get("id") for c in raw.get("tool_calls") or [] if isinstance(c, dict)]
+        ids.append(raw.get("tool_call_id"))
+    else:
+        ids = [raw.get("call_id")]
+    return [i for i in ids if isinstance(i, str) and i]
 
 
 def _compressed_text(item: Item) -> str:

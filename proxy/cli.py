@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-token",
         help="bearer token GET /metrics requires (prefer THREADKEEPER_METRICS_TOKEN)",
     )
+    serve.add_argument(
+        "--operator-token",
+        help="turns on the thread inspector at /threadkeeper/ui/ for this token "
+        "(prefer THREADKEEPER_OPERATOR_TOKEN)",
+    )
 
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
@@ -169,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         "upstream": args.upstream,
         "config": args.config,
         "metrics-token": args.metrics_token,
+        "operator-token": args.operator_token,
         "workers": args.workers,
     }
     try:

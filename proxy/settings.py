@@ -64,6 +64,8 @@ class Settings:
     # Keep an explain record per model request (GET /threadkeeper/v1/requests/{id}).
     explain: bool = True
     explain_retention_seconds: float = 7 * 86_400.0
+    # When set, the thread inspector is served at /threadkeeper/ui/ (proxy/server/inspector.py).
+    operator_token: str | None = None
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -242,6 +244,13 @@ FIELDS: tuple[_Field, ...] = (
         _positive_number,
         "explain_retention_seconds",
         "THREADKEEPER_EXPLAIN_RETENTION_SECONDS",
+    ),
+    _Field(
+        "operator_token",
+        _text,
+        "operator_token",
+        "THREADKEEPER_OPERATOR_TOKEN",
+        "operator-token",
     ),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}

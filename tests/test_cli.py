@@ -88,6 +88,14 @@ def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: igno
     assert seen[0].metrics_token == "m-token"
 
 
+def test_serve_passes_the_operator_token_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen = []
+    monkeypatch.setattr("proxy.server.app.run", seen.append)
+    monkeypatch.delenv("THREADKEEPER_OPERATOR_TOKEN", raising=False)
+    assert main(["serve", "--operator-token", "op-token", "--policies", "policies"]) in (0, None)
+    assert seen[0].operator_token == "op-token"
+
+
 def test_serve_passes_the_workers_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen = []
     monkeypatch.setattr("proxy.server.app.run", seen.append)

@@ -220,6 +220,17 @@ def test_metrics_token_and_store_timeouts_from_every_source(tmp_path: Path) -> N
         load_settings({}, {"THREADKEEPER_STORE_COMMAND_TIMEOUT": "0"})
 
 
+def test_operator_token_from_every_source(tmp_path: Path) -> None:
+    assert Settings().operator_token is None, "the inspector is off by default"
+    config = write_config(tmp_path / "tk.yaml", "operator_token: op-file\n")
+    assert load_settings({"config": str(config)}, {}).operator_token == "op-file"
+    env = {"THREADKEEPER_OPERATOR_TOKEN": "op-env"}
+    assert load_settings({"config": str(config)}, env).operator_token == "op-env"
+    assert load_settings({"operator-token": "op-flag"}, env).operator_token == "op-flag"
+    with pytest.raises(SettingsError, match="THREADKEEPER_OPERATOR_TOKEN: expected"):
+        load_settings({}, {"THREADKEEPER_OPERATOR_TOKEN": "  "})
+
+
 def test_provider_body_cap_and_client_header_timeout_come_from_the_environment() -> None:
     env = {
         "THREADKEEPER_MAX_PROVIDER_BODY_BYTES": "1_048_576",

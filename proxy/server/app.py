@@ -35,6 +35,7 @@ from proxy.server import (
     compaction,
     conversations,
     explain,
+    inspector,
     ledger_routes,
     ops,
     passthrough,
@@ -215,6 +216,7 @@ def create_app(
     conversations.add_routes(app)
     ledger_routes.add_routes(app)
     explain.add_routes(app)
+    inspector.add_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", passthrough.passthrough, name="passthrough")
     return app
 

@@ -60,8 +60,12 @@ class ExplainRecorder:
             return
         self._unwritten[(record.tenant, record.request_id)] = record
 
-    def unwritten(self, tenant: str, request_id: str) -> ExplainRecord | None:
-        return self._unwritten.get((tenant, request_id))
+    def unwritten(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        """A queued record; with tenant None (operators), the one queued with this id."""
+        if tenant is not None:
+            return self._unwritten.get((tenant, request_id))
+        found = [r for (_, rid), r in list(self._unwritten.items()) if rid == request_id]
+        return found[0] if len(found) == 1 else None
 
     async def run(self) -> None:
         while True:
@@ -163,14 +167,19 @@ def stand_ins(projection: Projection) -> list[JsonDict]:
     return shown
 
 
+async def find_record(
+    app: web.Application, tenant: str | None, request_id: str
+) -> ExplainRecord | None:
+    """The tenant's record (any tenant's for None), from the queue while it is unwritten."""
+    recorder = app.get(EXPLAIN)
+    found = recorder.unwritten(tenant, request_id) if recorder is not None else None
+    return found if found is not None else await app[STORE].explain_get(tenant, request_id)
+
+
 async def get_record(request: web.Request) -> web.Response:
     """GET /threadkeeper/v1/requests/{request_id}: the tenant's own records only."""
     request_id = request.match_info["request_id"]
-    tenant = request[NAMESPACE]
-    recorder = request.app.get(EXPLAIN)
-    found = recorder.unwritten(tenant, request_id) if recorder is not None else None
-    if found is None:
-        found = await request.app[STORE].explain_get(tenant, request_id)
+    found = await find_record(request.app, request[NAMESPACE], request_id)
     if found is None:
         raise ApiError(
             404,

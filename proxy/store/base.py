@@ -176,6 +176,12 @@ class ExplainRecord:
     created_at: str
     record: JsonDict
 
+    @property
+    def thread_id(self) -> str | None:
+        """The thread the request was on (the record's `thread_id`), if any."""
+        thread_id = self.record.get("thread_id")
+        return thread_id if isinstance(thread_id, str) else None
+
 
 @dataclass(frozen=True)
 class Heartbeat:
@@ -422,6 +428,12 @@ class Store(Protocol):
 
     async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
         """The tenant's record; with tenant None (operators), the one record with this id."""
+
+    async def explain_for_thread(
+        self, tenant: str, thread_id: str, *, limit: int
+    ) -> tuple[ExplainRecord, ...]:
+        """The thread's most recent records, newest first (the inspector's thread page)."""
+        ...
 
     async def explain_purge(self, before: str) -> int:
         """Delete the records created before `before`; how many went."""

@@ -317,7 +317,8 @@ def select_summaries(count: int) -> str:
 # explain records -------------------------------------------------------------------------
 
 INSERT_EXPLAIN = """
-INSERT INTO explain_records (tenant, request_id, created_at, record) VALUES ($1, $2, $3, $4)
+INSERT INTO explain_records (tenant, request_id, created_at, record, thread_id)
+VALUES ($1, $2, $3, $4, $5)
 ON CONFLICT (tenant, request_id) DO NOTHING
 """
 SELECT_EXPLAIN = """
@@ -327,6 +328,10 @@ WHERE tenant = $1 AND request_id = $2
 FIND_EXPLAIN = """
 SELECT tenant, request_id, created_at, record FROM explain_records
 WHERE request_id = $1 ORDER BY tenant LIMIT 2
+"""
+THREAD_EXPLAIN = """
+SELECT tenant, request_id, created_at, record FROM explain_records
+WHERE tenant = $1 AND thread_id = $2 ORDER BY created_at DESC, request_id DESC LIMIT $3
 """
 PURGE_EXPLAIN = "DELETE FROM explain_records WHERE created_at < $1"
 

@@ -391,7 +391,10 @@ class SqlStore:
 
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
-        rows = [(r.tenant, r.request_id, r.created_at, sql.dumps(r.record)) for r in records]
+        rows = [
+            (r.tenant, r.request_id, r.created_at, sql.dumps(r.record), r.thread_id)
+            for r in records
+        ]
         async with self.db.write() as conn:
             await conn.executemany(sql.INSERT_EXPLAIN, rows)
 
@@ -402,6 +405,13 @@ class SqlStore:
                 return None if row is None else sql.explain_from_row(row)
             rows = await conn.fetch(sql.FIND_EXPLAIN, request_id)
         return sql.explain_from_row(rows[0]) if len(rows) == 1 else None
+
+    async def explain_for_thread(
+        self, tenant: str, thread_id: str, *, limit: int
+    ) -> tuple[ExplainRecord, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.THREAD_EXPLAIN, tenant, thread_id, limit)
+        return tuple(map(sql.explain_from_row, rows))
 
     async def explain_purge(self, before: str) -> int:
         async with self.db.write() as conn:

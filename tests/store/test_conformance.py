@@ -14,6 +14,7 @@ from proxy.core.items import content_digest
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
     AlreadyExists,
+    ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
     LedgerEntry,
@@ -759,6 +760,37 @@ async def test_ledger_list_filters_by_status(store: Store) -> None:
     assert [e.key for e in await store.ledger_list("acme", status="issued")] == ["k1"]
     assert [e.key for e in await store.ledger_list("acme", status="completed")] == ["k2"]
     assert len(await store.ledger_list("acme", limit=1)) == 1
+
+
+# explain records ---------------------------------------------------------------------
+
+
+def explain_record(request_id: str, created: str, thread: str | None, tenant: str = "acme"):  # type: ignore[no-untyped-def]
+    record = {"id": request_id, **({"thread_id": thread} if thread else {})}
+    return ExplainRecord(tenant, request_id, created, record)
+
+
+async def test_explain_for_thread_lists_the_threads_records_newest_first(store: Store) -> None:
+    await store.explain_put(
+        [
+            explain_record("req_a", T0, "t1"),
+            explain_record("req_b", T2, "t1"),
+            explain_record("req_c", T1, "t2"),
+            explain_record("req_d", T3, None),
+            explain_record("req_e", T3, "t1", tenant="other"),
+        ]
+    )
+    found = await store.explain_for_thread("acme", "t1", limit=10)
+    assert [(r.request_id, r.created_at) for r in found] == [("req_b", T2), ("req_a", T0)]
+    assert found[0].record == {"id": "req_b", "thread_id": "t1"}
+    assert [r.request_id for r in await store.explain_for_thread("acme", "t1", limit=1)] == [
+        "req_b"
+    ]
+    assert await store.explain_for_thread("acme", "t9", limit=10) == ()
+    await store.explain_purge(T1)
+    assert [r.request_id for r in await store.explain_for_thread("acme", "t1", limit=10)] == [
+        "req_b"
+    ]
 
 
 # request idempotency -----------------------------------------------------------------

@@ -1,0 +1,408 @@
+"""The thread inspector at /threadkeeper/ui/ through the real socket: off without an
+operator token, 401 with no page content for anyone without a valid token or session,
+tenant keys confined to their tenant, signed cookies and CSRF tokens checked, hostile
+thread text shown as text. The browser test is test_inspector_browser.py."""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from proxy import admin
+from proxy.clock import ManualClock
+from proxy.fake_provider import Reply
+from proxy.server import inspector as inspector_module
+from proxy.server.state import POLICIES, STORE
+
+from .conftest import TENANT_KEY, Proxy
+from .test_explain_e2e import written
+from .test_ledger_e2e import CHAT_TOOLS, REFUND, tools_policy
+from .test_stateful_responses_e2e import tool_turn
+
+OPERATOR = "op-token-0123456789abcdef"
+OTHER_KEY = "sk-tk-globex-test-key"
+WINDOW = 6000
+HOSTILE = '<script>document.title="pwned"</script><img src=x onerror=alert(1)>'
+UI = "/threadkeeper/ui"
+
+
+@dataclass
+class Seeded:
+    thread_id: str
+    request_id: str  # the last model request on the thread
+
+
+async def seed_thread(proxy: Proxy, thread_id: str = "t-orders", turns: int = 8) -> Seeded:
+    """A chat thread driven past its window (cut and summarized), with hostile text in
+    its first message and, on its last turn, a guarded refund call left `issued`."""
+    client = proxy.client()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+    headers = {"X-Thread-Id": thread_id}
+    for turn in range(turns):
+        proxy.provider.script.append(Reply(text=f"Noted order ORD-{turn}. " + "detail " * 400))
+        text = (HOSTILE if turn == 0 else "") + f"Order ORD-{turn}: " + "words " * 400
+        messages.append({"role": "user", "content": text})
+        reply = await client.chat.completions.create(
+            model="gpt-4o", messages=messages, extra_headers=headers
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    proxy.provider.script.append(Reply(tool_calls=[REFUND]))
+    messages.append({"role": "user", "content": "Refund ORD-1 please"})
+    raw = await client.chat.completions.with_raw_response.create(
+        model="gpt-4o", messages=messages, tools=CHAT_TOOLS, extra_headers=headers
+    )
+    assert raw.parse().choices[0].message.tool_calls
+    await written(proxy)
+    return Seeded(thread_id, raw.headers["x-threadkeeper-request-id"])
+
+
+def add_globex(proxy: Proxy) -> None:
+    """A second keyed tenant, so isolation is between two real tenants."""
+    key_hash = hashlib.sha256(OTHER_KEY.encode()).hexdigest()
+    (proxy.policies_dir / "globex.yaml").write_text(
+        f'tenant: globex\napi_keys: ["{key_hash}"]\nmodels:\n'
+        '  "*": {context_window: 128000, max_output_tokens: 4096}\n'
+    )
+    proxy.app[POLICIES].reload()  # type: ignore[index]
+
+
+async def inspector(
+    make_proxy: Callable[..., Awaitable[Proxy]], store_url: str | None = None
+) -> Proxy:
+    return await make_proxy(
+        window=WINDOW,
+        acme_extra=tools_policy(),
+        store_url=store_url,
+        settings={"operator_token": OPERATOR},
+    )
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert found, "the page carries a CSRF token"
+    return found.group(1)
+
+
+async def test_the_inspector_is_off_without_an_operator_token(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await make_proxy()
+    async with proxy.http() as http:
+        for path in (f"{UI}/", f"{UI}/login", f"{UI}/ledger", f"{UI}/requests/req_x"):
+            answer = await http.get(path, headers=bearer(TENANT_KEY))
+            assert answer.status_code == 404, path
+        assert (await http.post(f"{UI}/login", data={"token": "x"})).status_code == 404
+
+
+async def test_no_or_wrong_token_is_401_with_no_page_content(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy)
+    thread = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    pages = (f"{UI}/", thread, f"{UI}/requests/{seeded.request_id}", f"{UI}/ledger")
+    async with proxy.http() as http:
+        for path in pages:
+            for headers in (
+                {},
+                bearer("wrong-token"),
+                bearer(OPERATOR + "x"),
+                bearer("sk-unknown-key"),  # the default policy allows unknown keys for the API
+                {"Authorization": f"Basic {OPERATOR}"},
+            ):
+                answer = await http.get(path, headers=headers)
+                assert answer.status_code == 401, (path, headers)
+                body = answer.text
+                for secret in ("ORD-", seeded.thread_id, seeded.request_id, "refund"):
+                    assert secret not in body, (path, secret)
+                assert f'href="{UI}/login"' in body
+        resolve = await http.post(
+            f"{UI}/ledger/resolve",
+            data={"tenant": "acme", "scope": "tenant", "key": "refund:ORD-1", "status": "failed"},
+        )
+        assert resolve.status_code == 401
+        answer = await http.get(f"{UI}/ledger", headers=bearer(OPERATOR))
+        assert 'data-key="refund:ORD-1" data-status="issued"' in answer.text, "store unchanged"
+
+
+async def test_operator_sees_every_tenant_and_a_tenant_key_only_its_own(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    add_globex(proxy)
+    seeded = await seed_thread(proxy)
+    thread = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    request = f"{UI}/requests/{seeded.request_id}"
+    async with proxy.http() as http:
+        for token in (OPERATOR, TENANT_KEY):
+            listed = await http.get(f"{UI}/", headers=bearer(token))
+            assert listed.status_code == 200 and seeded.thread_id in listed.text
+            for path in (thread, request):
+                assert (await http.get(path, headers=bearer(token))).status_code == 200, path
+        assert 'list="tenants"' in (await http.get(f"{UI}/", headers=bearer(OPERATOR))).text
+        for path in (thread, request, f"{UI}/?tenant=acme", f"{UI}/?q={seeded.thread_id}"):
+            answer = await http.get(path, headers=bearer(OTHER_KEY))
+            assert "ORD-" not in answer.text and seeded.request_id not in answer.text, path
+            if path in (thread, request):
+                assert answer.status_code == 404, path
+            else:
+                assert 'id="no-threads"' in answer.text, path
+        ledger = await http.get(f"{UI}/ledger", headers=bearer(OTHER_KEY))
+        assert ledger.status_code == 200 and "refund:ORD-1" not in ledger.text
+        forged = await http.post(
+            f"{UI}/ledger/resolve",
+            headers=bearer(OTHER_KEY),  # a bearer request needs no CSRF token: no browser sends one
+            data={
+                "tenant": "acme",
+                "scope": "tenant",
+                "key": "refund:ORD-1",
+                "status": "failed",
+            },
+        )
+        assert forged.status_code == 404, "a tenant key cannot settle another tenant's entry"
+        answer = await http.get(f"{UI}/ledger", headers=bearer(OPERATOR))
+        assert 'data-key="refund:ORD-1" data-status="issued"' in answer.text
+
+
+async def test_login_cookie_session_csrf_and_logout(
+    store_url: str,  # before make_proxy: a PostgreSQL schema outlives the proxy
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy, store_url)
+    await seed_thread(proxy)
+    async with proxy.http() as http:
+        form = await http.get(f"{UI}/login")
+        assert form.status_code == 200 and 'name="token"' in form.text
+        refused = await http.post(f"{UI}/login", data={"token": "nope"})
+        assert refused.status_code == 401 and "set-cookie" not in refused.headers
+        signed = await http.post(f"{UI}/login", data={"token": OPERATOR})
+        assert signed.status_code == 303 and signed.headers["location"] == f"{UI}/"
+        cookie = signed.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        assert OPERATOR not in cookie, "the cookie holds a signed session, not the token"
+        value = http.cookies["threadkeeper_session"]
+
+        ledger = await http.get(f"{UI}/ledger")
+        assert ledger.status_code == 200 and "refund:ORD-1" in ledger.text
+        entry = {"tenant": "acme", "scope": "tenant", "key": "refund:ORD-1"}
+        missing = await http.post(f"{UI}/ledger/resolve", data={**entry, "status": "failed"})
+        assert missing.status_code == 403
+        wrong = await http.post(
+            f"{UI}/ledger/resolve", data={**entry, "status": "failed", "csrf": "0" * 64}
+        )
+        assert wrong.status_code == 403
+        still = await http.get(f"{UI}/ledger")
+        assert 'data-key="refund:ORD-1" data-status="issued"' in still.text
+
+        for tampered in (
+            value[:-1] + ("0" if value[-1] != "0" else "1"),  # signature changed
+            "x" + value,  # payload changed
+            value.partition(".")[0],  # no signature
+            OPERATOR,  # the token itself is no session
+        ):
+            http.cookies.clear()
+            http.cookies.set("threadkeeper_session", tampered)
+            answer = await http.get(f"{UI}/ledger")
+            assert answer.status_code == 401 and "refund" not in answer.text
+        http.cookies.clear()
+        raw = b"threadkeeper_session=\xff\xfe." + value.partition(".")[2].encode()
+        answer = await http.get(f"{UI}/ledger", headers={"Cookie": raw})  # type: ignore[dict-item]
+        assert answer.status_code == 401, "undecodable cookie bytes are no session, not a 500"
+
+        http.cookies.clear()
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        page = (await http.get(f"{UI}/ledger")).text
+        resolved = await http.post(
+            f"{UI}/ledger/resolve",
+            data={**entry, "status": "completed", "result": "refunded", "csrf": csrf_of(page)},
+        )
+        assert resolved.status_code == 303
+        assert (await http.get(resolved.headers["location"])).status_code == 200
+        shown = await http.get(f"{UI}/thread?tenant=acme&id=t-orders")
+        assert 'data-key="refund:ORD-1" data-status="completed"' in shown.text
+        assert shown.text.count('<a href="/threadkeeper/ui/requests/req_') == 9, "every turn"
+        again = await http.post(
+            f"{UI}/ledger/resolve",
+            data={**entry, "status": "failed", "csrf": csrf_of(page)},
+        )
+        assert again.status_code == 409, "only an issued entry resolves"
+
+        out = await http.post(f"{UI}/logout", data={"csrf": csrf_of(page)})
+        assert out.status_code == 303 and out.headers["location"] == f"{UI}/login"
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_a_tenant_session_ends_when_its_key_is_revoked(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    add_globex(proxy)
+    async with proxy.http() as http:
+        signed = await http.post(f"{UI}/login", data={"token": OTHER_KEY})
+        assert signed.status_code == 303
+        page = await http.get(f"{UI}/")
+        assert page.status_code == 200 and "tenant globex" in page.text
+        assert 'list="tenants"' not in page.text, "no tenant filter for a tenant"
+        (proxy.policies_dir / "globex.yaml").write_text(
+            'tenant: globex\napi_keys: []\nmodels:\n  "*": {context_window: 128000}\n'
+        )
+        proxy.app[POLICIES].reload()  # type: ignore[index]
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_hostile_thread_text_is_shown_as_text(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy, thread_id='t-<b>"x"</b>')
+    async with proxy.http() as http:
+        listed = await http.get(f"{UI}/", headers=bearer(OPERATOR))
+        assert "<b>" not in listed.text and "t-&lt;b&gt;&quot;x&quot;&lt;/b&gt;" in listed.text
+        shown = await http.get(
+            f"{UI}/thread",
+            params={"tenant": "acme", "id": seeded.thread_id},
+            headers=bearer(OPERATOR),
+        )
+        assert shown.status_code == 200
+        assert "<script>document.title" not in shown.text and "<img src=x" not in shown.text
+        assert "&lt;script&gt;document.title=&quot;pwned&quot;&lt;/script&gt;" in shown.text
+        # the one script of the page is the inspector's own, allowed by hash
+        assert shown.text.count("<script>") == 1
+        assert "script-src 'sha256-" in shown.headers["content-security-policy"]
+        request = await http.get(f"{UI}/requests/{seeded.request_id}", headers=bearer(OPERATOR))
+        assert request.status_code == 200 and request.text.count("<script>") == 1
+        assert "<b>" not in request.text
+
+
+async def test_unknown_ids_are_404_pages(make_proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    proxy = await inspector(make_proxy)
+    async with proxy.http() as http:
+        bare = await http.get(UI)
+        assert (bare.status_code, bare.headers["location"]) == (303, f"{UI}/")
+        for path in (f"{UI}/requests/req_nope", f"{UI}/thread?tenant=acme&id=nope", f"{UI}/thread"):
+            answer = await http.get(path, headers=bearer(OPERATOR))
+            assert answer.status_code == 404 and "text/html" in answer.headers["content-type"]
+
+
+async def test_a_session_expires_after_twelve_hours(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(settings={"operator_token": OPERATOR}, clock=clock)
+    async with proxy.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        clock.advance(timedelta(hours=11, minutes=59))
+        assert (await http.get(f"{UI}/")).status_code == 200
+        clock.advance(timedelta(minutes=2))
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_changing_the_operator_token_ends_every_session(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    first = await make_proxy(settings={"operator_token": OPERATOR})
+    second = await make_proxy(settings={"operator_token": OPERATOR + "-rotated"})
+    async with first.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        cookie = http.cookies["threadkeeper_session"]
+    async with second.http() as http:
+        http.cookies.set("threadkeeper_session", cookie)
+        assert (await http.get(f"{UI}/")).status_code == 401
+
+
+async def test_compressed_tool_results_expand_to_the_original(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    store = proxy.app[STORE]  # type: ignore[index]
+    for turn in range(14):
+        await client.responses.create(
+            model="gpt-4o", conversation=conversation.id, input=tool_turn(turn)
+        )
+        shown = await admin.show_thread(store, conversation.id, "acme")
+        if shown["compressed"]:
+            break
+    assert shown["compressed"], "a tool result was compressed"
+    compressed = shown["compressed"][0]
+    original = next(e for e in shown["log"] if e["seq"] == compressed["seq"])
+    async with proxy.http() as http:
+        page = await http.get(
+            f"{UI}/thread",
+            params={"tenant": "acme", "id": conversation.id},
+            headers=bearer(OPERATOR),
+        )
+    item = re.search(
+        rf'<li class="item[^"]* compressed" data-seq="{compressed["seq"]}".*?</li>', page.text, re.S
+    )
+    assert item, "the compressed item is marked"
+    assert f"compressed {compressed['original_tokens']} → {compressed['tokens']} tokens" in item[0]
+    sent_form = re.search(r'class="compressed-form">.*?<pre>(.*?)</pre>', item[0], re.S)
+    assert sent_form and html.unescape(sent_form[1]) == compressed["text"]
+    full = re.search(r'<pre class="full-text">(.*?)</pre>', item[0], re.S)
+    assert full and "shipment event 59" in html.unescape(full[1])
+    assert original["tokens"] == compressed["original_tokens"]
+
+
+async def test_pinned_items_are_marked(make_proxy: Callable[..., Awaitable[Proxy]]) -> None:
+    proxy = await inspector(make_proxy)
+    messages = [
+        {"role": "system", "content": "You quote prices."},
+        {"role": "user", "content": "All prices in EUR, please."},  # acme's pin pattern
+    ]
+    proxy.provider.script.append(Reply(text="Understood."))
+    await proxy.client().chat.completions.create(
+        model="gpt-4o", messages=messages, extra_headers={"X-Thread-Id": "t-pins"}
+    )
+    messages += [
+        {"role": "assistant", "content": "Understood."},
+        {"role": "user", "content": "What does ORD-1 cost?"},
+    ]
+    proxy.provider.script.append(Reply(text="20 EUR."))
+    await proxy.client().chat.completions.create(
+        model="gpt-4o", messages=messages, extra_headers={"X-Thread-Id": "t-pins"}
+    )
+    async with proxy.http() as http:
+        page = await http.get(f"{UI}/thread?tenant=acme&id=t-pins", headers=bearer(OPERATOR))
+    found = re.findall(r'<li class="([^"]*)" data-seq="(\d+)"', page.text)
+    by_seq = {int(seq): cls.split() for cls, seq in found}
+    assert by_seq == {
+        0: ["item", "pinned"],
+        1: ["item", "pinned"],
+        2: ["item"],
+        3: ["item"],
+        4: ["item"],
+    }
+
+
+async def test_a_long_thread_is_paged(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(inspector_module, "PAGE_ITEMS", 5)
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy)  # 19 items
+    url = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
+    async with proxy.http() as http:
+        last = (await http.get(url, headers=bearer(OPERATOR))).text
+        middle = (await http.get(f"{url}&from=7", headers=bearer(OPERATOR))).text
+        first = (await http.get(f"{url}&from=0", headers=bearer(OPERATOR))).text
+    seqs = [[int(s) for s in re.findall(r'<li class="item[^"]*" data-seq="(\d+)"', page)]
+            for page in (last, middle, first)]  # fmt: skip
+    assert seqs == [[14, 15, 16, 17, 18], [7, 8, 9, 10, 11], [0, 1, 2, 3, 4]]
+    assert 'id="later"' not in last and "from=9" in last  # earlier: from 14 - 5
+    assert "from=2" in middle and "from=12" in middle
+    assert 'id="earlier"' not in first and "from=5" in first
+    start = int(re.search(r'id="cut" data-window-start="(\d+)"', middle)[1])  # type: ignore[index]
+    assert 7 < start <= 11 and 'id="cut"' not in first and 'id="cut"' not in last

@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
     demo.add_argument("--window", type=int, default=4000)
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep running afterwards with the thread inspector on (prints its URL and token)",
+    )
 
     policy = sub.add_parser("policy", help="validate policy files or print their JSON Schema")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
@@ -149,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from proxy.demo import run_demo
 
-        return run_demo(turns=args.turns, window=args.window)
+        return run_demo(turns=args.turns, window=args.window, serve=args.serve)
     if args.command == "policy":
         return _policy(args)
     if args.command in ("threads", "ledger", "compaction"):

@@ -7,7 +7,9 @@ Runs with no internet and no keys, so a newcomer sees the budgeted rebuild work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import secrets
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from proxy.server.app import bound_port, start
 from proxy.settings import Settings
 
 DEMO_KEY = "sk-demo"
+DEMO_THREAD = "demo-thread"
 DEMO_POLICY = """\
 tenant: default
 allow_unknown_keys: true
@@ -65,20 +68,33 @@ def order_record(n: int) -> str:
     )
 
 
-async def _drive(policies: Path, turns: int, window: int) -> None:
+async def _drive(policies: Path, turns: int, window: int, serve: bool) -> None:
     provider = FakeProvider()
     upstream_url = await provider.start()
     settings = Settings(
-        port=0, policies_dir=policies, upstream_url=upstream_url, policy_reload_interval=0
+        port=0,
+        policies_dir=policies,
+        store_url=f"sqlite:///{policies / 'demo.db'}",
+        upstream_url=upstream_url,
+        policy_reload_interval=0,
+        operator_token=secrets.token_urlsafe(18) if serve else None,
     )
     runner = await start(settings)
+    base_url = f"http://127.0.0.1:{bound_port(runner)}"
     try:
         client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key=DEMO_KEY
+            base_url=f"{base_url}/v1",
+            api_key=DEMO_KEY,
+            default_headers={"X-Thread-Id": DEMO_THREAD},
         )
         last_request = await _conversation(client, provider, turns, window)
         await client.close()
-        await _what_the_model_saw(f"http://127.0.0.1:{bound_port(runner)}", last_request)
+        await _what_the_model_saw(base_url, last_request)
+        if serve:
+            print(f"\nThe inspector is at {base_url}/threadkeeper/ui/")
+            print(f"Sign in with the operator token {settings.operator_token}")
+            print(f"(the demo thread is {DEMO_THREAD}; Ctrl-C stops the demo)", flush=True)
+            await asyncio.Event().wait()
     finally:
         await runner.cleanup()
         await provider.stop()
@@ -155,9 +171,11 @@ def _check_sent(messages: list[dict[str, Any]], tokens: int, window: int) -> Non
         raise SystemExit(f"broken request sent: calls={calls} outputs={outputs} tokens={tokens}")
 
 
-def run_demo(turns: int = 8, window: int = 4000) -> int:
+def run_demo(turns: int = 8, window: int = 4000, serve: bool = False) -> int:
+    """`serve`: keep the proxy running afterwards with the thread inspector on."""
     configure_logging("warning")  # keep the table readable; `serve` logs every request
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "default.yaml").write_text(DEMO_POLICY.format(window=window))
-        asyncio.run(_drive(Path(tmp), turns, window))
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_drive(Path(tmp), turns, window, serve))
     return 0

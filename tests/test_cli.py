@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import jsonschema
 import yaml
 
@@ -161,3 +163,26 @@ def test_policy_schema_validates_what_the_loader_accepts(tmp_path: Path, capsys)
     errors = list(validator.iter_errors({"tenant": "acme", "budget": {"target_fill": "high"}}))
     assert [list(error.absolute_path) for error in errors] == [["budget", "target_fill"]]
     assert list(validator.iter_errors({"tenant": "acme", "memmory": {}}))
+
+
+def test_demo_serve_keeps_the_inspector_running_on_a_printed_url_and_token() -> None:
+    command = [sys.executable, "-m", "proxy", "demo", "--serve", "--turns", "3", "--window", "3000"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    ) as process:
+        try:
+            url = token = None
+            assert process.stdout is not None
+            for line in process.stdout:  # bounded: the demo prints a few dozen lines
+                if line.startswith("The inspector is at "):
+                    url = line.split(" at ", 1)[1].strip()
+                if line.startswith("Sign in with the operator token "):
+                    token = line.rsplit(" ", 1)[1].strip()
+                    break
+            assert url is not None and token is not None
+            page = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+            assert page.status_code == 200 and "demo-thread" in page.text
+            assert httpx.get(url, timeout=30).status_code == 401
+        finally:
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0

@@ -62,8 +62,9 @@ ID_VALUE = re.compile(
 )
 # Lines of text output that report errors, failures and where they happened.
 ERROR_LINE = re.compile(
-    r"[Ee]rror\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
-    r"|\bexhausted\b|\bfatal\b|\bpanic|\btimed out\b|\brefused\b|\bdenied\b|\babort"
+    r"[Ee]rror\b|ERROR\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
+    r"|\bexhausted\b|\b[Ff]atal\b|\bFATAL\b|\bCRITICAL\b|\bPANIC\b|\bpanic"
+    r"|\btimed out\b|\brefused\b|\bdenied\b|\babort"
     r"|^E {2,}\S|File \"[^\"]+\", line \d+"
     r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
 )

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from proxy.core.compress import (
     COMPRESSED_KEY,
     ERROR_LINE,
+    LOCATION_LINE,
     json_container,
     key_values,
     output_text,
@@ -495,13 +496,13 @@ def _value_text(value: Any) -> str:
 
 
 def _text_gist(text: str) -> str:
-    """A text result: its lines with errors or entities, else its beginning."""
-    lines = [
-        line.strip()
-        for line in text.splitlines()
-        if line.strip() and (ERROR_LINE.search(line) or entities_in(line))
-    ]
-    return _cut(" | ".join(lines[:4]) if lines else text, FACT_CHARS // 2)
+    """A text result: its lines with errors or code locations first (a log's one failure
+    among thousands of routine lines), then lines with entities, else its beginning."""
+    stripped = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in stripped if ERROR_LINE.search(line) or LOCATION_LINE.search(line)]
+    named = [line for line in stripped if entities_in(line) and line not in errors]
+    lines = (errors + named)[:4]
+    return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
 
 
 def _call_name(call: Item, call_id: str) -> str:

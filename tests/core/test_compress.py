@@ -243,3 +243,16 @@ def test_json_lists_are_summarized_by_their_identifying_values(counter: TokenCou
     facts = json.loads(small.raw["content"])["verified_facts"]
     assert facts["item_count"] == 30
     assert facts["items"][0].startswith("SKU-0") and facts["items"][-1].endswith("more)")
+
+
+def test_upper_case_error_lines_survive_compression() -> None:
+    from proxy.core.items import chat_item
+    from proxy.core.tokens import TokenCounter
+
+    lines = [f"10:{i % 60:02d} INFO checkout handled request {i} in {20 + i}ms" for i in range(600)]
+    lines.insert(301, "ERROR pg: remaining connection slots are reserved")
+    output = chat_item({"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines)})
+    counter = TokenCounter.for_model("gpt-4o")
+    smaller = compress_tool_output(output, None, 300, counter, "")
+    assert counter.item(smaller) <= 300
+    assert "ERROR pg: remaining connection slots are reserved" in smaller.text()

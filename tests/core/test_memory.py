@@ -545,3 +545,30 @@ def test_compressed_results_are_read_for_their_facts_and_excerpts(counter: Token
     tests, lookup = extract(items).facts
     assert tests.startswith('run_tests() -> "') and "proration.py:88: Error" in tests
     assert lookup.startswith("lookup() -> order.id=ORD-9, order.status=lost")
+
+
+def test_a_log_result_is_remembered_by_its_error_line_not_its_first_lines() -> None:
+    """A 160-line log with one `ERROR` line in the middle (upper case, as services log):
+    the digest's fact is that line (it was the log's first lines: the error was lost)."""
+    from proxy.core.items import responses_item
+    from proxy.core.memory import summarize_turns
+    from proxy.core.tokens import TokenCounter
+
+    lines = [
+        f"2026-11-30T10:{i % 60:02d}:00Z INFO payments-api p99 {100 + i}ms" for i in range(160)
+    ]
+    lines.insert(55, "ERROR pg: remaining connection slots are reserved")
+    lines.insert(90, "FATAL: the database system is shutting down")
+    items = [
+        responses_item({"type": "message", "role": "user", "content": "Check payments-api."}),
+        responses_item(
+            {"type": "function_call", "call_id": "c1", "name": "query_logs", "arguments": "{}"}
+        ),
+        responses_item(
+            {"type": "function_call_output", "call_id": "c1", "output": "\n".join(lines)}
+        ),
+    ]
+    text = summarize_turns(items, TokenCounter.for_model("gpt-4o"), 600, None).text()
+    assert "ERROR pg: remaining connection slots are reserved" in text
+    assert "FATAL: the database system is shutting down" in text
+    assert "INFO payments-api" not in text

@@ -121,7 +121,9 @@ Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, use_attribute_docstrings=True
+    )
 
 
 # -- the schema (SPEC section 1) -----------------------------------------------------------
@@ -129,7 +131,9 @@ class _Frozen(BaseModel):
 
 class ModelLimits(_Frozen):
     context_window: int = Field(gt=0)
+    """The model's context window W in tokens: the budget every request is rebuilt under."""
     max_output_tokens: int | None = Field(default=None, gt=0)
+    """The model's output cap; the output reserve never exceeds it."""
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -147,17 +151,23 @@ BUILTIN_LIMITS = ModelLimits(
 
 class UpstreamPolicy(_Frozen):
     base_url: Annotated[str, AfterValidator(_http_url)] | None = None
+    """Where this tenant's requests go; absent, the server's --upstream URL."""
     api_key_env: Annotated[str, AfterValidator(_env_var_name)] | None = None
+    """The environment variable holding the provider key (its name, never the key); absent, the client's own Authorization is forwarded."""
     # The longest one client request may spend with the provider, every exchange it makes
     # together (retries, ledger continuations, headers, the last byte of the body).
     deadline_seconds: float = Field(default=900.0, gt=0)
+    """The longest one client request may spend with the provider, retries and continuations included (then a 504, or an error event in a stream)."""
 
 
 class BudgetPolicy(_Frozen):
     reserve_output_tokens: int = Field(default=2000, ge=0)
+    """The output reserve O when a request sets no max_output_tokens / max_tokens."""
     safety_margin_tokens: int = Field(default=500, ge=0)
+    """The margin epsilon kept free for counting differences."""
     # share of the budget a sticky cut trims down to (SPEC section 5, cache-aware trimming)
     target_fill: float = Field(default=0.65, gt=0, le=1)
+    """When trimming is needed, the history is cut down to this share of its budget and the cut is kept, so later turns send the same prefix (prompt caching)."""
 
 
 class SummarizerPolicy(_Frozen):
@@ -165,12 +175,17 @@ class SummarizerPolicy(_Frozen):
     off the request path; absent, the deterministic digest is the only one."""
 
     model: str = Field(min_length=1)
+    """The model that writes summaries, through this tenant's own upstream."""
     max_tokens: int = Field(default=800, gt=0)  # the rendered summary's size
+    """The largest rendered summary the model may write."""
     timeout_seconds: float = Field(default=20.0, gt=0)  # one summary, retries included
+    """The longest one summary call may take, retries included; past it the deterministic digest stands."""
     instructions: str | None = Field(default=None, min_length=1)  # added to the prompt
+    """Extra instructions added to the summarizer's prompt."""
     # A stateful thread whose history fills this share of its budget gets its next cut's
     # summary written in the background, before the cut needs it.
     high_water: float = Field(default=0.8, gt=0, le=1)
+    """A thread whose history fills this share of its budget gets its next cut's summary written in the background, before the cut needs it."""
 
 
 def _legacy_summarizer(value: Any) -> Any:
@@ -191,12 +206,17 @@ def _legacy_summarizer(value: Any) -> Any:
 
 class MemoryPolicy(_Frozen):
     keep_recent_turns: int = Field(default=3, ge=0)
+    """Whole recent turns always kept verbatim."""
     tool_result_max_tokens: int = Field(default=800, gt=0)
+    """Older tool results above this size are compressed (errors, ids and values kept)."""
     pin_patterns: list[Regex] = Field(default_factory=list)
+    """Regexes; user messages that match are kept verbatim like system text."""
     # Summary blocks are appended, one per cut, so the prefix repeats; above this share of
     # the history budget the chain is consolidated into one block (proxy/core/projection.py).
     summary_chain_max_share: float = Field(default=0.3, gt=0, le=1)
+    """Summary blocks are appended, one per cut; above this share of the history budget the chain is consolidated into one block."""
     summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
+    """An LLM writes the summaries, off the request path; absent, the deterministic digest."""
 
 
 class CompactionPolicy(_Frozen):
@@ -205,20 +225,29 @@ class CompactionPolicy(_Frozen):
     requests and compaction items through untouched (a tenant whose provider is OpenAI)."""
 
     mode: Literal["local", "upstream"] = "local"
+    """`local` serves OpenAI's compaction here for any provider; `upstream` passes compaction requests and items through untouched."""
 
 
 class ToolPolicy(_Frozen):
     side_effect: bool = False
+    """The tool changes the world (a refund, a payment): the ledger never hands the same call out twice."""
     idempotency_key: Annotated[str, AfterValidator(_key_template)] | None = None
+    """A template rendered from the call's JSON arguments, e.g. refund:{order_id}; absent, a sha256 of the arguments' canonical JSON."""
     scope: Literal["tenant", "thread"] = "tenant"
+    """Where a key is unique: the whole tenant, or one thread."""
     on_duplicate: Literal["replay", "block"] = "replay"
+    """A repeated call gets the recorded result (replay) or an 'already done' answer (block)."""
 
 
 class RetryPolicy(_Frozen):
     max_attempts: int = Field(default=3, ge=1)  # total tries, the first included
+    """Provider attempts per request, the first included (429, 5xx, timeouts, connection errors)."""
     max_seconds: float = Field(default=30.0, gt=0)
+    """No retry starts after this many seconds."""
     initial_backoff: float = Field(default=0.5, ge=0)
+    """The first wait between attempts, growing exponentially with jitter (the provider's Retry-After wins)."""
     max_backoff: float = Field(default=8.0, ge=0)
+    """The longest wait between attempts."""
 
     @field_validator("max_backoff")
     @classmethod
@@ -231,7 +260,9 @@ class RetryPolicy(_Frozen):
 
 class IdempotencyPolicy(_Frozen):
     retention_seconds: int = Field(default=86_400, gt=0)
+    """How long an Idempotency-Key's stored answer is kept."""
     max_replays: int = Field(default=3, ge=0)
+    """How many rounds a turn is continued upstream while the model only repeats calls the ledger withholds (answered with the recorded result)."""
 
 
 def _default_models() -> dict[str, ModelLimits]:
@@ -240,16 +271,27 @@ def _default_models() -> dict[str, ModelLimits]:
 
 class Policy(_Frozen):
     tenant: Tenant
+    """The tenant id; must equal the file name without .yaml."""
     api_keys: list[KeyHash] = Field(default_factory=list)
+    """sha256 hex of the proxy keys that map to this tenant (never the keys)."""
     allow_unknown_keys: bool = False
+    """Only in default.yaml: tokens that match no file are served as this tenant (passthrough mode, each key its own namespace)."""
     upstream: UpstreamPolicy = Field(default_factory=UpstreamPolicy)
+    """Where requests go and with which key."""
     models: dict[str, ModelLimits] = Field(default_factory=_default_models)
+    """Context window and output cap per model: exact name, then the longest prefix, then "*"."""
     budget: BudgetPolicy = Field(default_factory=BudgetPolicy)
+    """The token budget: output reserve, margin, and how deep a cut goes."""
     memory: MemoryPolicy = Field(default_factory=MemoryPolicy)
+    """What is kept verbatim, compressed and summarized when a thread outgrows its window."""
     compaction: CompactionPolicy = Field(default_factory=CompactionPolicy)
+    """OpenAI's compaction API, served locally or passed through."""
     tools: dict[str, ToolPolicy] = Field(default_factory=dict)
+    """Side-effecting tools, by function name."""
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    """Provider retries."""
     idempotency: IdempotencyPolicy = Field(default_factory=IdempotencyPolicy)
+    """Idempotency-Key records and tool-result replays."""
 
     _source: str = PrivateAttr(default="")
 

@@ -42,3 +42,10 @@ def test_the_dashboard_queries_only_metrics_that_exist() -> None:
 def test_the_policy_reference_is_generated_from_the_schema() -> None:
     """Regenerate with `threadkeeper policy schema --markdown > docs/policy.md`."""
     assert (DOCS / "policy.md").read_text() == policy_reference()
+
+
+def test_every_policy_field_says_what_it_does() -> None:
+    rows = [line for line in policy_reference().splitlines() if line.startswith("| `")]
+    assert rows and all(not row.rstrip().endswith("|  |") for row in rows), [
+        row.split("|")[1] for row in rows if row.rstrip().endswith("|  |")
+    ]

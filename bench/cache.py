@@ -6,7 +6,7 @@ Drives one long agent conversation through the projection turn by turn and measu
 for every request, the share of its input tokens that repeat the previous request's
 prefix (what a provider's prompt cache can reuse). Compared: the sticky cut (cut down
 to target_fill of the budget and keep the cut), a stateless client's requests (no cut
-carried over: cuts at whole chunks of the history, summary blocks appended) and trimming
+carried over: the cut replayed from the history, summary blocks appended) and trimming
 the minimum every turn (target_fill 1.0, no cut carried over). With --write, replaces the
 "## Prompt cache" section of bench/RESULTS.md.
 """
@@ -64,7 +64,7 @@ def shared_prefix_tokens(previous: list[Item], current: list[Item], counter: Tok
 
 def run(turns: int, sticky: bool, stateless: bool = False) -> list[float]:
     """Prefix reuse per request; `stateless`: no cut is carried over and the requests are
-    projected as a stateless client's (whole chunks)."""
+    projected as a stateless client's (the cut replayed from the history)."""
     counter = TokenCounter.for_model("gpt-4o")
     fill = 0.65 if sticky or stateless else 1.0
     policy = ProjectionPolicy(keep_recent_turns=2, target_fill=fill)
@@ -112,7 +112,7 @@ def main() -> None:
             "|---|---:|---:|---:|",
             _row("sticky cut to 65% of the budget (threadkeeper)", sticky),
             _row(
-                "stateless client: whole chunks, summary blocks appended (threadkeeper)", stateless
+                "stateless client: cut replayed, summary blocks appended (threadkeeper)", stateless
             ),
             _row("trim the minimum every turn", minimal),
             "",

@@ -2,24 +2,25 @@
 
 SPEC section 5, seed sections 4, 6, 7, 8 and 13. The history is cut into blocks
 (proxy/core/blocks.py); pinned items and the current turn are fixed, the closed turns
-are history H with budget B_H (proxy/core/budget.py). When H > B_H, pressure is relieved
-in this order, stopping as soon as the context fits:
+are history H with budget B_H (proxy/core/budget.py). While H <= B_H nothing changes:
+the turns are sent as the cut left them, so the prefix repeats. When H > B_H, a cut
+brings H down to target_fill * B_H at once (cache-aware, SPEC 5), in this order:
 
 1. compress every large tool result of the older closed turns (all but
-   keep_recent_turns): which ones depends on the history alone, so from one request to
-   the next only the turn that stopped being recent changes, near the end;
+   keep_recent_turns);
 2. replace the oldest closed turns by a summary block appended to the summary chain
-   (`[pinned][summary 1][summary 2]...` keeps its bytes from one cut to the next); a
-   thread cuts down to target_fill * B_H, so the next turns send the same prefix
-   (cache-aware, SPEC 5); a request without a stored cut (a stateless client, a new
-   thread) is cut at whole chunks of its history, one block per chunk, so the same
-   history prefix gives the same cut and the same bytes; above
+   (`[pinned][summary 1][summary 2]...` keeps its bytes from one cut to the next); above
    summary_chain_max_share of B_H the chain is consolidated once into one block;
-3. compress, then summarize, the recent closed turns too;
+3. compress, then summarize, the recent closed turns but the last; only if H still
+   exceeds B_H, the last one too;
 4. a summary is never dropped: it gets at least SUMMARY_MIN_TOKENS, more of the oldest
    turns being cut into it if need be; if pinned + current turn alone exceed the
    window, or leave less than that for a history that must be cut, raise
    ContextLengthExceeded.
+
+A request without a stored cut (a stateless client, a thread's first request) gets the
+cut a stored thread would hold had each of its user messages been sent on its own
+(`_replayed_cut`): the same history prefix gives the same cut and the same bytes.
 
 A block's room comes from the budget without the current turn, so a large current turn
 does not starve it; a block that had to be smaller is kept in full in the cut
@@ -130,9 +131,8 @@ class ProjectionRequest:
     first_position: int = 0
     cut: CutPoint | None = None
     now: str = ""
-    # No stored cut comes back (a stateless client, or a thread's first cut): cuts fall on
-    # whole chunks of the history counted from its start, so the same history prefix
-    # gives the same bytes.
+    # No stored cut comes back (a stateless client, or a thread's first cut): the cut is
+    # replayed from the history (`_replayed_cut`).
     stateless: bool = False
     # Summaries already written for chunks, by chunk_digest (e.g. by an LLM summarizer
     # after an earlier request exposed the chunk in Projection.chunks).
@@ -264,7 +264,6 @@ class _State:
     new_blocks: list[tuple[int, Item]] = field(default_factory=list)  # (region end, block)
     consolidated: bool = False  # the new block replaces the old chain
     made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
-    spans: dict[tuple[int, int, int], Item | None] = field(default_factory=dict)
     cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
 
     def tokens(self, position: int) -> int:
@@ -294,6 +293,22 @@ def project_context(
     summarizer: Summarizer = summarize_turns,
 ) -> Projection:
     """The context to send for `request`, under its budget, with the cut to keep."""
+    if not request.stateless or request.cut is not None:
+        return _project(request, counter, policy, summarizer)
+    cut, made = _replayed_cut(request, counter, policy, summarizer)
+    projection = _project(replace(request, cut=cut), counter, policy, summarizer)
+    # The blocks sent were made while replaying, most of them: Projection.chunks lists them.
+    known = {id(chunk.summary): chunk for chunk in (*made, *projection.chunks)}
+    sent = (known.get(id(item)) for item in projection.items if is_summary(item))
+    return replace(projection, chunks=tuple(chunk for chunk in sent if chunk is not None))
+
+
+def _project(
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+) -> Projection:
     blocks = segment(request.items, policy.pin_patterns, request.first_position)
     state = _initial_state(request, policy, summarizer, blocks, counter)
     fixed = _fixed_tokens(state)
@@ -314,14 +329,43 @@ def project_context(
     state.room = _summary_room(capacity)
     state.chain_max = int(capacity * policy.summary_chain_max_share)
     _expand_deferred(state, budget)
-    if request.stateless:
-        relieved = _relieve_stateless(state, budget, fixed)
-    else:
-        relieved = _relieve(state, budget, policy)
-        if state.new_cut:
-            _settle(state, budget, fixed)
+    relieved = _relieve(state, budget, policy)
+    if state.new_cut:
+        _settle(state, budget, fixed)
     keep = relieved or request.cut is not None or state.cut_changed
     return _finish(state, fixed, budget, keep)
+
+
+def _replayed_cut(
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+) -> tuple[CutPoint | None, list[SummaryChunk]]:
+    """A stateless client's cut: the one a stored thread would hold had the client sent
+    each of its earlier requests to it (the history up to each model answer, with the cut
+    carried from the one before). It depends on the history alone, so the same history
+    prefix always gives the same cut and the same bytes, and a later request only adds to
+    it: its prefix repeats until the next cut, as a stored thread's does."""
+    items = request.items
+    cut: CutPoint | None = None
+    made: list[SummaryChunk] = []
+    for end in range(1, len(items)):
+        if not (_asks(items[end - 1]) and not _asks(items[end])):
+            continue  # items[end] is not the model's answer to a request ending before it
+        asked = replace(request, items=items[:end], cut=cut, stateless=False)
+        try:
+            projection = _project(asked, counter, policy, summarizer)
+        except ContextLengthExceeded:
+            continue  # that request alone was too large: the cut stays as it was
+        cut = projection.cut
+        made += projection.chunks
+    return cut, made
+
+
+def _asks(item: Item) -> bool:
+    """Whether a request may end with the item: a user message or a tool result."""
+    return item.is_user_message or item.output_for is not None
 
 
 # --- the sticky cut -------------------------------------------------------------------------
@@ -437,15 +481,22 @@ def _expand_deferred(state: _State, budget: int) -> None:
 
 
 def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
-    """Compresses and cuts until the history fits; True when anything changed."""
+    """Compresses and cuts when the history does not fit; True when anything changed.
+
+    A cut changes the prefix anyway, so it goes down to target_fill * B_H at once: the
+    turns after it then fit unchanged for a while (SPEC 5, cache-aware). The older turns
+    give way first, then the recent ones but the last, compressed before they are cut;
+    only a history that still does not fit loses the last closed turn too."""
     if _history(state) <= budget:
         return False
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
     target = int(budget * policy.target_fill)
-    _compress_until_fits(state, -1, policy, older)  # all of them (see _relieve_stateless)
-    if _history(state) > budget and older > 0:
+    _compress_until_fits(state, -1, policy, older)  # all of them: -1 is never reached
+    if _history(state) > target and older > state.cut:
         _cut_to_target(state, older, target)
+    if _history(state) > target:
+        _compress_until_fits(state, target, policy, turns - 1)
     if _history(state) > budget:
         _compress_until_fits(state, budget, policy, turns)
     if _history(state) > budget:
@@ -617,132 +668,6 @@ def _joined(chain: Sequence[Item]) -> Item:
     )
     bodies = [text.partition("\n")[2] for text in texts[1:]]
     return summary_item(chain[0].api, "\n".join([first, *(b for b in bodies if b)]))
-
-
-# --- stateless cuts: whole chunks of the history -------------------------------------------
-
-
-def _relieve_stateless(state: _State, budget: int, fixed: _Fixed) -> bool:
-    """Cuts at whole chunks of the closed turns, counted from the start of the history,
-    so the same history prefix always gives the same cut and the same blocks (one per
-    chunk), whatever follows it. Only when even every whole chunk of the older turns
-    leaves too little is the cut finer or the chain squeezed.
-
-    Large tool results are compressed whole chunk by whole chunk, then in every older
-    turn, not just enough of them to fit: which ones then depends on the history alone,
-    and changes only when a chunk completes (or, failing that, when a turn stops being
-    recent, near the end of the prefix)."""
-    if _history(state) <= budget:
-        return False
-    policy = state.policy
-    turns = len(state.closed)
-    older = max(0, turns - policy.keep_recent_turns)
-    ends = _chunk_ends(state)
-    whole = ends[-1] if ends else 0
-    for upto in (min(whole, older), older):
-        _compress_until_fits(state, -1, policy, upto)  # all of them: -1 is never reached
-        if _history(state) <= budget:
-            return True
-    for highest in (older, turns):
-        if highest == turns:
-            _compress_until_fits(state, budget, policy, turns)
-        candidates = [e for e in ends if e <= highest]
-        candidates += range(max(whole, state.cut) + 1, highest + 1)
-        for cut in candidates:
-            if _try_chunks(state, cut, budget, ends):
-                return True
-        if highest > 0 and _squeeze(state, highest, budget):
-            return True
-    raise ContextLengthExceeded(_overflow_report(state, fixed, budget), SUMMARY_MIN_TOKENS)
-
-
-def _chunk_ends(state: _State) -> list[int]:
-    """Where whole chunks end (counts of closed turns): a chunk closes at the first turn
-    that brings it to (1 - target_fill) of the history's capacity, so a cut leaves room
-    for about that much more history before the next one. Turns are measured as they are
-    sent once compressed (a large tool result as tool_result_max_tokens), which depends on
-    the turn alone: the same history prefix always has the same chunks."""
-    share = 1 - state.policy.target_fill
-    size = max(2 * state.room, int(share * state.capacity), SUMMARY_MIN_TOKENS)
-    ceiling = state.policy.tool_result_max_tokens
-    offset = state.request.first_position
-    ends, total = [], 0
-    for index, block in enumerate(state.closed):
-        for position, item in zip(block.positions, block.items, strict=True):
-            tokens = state.counts[position - offset]
-            total += min(tokens, ceiling) if is_compressible(item) else tokens
-        if total >= size:
-            ends.append(index + 1)
-            total = 0
-    return ends
-
-
-def _try_chunks(state: _State, cut: int, budget: int, ends: list[int]) -> bool:
-    """The chain for cutting the first `cut` closed turns, at full rooms: one block per
-    whole chunk (the leading ones consolidated in fixed groups once the chain outgrows its
-    share) and one for the turns after the last whole chunk; kept when it fits."""
-    if state.chain_tokens + state.rest(cut) + SUMMARY_MIN_TOKENS > budget:
-        return False  # too little is cut for any chain to fit
-    whole = [e for e in ends if e <= cut]
-    spans = list(zip([0, *whole], whole, strict=False))
-    if not whole or whole[-1] < cut:
-        spans.append((whole[-1] if whole else 0, cut))
-    blocks = [_chunk_block(state, first, end, state.room) for first, end in spans]
-    if any(b is None for b in blocks):
-        return False
-    chain: list[tuple[int, Item]] = [
-        (_region_end(state, end), b) for (_, end), b in zip(spans, blocks, strict=True) if b
-    ]
-    chain = _grouped(state, chain, spans)
-    tokens = state.chain_tokens + sum(state.counter.item(b) for _, b in chain)
-    if tokens + state.rest(cut) > budget:
-        return False
-    state.cut, state.new_cut, state.new_blocks = cut, True, chain
-    return True
-
-
-def _grouped(
-    state: _State, chain: list[tuple[int, Item]], spans: list[tuple[int, int]]
-) -> list[tuple[int, Item]]:
-    """Once the blocks outgrow the chain's share, the leading chunks are consolidated in
-    groups of a fixed number of chunks, so the consolidated block also changes only
-    when a group is complete."""
-    counter = state.counter
-    if len(chain) < 2 or sum(counter.item(b) for _, b in chain) <= state.chain_max:
-        return chain
-    group = max(1, state.chain_max // max(1, state.room) // 2)
-    room = _consolidated_room(state)
-    size = group
-    while size < len(chain):
-        block = _chunk_block(state, 0, spans[size - 1][1], room)
-        if block is None:
-            break
-        grouped = [(chain[size - 1][0], block), *chain[size:]]
-        if sum(counter.item(b) for _, b in grouped) <= state.chain_max:
-            return grouped
-        size += group
-    block = _chunk_block(state, 0, spans[-1][1], room)
-    return [(chain[-1][0], block)] if block is not None else chain
-
-
-def _chunk_block(state: _State, first: int, end: int, room: int) -> Item | None:
-    key = (first, end, room)
-    if key not in state.spans:
-        state.spans[key] = _summary(state, _cut_items(state, first, end), room, None)
-    return state.spans[key]
-
-
-def _squeeze(state: _State, cut: int, budget: int) -> bool:
-    """Last resort: everything cut, in one block of what is left (at least the floor)."""
-    room = min(_consolidated_room(state), budget - state.rest(cut) - state.chain_tokens)
-    if room < SUMMARY_MIN_TOKENS:
-        return False
-    block = _summary(state, _cut_items(state, 0, cut), room, None)
-    if block is None:
-        return False
-    state.cut, state.new_cut = cut, True
-    state.new_blocks = [(_region_end(state, cut), block)]
-    return True
 
 
 # --- one summary block ----------------------------------------------------------------------

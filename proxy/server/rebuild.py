@@ -106,8 +106,8 @@ async def rebuild(
     summaries: Mapping[str, Item] | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
-    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and is cut at
-    whole chunks of its history (`stateless`) so its prefix repeats from one request to
+    its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
+    replayed from its history (`stateless`) so its prefix repeats from one request to
     the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
     chunk digest."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.blocks import segment
+from proxy.core.compress import is_compressible
 from proxy.core.invariants import check_invariants
 from proxy.core.items import Api, Item, chat_item, responses_item
 from proxy.core.projection import (
@@ -194,7 +195,9 @@ def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
 
 @PROPERTY_SETTINGS
 @given(cases())
-def test_recent_turns_are_verbatim_whenever_they_fit(case: Case) -> None:
+def test_recent_turns_are_kept_whenever_they_fit(case: Case) -> None:
+    """Never summarized while they fit: the last closed turn verbatim, the others too but
+    for their large tool results, which a cut may compress (to reach target_fill)."""
     window = window_for(case)
     blocks = segment(case.items, POLICY.pin_patterns)
     closed = [b for b in blocks if b.kind == "turn"]
@@ -210,7 +213,14 @@ def test_recent_turns_are_verbatim_whenever_they_fit(case: Case) -> None:
     event("recent turns fit")
     projection = project(case.items, window, stateless=case.stateless)
     sent = {id(item) for item in projection.items}
-    assert all(id(item) in sent for b in turns for item in b.items)
+    outputs = {item.output_for for item in projection.items if item.output_for}
+    for index, block in enumerate(turns):
+        for item in block.items:
+            large = is_compressible(item) and COUNTER.item(item) > POLICY.tool_result_max_tokens
+            if large and index < len(turns) - 1:
+                assert item.output_for in outputs  # verbatim or compressed, in its place
+            else:
+                assert id(item) in sent
 
 
 @PROPERTY_SETTINGS

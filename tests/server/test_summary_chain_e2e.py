@@ -178,7 +178,7 @@ async def test_stateless_client_gets_the_same_summary_bytes_for_the_same_history
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a travel agent."}]
     previous: list[str] = []
     repeated = extended = 0
-    for turn in range(80):  # the first cut comes at about turn 46, then every 13 turns
+    for turn in range(100):  # the first cut comes at about turn 46, then every 17 turns
         proxy.provider.script.append(Reply(text=f"Noted {turn}. " + "lorem " * 60))
         messages.append({"role": "user", "content": f"Q{turn}: ref BK-{turn}, seat 12{turn}."})
         answer = await client.chat.completions.create(model="gpt-4o", messages=messages)  # type: ignore[arg-type]

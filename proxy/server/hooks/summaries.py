@@ -106,8 +106,8 @@ class SummaryHook(TurnHook):
         never changes for it. When the real cut takes the same chunk (same items, limit
         and previous summary: the same digest) it sends the LLM summary; otherwise the
         deterministic digest, as without a summarizer. Stateful threads and stateless
-        clients alike (whose chunks are whole runs of the history from its start, so the
-        real cut matches whenever the turns ahead do not change the chunk's room)."""
+        clients alike (whose cut is replayed from the history, so the real cut matches
+        whenever the turns ahead are like the assumed ones)."""
         assert turn.projection is not None and self.background is not None
         asked = [item for item in turn.new if item.is_user_message]
         if not asked:
@@ -197,7 +197,7 @@ def sent_chunks(projection: Projection) -> list[SummaryChunk]:
 
 
 def stateless(turn: Turn) -> bool:
-    """Whether the turn's history is the client's alone, cut at whole chunks with no
+    """Whether the turn's history is the client's alone, its cut replayed with no
     stored cut: no thread, or one not stored yet (a Responses `store: false` request
     without a previous response is sent again whole; a new thread that is stored is not,
     and only wastes one summary when it arrives over budget)."""

@@ -24,13 +24,6 @@ def utc_iso(moment: datetime) -> str:
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def hour_of(moment: datetime) -> str:
-    """The hour, e.g. "2026-11-29T22:00Z": the time written into compressed tool results.
-    Coarse on purpose: a result compressed again on the next turn comes out
-    byte-identical, so the prompt prefix (and the provider's prompt cache) holds."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:00Z")
-
-
 class Clock:
     """The system clock: what the proxy runs on outside tests."""
 
@@ -39,9 +32,6 @@ class Clock:
 
     def iso(self) -> str:
         return utc_iso(self.now())
-
-    def hour(self) -> str:
-        return hour_of(self.now())
 
     async def sleep(self, seconds: float) -> None:
         """Wait `seconds` of this clock's time (periodic tasks wait here)."""
@@ -91,8 +81,3 @@ class ManualClock(Clock):
 
 def utc_now() -> str:
     return SYSTEM_CLOCK.iso()
-
-
-def utc_hour() -> str:
-    """The current hour of the system clock (see `hour_of`)."""
-    return SYSTEM_CLOCK.hour()

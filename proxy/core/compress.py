@@ -132,7 +132,7 @@ JSON_LIMITS = (
 
 # Compressed forms already computed: deterministic in these inputs, and a stateless client
 # resends the same old tool results every turn. Bounded; cleared when full.
-_compressed: dict[tuple[str, str, str, int, str, str, frozenset[str]], Item] = {}
+_compressed: dict[tuple[str, str, str, int, str, frozenset[str]], Item] = {}
 COMPRESSED_CACHE_MAX = 8192
 
 
@@ -141,7 +141,6 @@ def compress_tool_output(
     call: Item | None,
     max_tokens: int,
     counter: TokenCounter,
-    now: str,
     referenced: frozenset[str] = frozenset(),
 ) -> Item:
     """A replacement for a tool result that is at most max_tokens (item overhead included).
@@ -157,12 +156,11 @@ def compress_tool_output(
         call.digest if call is not None else "",
         max_tokens,
         counter.encoding.name,
-        now,
         referenced,
     )
     cached = _compressed.get(key)
     if cached is None:
-        cached = _compress(item, call, max_tokens, counter, now, referenced)
+        cached = _compress(item, call, max_tokens, counter, referenced)
         if len(_compressed) >= COMPRESSED_CACHE_MAX:
             _compressed.clear()
         _compressed[key] = cached
@@ -174,14 +172,12 @@ def _compress(
     call: Item | None,
     max_tokens: int,
     counter: TokenCounter,
-    now: str,
     referenced: frozenset[str],
 ) -> Item:
     text = output_text(item)
     source = {
         "tool": tool_name(item, call),
         "call_id": item.output_for,
-        "time": now,
         "original_tokens": counter.item(item),
     }
     candidate = item

@@ -130,7 +130,6 @@ class ProjectionRequest:
     instructions_tokens: int = 0
     first_position: int = 0
     cut: CutPoint | None = None
-    now: str = ""
     # No stored cut comes back (a stateless client, or a thread's first cut): the cut is
     # replayed from the history (`_replayed_cut`).
     stateless: bool = False
@@ -537,7 +536,6 @@ def _compress_until_fits(state: _State, budget: int, policy: ProjectionPolicy, u
                 calls.get(item.output_for or ""),
                 policy.tool_result_max_tokens,
                 state.counter,
-                state.request.now,
             )
             after = state.counter.item(smaller)
             if after < before:

@@ -29,7 +29,7 @@ from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.state import CLOCK, LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
+from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
 from proxy.tracing import set_attributes
 
@@ -95,7 +95,6 @@ async def rebuild(
     tools: Sequence[dict[str, Any]] = (),
     requested_output: int | None = None,
     instructions: str | None = None,
-    now: str = "",
     param: str = "messages",
     metrics: Metrics | None = None,
     route: str = "",
@@ -133,7 +132,6 @@ async def rebuild(
             instructions_tokens=instructions_tokens,
             first_position=first_position,
             cut=cut,
-            now=now,
             stateless=stateless,
             summaries=summaries if summaries is not None else {},
         )
@@ -200,7 +198,6 @@ async def rebuild_turn(
             tools=tools,
             requested_output=requested_output,
             instructions=instructions,
-            now=request.app[CLOCK].hour(),
             param=param,
             metrics=request.app[METRICS] if observe else None,
             route=route,

@@ -537,10 +537,9 @@ def test_compressed_results_are_read_for_their_facts_and_excerpts(counter: Token
             None,
             200,
             counter,
-            "",
         ),
         call("c2", "lookup", {}),
-        compress_tool_output(result("c2", json_body), None, 200, counter, ""),
+        compress_tool_output(result("c2", json_body), None, 200, counter),
     ]
     tests, lookup = extract(items).facts
     assert tests.startswith('run_tests() -> "') and "proration.py:88: Error" in tests

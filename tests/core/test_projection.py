@@ -22,7 +22,6 @@ from proxy.core.projection import (
 )
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
-NOW = "2025-01-02T03:04:05Z"
 POLICY = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=200)
 
 
@@ -61,7 +60,7 @@ def chat_history(turns: int, rows: int = 0) -> list[Item]:
 
 
 def request(items: Sequence[Item], window: int, **kwargs: object) -> ProjectionRequest:
-    return ProjectionRequest(items, window=window, output=500, epsilon=100, now=NOW, **kwargs)  # type: ignore[arg-type]
+    return ProjectionRequest(items, window=window, output=500, epsilon=100, **kwargs)  # type: ignore[arg-type]
 
 
 def recount(counter: TokenCounter, items: Sequence[Item], req: ProjectionRequest) -> int:

@@ -151,7 +151,6 @@ def project(
         EPSILON,
         tools_tokens=TOOLS,
         cut=cut,  # type: ignore[arg-type]
-        now="2025-01-01T00:00:00Z",
         stateless=stateless,
     )
     return project_context(request, COUNTER, POLICY)

@@ -25,7 +25,7 @@ from proxy.policy import Policy
 from proxy.server.auth import bearer_token
 from proxy.server.rebuild import budget_log_fields, rebuild
 from proxy.server.relay import provider_key, upstream_base
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
+from proxy.server.state import LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
 from proxy.server.summaries import BackgroundSummaries, Job, Ready
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict
@@ -125,7 +125,6 @@ class SummaryHook(TurnHook):
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
         ready = self.background.ready(namespace, self._model(), turn.api.name)
-        now = self.request.app[CLOCK].hour()
 
         async def predict() -> None:
             for ahead in range(LOOKAHEAD_TURNS):
@@ -138,7 +137,6 @@ class SummaryHook(TurnHook):
                     tools=inputs.tools,
                     requested_output=inputs.requested_output,
                     instructions=inputs.instructions,
-                    now=now,
                     first_position=first_position,
                     cut=cut,
                     stateless=whole_chunks,

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 from proxy.clock import ManualClock
 from proxy.core.items import Item, chat_item
 from proxy.core.llm_summary import Written
+from proxy.core.memory import MemoryState
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -45,6 +46,7 @@ class FakeSummarizer:
         counter: TokenCounter,
         max_tokens: int,
         previous: Item | None = None,
+        base: MemoryState | None = None,
     ) -> Written | None:
         self.calls.append(items[0].text())
         self.started.set()

@@ -1,7 +1,8 @@
 """The LLM summarizer: one stateless Chat Completions call through the tenant's upstream.
 
-Never on a client's request path: proxy/server/summaries.py runs it in the background
-and the projection uses what it stored. The call is the `openai` SDK's `AsyncOpenAI`
+Never on a turn's path: proxy/server/summaries.py runs it in the background and the
+projection uses what it stored. A compaction (proxy/server/compaction.py) is the one
+request that waits for it, at most `timeout_seconds`, through the same object. The call is the `openai` SDK's `AsyncOpenAI`
 pointed at the tenant's provider (its base URL and key, as a turn would use them), with
 the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
 `timeout_seconds`. What it answers passes proxy/core/llm_summary.py (parse into the

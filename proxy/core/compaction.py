@@ -12,6 +12,11 @@ subkey), so the same summary of the same tenant always gives the same bytes and 
 item id: a client that checks the id, and the provider's prompt cache, see no change.
 Equal blobs reveal equal summaries, which is what a stable id promises anyway.
 
+The sealed summary is {"format": "memory", "state": memory.to_json(state)} (`summary_of`),
+whether the deterministic extractor wrote the state or the LLM summarizer did (its
+guarded `Written.state` is the same form; proxy/server/compaction.py asks for it with a
+`Plan`: what the summary is written of and the state it follows).
+
 Everything here is pure: the key comes from the edge (proxy/server/compaction.py).
 
 >>> key = CompactionKey(bytes(32))
@@ -166,7 +171,14 @@ class Plan:
     items: tuple[Item, ...]
     base: memory.MemoryState | None
 
-    def deterministic(self) -> JsonDict:
+    def summary(self, written: Mapping[str, Any] | None = None) -> JsonDict:
+        """What this compaction seals: `written`, a state the LLM summarizer wrote (its
+        guarded `Written.state`), when it reads as one; else the deterministic state."""
+        if written is not None:
+            try:
+                return summary_of(memory.from_json(written))
+            except (ValueError, TypeError):
+                pass
         return summary_of(memory.extract(self.items, self.base))
 
     def previous_item(self, counter: TokenCounter) -> Item | None:

@@ -10,6 +10,9 @@
   "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
   is forwarded and the compaction item leads the response's `output` (streams: its
   `response.output_item.added` / `.done` at output_index 0), as OpenAI does.
+- The summary is the tenant's LLM summarizer's when its policy sets `memory.summarizer`
+  (`llm_summary`: the app's one summarizer, guarded, stored by the compaction's digest,
+  at most `timeout_seconds`), else, and whenever that gives none, the deterministic one.
 - `POST /threadkeeper/v1/compactions/open`: an operator reads what a compaction of their
   tenant holds (OpenAI's blobs are opaque); `threadkeeper compaction show` is the CLI.
 
@@ -31,11 +34,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import structlog
 from aiohttp import web
 
 from proxy.clock import Clock
-from proxy.core import fastjson, memory
+from proxy.core import fastjson
 from proxy.core.compaction import (
     SUMMARY_TOKENS,
     CompactionError,
@@ -50,7 +52,6 @@ from proxy.core.compaction import (
     render_summary,
     replaced,
     summary_message,
-    summary_of,
 )
 from proxy.core.items import Item, JsonDict
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
@@ -83,8 +84,6 @@ from proxy.server.validate import (
 from proxy.sse import SSEDecoder, encode_event
 from proxy.store.base import Store
 from proxy.upstream import UpstreamResponse
-
-log = structlog.get_logger("threadkeeper.compaction")
 
 SECRET_NAME = "compaction"
 CONTEXT_MANAGEMENT = "context_management"
@@ -214,7 +213,7 @@ async def compact_items(
     tenant = request[NAMESPACE]
 
     def seal() -> tuple[JsonDict, list[tuple[int, Item]]]:
-        summary = written if written is not None else plan.deterministic()
+        summary = plan.summary(written)
         text = render_summary(summary, counter)
         return key.item(tenant, summary), replaced(items, end, summary_message(text))
 
@@ -222,9 +221,9 @@ async def compact_items(
 
 
 async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -> JsonDict | None:
-    """The compaction summary the tenant's summarizer model writes of `plan`, guarded
+    """The state the tenant's summarizer model writes of `plan`, guarded
     (proxy/core/llm_summary.py: every must-keep string the model left out is appended),
-    in the compaction's own shape (`summary_of`). The same plan (items, the state they
+    for `Plan.summary` to seal. The same plan (items, the state they
     follow, the model) is read back from the store, so it is paid for once and seals to
     the same bytes and id. None without a summarizer, or when it gives none (an error, a
     timeout, an unparseable answer, must-keep strings that do not fit, a plan that failed
@@ -243,7 +242,7 @@ async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -
     def prepare() -> tuple[Item | None, str]:
         return plan.previous_item(counter), plan.digest(SUMMARY_TOKENS)
 
-    previous, digest = await asyncio.to_thread(prepare) if plan.base else prepare()
+    previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
     job = Job(
         namespace=request[NAMESPACE],
         policy=policy,
@@ -257,13 +256,7 @@ async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -
         base=plan.base,
     )
     stored = await background.now(job)
-    if stored is None or stored.state is None:
-        return None
-    try:
-        return summary_of(memory.from_json(stored.state))
-    except (ValueError, TypeError):
-        log.warning("compaction_summary_malformed", tenant=policy.tenant, digest=digest)
-        return None
+    return stored.state if stored is not None else None
 
 
 def raws(items: Sequence[Item]) -> list[JsonDict]:

@@ -1,6 +1,6 @@
 """LLM summaries in the background, never on a request's path (issue 10, item 2).
 
-A request never waits for the summarizer: its projection uses the LLM summaries already
+A turn never waits for the summarizer: its projection uses the LLM summaries already
 written for the chunks it cuts (`ProjectionRequest.summaries`, by chunk digest) and the
 deterministic digest for any other. After the turn has been relayed, the summaries that
 were missing are written in the background and stored (the `summaries` table, by
@@ -11,6 +11,11 @@ tenant, summarizer model, api and chunk digest), so a later request finds them:
 - a stateful thread whose history crossed `memory.summarizer.high_water` of its budget
   gets its next cut's summary written before that cut is made; a cut already sent with
   the deterministic digest keeps it (the thread's prefix stays byte-identical).
+
+A compaction is the exception (proxy/server/compaction.py): it seals its summary before
+it answers, so it writes it `now`, bounded by the summarizer's timeout, and stores it the
+same way (by the compaction's own digest); a compaction whose summary failed is not
+tried again for `retry_after` seconds.
 
 Background work is bounded: at most `max_running` summaries at a time in the process
 and `max_per_tenant` per tenant; beyond that a summary is skipped (counted, the

@@ -4,6 +4,7 @@ stands in a history (proxy/core/compaction.py)."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from hypothesis import given
@@ -204,8 +205,13 @@ def test_a_plan_is_what_the_summary_is_written_of_and_its_key() -> None:
     assert [item.kind for item in plan.items] == ["tool_calls", "tool_output", "message"]
     assert plan.base is not None and plan.base.count == 1
     # The deterministic summary is compaction_summary's, in the shape both kinds share.
-    assert plan.deterministic() == compaction_summary(plan.items, first)
-    assert plan.deterministic() == summary_of(memory.extract(plan.items, plan.base))
+    assert plan.summary() == compaction_summary(plan.items, first)
+    assert plan.summary() == summary_of(memory.extract(plan.items, plan.base))
+    # A state the summarizer wrote is sealed in the same shape; a malformed one is not.
+    written = json.loads(memory.to_json(memory.MemoryState(count=4, decisions=("Ship it.",))))
+    assert plan.summary(written) == {"format": "memory", "state": written}
+    assert plan.summary({"count": -1}) == plan.summary()
+    assert plan.summary({"decisions": "not a list"}) == plan.summary()
     previous = plan.previous_item(counter)
     assert previous is not None and "REF-1" in previous.text()
     # The key names the items, what they follow and the limit.

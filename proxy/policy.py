@@ -172,7 +172,8 @@ class BudgetPolicy(_Frozen):
 
 class SummarizerPolicy(_Frozen):
     """An LLM writes the summaries (proxy/summarizer.py), through the tenant's own upstream,
-    off the request path; absent, the deterministic digest is the only one."""
+    off the request path (a compaction's on its own, bounded by timeout_seconds); absent,
+    the deterministic digest is the only one."""
 
     model: str = Field(min_length=1)
     """The model that writes summaries, through this tenant's own upstream."""
@@ -216,7 +217,7 @@ class MemoryPolicy(_Frozen):
     summary_chain_max_share: float = Field(default=0.3, gt=0, le=1)
     """Summary blocks are appended, one per cut; above this share of the history budget the chain is consolidated into one block."""
     summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
-    """An LLM writes the summaries, off the request path; absent, the deterministic digest."""
+    """An LLM writes the summaries, off the request path (a compaction's on its request, at most timeout_seconds); absent, the deterministic digest."""
 
 
 class CompactionPolicy(_Frozen):

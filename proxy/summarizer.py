@@ -1,7 +1,8 @@
 """The LLM summarizer: one stateless Chat Completions call through the tenant's upstream.
 
-Never on a client's request path: proxy/server/summaries.py runs it in the background
-and the projection uses what it stored. The call is the `openai` SDK's `AsyncOpenAI`
+Never on a turn's path: proxy/server/summaries.py runs it in the background and the
+projection uses what it stored. A compaction (proxy/server/compaction.py) is the one
+request that waits for it, at most `timeout_seconds`, through the same object. The call is the `openai` SDK's `AsyncOpenAI`
 pointed at the tenant's provider (its base URL and key, as a turn would use them), with
 the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
 `timeout_seconds`. What it answers passes proxy/core/llm_summary.py (parse into the
@@ -28,6 +29,7 @@ import structlog
 
 from proxy.core.items import Item
 from proxy.core.llm_summary import Written, summary_from_answer, summary_messages
+from proxy.core.memory import MemoryState
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -81,10 +83,11 @@ class LlmSummarizer:
         counter: TokenCounter,
         max_tokens: int,
         previous: Item | None = None,
+        base: MemoryState | None = None,
     ) -> Written | None:
-        """The guarded LLM summary of `items` (following `previous`) in at most
-        max_tokens and the policy's own max_tokens, or None (the deterministic digest
-        stands)."""
+        """The guarded LLM summary of `items` (following `previous`, rendered from
+        `base` when given: llm_summary.summary_from_answer) in at most max_tokens and the
+        policy's own max_tokens, or None (the deterministic digest stands)."""
         settings = policy.memory.summarizer
         model = settings.model if settings is not None else ""
         attributes: dict[str, str | int] = {
@@ -95,7 +98,7 @@ class LlmSummarizer:
         }
         with self.tracing.span(f"summarize {model}", attributes, kind="client") as span:
             started = time.perf_counter()
-            call = await self._call(policy, target, items, counter, max_tokens, previous)
+            call = await self._call(policy, target, items, counter, max_tokens, previous, base)
             self._observe(policy, call, time.perf_counter() - started, len(items))
             set_attributes(
                 span,
@@ -115,6 +118,7 @@ class LlmSummarizer:
         counter: TokenCounter,
         max_tokens: int,
         previous: Item | None,
+        base: MemoryState | None = None,
     ) -> Call:
         settings = policy.memory.summarizer
         assert settings is not None
@@ -148,7 +152,7 @@ class LlmSummarizer:
             # Reading the chunk's must-keep strings walks every item: not on the loop.
             limit = min(max_tokens, settings.max_tokens)
             written = await asyncio.to_thread(
-                summary_from_answer, answer, items, counter, limit, previous
+                summary_from_answer, answer, items, counter, limit, previous, base
             )
         if written is None:
             return Call("unparseable", None, *tokens)

@@ -12,6 +12,11 @@ subkey), so the same summary of the same tenant always gives the same bytes and 
 item id: a client that checks the id, and the provider's prompt cache, see no change.
 Equal blobs reveal equal summaries, which is what a stable id promises anyway.
 
+The sealed summary is {"format": "memory", "state": memory.to_json(state)} (`summary_of`),
+whether the deterministic extractor wrote the state or the LLM summarizer did (its
+guarded `Written.state` is the same form; proxy/server/compaction.py asks for it with a
+`Plan`: what the summary is written of and the state it follows).
+
 Everything here is pure: the key comes from the edge (proxy/server/compaction.py).
 
 >>> key = CompactionKey(bytes(32))
@@ -28,13 +33,15 @@ import hashlib
 import hmac
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from proxy.core import memory
-from proxy.core.items import Item, JsonDict, canonical_bytes
+from proxy.core.items import Item, JsonDict, canonical_bytes, content_digest
+from proxy.core.llm_summary import WHOLE
 from proxy.core.memory import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.tokens import TokenCounter
 
@@ -126,17 +133,87 @@ def _mac(key: bytes, tenant: str, data: bytes) -> bytes:
 def compaction_summary(
     items: Sequence[Item], previous: JsonDict | None = None, earlier: Sequence[Item] = ()
 ) -> JsonDict:
-    """The structured summary a compaction seals: the memory state (proxy/core/memory.py)
-    of `items`, on top of the `previous` compaction's and of `earlier` summaries read
-    back from their text (a compaction a stored chain holds expanded). The one place a
-    compaction's content is decided; `render_summary` writes the text the provider reads.
-    The state is whole (nothing is dropped to fit): the budget applies when rendering."""
+    """The deterministic structured summary a compaction seals: the memory state
+    (proxy/core/memory.py) of `items`, on top of the `previous` compaction's and of
+    `earlier` summaries read back from their text (a compaction a stored chain holds
+    expanded). `render_summary` writes the text the provider reads. The state is whole
+    (nothing is dropped to fit): the budget applies when rendering."""
+    return summary_of(memory.extract(items, base_state(previous, earlier)))
+
+
+def summary_of(state: memory.MemoryState) -> JsonDict:
+    """The one shape a compaction seals, whoever wrote the state (the deterministic
+    extractor, or the LLM summarizer through proxy/core/llm_summary.py, whose `Written.
+    state` is the same `memory.to_json` form): {"format": "memory", "state": ...}."""
+    return {"format": MEMORY_FORMAT, "state": json.loads(memory.to_json(state))}
+
+
+def base_state(
+    previous: JsonDict | None, earlier: Sequence[Item] = ()
+) -> memory.MemoryState | None:
+    """The state a compaction's items follow: the `previous` compaction's, with the
+    `earlier` summaries (parsed back from their text) merged in; None when neither."""
     state = memory.from_json(previous["state"]) if previous is not None else None
     for summary in earlier:
         parsed = memory.parse(summary.text())
         state = parsed if state is None else memory.merge(state, parsed)
-    state = memory.extract(items, state)
-    return {"format": MEMORY_FORMAT, "state": json.loads(memory.to_json(state))}
+    return state
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compaction at `end` before its summary is written: the indexes it covers, the
+    items its summary is written of (the covered ones that are not summaries), and the
+    state they follow (`previous` and the summaries among the covered items)."""
+
+    end: int
+    gone: tuple[int, ...]
+    items: tuple[Item, ...]
+    base: memory.MemoryState | None
+
+    def summary(self, written: Mapping[str, Any] | None = None) -> JsonDict:
+        """What this compaction seals: `written`, a state the LLM summarizer wrote (its
+        guarded `Written.state`), when it reads as one; else the deterministic state."""
+        if written is not None:
+            try:
+                return summary_of(memory.from_json(written))
+            except (ValueError, TypeError):
+                pass
+        return summary_of(memory.extract(self.items, self.base))
+
+    def previous_item(self, counter: TokenCounter) -> Item | None:
+        """The base state as the summary the LLM is asked to carry forward (whole)."""
+        if self.base is None:
+            return None
+        return summary_message(memory.render(self.base, counter, WHOLE))
+
+    def digest(self, max_tokens: int) -> str:
+        """The key of an LLM summary of this plan: what it is written of, what it
+        follows, and its limit (a domain of its own: never a projection chunk's key)."""
+        base = memory.to_json(self.base) if self.base is not None else None
+        return content_digest(
+            {
+                "compaction": [item.digest for item in self.items],
+                "base": base,
+                "max_tokens": max_tokens,
+            }
+        )
+
+
+def plan_compaction(
+    items: Sequence[Item], end: int, counter: TokenCounter, previous: JsonDict | None
+) -> Plan | None:
+    """What a compaction of `items` before `end` stands for, after `previous` (the
+    compaction those items follow, whose rendered text, when it is among them, is not
+    read back a second time); None when nothing there can be compacted."""
+    gone = covered(items, end)
+    if not gone:
+        return None
+    held = render_summary(previous, counter) if previous is not None else None
+    summaries = [items[i] for i in gone if is_summary(items[i])]
+    earlier = [item for item in summaries if item.text() != held]
+    rest = tuple(items[i] for i in gone if not is_summary(items[i]))
+    return Plan(end, tuple(gone), rest, base_state(previous, earlier))
 
 
 def render_summary(

@@ -224,15 +224,18 @@ def summary_from_answer(
     counter: TokenCounter,
     max_tokens: int,
     previous: Item | None = None,
+    base: memory.MemoryState | None = None,
 ) -> Written | None:
     """The guarded summary item of `items` (extending `previous`, a summary they follow)
     from the model's answer, at most max_tokens; None when the answer is not the state
     asked for, or when the must-keep strings do not all fit (the deterministic digest
-    stands)."""
+    stands). `base`: the state `previous` was rendered from, when the caller holds it
+    (a compaction's: its text does not carry the pending calls' ids, so a call answered
+    in `items` would stay pending if the text were read back)."""
     fields = parse_answer(answer)
     if fields is None or not items:
         return None
-    earlier = memory.state_of(previous)
+    earlier = base if base is not None else memory.state_of(previous)
     state = state_from_answer(fields, len(items), earlier)
     if state is None:
         return None

@@ -10,6 +10,9 @@
   "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
   is forwarded and the compaction item leads the response's `output` (streams: its
   `response.output_item.added` / `.done` at output_index 0), as OpenAI does.
+- The summary is the tenant's LLM summarizer's when its policy sets `memory.summarizer`
+  (`llm_summary`: the app's one summarizer, guarded, stored by the compaction's digest,
+  at most `timeout_seconds`), else, and whenever that gives none, the deterministic one.
 - `POST /threadkeeper/v1/compactions/open`: an operator reads what a compaction of their
   tenant holds (OpenAI's blobs are opaque); `threadkeeper compaction show` is the CLI.
 
@@ -36,27 +39,38 @@ from aiohttp import web
 from proxy.clock import Clock
 from proxy.core import fastjson
 from proxy.core.compaction import (
+    SUMMARY_TOKENS,
     CompactionError,
     CompactionKey,
+    Plan,
     compacted_output,
     compaction_summary,
-    covered,
     covers,
     current_turn_start,
     last_compaction,
+    plan_compaction,
     render_summary,
     replaced,
     summary_message,
 )
 from proxy.core.items import Item, JsonDict
-from proxy.core.memory import is_summary
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.ids import new_id
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
+from proxy.server.hooks.summaries import summarizer_target
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
+from proxy.server.state import (
+    CLOCK,
+    LOG_FIELDS,
+    NAMESPACE,
+    SETTINGS,
+    STORE,
+    SUMMARIES,
+    TENANT_POLICY,
+)
+from proxy.server.summaries import Job
 from proxy.server.turn import Turn, TurnHook
 from proxy.server.validate import (
     list_of_objects,
@@ -178,9 +192,9 @@ def expand(
     return Expanded([item for _, item in pairs], [index for index, _ in pairs], summary)
 
 
-def compact_items(
+async def compact_items(
+    request: web.Request,
     key: CompactionKey,
-    tenant: str,
     items: Sequence[Item],
     end: int,
     counter: TokenCounter,
@@ -188,17 +202,61 @@ def compact_items(
 ) -> tuple[JsonDict, list[tuple[int, Item]]] | None:
     """A compaction of what precedes `end` (after `previous`, the compaction those items
     follow): the compaction item, and `items` with its summary in place of what it covers.
-    None when nothing there can be compacted."""
-    gone = covered(items, end)
-    if not gone:
+    None when nothing there can be compacted. The summary is the tenant's LLM
+    summarizer's when its policy sets one and it gives one (`llm_summary`), else the
+    deterministic one."""
+    read = raws(items)
+    plan = await off_the_loop(lambda: plan_compaction(items, end, counter, previous), read)
+    if plan is None:
         return None
-    held = render_summary(previous, counter) if previous is not None else None
-    summaries = [items[i] for i in gone if is_summary(items[i])]
-    earlier = [item for item in summaries if item.text() != held]  # not `previous` itself
-    rest = [items[i] for i in gone if not is_summary(items[i])]
-    summary = compaction_summary(rest, previous, earlier)
-    text = render_summary(summary, counter)
-    return key.item(tenant, summary), replaced(items, end, summary_message(text))
+    written = await llm_summary(request, plan, counter)
+    tenant = request[NAMESPACE]
+
+    def seal() -> tuple[JsonDict, list[tuple[int, Item]]]:
+        summary = plan.summary(written)
+        text = render_summary(summary, counter)
+        return key.item(tenant, summary), replaced(items, end, summary_message(text))
+
+    return await off_the_loop(seal, read)
+
+
+async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -> JsonDict | None:
+    """The state the tenant's summarizer model writes of `plan`, guarded
+    (proxy/core/llm_summary.py: every must-keep string the model left out is appended),
+    for `Plan.summary` to seal. The same plan (items, the state they
+    follow, the model) is read back from the store, so it is paid for once and seals to
+    the same bytes and id. None without a summarizer, or when it gives none (an error, a
+    timeout, an unparseable answer, must-keep strings that do not fit, a plan that failed
+    lately): the deterministic summary stands. Waits at most the call's timeout_seconds
+    (the SDK's retries included), then the guard's work off the loop."""
+    policy = request[TENANT_POLICY]
+    settings = policy.memory.summarizer
+    background = request.app.get(SUMMARIES)
+    if settings is None or background is None or not plan.items:
+        return None
+    try:
+        target = summarizer_target(request, policy)
+    except ApiError:  # no provider key: the summary is the deterministic one
+        return None
+
+    def prepare() -> tuple[Item | None, str]:
+        return plan.previous_item(counter), plan.digest(SUMMARY_TOKENS)
+
+    previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
+    job = Job(
+        namespace=request[NAMESPACE],
+        policy=policy,
+        target=target,
+        api=RESPONSES.name,
+        digest=digest,
+        items=plan.items,
+        max_tokens=SUMMARY_TOKENS,
+        previous=previous,
+        counter=counter,
+        base=plan.base,
+    )
+    stored = await background.now(job)
+    return stored.state if stored is not None else None
 
 
 def raws(items: Sequence[Item]) -> list[JsonDict]:
@@ -293,10 +351,12 @@ async def compact(request: web.Request) -> web.StreamResponse:
     history = [*await _previous_items(request, body), *_input_items(body)]
     key = await request_key(request)
 
-    def work() -> JsonDict:
-        given = expand(key, tenant, history, counter, "input")
-        items = given.items
-        made = compact_items(key, tenant, items, len(items), counter, given.summary)
+    read = raws(history)
+    given = await off_the_loop(lambda: expand(key, tenant, history, counter, "input"), read)
+    items = given.items
+    made = await compact_items(request, key, items, len(items), counter, given.summary)
+
+    def answer() -> JsonDict:
         if made is None:  # nothing but user messages: an empty summary still stands for them
             item = key.item(tenant, compaction_summary([], given.summary))
         else:
@@ -312,7 +372,7 @@ async def compact(request: web.Request) -> web.StreamResponse:
             "usage": _usage(input_tokens, output_tokens),
         }
 
-    return web.json_response(await off_the_loop(work, raws(history)))
+    return web.json_response(await off_the_loop(answer, read))
 
 
 def _input_items(body: JsonDict) -> list[Item]:
@@ -409,9 +469,7 @@ class Compactions(TurnHook):
             return
         key = await request_key(self.request)
         end = current_turn_start(everything)
-        made = await off_the_loop(
-            lambda: compact_items(key, self.tenant, everything, end, counter, self.summary), read
-        )
+        made = await compact_items(self.request, key, everything, end, counter, self.summary)
         if made is None:
             return
         self.item, pairs = made

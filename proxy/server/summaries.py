@@ -1,6 +1,6 @@
 """LLM summaries in the background, never on a request's path (issue 10, item 2).
 
-A request never waits for the summarizer: its projection uses the LLM summaries already
+A turn never waits for the summarizer: its projection uses the LLM summaries already
 written for the chunks it cuts (`ProjectionRequest.summaries`, by chunk digest) and the
 deterministic digest for any other. After the turn has been relayed, the summaries that
 were missing are written in the background and stored (the `summaries` table, by
@@ -11,6 +11,11 @@ tenant, summarizer model, api and chunk digest), so a later request finds them:
 - a stateful thread whose history crossed `memory.summarizer.high_water` of its budget
   gets its next cut's summary written before that cut is made; a cut already sent with
   the deterministic digest keeps it (the thread's prefix stays byte-identical).
+
+A compaction is the exception (proxy/server/compaction.py): it seals its summary before
+it answers, so it writes it `now`, bounded by the summarizer's timeout, and stores it the
+same way (by the compaction's own digest); a compaction whose summary failed is not
+tried again for `retry_after` seconds.
 
 Background work is bounded: at most `max_running` summaries at a time in the process
 and `max_per_tenant` per tenant; beyond that a summary is skipped (counted, the
@@ -35,6 +40,7 @@ import structlog
 
 from proxy.clock import Clock
 from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.memory import MemoryState
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -65,6 +71,7 @@ class Job:
     max_tokens: int  # the room the projection gives the chunk's summary
     previous: Item | None = field(repr=False)  # the summary the chunk extends, if any
     counter: TokenCounter = field(repr=False)
+    base: MemoryState | None = field(default=None, repr=False)  # the state `previous` renders
 
     @property
     def key(self) -> Key:
@@ -183,32 +190,58 @@ class BackgroundSummaries:
         """Never raises (but cancellation): a failure is logged and remembered."""
         key = job.key
         try:
-            stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
-            if job.digest in stored:
-                self._remember(key, _item(stored[job.digest]))
-                return
-            written = await self.summarizer.write(
-                job.policy, job.target, job.items, job.counter, job.max_tokens, job.previous
-            )
-            if written is None:
-                self._fail(key)
-                return
-            summary = StoredSummary(
-                tenant=job.namespace,
-                model=key[1],
-                api=written.item.api,
-                digest=job.digest,
-                raw=written.item.raw,
-                state=written.state,
-                created_at=self.clock.iso(),
-            )
-            if not await self.store.summary_put(summary):  # another process was first
-                stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
-                summary = stored.get(job.digest, summary)
-            self._remember(key, _item(summary))
+            summary = await self._obtain(job)
         except Exception:
             self._fail(key)
             log.exception("summary_failed", tenant=job.policy.tenant, digest=job.digest)
+            return
+        if summary is None:
+            self._fail(key)
+        else:
+            self._remember(key, _item(summary))
+
+    async def now(self, job: Job) -> StoredSummary | None:
+        """`job`'s summary on the caller's path (a compaction seals it before it answers):
+        the stored one, else written now and stored. None when it fails (logged), or
+        failed lately: it is not tried again for RETRY_AFTER seconds, so a summarizer
+        that times out does not hold every request for its timeout."""
+        key = job.key
+        if self._closed or self._failed_lately(key):
+            return None
+        try:
+            summary = await self._obtain(job)
+        except Exception:
+            log.exception("summary_failed", tenant=job.policy.tenant, digest=job.digest)
+            summary = None
+        if summary is None:
+            self._fail(key)
+        return summary
+
+    async def _obtain(self, job: Job) -> StoredSummary | None:
+        """The stored summary of `job`, else the one its summarizer writes now (stored;
+        when another process stored one first, that one); None when none is written."""
+        key = job.key
+        stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
+        if job.digest in stored:
+            return stored[job.digest]
+        written = await self.summarizer.write(
+            job.policy, job.target, job.items, job.counter, job.max_tokens, job.previous, job.base
+        )
+        if written is None:
+            return None
+        summary = StoredSummary(
+            tenant=job.namespace,
+            model=key[1],
+            api=written.item.api,
+            digest=job.digest,
+            raw=written.item.raw,
+            state=written.state,
+            created_at=self.clock.iso(),
+        )
+        if not await self.store.summary_put(summary):  # another process was first
+            stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
+            summary = stored.get(job.digest, summary)
+        return summary
 
     def _failed_lately(self, key: Key) -> bool:
         failed = self._failed.get(key)

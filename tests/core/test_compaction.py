@@ -4,11 +4,13 @@ stands in a history (proxy/core/compaction.py)."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core import memory
 from proxy.core.compaction import (
     BLOB_PREFIX,
     CompactionError,
@@ -17,9 +19,11 @@ from proxy.core.compaction import (
     compaction_summary,
     covered,
     current_turn_start,
+    plan_compaction,
     render_summary,
     replaced,
     summary_message,
+    summary_of,
 )
 from proxy.core.items import Item, responses_item
 from proxy.core.memory import SUMMARY_MARKER
@@ -181,3 +185,47 @@ def test_a_compaction_never_splits_a_call_from_its_output(kinds: list[str], end:
     assert outputs <= calls
     assert {c for c in calls if c in answered} <= outputs
     assert [i for i in kept if i.is_user_message] == [i for i in items if i.is_user_message]
+
+
+def test_a_plan_is_what_the_summary_is_written_of_and_its_key() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    first = compaction_summary([assistant("The refund REF-1 is on hold.")])
+    digest = summary_message(render_summary(first, counter))
+    items = [
+        user("hello"),
+        digest,  # the previous compaction, expanded: not read back a second time
+        call("call_1"),
+        output("call_1"),
+        assistant("Shipping to Lyon is confirmed."),
+        user("and now?"),
+    ]
+    plan = plan_compaction(items, 5, counter, first)
+    assert plan is not None
+    assert plan.gone == (1, 2, 3, 4)
+    assert [item.kind for item in plan.items] == ["tool_calls", "tool_output", "message"]
+    assert plan.base is not None and plan.base.count == 1
+    # The deterministic summary is compaction_summary's, in the shape both kinds share.
+    assert plan.summary() == compaction_summary(plan.items, first)
+    assert plan.summary() == summary_of(memory.extract(plan.items, plan.base))
+    # A state the summarizer wrote is sealed in the same shape; a malformed one is not.
+    written = json.loads(memory.to_json(memory.MemoryState(count=4, decisions=("Ship it.",))))
+    assert plan.summary(written) == {"format": "memory", "state": written}
+    assert plan.summary({"count": -1}) == plan.summary()
+    assert plan.summary({"decisions": "not a list"}) == plan.summary()
+    previous = plan.previous_item(counter)
+    assert previous is not None and "REF-1" in previous.text()
+    # The key names the items, what they follow and the limit.
+    assert plan.digest(2000) == plan_compaction(items, 5, counter, first).digest(2000)  # type: ignore[union-attr]
+    assert plan.digest(2000) != plan.digest(1000)
+    # Without `previous`, the expanded compaction is read back from its text instead.
+    from_text = plan_compaction(items, 5, counter, None)
+    assert from_text is not None and from_text.base == plan.base
+    alone = [user("hello"), *items[2:]]
+    assert plan.digest(2000) != plan_compaction(alone, 4, counter, None).digest(2000)  # type: ignore[union-attr]
+    assert plan_compaction([user("hi"), user("again")], 2, counter, None) is None
+
+
+def test_a_plan_without_a_previous_compaction_has_no_base() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    plan = plan_compaction([assistant("ok"), user("next")], 1, counter, None)
+    assert plan is not None and plan.base is None and plan.previous_item(counter) is None

@@ -203,3 +203,22 @@ def test_a_used_summary_always_holds_every_must_keep_string_within_its_limit(
         return  # the digest is sent instead
     assert counter.chat_message(written.item.raw) <= limit
     assert not missing(written.item.text(), memory.must_keep(support_items()))
+
+
+def test_a_base_state_keeps_the_pending_calls_ids_that_its_text_loses(
+    counter: TokenCounter,
+) -> None:
+    """A compaction hands the state it follows (`base`): a call pending there and
+    answered in `items` is no longer pending. Read back from the rendered text, the call
+    id is gone and the call would stay pending, kept by the guard."""
+    call, output = support_items()[1], support_items()[2]
+    base = memory.extract([call])
+    assert [p.call_id for p in base.pending] == ["call_1"]
+    previous = memory.summary_item("chat", memory.render(base, counter, 10_000))
+    answer = good_answer(pending_calls=[])
+    written = summary_from_answer(answer, [output], counter, 800, previous, base)
+    assert written is not None
+    assert memory.from_json(written.state).pending == ()
+    assert "Pending actions" not in written.item.text()
+    from_text = summary_from_answer(answer, [output], counter, 800, previous)
+    assert from_text is not None and memory.from_json(from_text.state).pending != ()

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 from proxy.clock import ManualClock
 from proxy.core.items import Item, chat_item
 from proxy.core.llm_summary import Written
+from proxy.core.memory import MemoryState
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -45,6 +46,7 @@ class FakeSummarizer:
         counter: TokenCounter,
         max_tokens: int,
         previous: Item | None = None,
+        base: MemoryState | None = None,
     ) -> Written | None:
         self.calls.append(items[0].text())
         self.started.set()
@@ -195,3 +197,27 @@ async def test_shutdown_cancels_running_summaries_and_closes_the_pool(
     assert not background.submit(job("d2"))  # nothing starts after shutdown
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("summary ")]
     assert await store.summaries_get("acme", "m", "chat", ["d1"]) == {}
+
+
+async def test_a_summary_written_now_is_stored_read_back_and_not_retried_soon_after_failing(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    """`now` (a compaction's, on its request's path): the stored summary when there is
+    one; a failure gives None, logged, and is not tried again for RETRY_AFTER."""
+    fake.script = [RuntimeError("boom"), None, "written"]
+    with capture_logs() as logs:
+        assert await background.now(job("c1")) is None  # raised: logged, not raised
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["summary_failed"]
+    assert await background.now(job("c1")) is None  # failed lately: no second call
+    assert len(fake.calls) == 1
+    clock.advance(RETRY_AFTER + 1)
+    assert await background.now(job("c1")) is None  # a bad answer
+    clock.advance(RETRY_AFTER + 1)
+    written = await background.now(job("c1"))
+    assert written is not None and written.raw["content"] == "written"
+    assert written.state == {"count": 1}
+    assert (await store.summaries_get("acme", "m", "chat", ["c1"]))["c1"] == written
+    again = await background.now(job("c1"))
+    assert again == written and len(fake.calls) == 3  # read from the store
+    await background.aclose()
+    assert await background.now(job("c2")) is None and len(fake.calls) == 3

@@ -182,10 +182,14 @@ class SummaryHook(TurnHook):
         return settings.model
 
     def _target(self) -> Target:
-        """The tenant's upstream with the key its turns use (the client's own bearer in
-        passthrough mode, which a turn forwards too)."""
-        key = provider_key(self.request, self.policy) or bearer_token(self.request) or ""
-        return Target(upstream_base(self.request, self.policy), key)
+        return summarizer_target(self.request, self.policy)
+
+
+def summarizer_target(request: web.Request, policy: Policy) -> Target:
+    """The tenant's upstream with the key its turns use (the client's own bearer in
+    passthrough mode, which a turn forwards too)."""
+    key = provider_key(request, policy) or bearer_token(request) or ""
+    return Target(upstream_base(request, policy), key)
 
 
 def sent_chunks(projection: Projection) -> list[SummaryChunk]:

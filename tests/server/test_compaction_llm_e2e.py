@@ -1,0 +1,311 @@
+"""Compactions written by the tenant's LLM summarizer (issue 10, items 1 and 5), through
+the real socket: `POST /v1/responses/compact` and `context_management` on
+`POST /v1/responses` with a `memory.summarizer` policy. The summarizer is the fake
+provider, scripted; what a compaction holds is read back by the operator endpoint and
+the CLI. The guard adds every must-keep string the model left out; an error, a timeout
+or an unparseable answer leaves the deterministic summary, in bounded time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from proxy.cli import main
+from proxy.core.memory import SUMMARY_MARKER
+from proxy.fake_provider import Reply
+from proxy.server.state import SETTINGS
+
+from .conftest import PROVIDER_KEY, TENANT_KEY, Proxy
+
+SUMMARIZER = "gpt-4.1-mini"
+TIMEOUT = 1
+MEMORY = (
+    f", summarizer: {{model: {SUMMARIZER}, max_tokens: 600, timeout_seconds: {TIMEOUT}, "
+    'instructions: "Name every order."}'
+)
+DECISION = "We agreed: refund rfd_555 stays on hold pending supervisor approval."
+LLM_TASK = "Call the customer back once the supervisor has answered."
+CONTEXT = [{"type": "compaction", "compact_threshold": 1000}]
+
+
+def history(turns: int) -> list[dict[str, Any]]:
+    """A Responses history: a rule, a tool call and its result, a decision by the
+    assistant, then question and (long) answer turns."""
+    items: list[dict[str, Any]] = [
+        {"role": "user", "content": "Rules: all prices in EUR, never book red-eye flights."},
+        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
+        {
+            "type": "function_call_output",
+            "call_id": "call_1",
+            "output": json.dumps({"status": "order ORD-7731 refunded 129.50 EUR"}),
+        },
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": DECISION}],
+        },
+    ]
+    for turn in range(turns):
+        items.append({"role": "user", "content": f"question {turn}?"})
+        items.append(
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": f"answer {turn} " + "words " * 120}],
+            }
+        )
+    return items
+
+
+def answer(**changes: Any) -> Reply:
+    """The model's state: an open task of its own, and neither ORD-7731, 129.50 EUR,
+    rfd_555 nor the decision (must-keep strings the guard has to add back)."""
+    state: dict[str, Any] = {
+        "constraints": [],
+        "preferences": [],
+        "decisions": [],
+        "open_tasks": [LLM_TASK],
+        "pending_calls": [],
+        "facts": [],
+        "entities": [],
+    }
+    state.update(changes)
+    return Reply(text=json.dumps(state))
+
+
+def summarizer_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") == SUMMARIZER]
+
+
+def turn_requests(proxy: Proxy) -> list[Any]:
+    return [r for r in proxy.provider.model_requests if r.json.get("model") != SUMMARIZER]
+
+
+async def opened(proxy: Proxy, item: dict[str, Any]) -> dict[str, Any]:
+    async with proxy.http() as http:
+        response = await http.post(
+            "/threadkeeper/v1/compactions/open",
+            json={"encrypted_content": item["encrypted_content"]},
+            headers={"Authorization": f"Bearer {TENANT_KEY}"},
+        )
+    assert response.status_code == 200, response.text
+    shown: dict[str, Any] = response.json()
+    return shown
+
+
+async def metrics(proxy: Proxy) -> str:
+    async with proxy.http() as http:
+        return (await http.get("/metrics")).text
+
+
+def dumped(output: Any) -> list[dict[str, Any]]:
+    return [o.model_dump(exclude_unset=True, warnings=False) for o in output]
+
+
+async def test_compact_with_a_summarizer_seals_the_guarded_llm_summary(
+    make_proxy: Any, capsys: Any
+) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [answer()]
+    client = proxy.client()
+    given = history(3)
+    compacted = await client.responses.compact(model="gpt-4o", input=given)  # type: ignore[arg-type]
+    output = dumped(compacted.output)
+    item = output[-1]
+    assert item["type"] == "compaction" and item["id"].startswith("cmp_")
+    assert [o["role"] for o in output[:-1]] == ["user"] * 4  # the user messages, verbatim
+
+    [call] = summarizer_requests(proxy)
+    assert call.path == "/v1/chat/completions"
+    assert call.headers["Authorization"] == f"Bearer {PROVIDER_KEY}"
+    assert call.json["response_format"] == {"type": "json_object"}
+    asked = call.json["messages"][1]["content"]
+    assert "ORD-7731" in asked and "rfd_555" in asked
+    assert "Name every order." in call.json["messages"][0]["content"]
+    assert "Memory so far" not in asked  # nothing came before this compaction
+
+    shown = await opened(proxy, item)
+    text = shown["text"]
+    assert text.startswith(SUMMARY_MARKER)
+    assert LLM_TASK in text  # the model's own content
+    for kept in (DECISION, "ORD-7731", "129.50 EUR", "rfd_555"):  # the guard's
+        assert kept in text, kept
+    assert shown["summary"]["format"] == "memory"
+    assert shown["summary"]["state"]["open_tasks"] == [LLM_TASK]
+    assert shown["covers"] == 6  # the call, its output, the decision, three answers
+    assert 'threadkeeper_summarizer_calls_total{outcome="guarded",tenant="acme"} 1.0' in (
+        await metrics(proxy)
+    )
+
+    # The CLI reads the same thing with the key the proxy uses.
+    store = f"sqlite:///{proxy.app[SETTINGS].store_url.removeprefix('sqlite:///')}"  # type: ignore[index]
+    cli = ["compaction", "show", "--tenant", "acme", "--store", store, "--json"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, [*cli, item["encrypted_content"]]) == 0
+    assert json.loads(capsys.readouterr().out) == shown
+
+    # The same conversation compacts to the same item, and the summary is not paid twice.
+    again = await client.responses.compact(model="gpt-4o", input=given)  # type: ignore[arg-type]
+    assert dumped(again.output)[-1] == item
+    assert len(summarizer_requests(proxy)) == 1
+
+    # Continuing sends the LLM summary as text, never the item.
+    await client.responses.create(
+        model="gpt-4o",
+        input=[*output, {"role": "user", "content": "Where are we?"}],  # type: ignore[list-item]
+        store=False,
+    )
+    sent = turn_requests(proxy)[-1].json["input"]
+    [developer] = [i for i in sent if i.get("role") == "developer"]
+    assert LLM_TASK in developer["content"] and DECISION in developer["content"]
+    assert '"compaction"' not in json.dumps(sent)
+
+
+async def test_a_later_compaction_carries_the_earlier_one_forward(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [answer(), answer(open_tasks=[])]
+    client = proxy.client()
+    first = dumped((await client.responses.compact(model="gpt-4o", input=history(2))).output)  # type: ignore[arg-type]
+    later = [
+        *first,
+        {"role": "user", "content": "Ship it to Lyon."},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Order ORD-9100 ships to Lyon."}],
+        },
+    ]
+    second = dumped((await client.responses.compact(model="gpt-4o", input=later)).output)  # type: ignore[arg-type]
+    calls = summarizer_requests(proxy)
+    assert len(calls) == 2
+    asked = calls[1].json["messages"][1]["content"]
+    assert "Memory so far" in asked and LLM_TASK in asked  # the first compaction's state
+    assert "ORD-9100" in asked
+    text = (await opened(proxy, second[-1]))["text"]
+    # The model dropped its earlier task; what the guard keeps is the deterministic
+    # must-keep of both compactions: the decision and the ids of the first, the new id.
+    for kept in (DECISION, "ORD-7731", "rfd_555", "ORD-9100"):
+        assert kept in text, kept
+
+
+async def test_a_summarizer_answering_garbage_leaves_the_deterministic_summary(
+    make_proxy: Any,
+) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [Reply(text="The customer had a refund.")]
+    client = proxy.client()
+    compacted = await client.responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    assert len(summarizer_requests(proxy)) == 1
+    shown = await opened(proxy, dumped(compacted.output)[-1])
+    assert "The customer had a refund." not in shown["text"]
+    assert "lookup() -> status=order ORD-7731 refunded 129.50 EUR" in shown["text"]
+    assert DECISION in shown["text"]
+    assert "answer 2 words" in shown["text"]  # the digest's own "said" section
+    assert 'threadkeeper_summarizer_calls_total{outcome="unparseable",tenant="acme"} 1.0' in (
+        await metrics(proxy)
+    )
+
+    # Without a summarizer the same conversation seals the same summary.
+    plain: Proxy = await make_proxy()
+    deterministic = await plain.client().responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    assert (await opened(plain, dumped(deterministic.output)[-1]))["summary"] == shown["summary"]
+
+
+async def test_a_summarizer_error_leaves_the_deterministic_summary(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [Reply(status=400, text="model not found")]
+    compacted = await proxy.client().responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+    shown = await opened(proxy, dumped(compacted.output)[-1])
+    assert LLM_TASK not in shown["text"] and DECISION in shown["text"]
+    assert 'threadkeeper_summarizer_calls_total{outcome="error",tenant="acme"} 1.0' in (
+        await metrics(proxy)
+    )
+
+
+async def test_a_summarizer_that_hangs_is_given_up_after_its_timeout(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    release = asyncio.Event()
+    proxy.provider.scripts[SUMMARIZER] = [Reply(text="{}", release=release) for _ in range(3)]
+    client = proxy.client()
+    try:
+        started = time.monotonic()
+        compacted = await client.responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+        took = time.monotonic() - started
+        assert TIMEOUT <= took < TIMEOUT + 2  # the SDK's retries are inside the timeout
+        shown = await opened(proxy, dumped(compacted.output)[-1])
+        assert DECISION in shown["text"] and LLM_TASK not in shown["text"]
+        assert 'threadkeeper_summarizer_calls_total{outcome="timeout",tenant="acme"} 1.0' in (
+            await metrics(proxy)
+        )
+        # The same compaction again does not wait a second time (it failed lately).
+        calls = len(summarizer_requests(proxy))
+        started = time.monotonic()
+        again = await client.responses.compact(model="gpt-4o", input=history(3))  # type: ignore[arg-type]
+        assert time.monotonic() - started < TIMEOUT
+        assert len(summarizer_requests(proxy)) == calls
+        assert dumped(again.output)[-1] == dumped(compacted.output)[-1]
+    finally:
+        release.set()
+
+
+async def test_context_management_compacts_with_the_summarizer(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [answer()]
+    client = proxy.client()
+    given = [*history(12), {"role": "user", "content": "And now?"}]
+    response = await client.responses.create(
+        model="gpt-4o",
+        input=given,  # type: ignore[arg-type]
+        store=False,
+        extra_body={"context_management": CONTEXT},
+    )
+    output = dumped(response.output)
+    assert [o["type"] for o in output] == ["compaction", "message"]
+    requests = proxy.provider.model_requests
+    [call] = summarizer_requests(proxy)
+    turn = turn_requests(proxy)[-1]
+    assert requests.index(call) < requests.index(turn)  # written before the turn went out
+    sent = turn.json["input"]
+    [developer] = [i for i in sent if i.get("role") == "developer"]
+    assert developer["content"].startswith(SUMMARY_MARKER)
+    assert LLM_TASK in developer["content"]
+    for kept in (DECISION, "ORD-7731", "rfd_555"):
+        assert kept in developer["content"], kept
+    assert "context_management" not in turn.json
+    assert sent[-1] == given[-1]
+    shown = await opened(proxy, output[0])
+    assert LLM_TASK in shown["text"] and shown["id"] == output[0]["id"]
+
+    # The client sends it all back: no second compaction, no second summarizer call.
+    follow = [*given, *output, {"role": "user", "content": "Thanks."}]
+    second = await client.responses.create(
+        model="gpt-4o",
+        input=follow,  # type: ignore[arg-type]
+        store=False,
+        extra_body={"context_management": CONTEXT},
+    )
+    assert [o.type for o in second.output] == ["message"]
+    assert len(summarizer_requests(proxy)) == 1
+
+
+async def test_a_stateful_thread_compacts_with_the_summarizer(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [answer()]
+    client = proxy.client()
+    first = await client.responses.create(model="gpt-4o", input=history(12))  # type: ignore[arg-type]
+    second = await client.responses.create(
+        model="gpt-4o",
+        previous_response_id=first.id,
+        input="Where are we?",
+        extra_body={"context_management": CONTEXT},
+    )
+    assert [o.type for o in second.output] == ["compaction", "message"]
+    assert summarizer_requests(proxy)
+    third = await client.responses.create(
+        model="gpt-4o", previous_response_id=second.id, input="And the refund?"
+    )
+    assert [o.type for o in third.output] == ["message"]
+    sent = json.dumps(turn_requests(proxy)[-1].json["input"])
+    assert LLM_TASK in sent and "rfd_555" in sent and '"compaction"' not in sent

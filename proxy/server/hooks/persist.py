@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
@@ -31,7 +32,6 @@ from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
 from proxy.upstream import UpstreamResponse
 
 THREAD_HEADER = "X-Thread-Id"
-REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
 # The provider's answers that say the request itself is wrong (a rate limit or an outage
 # is not: that response stays, `incomplete`).
 BAD_INPUT = frozenset({400, 404, 413, 422})
@@ -174,10 +174,6 @@ async def _continued(threads: ThreadService, tenant: str, previous: str) -> Load
         return thread
     through = stored.output_last_seq if stored.output_last_seq is not None else -1
     return await threads.branch(tenant, thread.thread_id, through)
-
-
-def is_reasoning_model(model: str) -> bool:
-    return model.startswith(REASONING_PREFIXES)
 
 
 class ResponseChain(StoredTurn):

@@ -297,10 +297,64 @@ PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
 
 SUMMARY_COLUMNS = "tenant, model, api, digest, raw, state, created_at"
 
+# A new summary was last used when it was written; $8 is 1 when a thread keeps it.
 INSERT_SUMMARY = f"""
-INSERT INTO summaries ({SUMMARY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)
+INSERT INTO summaries ({SUMMARY_COLUMNS}, used_at, owned)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)
 ON CONFLICT (tenant, model, api, digest) DO NOTHING
 RETURNING digest
+"""
+
+# The thread a summary is kept for must exist when the link is written. On PostgreSQL the
+# row is share-locked: a delete_thread running meanwhile either waits for this link (and
+# deletes it) or has deleted the thread first (and this finds none). SQLite's writers
+# run one at a time.
+_THREAD_EXISTS = "SELECT 1 AS found FROM threads WHERE tenant = $1 AND id = $2"
+THREAD_EXISTS = {"sqlite": _THREAD_EXISTS, "postgres": _THREAD_EXISTS + " FOR SHARE"}
+
+LINK_SUMMARY = """
+INSERT INTO summary_threads (tenant, thread_id, model, api, digest) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (tenant, thread_id, model, api, digest) DO NOTHING
+"""
+
+OWN_SUMMARY = """
+UPDATE summaries SET owned = 1
+WHERE tenant = $1 AND model = $2 AND api = $3 AND digest = $4 AND owned = 0
+"""
+
+TOUCH_SUMMARY = """
+UPDATE summaries SET used_at = $5
+WHERE tenant = $1 AND model = $2 AND api = $3 AND digest = $4 AND used_at < $5
+"""
+
+_SAME_SUMMARY = (
+    "link.tenant = summaries.tenant AND link.model = summaries.model "
+    "AND link.api = summaries.api AND link.digest = summaries.digest"
+)
+
+# delete_thread: the summaries this thread alone kept, then its links.
+DELETE_THREAD_SUMMARIES = f"""
+DELETE FROM summaries
+WHERE (tenant, model, api, digest) IN (
+    SELECT tenant, model, api, digest FROM summary_threads WHERE tenant = $1 AND thread_id = $2
+)
+AND NOT EXISTS (
+    SELECT 1 FROM summary_threads link WHERE {_SAME_SUMMARY} AND link.thread_id <> $2
+)
+"""
+DELETE_THREAD_LINKS = "DELETE FROM summary_threads WHERE tenant = $1 AND thread_id = $2"
+
+# The retention: summaries unused since $1 and their links. Then the summaries whose
+# threads are all gone (two of them deleted at once each saw the other's link).
+PURGE_SUMMARY_LINKS = """
+DELETE FROM summary_threads WHERE (tenant, model, api, digest) IN (
+    SELECT tenant, model, api, digest FROM summaries WHERE used_at < $1
+)
+"""
+PURGE_SUMMARIES = "DELETE FROM summaries WHERE used_at < $1"
+PURGE_ORPHAN_SUMMARIES = f"""
+DELETE FROM summaries WHERE owned = 1
+AND NOT EXISTS (SELECT 1 FROM summary_threads link WHERE {_SAME_SUMMARY})
 """
 
 
@@ -509,7 +563,7 @@ def window_start(state: JsonDict) -> int:
     return start if isinstance(start, int) and start > 0 else 0
 
 
-def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
+def summary_params(summary: StoredSummary, *, owned: bool) -> tuple[Any, ...]:
     state = None if summary.state is None else dumps(summary.state)
     return (
         summary.tenant,
@@ -519,6 +573,7 @@ def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
         dumps(summary.raw),
         state,
         summary.created_at,
+        int(owned),
     )
 
 

@@ -33,6 +33,7 @@ from proxy.store.base import (
     StoredResponse,
     StoredSummary,
     StoreUnavailable,
+    SummaryKey,
     Thread,
     ThreadKind,
     VersionConflict,
@@ -144,7 +145,9 @@ class SqlStore:
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         async with self.db.write() as conn:
             await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
-            return await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+            deleted = await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+            await _forget_thread_summaries(conn, tenant, thread_id)
+        return deleted
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
@@ -238,6 +241,7 @@ class SqlStore:
             if await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) == 0:
                 return False
             await conn.execute(sql.BUMP_EPOCH, tenant, thread_id)
+            await _forget_thread_summaries(conn, tenant, thread_id)
         return True
 
     # responses ------------------------------------------------------------------------
@@ -455,9 +459,20 @@ class SqlStore:
             return await conn.execute(sql.PURGE_IDEMPOTENCY, now)
 
     # LLM summaries --------------------------------------------------------------------
-    async def summary_put(self, summary: StoredSummary) -> bool:
+    async def summary_put(self, summary: StoredSummary, *, thread_id: str | None = None) -> bool:
+        key = (summary.tenant, summary.model, summary.api, summary.digest)
+        params = sql.summary_params(summary, owned=thread_id is not None)
         async with self.db.write() as conn:
-            return await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary)) is not None
+            if thread_id is not None:
+                exists = sql.THREAD_EXISTS[self.db.dialect]
+                if await conn.fetchrow(exists, summary.tenant, thread_id) is None:
+                    return False
+            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *params) is not None
+            if thread_id is not None:
+                await conn.execute(sql.LINK_SUMMARY, summary.tenant, thread_id, *key[1:])
+                if not stored:
+                    await conn.execute(sql.OWN_SUMMARY, *key)
+        return stored
 
     async def summaries_get(
         self, tenant: str, model: str, api: str, digests: Sequence[str]
@@ -470,6 +485,24 @@ class SqlStore:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.select_summaries(len(wanted)), tenant, model, api, *wanted)
         return {row["digest"]: sql.summary_from_row(row) for row in rows}
+
+    async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
+        if not keys:
+            return
+        async with self.db.write() as conn:
+            await conn.executemany(sql.TOUCH_SUMMARY, [(*key, now) for key in keys])
+
+    async def summaries_purge(self, before: str) -> int:
+        async with self.db.write() as conn:
+            await conn.execute(sql.PURGE_SUMMARY_LINKS, before)
+            unused = await conn.execute(sql.PURGE_SUMMARIES, before)
+            return unused + await conn.execute(sql.PURGE_ORPHAN_SUMMARIES)
+
+
+async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> None:
+    """The summaries only this thread kept are deleted; the others stop naming it."""
+    await conn.execute(sql.DELETE_THREAD_SUMMARIES, tenant, thread_id)
+    await conn.execute(sql.DELETE_THREAD_LINKS, tenant, thread_id)
 
 
 async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:

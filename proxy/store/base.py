@@ -487,6 +487,13 @@ class Store(Protocol):
         """The stored summaries among `digests` (at most MAX_SUMMARY_DIGESTS), by digest."""
         ...
 
+    async def summaries_keep(
+        self, tenant: str, thread_id: str, model: str, api: str, digests: Sequence[str]
+    ) -> None:
+        """The stored summaries among `digests` (at most MAX_SUMMARY_DIGESTS) are kept
+        for this thread too, as summary_put with `thread_id` keeps a new one (nothing
+        happens when the thread does not exist)."""
+
     async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
         """Marks these summaries used at `now` (a batch of what a process served from
         memory since its last batch); keys no longer stored are skipped."""

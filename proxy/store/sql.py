@@ -317,6 +317,26 @@ INSERT INTO summary_threads (tenant, thread_id, model, api, digest) VALUES ($1, 
 ON CONFLICT (tenant, thread_id, model, api, digest) DO NOTHING
 """
 
+
+def keep_summaries(count: int) -> str:
+    """Links the stored summaries among `count` digests ($5...) to thread $2."""
+    digests = ", ".join(f"${n}" for n in range(5, 5 + count))
+    return (
+        "INSERT INTO summary_threads (tenant, thread_id, model, api, digest) "
+        "SELECT tenant, $2, model, api, digest FROM summaries "
+        f"WHERE tenant = $1 AND model = $3 AND api = $4 AND digest IN ({digests}) "
+        "ON CONFLICT (tenant, thread_id, model, api, digest) DO NOTHING"
+    )
+
+
+def own_summaries(count: int) -> str:
+    digests = ", ".join(f"${n}" for n in range(4, 4 + count))
+    return (
+        "UPDATE summaries SET owned = 1 "
+        f"WHERE tenant = $1 AND model = $2 AND api = $3 AND digest IN ({digests}) AND owned = 0"
+    )
+
+
 OWN_SUMMARY = """
 UPDATE summaries SET owned = 1
 WHERE tenant = $1 AND model = $2 AND api = $3 AND digest = $4 AND owned = 0

@@ -486,6 +486,22 @@ class SqlStore:
             rows = await conn.fetch(sql.select_summaries(len(wanted)), tenant, model, api, *wanted)
         return {row["digest"]: sql.summary_from_row(row) for row in rows}
 
+    async def summaries_keep(
+        self, tenant: str, thread_id: str, model: str, api: str, digests: Sequence[str]
+    ) -> None:
+        wanted = list(dict.fromkeys(digests))
+        if len(wanted) > MAX_SUMMARY_DIGESTS:
+            raise ValueError(f"at most {MAX_SUMMARY_DIGESTS} digests, got {len(wanted)}")
+        if not wanted:
+            return
+        async with self.db.write() as conn:
+            exists = sql.THREAD_EXISTS[self.db.dialect]
+            if await conn.fetchrow(exists, tenant, thread_id) is None:
+                return
+            keep = sql.keep_summaries(len(wanted))
+            await conn.execute(keep, tenant, thread_id, model, api, *wanted)
+            await conn.execute(sql.own_summaries(len(wanted)), tenant, model, api, *wanted)
+
     async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
         if not keys:
             return

@@ -72,6 +72,26 @@ class StoredTurn(TurnHook):
         assert turn.loaded is not None and turn.projection is not None
         return turn.loaded.state_after(turn.projection.cut)
 
+    async def commit(
+        self,
+        turn: Turn,
+        items: Sequence[NewItem],
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> None:
+        """The turn's items and state, written to its thread (created by this write when
+        it is new)."""
+        assert turn.loaded is not None
+        await self.threads.commit(
+            turn.loaded,
+            items,
+            state=self.state(turn),
+            restate=self.restate,
+            response_id=response_id,
+            response=response,
+        )
+        turn.committed = True
+
     async def restate(self, fresh: Loaded) -> JsonDict:
         """The state after a lost race: the cut recomputed over the new window."""
         assert self.turn is not None
@@ -118,7 +138,7 @@ class ChatThread(StoredTurn):
         if reply is None:
             return
         items = await self.turn_items(turn, reply)
-        await self.threads.commit(turn.loaded, items, state=self.state(turn), restate=self.restate)
+        await self.commit(turn, items)
 
 
 @dataclass(frozen=True)
@@ -262,14 +282,7 @@ class ResponseChain(StoredTurn):
             return
         logged = log if log is not None else turn.api.reply(result) or ()
         items = await self.turn_items(turn, logged, self.id)
-        await self.threads.commit(
-            turn.loaded,
-            items,
-            state=self.state(turn),
-            restate=self.restate,
-            response_id=self.id,
-            response=result,
-        )
+        await self.commit(turn, items, self.id, result)
         self.kept = True
 
     def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:

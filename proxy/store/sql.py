@@ -297,10 +297,9 @@ PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
 
 SUMMARY_COLUMNS = "tenant, model, api, digest, raw, state, created_at"
 
-# A new summary was last used when it was written; $8 is 1 when a thread keeps it.
+# A new summary was last used when it was written.
 INSERT_SUMMARY = f"""
-INSERT INTO summaries ({SUMMARY_COLUMNS}, used_at, owned)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)
+INSERT INTO summaries ({SUMMARY_COLUMNS}, used_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)
 ON CONFLICT (tenant, model, api, digest) DO NOTHING
 RETURNING digest
 """
@@ -311,11 +310,6 @@ RETURNING digest
 # run one at a time.
 _THREAD_EXISTS = "SELECT 1 AS found FROM threads WHERE tenant = $1 AND id = $2"
 THREAD_EXISTS = {"sqlite": _THREAD_EXISTS, "postgres": _THREAD_EXISTS + " FOR SHARE"}
-
-LINK_SUMMARY = """
-INSERT INTO summary_threads (tenant, thread_id, model, api, digest) VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (tenant, thread_id, model, api, digest) DO NOTHING
-"""
 
 
 def keep_summaries(count: int) -> str:
@@ -330,17 +324,13 @@ def keep_summaries(count: int) -> str:
 
 
 def own_summaries(count: int) -> str:
+    """Marks the summaries of `count` digests ($4...) as kept for a thread once."""
     digests = ", ".join(f"${n}" for n in range(4, 4 + count))
     return (
         "UPDATE summaries SET owned = 1 "
         f"WHERE tenant = $1 AND model = $2 AND api = $3 AND digest IN ({digests}) AND owned = 0"
     )
 
-
-OWN_SUMMARY = """
-UPDATE summaries SET owned = 1
-WHERE tenant = $1 AND model = $2 AND api = $3 AND digest = $4 AND owned = 0
-"""
 
 TOUCH_SUMMARY = """
 UPDATE summaries SET used_at = $5
@@ -583,7 +573,7 @@ def window_start(state: JsonDict) -> int:
     return start if isinstance(start, int) and start > 0 else 0
 
 
-def summary_params(summary: StoredSummary, *, owned: bool) -> tuple[Any, ...]:
+def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
     state = None if summary.state is None else dumps(summary.state)
     return (
         summary.tenant,
@@ -593,7 +583,6 @@ def summary_params(summary: StoredSummary, *, owned: bool) -> tuple[Any, ...]:
         dumps(summary.raw),
         state,
         summary.created_at,
-        int(owned),
     )
 
 

@@ -460,19 +460,15 @@ class SqlStore:
 
     # LLM summaries --------------------------------------------------------------------
     async def summary_put(self, summary: StoredSummary, *, thread_id: str | None = None) -> bool:
-        key = (summary.tenant, summary.model, summary.api, summary.digest)
-        params = sql.summary_params(summary, owned=thread_id is not None)
         async with self.db.write() as conn:
+            exists = sql.THREAD_EXISTS[self.db.dialect]
+            if thread_id is not None and not await conn.fetchrow(exists, summary.tenant, thread_id):
+                return False
+            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary))
             if thread_id is not None:
-                exists = sql.THREAD_EXISTS[self.db.dialect]
-                if await conn.fetchrow(exists, summary.tenant, thread_id) is None:
-                    return False
-            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *params) is not None
-            if thread_id is not None:
-                await conn.execute(sql.LINK_SUMMARY, summary.tenant, thread_id, *key[1:])
-                if not stored:
-                    await conn.execute(sql.OWN_SUMMARY, *key)
-        return stored
+                key = (summary.tenant, thread_id, summary.model, summary.api)
+                await _keep_summaries(conn, *key, [summary.digest])
+        return stored is not None
 
     async def summaries_get(
         self, tenant: str, model: str, api: str, digests: Sequence[str]
@@ -495,12 +491,8 @@ class SqlStore:
         if not wanted:
             return
         async with self.db.write() as conn:
-            exists = sql.THREAD_EXISTS[self.db.dialect]
-            if await conn.fetchrow(exists, tenant, thread_id) is None:
-                return
-            keep = sql.keep_summaries(len(wanted))
-            await conn.execute(keep, tenant, thread_id, model, api, *wanted)
-            await conn.execute(sql.own_summaries(len(wanted)), tenant, model, api, *wanted)
+            if await conn.fetchrow(sql.THREAD_EXISTS[self.db.dialect], tenant, thread_id):
+                await _keep_summaries(conn, tenant, thread_id, model, api, wanted)
 
     async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
         if not keys:
@@ -513,6 +505,14 @@ class SqlStore:
             await conn.execute(sql.PURGE_SUMMARY_LINKS, before)
             unused = await conn.execute(sql.PURGE_SUMMARIES, before)
             return unused + await conn.execute(sql.PURGE_ORPHAN_SUMMARIES)
+
+
+async def _keep_summaries(
+    conn: Conn, tenant: str, thread_id: str, model: str, api: str, digests: list[str]
+) -> None:
+    """Links the stored summaries among `digests` to the thread (which exists)."""
+    await conn.execute(sql.keep_summaries(len(digests)), tenant, thread_id, model, api, *digests)
+    await conn.execute(sql.own_summaries(len(digests)), tenant, model, api, *digests)
 
 
 async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> None:

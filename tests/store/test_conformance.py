@@ -1009,3 +1009,20 @@ async def test_summary_migration_marks_older_summaries_used_when_written(
     assert await migrate(store.db) == [m.version for m in migrations if m.version >= 10]
     assert await store.summaries_purge(T1) == 1
     assert await digests_stored(store) == ["d2"]
+
+
+async def test_summaries_keep_links_stored_summaries_to_a_live_thread(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await thread_with(store, "m1", tid="t2")
+    await store.summary_put(summary("d1"), thread_id="t1")
+    await store.summary_put(summary("d2"))  # a stateless request's
+    await store.summaries_keep("acme", "t2", "gpt-4o-mini", "chat", ["d1", "d2", "nope"])
+    await store.summaries_keep("acme", "gone", "gpt-4o-mini", "chat", ["d1"])  # no thread
+    await store.summaries_keep("acme", "t2", "gpt-4o-mini", "chat", [])
+    await store.delete_thread("acme", "t1")
+    assert await digests_stored(store) == ["d1", "d2"]  # both kept for t2
+    await store.delete_thread("acme", "t2")
+    assert await digests_stored(store) == []
+    with pytest.raises(ValueError, match="at most"):
+        digests = [f"d{n}" for n in range(MAX_SUMMARY_DIGESTS + 1)]
+        await store.summaries_keep("acme", "t1", "gpt-4o-mini", "chat", digests)

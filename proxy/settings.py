@@ -64,6 +64,8 @@ class Settings:
     # Keep an explain record per model request (GET /threadkeeper/v1/requests/{id}).
     explain: bool = True
     explain_retention_seconds: float = 7 * 86_400.0
+    # LLM summaries unused for this long are purged (proxy/server/summaries.py).
+    summary_retention_seconds: float = 30 * 86_400.0
     # When set, the thread inspector is served at /threadkeeper/ui/ (proxy/server/inspector.py).
     operator_token: str | None = None
 
@@ -244,6 +246,12 @@ FIELDS: tuple[_Field, ...] = (
         _positive_number,
         "explain_retention_seconds",
         "THREADKEEPER_EXPLAIN_RETENTION_SECONDS",
+    ),
+    _Field(
+        "summary_retention_seconds",
+        _positive_number,
+        "summary_retention_seconds",
+        "THREADKEEPER_SUMMARY_RETENTION_SECONDS",
     ),
     _Field(
         "operator_token",

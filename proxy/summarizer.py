@@ -30,6 +30,7 @@ import structlog
 from proxy.core.items import Item
 from proxy.core.llm_summary import Written, summary_from_answer, summary_messages
 from proxy.core.memory import MemoryState
+from proxy.core.models import is_reasoning_model
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -135,9 +136,8 @@ class LlmSummarizer:
                 completion = await client.chat.completions.create(
                     model=settings.model,
                     messages=messages,
-                    max_tokens=settings.max_tokens * ANSWER_ALLOWANCE,
-                    temperature=0,
                     response_format={"type": "json_object"},
+                    **answer_limits(settings.model, settings.max_tokens * ANSWER_ALLOWANCE),
                 )
         except (TimeoutError, openai.APITimeoutError):
             return Call("timeout", None)
@@ -178,6 +178,16 @@ class LlmSummarizer:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+def answer_limits(model: str, max_tokens: int) -> dict[str, Any]:
+    """The length limit and sampling of a summarizer call, by model family: OpenAI's
+    reasoning models take `max_completion_tokens` and only the default temperature;
+    every other model gets `max_tokens` and temperature 0, which other providers behind
+    an OpenAI-compatible API know (some do not know `max_completion_tokens`)."""
+    if is_reasoning_model(model):
+        return {"max_completion_tokens": max_tokens}
+    return {"max_tokens": max_tokens, "temperature": 0}
 
 
 def _error(exc: BaseException) -> str:

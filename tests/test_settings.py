@@ -278,3 +278,13 @@ def test_the_compaction_key_is_32_bytes_of_base64_and_never_shown() -> None:
     for bad in ("abc", base64.b64encode(b"short").decode(), "not base64 at all!"):
         with pytest.raises(SettingsError, match="THREADKEEPER_COMPACTION_KEY: must be 32 bytes"):
             load_settings({}, {"THREADKEEPER_COMPACTION_KEY": bad})
+
+
+def test_summary_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path: Path) -> None:
+    assert load_settings(NO_FLAGS, {}).summary_retention_seconds == 30 * 86_400
+    env = {"THREADKEEPER_SUMMARY_RETENTION_SECONDS": "3600"}
+    assert load_settings(NO_FLAGS, env).summary_retention_seconds == 3600
+    config = write_config(tmp_path / "c.yaml", "summary_retention_seconds: 60\n")
+    assert load_settings({"config": str(config)}, {}).summary_retention_seconds == 60
+    with pytest.raises(SettingsError, match="THREADKEEPER_SUMMARY_RETENTION_SECONDS: expected"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_SUMMARY_RETENTION_SECONDS": "0"})

@@ -18,7 +18,7 @@ from proxy.core import memory
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
-from proxy.summarizer import LlmSummarizer, Target
+from proxy.summarizer import LlmSummarizer, Target, answer_limits
 from tests.core.test_llm_summary import REFUND, RULE, good_answer, support_items
 
 BASE = "http://tenant-upstream.test/v1"
@@ -117,6 +117,51 @@ async def test_a_good_answer_is_used_and_the_call_is_stateless_chat_completions(
     logged = [entry for entry in logs if entry["event"] == "summarizer_call"]
     assert logged[0]["outcome"] == "ok" and logged[0]["tokens_in"] == 321
     assert KEY not in json.dumps(logs, default=str)
+
+
+@respx.mock
+@pytest.mark.parametrize("model", ["o1", "o3-mini", "o4-mini", "gpt-5-mini"])
+async def test_a_reasoning_model_gets_max_completion_tokens_and_its_default_temperature(
+    summarizer: LlmSummarizer, counter: TokenCounter, model: str
+) -> None:
+    """OpenAI's reasoning models answer 400 to `max_tokens` and to a temperature other
+    than the default: the call must not carry either, or every summary falls back."""
+    route = respx.post(URL).mock(return_value=completion(good_answer()))
+    written = await write(summarizer, counter, model=model)
+    assert written is not None
+    body = json.loads(route.calls.last.request.content)
+    assert body["model"] == model
+    assert body["max_completion_tokens"] == 1200
+    assert "max_tokens" not in body and "temperature" not in body
+
+
+@respx.mock
+async def test_another_model_keeps_max_tokens_and_temperature_zero(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    """Providers other than OpenAI behind the same API may not know
+    `max_completion_tokens`: a non-reasoning model keeps `max_tokens`."""
+    route = respx.post(URL).mock(return_value=completion(good_answer()))
+    assert await write(summarizer, counter, model="gpt-4o-mini") is not None
+    body = json.loads(route.calls.last.request.content)
+    assert body["max_tokens"] == 1200 and body["temperature"] == 0
+    assert "max_completion_tokens" not in body
+
+
+@pytest.mark.parametrize(
+    ("model", "limits"),
+    [
+        ("o1", {"max_completion_tokens": 10}),
+        ("o3", {"max_completion_tokens": 10}),
+        ("o4-mini-2025-04-16", {"max_completion_tokens": 10}),
+        ("gpt-5", {"max_completion_tokens": 10}),
+        ("gpt-4o-mini", {"max_tokens": 10, "temperature": 0}),
+        ("gpt-4.1", {"max_tokens": 10, "temperature": 0}),
+        ("llama-3.1-70b", {"max_tokens": 10, "temperature": 0}),
+    ],
+)
+def test_answer_limits_by_model_family(model: str, limits: dict[str, int]) -> None:
+    assert answer_limits(model, 10) == limits
 
 
 @respx.mock

@@ -20,6 +20,7 @@ import secrets
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import structlog
@@ -28,7 +29,7 @@ from aiohttp import web
 from proxy.clock import SYSTEM_CLOCK, Clock
 from proxy.ids import new_id
 from proxy.metrics import Metrics
-from proxy.periodic import running
+from proxy.periodic import every, run_step, running
 from proxy.policy import PolicyRegistry
 from proxy.server import (
     chat,
@@ -41,6 +42,7 @@ from proxy.server import (
     passthrough,
     response_routes,
     responses,
+    summaries,
 )
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware, error_response
@@ -61,7 +63,6 @@ from proxy.server.state import (
     UPSTREAM,
     WINDOWS,
 )
-from proxy.server.summaries import BackgroundSummaries
 from proxy.server.validate import url_keys_middleware
 from proxy.settings import Settings
 from proxy.store.base import Store
@@ -244,12 +245,21 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
 
 async def _summaries_ctx(app: web.Application) -> AsyncIterator[None]:
     """Background LLM summaries (proxy/server/summaries.py): cancelled and awaited at
-    shutdown, so none outlives the store it writes to."""
-    metrics = app[METRICS]
+    shutdown, so none outlives the store it writes to; their retention purge."""
+    metrics, clock = app[METRICS], app[CLOCK]
     summarizer = LlmSummarizer(metrics, tracing=app[TRACING])
-    background = BackgroundSummaries(app[STORE], summarizer, metrics, app[CLOCK])
+    background = summaries.BackgroundSummaries(app[STORE], summarizer, metrics, clock)
     app[SUMMARIES] = background
-    yield
+    retention = timedelta(seconds=app[SETTINGS].summary_retention_seconds)
+
+    async def purge() -> None:
+        if purged := await background.purge(retention):
+            summaries.log.info("summaries_purged", count=purged)
+
+    interval = summaries.PURGE_INTERVAL_SECONDS
+    async with running(every("summaries_purge", interval, purge, clock, first_now=True)):
+        yield
+    await run_step("summaries_touch", background.touch)  # what was served since the last step
     await background.aclose()
 
 

@@ -245,6 +245,7 @@ async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -
     previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
     job = Job(
         namespace=request[NAMESPACE],
+        thread_id=None,  # a compaction's summary is left to the retention
         policy=policy,
         target=target,
         api=RESPONSES.name,

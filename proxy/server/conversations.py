@@ -33,7 +33,7 @@ from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.responses import validate_input_item
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, thread_service
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, SUMMARIES, thread_service
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -154,7 +154,16 @@ async def delete_conversation(request: web.Request) -> web.Response:
     thread = await conversation(request)
     if not await request.app[STORE].delete_thread(thread.tenant, thread.id):
         raise conversation_not_found(thread.id)
+    forget_summaries(request)
     return web.json_response({"id": thread.id, "object": "conversation.deleted", "deleted": True})
+
+
+def forget_summaries(request: web.Request) -> None:
+    """The store deleted the LLM summaries only this thread kept: this process's memory
+    of the tenant's summaries goes too (the others refill it from the store)."""
+    background = request.app.get(SUMMARIES)
+    if background is not None:
+        background.forget(request[NAMESPACE])
 
 
 async def list_items(request: web.Request) -> web.Response:
@@ -206,6 +215,7 @@ async def delete_item(request: web.Request) -> web.Response:
     store = request.app[STORE]
     if not await store.delete_item(thread.tenant, thread.id, item_id):
         raise item_not_found(item_id)
+    forget_summaries(request)
     after = await store.get_thread(thread.tenant, thread.id)
     return web.json_response(conversation_object(after or thread))
 

@@ -17,6 +17,15 @@ it answers, so it writes it `now`, bounded by the summarizer's timeout, and stor
 same way (by the compaction's own digest); a compaction whose summary failed is not
 tried again for `retry_after` seconds.
 
+A summary written for a stored thread is kept for that thread in the store and deleted
+with the last thread it is kept for; one written for a stateless request is left to the
+retention: `purge`, every PURGE_INTERVAL_SECONDS, marks what this process served since
+its last step as used and deletes what went unused for `summary_retention_seconds`. It
+also empties the in-memory cache, which then refills from the store: a summary that
+another process deleted with its thread (the CLI, another replica) is served from here
+for one interval at most; this process forgets a tenant's at once when it deletes one of
+its threads or items (`forget`).
+
 Background work is bounded: at most `max_running` summaries at a time in the process
 and `max_per_tenant` per tenant; beyond that a summary is skipped (counted, the
 deterministic digest stands), never queued without bound. A summary that failed is not
@@ -33,12 +42,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import structlog
 
-from proxy.clock import Clock
+from proxy.clock import Clock, utc_iso
 from proxy.core.items import Item, chat_item, responses_item
 from proxy.core.memory import MemoryState
 from proxy.core.tokens import TokenCounter
@@ -53,8 +62,10 @@ MAX_RUNNING = 16
 MAX_PER_TENANT = 4
 CACHE_ENTRIES = 4096  # summary items kept in memory (each a few KB)
 RETRY_AFTER = 300.0  # seconds before a chunk whose summary failed is tried again
+PURGE_INTERVAL_SECONDS = 600.0
 
 Key = tuple[str, str, str, str]  # (namespace, summarizer model, api, chunk digest)
+K = TypeVar("K")
 V = TypeVar("V")
 
 
@@ -63,6 +74,7 @@ class Job:
     """One chunk to summarize: whose, with what, and the items it holds."""
 
     namespace: str  # the store's tenant key (auth.store_namespace)
+    thread_id: str | None  # the stored thread the chunk is from; None: a stateless request
     policy: Policy
     target: Target
     api: str
@@ -83,16 +95,21 @@ class Ready(Mapping[str, Item]):
     """The LLM summaries a projection may use, by chunk digest; remembers which digests
     it was asked for, so the ones it lacked can be read from the store or written."""
 
-    def __init__(self, cache: Mapping[Key, Item], prefix: tuple[str, str, str]) -> None:
+    def __init__(
+        self, cache: Mapping[Key, Item], prefix: tuple[str, str, str], used: dict[Key, None]
+    ) -> None:
         self._cache = cache
         self._prefix = prefix
+        self._used = used
         self.asked: dict[str, None] = {}  # digests asked for, in order (a set with order)
 
     def __getitem__(self, digest: str) -> Item:
         self.asked[digest] = None
-        item = self._cache.get((*self._prefix, digest))
+        key = (*self._prefix, digest)
+        item = self._cache.get(key)
         if item is None:
             raise KeyError(digest)
+        _mark_used(self._used, key)
         return item
 
     def __iter__(self) -> Iterator[str]:
@@ -129,12 +146,14 @@ class BackgroundSummaries:
         self.max_running = max_running
         self.max_per_tenant = max_per_tenant
         self._cache: dict[Key, Item] = {}
+        self._used: dict[Key, None] = {}  # served since the last purge step (a set with order)
+        self._kept: dict[tuple[Key, str], None] = {}  # summaries known kept for a thread
         self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
         self._failed: dict[Key, datetime] = {}
         self._closed = False  # after aclose nothing starts (a request ending late)
 
     def ready(self, namespace: str, model: str, api: str) -> Ready:
-        return Ready(self._cache, (namespace, model, api))
+        return Ready(self._cache, (namespace, model, api), self._used)
 
     async def fetch(self, ready: Ready) -> int:
         """Reads the summaries `ready` lacked from the store (another process, or an
@@ -145,7 +164,9 @@ class BackgroundSummaries:
         namespace, model, api = ready._prefix
         found = await self.store.summaries_get(namespace, model, api, wanted)
         for digest, stored in found.items():
-            self._remember((namespace, model, api, digest), _item(stored))
+            key = (namespace, model, api, digest)
+            self._remember(key, _item(stored))
+            _mark_used(self._used, key)
         return len(found)
 
     def submit(self, job: Job) -> bool:
@@ -161,14 +182,19 @@ class BackgroundSummaries:
         tenant: str,
         key: tuple[str, ...],
         work: Callable[[], Coroutine[Any, Any, None]],
+        *,
+        capped: bool = True,
     ) -> bool:
         """Runs `work()` as a background task under the caps, once per `key` at a time
         (`key[0]` is the namespace the per-tenant cap counts); False (counted as skipped
-        when a cap is reached) when it is not started. What `work` raises is logged."""
+        when a cap is reached) when it is not started. What `work` raises is logged.
+        `capped=False`: work that calls no summarizer (one store write) is not capped."""
         if key in self._running or self._closed:
             return False
         tenant_running = sum(1 for k in self._running if k[0] == namespace)
-        if len(self._running) >= self.max_running or tenant_running >= self.max_per_tenant:
+        if capped and (
+            len(self._running) >= self.max_running or tenant_running >= self.max_per_tenant
+        ):
             self.metrics.summaries_skipped.labels(tenant).inc()
             log.info("summary_skipped", tenant=tenant, key=key[-1])
             return False
@@ -219,10 +245,14 @@ class BackgroundSummaries:
 
     async def _obtain(self, job: Job) -> StoredSummary | None:
         """The stored summary of `job`, else the one its summarizer writes now (stored;
-        when another process stored one first, that one); None when none is written."""
+        when another process stored one first, that one); None when none is written, or
+        when the thread it is for was deleted meanwhile (then nothing is stored)."""
         key = job.key
         stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
         if job.digest in stored:
+            if job.thread_id is not None:
+                await self.keep(key[:3], job.thread_id, [job.digest])
+            _mark_used(self._used, key)
             return stored[job.digest]
         written = await self.summarizer.write(
             job.policy, job.target, job.items, job.counter, job.max_tokens, job.previous, job.base
@@ -238,9 +268,13 @@ class BackgroundSummaries:
             state=written.state,
             created_at=self.clock.iso(),
         )
-        if not await self.store.summary_put(summary):  # another process was first
+        if not await self.store.summary_put(summary, thread_id=job.thread_id):
+            # Another process was first, or the thread was deleted meanwhile (then
+            # nothing was stored, and nothing is kept here either).
             stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
-            summary = stored.get(job.digest, summary)
+            return stored.get(job.digest)
+        if job.thread_id is not None:
+            _bounded_put(self._kept, (key, job.thread_id), None)
         return summary
 
     def _failed_lately(self, key: Key) -> bool:
@@ -257,6 +291,56 @@ class BackgroundSummaries:
 
     def _remember(self, key: Key, item: Item) -> None:
         _bounded_put(self._cache, key, item)
+
+    async def keep(
+        self, prefix: tuple[str, str, str], thread_id: str, digests: Sequence[str]
+    ) -> None:
+        """The stored summaries of these digests are kept for the thread too (it uses
+        them), once per process."""
+        wanted = [d for d in digests if ((*prefix, d), thread_id) not in self._kept]
+        if not wanted:
+            return
+        namespace, model, api = prefix
+        await self.store.summaries_keep(
+            namespace, thread_id, model, api, wanted[:MAX_SUMMARY_DIGESTS]
+        )
+        for digest in wanted[:MAX_SUMMARY_DIGESTS]:
+            _bounded_put(self._kept, ((*prefix, digest), thread_id), None)
+
+    def keep_later(
+        self, tenant: str, prefix: tuple[str, str, str], thread_id: str, digests: Sequence[str]
+    ) -> None:
+        """`keep` in the background."""
+        wanted = [d for d in digests if ((*prefix, d), thread_id) not in self._kept]
+        if wanted:
+            key = (prefix[0], "keep", thread_id)  # the namespace first, as spawn wants
+            self.spawn(
+                prefix[0], tenant, key, lambda: self.keep(prefix, thread_id, wanted), capped=False
+            )
+
+    def forget(self, namespace: str) -> None:
+        """Drops the namespace's summaries from memory: one of its threads was deleted,
+        and what the store deleted with it must not be served from here."""
+        for key in [key for key in self._cache if key[0] == namespace]:
+            del self._cache[key]
+        for kept in [kept for kept in self._kept if kept[0][0] == namespace]:
+            del self._kept[kept]
+
+    async def touch(self) -> None:
+        """Marks the summaries served since the last call used now, in the store."""
+        used = list(self._used)
+        await self.store.summaries_touch(used, self.clock.iso())
+        for key in used:
+            self._used.pop(key, None)
+
+    async def purge(self, retention: timedelta) -> int:
+        """One retention step (see the module docstring); how many summaries the store
+        deleted."""
+        await self.touch()
+        purged = await self.store.summaries_purge(utc_iso(self.clock.now() - retention))
+        self._cache.clear()
+        self._kept.clear()
+        return purged
 
     async def idle(self) -> None:
         """Waits until no summary is being written (tests; a drain before shutdown)."""
@@ -277,7 +361,12 @@ def _item(stored: StoredSummary) -> Item:
     return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
 
 
-def _bounded_put(entries: dict[Key, V], key: Key, value: V) -> None:
+def _mark_used(used: dict[Key, None], key: Key) -> None:
+    if key not in used:
+        _bounded_put(used, key, None)
+
+
+def _bounded_put(entries: dict[K, V], key: K, value: V) -> None:
     """Puts an entry, first dropping the oldest ones beyond CACHE_ENTRIES."""
     while len(entries) >= CACHE_ENTRIES:
         del entries[next(iter(entries))]

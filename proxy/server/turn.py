@@ -62,6 +62,7 @@ class Turn:
     sent: JsonDict | None = None  # the provider's request (a continuation extends it)
     counter: TokenCounter | None = None
     keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
+    committed: bool = False  # the turn's items were written to `loaded`'s thread
     response_id: str | None = None  # the proxy's own id of this answer, when it has one
     # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
     summaries: Mapping[str, Item] = field(default_factory=dict)

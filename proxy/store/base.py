@@ -224,6 +224,7 @@ class StoredSummary:
 
 
 MAX_SUMMARY_DIGESTS = 100  # digests one summaries_get reads at most
+SummaryKey = tuple[str, str, str, str]  # (tenant, model, api, digest)
 
 
 class Store(Protocol):
@@ -273,7 +274,8 @@ class Store(Protocol):
     ) -> Thread | None: ...
 
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
-        """Delete the thread and its items (an explicit DELETE is the only data removal)."""
+        """Delete the thread and its items (an explicit DELETE is the only data removal),
+        and the LLM summaries kept for it that no other thread of the tenant keeps."""
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
@@ -325,7 +327,9 @@ class Store(Protocol):
         names); a fork shares its source's items, and any copy is the same item."""
 
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
-        """Remove one item; the thread's `epoch` goes up (its version does not)."""
+        """Remove one item; the thread's `epoch` goes up (its version does not). The LLM
+        summaries kept for the thread stop being kept for it (they may quote the item):
+        those no other thread keeps are deleted."""
 
     # responses ------------------------------------------------------------------------
     async def begin_response(self, response: StoredResponse) -> None:
@@ -468,9 +472,13 @@ class Store(Protocol):
         """Delete expired records. Returns how many."""
 
     # LLM summaries, by chunk digest (proxy/server/summaries.py) ----------------------
-    async def summary_put(self, summary: StoredSummary) -> bool:
+    async def summary_put(self, summary: StoredSummary, *, thread_id: str | None = None) -> bool:
         """Stores a summary; the first write of a (tenant, model, api, digest) wins and
-        a later one returns False, changing nothing."""
+        a later one returns False, changing nothing else. With `thread_id`, the summary
+        (new or already stored) is also kept for that thread of the tenant, and deleted
+        with the last thread it is kept for (delete_thread); when the thread does not
+        exist (deleted meanwhile), nothing is written and the answer is False. Without,
+        only the retention (summaries_purge) removes it."""
         ...
 
     async def summaries_get(
@@ -478,3 +486,18 @@ class Store(Protocol):
     ) -> dict[str, StoredSummary]:
         """The stored summaries among `digests` (at most MAX_SUMMARY_DIGESTS), by digest."""
         ...
+
+    async def summaries_keep(
+        self, tenant: str, thread_id: str, model: str, api: str, digests: Sequence[str]
+    ) -> None:
+        """The stored summaries among `digests` (at most MAX_SUMMARY_DIGESTS) are kept
+        for this thread too, as summary_put with `thread_id` keeps a new one (nothing
+        happens when the thread does not exist)."""
+
+    async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
+        """Marks these summaries used at `now` (a batch of what a process served from
+        memory since its last batch); keys no longer stored are skipped."""
+
+    async def summaries_purge(self, before: str) -> int:
+        """Deletes the summaries last used before `before`, and those whose threads are
+        all deleted; how many went."""

@@ -297,10 +297,74 @@ PURGE_IDEMPOTENCY = "DELETE FROM idempotency WHERE expires_at < $1"
 
 SUMMARY_COLUMNS = "tenant, model, api, digest, raw, state, created_at"
 
+# A new summary was last used when it was written.
 INSERT_SUMMARY = f"""
-INSERT INTO summaries ({SUMMARY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7)
+INSERT INTO summaries ({SUMMARY_COLUMNS}, used_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)
 ON CONFLICT (tenant, model, api, digest) DO NOTHING
 RETURNING digest
+"""
+
+# The thread a summary is kept for must exist when the link is written. On PostgreSQL the
+# row is share-locked: a delete_thread running meanwhile either waits for this link (and
+# deletes it) or has deleted the thread first (and this finds none). SQLite's writers
+# run one at a time.
+_THREAD_EXISTS = "SELECT 1 AS found FROM threads WHERE tenant = $1 AND id = $2"
+THREAD_EXISTS = {"sqlite": _THREAD_EXISTS, "postgres": _THREAD_EXISTS + " FOR SHARE"}
+
+
+def keep_summaries(count: int) -> str:
+    """Links the stored summaries among `count` digests ($5...) to thread $2."""
+    digests = ", ".join(f"${n}" for n in range(5, 5 + count))
+    return (
+        "INSERT INTO summary_threads (tenant, thread_id, model, api, digest) "
+        "SELECT tenant, $2, model, api, digest FROM summaries "
+        f"WHERE tenant = $1 AND model = $3 AND api = $4 AND digest IN ({digests}) "
+        "ON CONFLICT (tenant, thread_id, model, api, digest) DO NOTHING"
+    )
+
+
+def own_summaries(count: int) -> str:
+    """Marks the summaries of `count` digests ($4...) as kept for a thread once."""
+    digests = ", ".join(f"${n}" for n in range(4, 4 + count))
+    return (
+        "UPDATE summaries SET owned = 1 "
+        f"WHERE tenant = $1 AND model = $2 AND api = $3 AND digest IN ({digests}) AND owned = 0"
+    )
+
+
+TOUCH_SUMMARY = """
+UPDATE summaries SET used_at = $5
+WHERE tenant = $1 AND model = $2 AND api = $3 AND digest = $4 AND used_at < $5
+"""
+
+_SAME_SUMMARY = (
+    "link.tenant = summaries.tenant AND link.model = summaries.model "
+    "AND link.api = summaries.api AND link.digest = summaries.digest"
+)
+
+# delete_thread: the summaries this thread alone kept, then its links.
+DELETE_THREAD_SUMMARIES = f"""
+DELETE FROM summaries
+WHERE (tenant, model, api, digest) IN (
+    SELECT tenant, model, api, digest FROM summary_threads WHERE tenant = $1 AND thread_id = $2
+)
+AND NOT EXISTS (
+    SELECT 1 FROM summary_threads link WHERE {_SAME_SUMMARY} AND link.thread_id <> $2
+)
+"""
+DELETE_THREAD_LINKS = "DELETE FROM summary_threads WHERE tenant = $1 AND thread_id = $2"
+
+# The retention: summaries unused since $1 and their links. Then the summaries whose
+# threads are all gone (two of them deleted at once each saw the other's link).
+PURGE_SUMMARY_LINKS = """
+DELETE FROM summary_threads WHERE (tenant, model, api, digest) IN (
+    SELECT tenant, model, api, digest FROM summaries WHERE used_at < $1
+)
+"""
+PURGE_SUMMARIES = "DELETE FROM summaries WHERE used_at < $1"
+PURGE_ORPHAN_SUMMARIES = f"""
+DELETE FROM summaries WHERE owned = 1
+AND NOT EXISTS (SELECT 1 FROM summary_threads link WHERE {_SAME_SUMMARY})
 """
 
 

@@ -33,6 +33,7 @@ from proxy.store.base import (
     StoredResponse,
     StoredSummary,
     StoreUnavailable,
+    SummaryKey,
     Thread,
     ThreadKind,
     VersionConflict,
@@ -144,7 +145,9 @@ class SqlStore:
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         async with self.db.write() as conn:
             await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
-            return await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+            deleted = await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+            await _forget_thread_summaries(conn, tenant, thread_id)
+        return deleted
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
@@ -238,6 +241,7 @@ class SqlStore:
             if await conn.execute(sql.DELETE_ITEM, tenant, thread_id, item_id) == 0:
                 return False
             await conn.execute(sql.BUMP_EPOCH, tenant, thread_id)
+            await _forget_thread_summaries(conn, tenant, thread_id)
         return True
 
     # responses ------------------------------------------------------------------------
@@ -455,9 +459,16 @@ class SqlStore:
             return await conn.execute(sql.PURGE_IDEMPOTENCY, now)
 
     # LLM summaries --------------------------------------------------------------------
-    async def summary_put(self, summary: StoredSummary) -> bool:
+    async def summary_put(self, summary: StoredSummary, *, thread_id: str | None = None) -> bool:
         async with self.db.write() as conn:
-            return await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary)) is not None
+            exists = sql.THREAD_EXISTS[self.db.dialect]
+            if thread_id is not None and not await conn.fetchrow(exists, summary.tenant, thread_id):
+                return False
+            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary))
+            if thread_id is not None:
+                key = (summary.tenant, thread_id, summary.model, summary.api)
+                await _keep_summaries(conn, *key, [summary.digest])
+        return stored is not None
 
     async def summaries_get(
         self, tenant: str, model: str, api: str, digests: Sequence[str]
@@ -470,6 +481,44 @@ class SqlStore:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.select_summaries(len(wanted)), tenant, model, api, *wanted)
         return {row["digest"]: sql.summary_from_row(row) for row in rows}
+
+    async def summaries_keep(
+        self, tenant: str, thread_id: str, model: str, api: str, digests: Sequence[str]
+    ) -> None:
+        wanted = list(dict.fromkeys(digests))
+        if len(wanted) > MAX_SUMMARY_DIGESTS:
+            raise ValueError(f"at most {MAX_SUMMARY_DIGESTS} digests, got {len(wanted)}")
+        if not wanted:
+            return
+        async with self.db.write() as conn:
+            if await conn.fetchrow(sql.THREAD_EXISTS[self.db.dialect], tenant, thread_id):
+                await _keep_summaries(conn, tenant, thread_id, model, api, wanted)
+
+    async def summaries_touch(self, keys: Sequence[SummaryKey], now: str) -> None:
+        if not keys:
+            return
+        async with self.db.write() as conn:
+            await conn.executemany(sql.TOUCH_SUMMARY, [(*key, now) for key in keys])
+
+    async def summaries_purge(self, before: str) -> int:
+        async with self.db.write() as conn:
+            await conn.execute(sql.PURGE_SUMMARY_LINKS, before)
+            unused = await conn.execute(sql.PURGE_SUMMARIES, before)
+            return unused + await conn.execute(sql.PURGE_ORPHAN_SUMMARIES)
+
+
+async def _keep_summaries(
+    conn: Conn, tenant: str, thread_id: str, model: str, api: str, digests: list[str]
+) -> None:
+    """Links the stored summaries among `digests` to the thread (which exists)."""
+    await conn.execute(sql.keep_summaries(len(digests)), tenant, thread_id, model, api, *digests)
+    await conn.execute(sql.own_summaries(len(digests)), tenant, model, api, *digests)
+
+
+async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> None:
+    """The summaries only this thread kept are deleted; the others stop naming it."""
+    await conn.execute(sql.DELETE_THREAD_SUMMARIES, tenant, thread_id)
+    await conn.execute(sql.DELETE_THREAD_LINKS, tenant, thread_id)
 
 
 async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:

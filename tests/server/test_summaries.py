@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,10 @@ async def background(
     await background.aclose()
 
 
-def job(digest: str, namespace: str = "acme") -> Job:
+def job(digest: str, namespace: str = "acme", thread_id: str | None = None) -> Job:
     return Job(
         namespace=namespace,
+        thread_id=thread_id,
         policy=POLICY,
         target=Target("http://upstream.test/v1", "key"),
         api="chat",
@@ -221,3 +223,86 @@ async def test_a_summary_written_now_is_stored_read_back_and_not_retried_soon_af
     assert again == written and len(fake.calls) == 3  # read from the store
     await background.aclose()
     assert await background.now(job("c2")) is None and len(fake.calls) == 3
+
+
+async def stored_digests(store: Store, *digests: str) -> list[str]:
+    return sorted(await store.summaries_get("acme", "m", "chat", list(digests)))
+
+
+async def test_a_summary_written_for_a_thread_is_deleted_with_it(
+    background: BackgroundSummaries, store: Store, clock: ManualClock
+) -> None:
+    await store.create_thread("acme", "t1", kind="chat", now=clock.iso())
+    background.submit(job("d1", thread_id="t1"))
+    await background.idle()
+    background.submit(job("d2"))  # a stateless request's
+    await background.idle()
+    assert await stored_digests(store, "d1", "d2") == ["d1", "d2"]
+    assert await store.delete_thread("acme", "t1")
+    assert await stored_digests(store, "d1", "d2") == ["d2"]
+
+
+async def test_a_summary_stored_before_is_kept_for_the_thread_that_wants_it(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    theirs = StoredSummary("acme", "m", "chat", "d1", {"role": "system", "content": "x"}, None, "t")
+    await store.summary_put(theirs)  # written for a stateless request
+    await store.create_thread("acme", "t1", kind="chat", now=clock.iso())
+    background.submit(job("d1", thread_id="t1"))
+    await background.idle()
+    assert fake.calls == []
+    await store.delete_thread("acme", "t1")
+    assert await stored_digests(store, "d1") == []
+
+
+async def test_a_summary_whose_thread_is_deleted_meanwhile_is_not_kept(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    """Deleted while the summarizer wrote it: neither the store nor memory keeps it."""
+    await store.create_thread("acme", "t1", kind="chat", now=clock.iso())
+    fake.gate = asyncio.Event()
+    background.submit(job("d1", thread_id="t1"))
+    await fake.started.wait()
+    await store.delete_thread("acme", "t1")
+    fake.gate.set()
+    await background.idle()
+    assert fake.calls == ["Never ship on Fridays."]
+    assert await stored_digests(store, "d1") == []
+    ready = background.ready("acme", "m", "chat")
+    assert ready.get("d1") is None
+
+
+async def test_forget_drops_a_tenants_summaries_from_memory(
+    background: BackgroundSummaries,
+) -> None:
+    background.submit(job("d1"))
+    await background.idle()
+    background.submit(job("d2", namespace="other"))
+    await background.idle()
+    background.forget("acme")
+    assert background.ready("acme", "m", "chat").get("d1") is None
+    assert background.ready("other", "m", "chat").get("d2") is not None
+
+
+async def test_purge_keeps_what_was_served_within_the_retention_and_deletes_the_rest(
+    background: BackgroundSummaries, store: Store, clock: ManualClock
+) -> None:
+    retention = timedelta(days=30)
+    background.submit(job("d1"))
+    await background.idle()
+    background.submit(job("d2"))
+    await background.idle()
+    clock.advance(timedelta(days=29))
+    assert await background.purge(retention) == 0  # both written 29 days ago
+    ready = background.ready("acme", "m", "chat")
+    assert ready.get("d1") is None  # the step emptied memory: read again from the store
+    assert await background.fetch(ready) == 1  # d1 only: was asked for
+    assert ready["d1"].text() == "summary"  # served: marked used at the next step
+    clock.advance(timedelta(days=2))
+    assert await background.purge(retention) == 1  # d2, unused for 31 days
+    assert await stored_digests(store, "d1", "d2") == ["d1"]
+    clock.advance(timedelta(days=29))
+    assert await background.purge(retention) == 0  # d1, marked used 29 days ago
+    clock.advance(timedelta(days=2))
+    assert await background.purge(retention) == 1
+    assert await stored_digests(store, "d1", "d2") == []

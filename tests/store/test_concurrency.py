@@ -12,7 +12,9 @@ import asyncio
 
 import pytest
 
-from proxy.store.base import NewItem, Store, VersionConflict
+from proxy.store import sql
+from proxy.store.base import NewItem, Store, StoredSummary, VersionConflict
+from proxy.store.sqlstore import SqlStore
 from tests.store.conftest import Backend
 
 WRITERS = 20
@@ -82,3 +84,45 @@ async def test_unversioned_appends_commute(backend: Backend, store: Store) -> No
     assert window is not None and window.thread.version == WRITERS
     assert [item.seq for item in window.items] == list(range(WRITERS))
     assert {item.item_id for item in window.items} == {f"i_{w}" for w in range(WRITERS)}
+
+
+# A summary written for a thread while the thread is deleted (migration 010): whichever
+# comes first, no summary is left behind for a thread that is gone.
+
+SUMMARY = StoredSummary(
+    "acme", "m", "chat", "d1", {"role": "system", "content": "ORD-1 refunded"}, None, NOW
+)
+
+
+async def test_a_summary_put_waiting_on_a_thread_being_deleted_writes_nothing(
+    backend: Backend, store: Store
+) -> None:
+    await store.create_thread("acme", "t1", kind="chat", now=NOW)
+    other = await backend.open()
+    assert isinstance(store, SqlStore)
+    async with store.db.write() as conn:  # delete_thread, caught before its commit
+        await conn.execute(sql.DELETE_THREAD_ITEMS, "acme", "t1")
+        await conn.execute(sql.DELETE_THREAD, "acme", "t1")
+        put = asyncio.create_task(other.summary_put(SUMMARY, thread_id="t1"))
+        await asyncio.sleep(0.2)
+        assert not put.done()  # waits for the delete
+    assert await put is False
+    assert await store.summaries_get("acme", "m", "chat", ["d1"]) == {}
+
+
+async def test_a_thread_deleted_while_a_summary_is_put_takes_the_summary_along(
+    backend: Backend, store: Store
+) -> None:
+    await store.create_thread("acme", "t1", kind="chat", now=NOW)
+    other = await backend.open()
+    assert isinstance(store, SqlStore)
+    async with store.db.write() as conn:  # summary_put, caught before its commit
+        assert await conn.fetchrow(sql.THREAD_EXISTS[store.db.dialect], "acme", "t1")
+        await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(SUMMARY))
+        await conn.execute(sql.keep_summaries(1), "acme", "t1", "m", "chat", "d1")
+        await conn.execute(sql.own_summaries(1), "acme", "m", "chat", "d1")
+        delete = asyncio.create_task(other.delete_thread("acme", "t1"))
+        await asyncio.sleep(0.2)
+        assert not delete.done()  # waits for the summary
+    assert await delete is True
+    assert await store.summaries_get("acme", "m", "chat", ["d1"]) == {}

@@ -888,3 +888,141 @@ async def test_summaries_get_reads_a_bounded_number_of_digests(store: Store) -> 
     assert sorted(found) == ["d0", "d1", "d2"]
     with pytest.raises(ValueError, match="at most"):
         await store.summaries_get("acme", "gpt-4o-mini", "chat", [*digests, "one more"])
+
+
+# -- summaries kept for threads, and their retention (migration 010) -----------------------
+
+SUMMARY_KEY = ("acme", "gpt-4o-mini", "chat")
+
+
+async def digests_stored(store: Store, tenant: str = "acme") -> list[str]:
+    found = await store.summaries_get(tenant, "gpt-4o-mini", "chat", ["d1", "d2", "d3"])
+    return sorted(found)
+
+
+async def test_a_summary_goes_with_the_last_thread_it_was_kept_for(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await thread_with(store, "m1", tid="t2")  # the same history: the same chunk digests
+    assert await store.summary_put(summary("d1"), thread_id="t1") is True
+    assert await store.summary_put(summary("d2"), thread_id="t1") is True
+    assert await store.summary_put(summary("d2"), thread_id="t2") is False  # kept for t2 too
+    assert await store.summary_put(summary("d3")) is True  # a stateless request's
+    assert await store.delete_thread("acme", "t1") is True
+    assert await digests_stored(store) == ["d2", "d3"]
+    assert await store.delete_thread("acme", "t2") is True
+    assert await digests_stored(store) == ["d3"]  # left to the retention
+
+
+async def test_a_stored_summary_kept_for_a_thread_later_goes_with_it(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await store.summary_put(summary("d1"))  # a stateless request wrote it first
+    assert await store.summary_put(summary("d1", "other text"), thread_id="t1") is False
+    assert await store.delete_thread("acme", "t1") is True
+    assert await digests_stored(store) == []
+
+
+async def test_a_summary_for_a_thread_that_is_gone_is_not_written(store: Store) -> None:
+    assert await store.summary_put(summary("d1"), thread_id="deleted") is False
+    await thread_with(store, "m1", tid="t1")
+    await store.delete_thread("acme", "t1")
+    assert await store.summary_put(summary("d1"), thread_id="t1") is False
+    assert await digests_stored(store) == []
+
+
+async def test_deleting_a_thread_keeps_other_tenants_summaries(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await thread_with(store, "m1", tid="t1", tenant="other")
+    await store.summary_put(summary("d1"), thread_id="t1")
+    await store.summary_put(summary("d1", tenant="other"), thread_id="t1")
+    await store.delete_thread("other", "t1")
+    assert await digests_stored(store, "other") == []
+    assert await digests_stored(store) == ["d1"]
+
+
+async def test_deleting_an_item_deletes_the_summaries_only_its_thread_kept(
+    store: Store,
+) -> None:
+    """A summary may quote the deleted item; the thread's next cut writes a new one."""
+    await thread_with(store, "m1", "m2", tid="t1")
+    await thread_with(store, "m1", tid="t2")
+    await store.summary_put(summary("d1"), thread_id="t1")
+    await store.summary_put(summary("d2"), thread_id="t1")
+    await store.summary_put(summary("d2"), thread_id="t2")
+    assert await store.delete_item("acme", "t1", "nope") is False
+    assert await digests_stored(store) == ["d1", "d2"]
+    assert await store.delete_item("acme", "t1", "m2") is True
+    assert await digests_stored(store) == ["d2"]
+    await store.delete_thread("acme", "t2")  # t1 no longer keeps d2
+    assert await digests_stored(store) == []
+
+
+async def test_summaries_purge_removes_the_ones_unused_since(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await store.summary_put(summary("d1", created_at=T0), thread_id="t1")
+    await store.summary_put(summary("d2", created_at=T0))
+    await store.summary_put(summary("d3", created_at=T2))
+    await store.summaries_touch([(*SUMMARY_KEY, "d2"), (*SUMMARY_KEY, "gone")], T2)
+    await store.summaries_touch([(*SUMMARY_KEY, "d2")], T1)  # never moves back
+    await store.summaries_touch([], T3)
+    assert await store.summaries_purge(T2) == 1
+    assert await digests_stored(store) == ["d2", "d3"]
+    assert await store.summaries_purge(T3) == 2
+    assert await digests_stored(store) == []
+    # d1's link went with it: written again, it is kept for t1 alone, as new.
+    assert await store.summary_put(summary("d1", created_at=T3), thread_id="t1") is True
+    await store.delete_thread("acme", "t1")
+    assert await digests_stored(store) == []
+
+
+async def test_summaries_purge_removes_summaries_whose_threads_all_went(store: Store) -> None:
+    """Two threads deleted at once can each see the other's link and keep the summary:
+    the purge removes a summary kept for threads once none keeps it."""
+    assert isinstance(store, SqlStore)
+    await thread_with(store, "m1", tid="t1")
+    await store.summary_put(summary("d1", created_at=T3), thread_id="t1")
+    await store.summary_put(summary("d2", created_at=T3))
+    async with store.db.write() as conn:  # what the two deletes leave behind
+        await conn.execute("DELETE FROM summary_threads")
+    assert await store.summaries_purge(T0) == 1
+    assert await digests_stored(store) == ["d2"]
+
+
+async def test_summary_migration_marks_older_summaries_used_when_written(
+    backend: Backend,
+) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 010
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in [m for m in migrations if m.version < 10]:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        for digest, created in (("d1", T0), ("d2", T2)):
+            await conn.execute(
+                "INSERT INTO summaries (tenant, model, api, digest, raw, state, created_at) "
+                "VALUES ('acme', 'gpt-4o-mini', 'chat', $1, '{}', NULL, $2)",
+                digest,
+                created,
+            )
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 10]
+    assert await store.summaries_purge(T1) == 1
+    assert await digests_stored(store) == ["d2"]
+
+
+async def test_summaries_keep_links_stored_summaries_to_a_live_thread(store: Store) -> None:
+    await thread_with(store, "m1", tid="t1")
+    await thread_with(store, "m1", tid="t2")
+    await store.summary_put(summary("d1"), thread_id="t1")
+    await store.summary_put(summary("d2"))  # a stateless request's
+    await store.summaries_keep("acme", "t2", "gpt-4o-mini", "chat", ["d1", "d2", "nope"])
+    await store.summaries_keep("acme", "gone", "gpt-4o-mini", "chat", ["d1"])  # no thread
+    await store.summaries_keep("acme", "t2", "gpt-4o-mini", "chat", [])
+    await store.delete_thread("acme", "t1")
+    assert await digests_stored(store) == ["d1", "d2"]  # both kept for t2
+    await store.delete_thread("acme", "t2")
+    assert await digests_stored(store) == []
+    with pytest.raises(ValueError, match="at most"):
+        digests = [f"d{n}" for n in range(MAX_SUMMARY_DIGESTS + 1)]
+        await store.summaries_keep("acme", "t1", "gpt-4o-mini", "chat", digests)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
@@ -31,7 +32,6 @@ from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
 from proxy.upstream import UpstreamResponse
 
 THREAD_HEADER = "X-Thread-Id"
-REASONING_PREFIXES = ("o1", "o3", "o4", "gpt-5")
 # The provider's answers that say the request itself is wrong (a rate limit or an outage
 # is not: that response stays, `incomplete`).
 BAD_INPUT = frozenset({400, 404, 413, 422})
@@ -71,6 +71,26 @@ class StoredTurn(TurnHook):
     def state(self, turn: Turn) -> JsonDict:
         assert turn.loaded is not None and turn.projection is not None
         return turn.loaded.state_after(turn.projection.cut)
+
+    async def commit(
+        self,
+        turn: Turn,
+        items: Sequence[NewItem],
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> None:
+        """The turn's items and state, written to its thread (created by this write when
+        it is new)."""
+        assert turn.loaded is not None
+        await self.threads.commit(
+            turn.loaded,
+            items,
+            state=self.state(turn),
+            restate=self.restate,
+            response_id=response_id,
+            response=response,
+        )
+        turn.committed = True
 
     async def restate(self, fresh: Loaded) -> JsonDict:
         """The state after a lost race: the cut recomputed over the new window."""
@@ -118,7 +138,7 @@ class ChatThread(StoredTurn):
         if reply is None:
             return
         items = await self.turn_items(turn, reply)
-        await self.threads.commit(turn.loaded, items, state=self.state(turn), restate=self.restate)
+        await self.commit(turn, items)
 
 
 @dataclass(frozen=True)
@@ -174,10 +194,6 @@ async def _continued(threads: ThreadService, tenant: str, previous: str) -> Load
         return thread
     through = stored.output_last_seq if stored.output_last_seq is not None else -1
     return await threads.branch(tenant, thread.thread_id, through)
-
-
-def is_reasoning_model(model: str) -> bool:
-    return model.startswith(REASONING_PREFIXES)
 
 
 class ResponseChain(StoredTurn):
@@ -266,14 +282,7 @@ class ResponseChain(StoredTurn):
             return
         logged = log if log is not None else turn.api.reply(result) or ()
         items = await self.turn_items(turn, logged, self.id)
-        await self.threads.commit(
-            turn.loaded,
-            items,
-            state=self.state(turn),
-            restate=self.restate,
-            response_id=self.id,
-            response=result,
-        )
+        await self.commit(turn, items, self.id, result)
         self.kept = True
 
     def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:

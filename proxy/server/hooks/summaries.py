@@ -77,12 +77,22 @@ class SummaryHook(TurnHook):
             return
         try:
             self.target = self._target()
+            self._keep_used(turn, turn.projection)
             if stateless(turn):
                 self._summarize_chunks(turn)
             if self._past_high_water(turn.projection):
                 self._predict_next_cut(turn, self.answer)
         except Exception:
             log.exception("summaries_not_started", tenant=self.policy.tenant)
+
+    def _keep_used(self, turn: Turn, projection: Projection) -> None:
+        """The LLM summaries a thread's projection used (written for another thread or
+        request with the same history) are kept for this thread too."""
+        thread_id = kept_for(turn)
+        used = [chunk.digest for chunk in projection.chunks if chunk.ready]
+        if thread_id is not None and used and self.background is not None:
+            prefix = (self.request[NAMESPACE], self._model(), turn.api.name)
+            self.background.keep_later(self.policy.tenant, prefix, thread_id, used)
 
     def _summarize_chunks(self, turn: Turn) -> None:
         """Stateless: the chunks this request summarized deterministically, so the
@@ -142,6 +152,7 @@ class SummaryHook(TurnHook):
                     stateless=whole_chunks,
                     summaries=ready,
                 )
+                self._keep_used(turn, projection)
                 chunks = sent_chunks(projection)
                 if chunks:
                     await self._summarize_predicted(turn, chunks, real)
@@ -166,6 +177,7 @@ class SummaryHook(TurnHook):
         assert turn.counter is not None and self.target is not None
         return Job(
             namespace=self.request[NAMESPACE],
+            thread_id=kept_for(turn),
             policy=self.policy,
             target=self.target,
             api=turn.api.name,
@@ -190,6 +202,16 @@ def summarizer_target(request: web.Request, policy: Policy) -> Target:
     passthrough mode, which a turn forwards too)."""
     key = provider_key(request, policy) or bearer_token(request) or ""
     return Target(upstream_base(request, policy), key)
+
+
+def kept_for(turn: Turn) -> str | None:
+    """The thread the turn's summaries are kept for (deleted with it): the stored thread,
+    or the one this turn's commit created; None for a stateless request and for one that
+    stored nothing (a Responses `store: false` request starting no chain)."""
+    loaded = turn.loaded
+    if loaded is None or (loaded.thread is None and not turn.committed):
+        return None
+    return loaded.thread_id
 
 
 def sent_chunks(projection: Projection) -> list[SummaryChunk]:

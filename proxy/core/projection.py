@@ -35,6 +35,7 @@ it is returned.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -345,13 +346,22 @@ def _replayed_cut(
     each of its earlier requests to it (the history up to each model answer, with the cut
     carried from the one before). It depends on the history alone, so the same history
     prefix always gives the same cut and the same bytes, and a later request only adds to
-    it: its prefix repeats until the next cut, as a stored thread's does."""
+    it: its prefix repeats until the next cut, as a stored thread's does.
+
+    The replay resumes from the last request of the same history it has seen (`_replays`),
+    so a client resending its history pays for its new requests only."""
     items = request.items
+    ends = [e for e in range(1, len(items)) if _asks(items[e - 1]) and not _asks(items[e])]
+    keys = _replay_keys(request, counter, policy, summarizer, ends)
     cut: CutPoint | None = None
     made: list[SummaryChunk] = []
-    for end in range(1, len(items)):
-        if not (_asks(items[end - 1]) and not _asks(items[end])):
-            continue  # items[end] is not the model's answer to a request ending before it
+    resume = 0
+    for index in range(len(ends) - 1, -1, -1):
+        hit = _replays.get(keys[index])
+        if hit is not None and _still_made(hit, request.summaries):
+            cut, made, resume = hit.cut, list(hit.made), index + 1
+            break
+    for end in ends[resume:]:
         asked = replace(request, items=items[:end], cut=cut, stateless=False)
         try:
             projection = _project(asked, counter, policy, summarizer)
@@ -359,7 +369,69 @@ def _replayed_cut(
             continue  # that request alone was too large: the cut stays as it was
         cut = projection.cut
         made += projection.chunks
+    if cut is not None:
+        chain = {id(item) for item in cut.chain}
+        made = [chunk for chunk in made if id(chunk.summary) in chain]
+    if ends and resume < len(ends):
+        if len(_replays) >= REPLAY_CACHE_MAX:
+            _replays.clear()
+        _replays[keys[-1]] = _Replay(cut, tuple(made))
     return cut, made
+
+
+@dataclass(frozen=True)
+class _Replay:
+    cut: CutPoint | None
+    made: tuple[SummaryChunk, ...]  # the blocks of its chain, as made
+
+
+# Replayed cuts by history prefix and everything else the projection reads. Bounded;
+# cleared when full (a miss only costs a longer replay, never other bytes).
+_replays: dict[tuple[object, ...], _Replay] = {}
+REPLAY_CACHE_MAX = 4096
+
+
+def _replay_keys(
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+    ends: Sequence[int],
+) -> list[tuple[object, ...]]:
+    """For each replayed request (the first `end` items), what its projection depends on:
+    the items (a running hash of their digests), the budget inputs, the policy."""
+    context = (
+        request.items[0].api if request.items else "",
+        request.window,
+        request.output,
+        request.epsilon,
+        request.tools_tokens,
+        request.instructions_tokens,
+        request.first_position,
+        counter.encoding.name,
+        policy,
+        summarizer,
+    )
+    running = hashlib.sha256()
+    keys: list[tuple[object, ...]] = []
+    done = 0
+    for end in ends:
+        for item in request.items[done:end]:
+            running.update(item.digest.encode())
+        done = end
+        keys.append((running.hexdigest(), *context))
+    return keys
+
+
+def _still_made(replay: _Replay, summaries: Mapping[str, Item]) -> bool:
+    """Whether each block was made as it would be now: with the ready summary the request
+    has for it, or without one when it has none (an LLM summary written since, or one no
+    longer at hand, makes the replay run again)."""
+    for chunk in replay.made:
+        ready = summaries.get(chunk.digest)
+        if ready != (chunk.summary if chunk.ready else None):
+            return False
+    return True
 
 
 def _asks(item: Item) -> bool:

@@ -416,3 +416,23 @@ def test_ready_summaries_are_used_by_chunk_digest(counter: TokenCounter) -> None
     assert better in second.items
     third = project_context(replace(req, summaries={chunk.digest: too_big}), counter, POLICY)
     assert [i.raw for i in third.items] == [i.raw for i in first.items]
+
+
+def test_a_stateless_cut_is_the_cut_a_stored_thread_would_hold(counter: TokenCounter) -> None:
+    """The stateless client's requests send what a stored thread's requests send, turn by
+    turn (the cut replayed from the history), and the replay cache changes no byte."""
+    from proxy.core import projection as module
+
+    items = booking_history(60)
+    cut = None
+    for n in range(60, 140):
+        items += [chat_item({"role": "user", "content": f"Q{n}: hotel {n} near the park."})]
+        stored = project_context(request(items, 3000, cut=cut), counter, POLICY)
+        warm = project_context(request(items, 3000, stateless=True), counter, POLICY)
+        module._replays.clear()
+        cold = project_context(request(items, 3000, stateless=True), counter, POLICY)
+        assert [i.raw for i in warm.items] == [i.raw for i in cold.items]
+        assert [i.raw for i in warm.items] == [i.raw for i in stored.items]
+        assert warm.report == stored.report
+        cut = stored.cut
+        items.append(chat_item({"role": "assistant", "content": f"Booked hotel {n}, ref BK-{n}."}))

@@ -862,11 +862,28 @@ def prefix_reuse(api: Api, model: str, requests: Sequence[Sent]) -> list[float]:
     (instructions first, then messages or input items) equal, as JSON values, to the
     previous request's, over the request's prompt tokens. A provider's prompt cache can
     reuse at most that share (it caches by token prefix)."""
-    shares: list[float] = []
+    return [reused / max(1, total) for reused, total in reused_tokens(api, model, requests)]
+
+
+def resent_reuse(
+    api: Api, model: str, requests: Sequence[Sent], added: Sequence[int]
+) -> list[float]:
+    """Prefix reuse over the tokens that were not new: the request's prompt tokens less
+    those the client added since its previous request (`added`, per request), which no
+    cache can hold. Sending every history whole, untrimmed, scores 100%."""
+    pairs = reused_tokens(api, model, requests)
+    return [min(1.0, r / max(1, t - a)) for (r, t), a in zip(pairs, added[1:], strict=True)]
+
+
+def reused_tokens(api: Api, model: str, requests: Sequence[Sent]) -> list[tuple[int, int]]:
+    """Per request after the first: (prefix tokens equal to the previous request's, prompt
+    tokens), the per-request priming tokens left out of both."""
+    pairs: list[tuple[int, int]] = []
+    empty = prompt_tokens(api, model, [], None)
     for previous, current in itertools.pairwise(requests):
-        total = prompt_tokens(api, model, current.items, current.instructions)
+        total = prompt_tokens(api, model, current.items, current.instructions) - empty
         if current.instructions != previous.instructions:
-            shares.append(0.0)
+            pairs.append((0, total))
             continue
         shared = 0
         for a, b in zip(previous.items, current.items, strict=False):
@@ -874,12 +891,22 @@ def prefix_reuse(api: Api, model: str, requests: Sequence[Sent]) -> list[float]:
                 break
             shared += 1
         instructions_tokens = prompt_tokens(api, model, [], current.instructions)
-        empty = prompt_tokens(api, model, [], None)
         prefix = prompt_tokens(api, model, current.items[:shared], current.instructions)
         # Per-request priming tokens are not part of any prefix.
         reused = prefix - empty if shared else instructions_tokens - empty
-        shares.append(max(0, reused) / max(1, total - empty))
-    return shares
+        pairs.append((max(0, reused), total))
+    return pairs
+
+
+def added_tokens(scenario: Scenario) -> list[int]:
+    """Per request: the tokens of the items the client added to its history since its
+    previous request (the whole history for the first)."""
+    runs = [items for _, items in histories(scenario)]
+    empty = prompt_tokens(scenario.api, scenario.model, [], None)
+    return [
+        prompt_tokens(scenario.api, scenario.model, items[len(before) :], None) - empty
+        for before, items in zip([[], *runs[:-1]], runs, strict=True)
+    ]
 
 
 @dataclass
@@ -892,6 +919,7 @@ class Row:
     api: Api
     model: str
     facts: tuple[Fact, ...]
+    added: tuple[int, ...]  # per request: the tokens the client added (added_tokens)
     note: str = ""
 
     @property
@@ -921,6 +949,11 @@ class Row:
 
     def reuse(self) -> list[float]:
         return prefix_reuse(self.api, self.model, self.received)
+
+    def resent(self) -> list[float]:
+        """Prefix reuse of what was not new (resent_reuse), requests that failed left out."""
+        pairs = [(s, a) for s, a in zip(self.requests, self.added, strict=True) if s.error is None]
+        return resent_reuse(self.api, self.model, [s for s, _ in pairs], [a for _, a in pairs])
 
     def errors(self) -> int:
         return sum(s.error is not None for s in self.requests)
@@ -1184,6 +1217,9 @@ async def run_through_proxy(
 
 # --- the run ------------------------------------------------------------------------------
 
+# Not a system: the whole history with no window, what a prompt cache could at best reuse.
+CEILING = "whole history, no window limit (ceiling; later requests exceed the window)"
+
 
 async def measure(
     scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path
@@ -1229,6 +1265,7 @@ async def measure(
                                     scenario.api,
                                     scenario.model,
                                     scenario.facts,
+                                    tuple(added_tokens(scenario)),
                                 )
                             )
                 finally:
@@ -1248,6 +1285,25 @@ async def measure(
     finally:
         await provider.fake.stop()
     for scenario in scenarios:
+        added = tuple(added_tokens(scenario))
+        whole = [
+            Sent(turn, head + rest, instructions)
+            for turn, items in histories(scenario)
+            for head, instructions, rest in [_split_system(scenario, items)]
+        ]
+        rows.append(
+            Row(
+                CEILING,
+                "same histories",
+                scenario.name,
+                whole,
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+                added,
+            )
+        )
         rows.append(
             Row(
                 "drop oldest until it fits",
@@ -1258,6 +1314,7 @@ async def measure(
                 scenario.api,
                 scenario.model,
                 scenario.facts,
+                added,
             )
         )
         k, kept = last_k_turns(scenario)
@@ -1271,6 +1328,7 @@ async def measure(
                 scenario.api,
                 scenario.model,
                 scenario.facts,
+                added,
                 note=f"k={k}",
             )
         )
@@ -1297,20 +1355,21 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| system | mode | must-keep recall, mean | worst request | all facts, mean "
         "| turn-1 rules present | tool-pair violations | mean fill | mean prefix reuse "
-        "| failed requests |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prefix reuse of what was resent | failed requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (system, mode), group in groups.items():
         must = [v for r in group for v in r.must()]
         every = [v for r in group for v in r.all()]
         fills = [v for r in group for v in r.fills()]
         reuse = [v for r in group for v in r.reuse()]
+        resent = [v for r in group for v in r.resent()]
         rules = [v for r in group for v in r.rules()]
         lines.append(
             f"| {system} | {mode} | {_pct(must)} | {_worst(must)} | {_pct(every)} | "
             f"{_pct(rules)} | "
             f"{sum(r.violations() for r in group)} | {_pct(fills)} | {_pct(reuse)} | "
-            f"{sum(r.errors() for r in group)} |"
+            f"{_pct(resent)} | {sum(r.errors() for r in group)} |"
         )
     return lines
 
@@ -1318,15 +1377,16 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
 def detail_table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| scenario | system | mode | requests | must-keep mean | worst | all facts "
-        "| tool-pair violations | mean fill | prefix reuse | failed |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tool-pair violations | mean fill | prefix reuse | of what was resent | failed |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in sorted(rows, key=lambda r: r.scenario):
         system = f"{row.system} ({row.note})" if row.note else row.system
         lines.append(
             f"| {row.scenario} | {system} | {row.mode} | {len(row.requests)} | "
             f"{_pct(row.must())} | {_worst(row.must())} | {_pct(row.all())} | "
-            f"{row.violations()} | {_pct(row.fills())} | {_pct(row.reuse())} | {row.errors()} |"
+            f"{row.violations()} | {_pct(row.fills())} | {_pct(row.reuse())} | "
+            f"{_pct(row.resent())} | {row.errors()} |"
         )
     return lines
 
@@ -1416,7 +1476,11 @@ def section(
         "longest run of leading items (instructions, then messages or input items) equal as "
         "JSON to the previous request's leading items, over the request's prompt tokens "
         "(the per-request priming tokens left out of both); the ceiling of what a provider's "
-        "prompt cache can reuse.",
+        "prompt cache can reuse. *Of what was resent*: the same prefix tokens over the "
+        "request's prompt tokens less those the client added since its previous request "
+        "(new tokens no cache can hold; sending every history whole scores 100%). The "
+        f"*{CEILING}* row is no system (its later requests exceed the window): it shows what the "
+        "new tokens alone leave for any cache.",
         "",
         *summary_table(rows),
         "",

@@ -103,12 +103,14 @@ async def rebuild(
     small: bool = False,
     stateless: bool = False,
     summaries: Mapping[str, Item] | None = None,
+    background: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
     replayed from its history (`stateless`) so its prefix repeats from one request to
     the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
-    chunk digest."""
+    chunk digest. `background`: nobody waits for it (a prediction), so it runs in a worker
+    thread whatever its size, never taking the loop from the requests."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -139,7 +141,7 @@ async def rebuild(
 
     started = time.perf_counter()
     try:
-        if len(items) > INLINE_ITEMS:
+        if background or len(items) > INLINE_ITEMS:
             projection = await asyncio.to_thread(run)
         else:
             reads = () if small else ([i.raw for i in items], tools, instructions)

@@ -129,8 +129,8 @@ class SummaryHook(TurnHook):
         api = turn.api
         loaded = turn.loaded
         cut, first_position = None, 0  # a stateless client's next request: none stored
-        whole_chunks = stateless(turn)
-        if loaded is not None and not whole_chunks:
+        replayed = stateless(turn)
+        if loaded is not None and not replayed:
             cut, first_position = turn.projection.cut or loaded.cut(), loaded.first_position
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
@@ -149,8 +149,9 @@ class SummaryHook(TurnHook):
                     instructions=inputs.instructions,
                     first_position=first_position,
                     cut=cut,
-                    stateless=whole_chunks,
+                    stateless=replayed,
                     summaries=ready,
+                    background=True,
                 )
                 self._keep_used(turn, projection)
                 chunks = sent_chunks(projection)

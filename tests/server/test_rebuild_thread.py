@@ -1,0 +1,38 @@
+"""Where a projection runs: a small one inline, a prediction (`background`) never on the
+event loop, whatever its size: nobody waits for it, and requests must not wait behind it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import proxy.server.rebuild as rebuild_module
+from proxy.core.items import chat_item
+from proxy.policy import load_policy_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("background", [False, True])
+async def test_a_prediction_is_projected_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    threads: list[threading.Thread] = []
+    project = rebuild_module.project_context
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread())
+        return project(*args, **kwargs)
+
+    monkeypatch.setattr(rebuild_module, "project_context", recorded)
+    policy = load_policy_file(REPO / "policies" / "default.yaml")
+    items = [chat_item({"role": "user", "content": "hello"})]
+    projection, _ = await rebuild_module.rebuild(
+        policy, "gpt-4o-mini", items, small=True, background=background
+    )
+    assert projection.items == tuple(items)
+    on_loop = threads == [threading.current_thread()]
+    assert on_loop is not background

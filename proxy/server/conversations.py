@@ -31,6 +31,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
 from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
+from proxy.server.explain import EXPLAIN
 from proxy.server.pagination import page_params
 from proxy.server.responses import validate_input_item
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, SUMMARIES, thread_service
@@ -155,6 +156,9 @@ async def delete_conversation(request: web.Request) -> web.Response:
     if not await request.app[STORE].delete_thread(thread.tenant, thread.id):
         raise conversation_not_found(thread.id)
     forget_summaries(request)
+    recorder = request.app.get(EXPLAIN)
+    if recorder is not None:
+        recorder.forget_thread(thread.tenant, thread.id)
     return web.json_response({"id": thread.id, "object": "conversation.deleted", "deleted": True})
 
 

@@ -51,6 +51,7 @@ class ExplainRecorder:
         self.dropped = 0
         self._queue: asyncio.Queue[ExplainRecord] = asyncio.Queue(QUEUE_MAX)
         self._unwritten: dict[tuple[str, str], ExplainRecord] = {}
+        self._gone: set[tuple[str, str | None]] = set()  # threads deleted since the last write
 
     def offer(self, record: ExplainRecord) -> None:
         try:
@@ -59,6 +60,14 @@ class ExplainRecorder:
             self._dropped(1, "queue_full")
             return
         self._unwritten[(record.tenant, record.request_id)] = record
+
+    def forget_thread(self, tenant: str, thread_id: str) -> None:
+        """The thread was deleted (its stored records with it): its queued ones are not
+        written."""
+        self._gone.add((tenant, thread_id))
+        for key, record in list(self._unwritten.items()):
+            if (record.tenant, record.thread_id) == (tenant, thread_id):
+                del self._unwritten[key]
 
     def unwritten(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
         """A queued record; with tenant None (operators), the one queued with this id."""
@@ -81,8 +90,11 @@ class ExplainRecorder:
             await self._write(batch)
 
     async def _write(self, batch: list[ExplainRecord]) -> None:
+        gone, self._gone = self._gone, set()
+        batch = [r for r in batch if (r.tenant, r.thread_id) not in gone]
         try:
-            await self.store.explain_put(batch)
+            if batch:
+                await self.store.explain_put(batch)
         except StoreError as exc:
             self._dropped(len(batch), str(exc))
         finally:

@@ -275,7 +275,8 @@ class Store(Protocol):
 
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         """Delete the thread and its items (an explicit DELETE is the only data removal),
-        and the LLM summaries kept for it that no other thread of the tenant keeps."""
+        its explain records, and the LLM summaries kept for it that no other thread of the
+        tenant keeps."""
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str

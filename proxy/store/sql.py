@@ -398,6 +398,7 @@ SELECT tenant, request_id, created_at, record FROM explain_records
 WHERE tenant = $1 AND thread_id = $2 ORDER BY created_at DESC, request_id DESC LIMIT $3
 """
 PURGE_EXPLAIN = "DELETE FROM explain_records WHERE created_at < $1"
+DELETE_THREAD_EXPLAIN = "DELETE FROM explain_records WHERE tenant = $1 AND thread_id = $2"
 
 # row -> dataclass ----------------------------------------------------------------------
 

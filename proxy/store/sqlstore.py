@@ -147,6 +147,8 @@ class SqlStore:
             await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
             deleted = await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
             await _forget_thread_summaries(conn, tenant, thread_id)
+            # Explain records quote the thread's summaries and compressed tool results.
+            await conn.execute(sql.DELETE_THREAD_EXPLAIN, tenant, thread_id)
         return deleted
 
     async def fork_thread(

@@ -205,3 +205,31 @@ async def test_every_request_counts_the_history_it_did_not_send_verbatim(
     assert cut_at < len(counts) - 2, "the thread was cut with turns to spare"
     assert all(count > 0 for count in counts[cut_at:]), counts
     assert counts == sorted(counts) and counts[-1] == before_window
+
+
+async def test_deleting_a_conversation_deletes_its_records(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    """The records quote the thread's summaries and compressed tool results: deleting the
+    conversation deletes them, written or still queued; other threads' stay."""
+    proxy = await make_proxy(window=WINDOW)
+    async with proxy.http() as http:
+        made = await http.post("/v1/conversations", json={}, headers=AUTH)
+        conversation = made.json()["id"]
+        ids = []
+        for text in ("first", "second"):
+            provider.script.append(Reply(text=f"Noted {text}."))
+            body = {"model": "gpt-4o", "input": text, "conversation": conversation}
+            answer = await http.post("/v1/responses", json=body, headers=AUTH)
+            assert answer.status_code == 200, answer.text
+            ids.append(answer.headers["x-threadkeeper-request-id"])
+            if text == "first":
+                await written(proxy)  # one stored, one (perhaps) still queued
+        other = await chat(proxy, [{"role": "user", "content": "hi"}], thread="t-other")
+        deleted = await http.delete(f"/v1/conversations/{conversation}", headers=AUTH)
+        assert deleted.status_code == 200
+    await written(proxy)
+    for request_id in ids:
+        assert (await explain(proxy, request_id)).status_code == 404
+    kept = await explain(proxy, other.headers["x-threadkeeper-request-id"])
+    assert kept.status_code == 200

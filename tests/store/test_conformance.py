@@ -793,6 +793,22 @@ async def test_explain_for_thread_lists_the_threads_records_newest_first(store: 
     ]
 
 
+async def test_deleting_a_thread_deletes_its_explain_records(store: Store) -> None:
+    """They quote its summaries and compressed tool results: they go with it."""
+    await store.create_thread("acme", "t1", kind="chat", now=T0)
+    await store.explain_put(
+        [
+            explain_record("req_a", T0, "t1"),
+            explain_record("req_b", T1, "t2"),
+            explain_record("req_c", T1, "t1", tenant="other"),
+        ]
+    )
+    assert await store.delete_thread("acme", "t1")
+    assert await store.explain_get("acme", "req_a") is None
+    assert await store.explain_get("acme", "req_b") is not None
+    assert await store.explain_get("other", "req_c") is not None
+
+
 # request idempotency -----------------------------------------------------------------
 
 

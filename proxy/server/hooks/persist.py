@@ -213,6 +213,7 @@ class ResponseChain(StoredTurn):
 
     async def load(self, turn: Turn) -> None:
         self.chain = chain = await resolve_chain(self.request, self.threads, turn.body)
+        self.request[LOG_FIELDS]["thread_id"] = chain.loaded.thread_id
         given = turn.body.get("input")
         raws = given if isinstance(given, list) else []
         taken = await self.threads.first_taken_id(chain.loaded, raws)

@@ -59,7 +59,7 @@ from proxy.ids import new_id
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
-from proxy.server.hooks.summaries import summarizer_target
+from proxy.server.hooks.summaries import kept_for, summarizer_target
 from proxy.server.rebuild import off_the_loop
 from proxy.server.state import (
     CLOCK,
@@ -199,17 +199,18 @@ async def compact_items(
     end: int,
     counter: TokenCounter,
     previous: JsonDict | None,
+    thread_id: str | None = None,
 ) -> tuple[JsonDict, list[tuple[int, Item]]] | None:
     """A compaction of what precedes `end` (after `previous`, the compaction those items
     follow): the compaction item, and `items` with its summary in place of what it covers.
     None when nothing there can be compacted. The summary is the tenant's LLM
-    summarizer's when its policy sets one and it gives one (`llm_summary`), else the
-    deterministic one."""
+    summarizer's when its policy sets one and it gives one (`llm_summary`, kept for
+    `thread_id`: deleted with that stored thread), else the deterministic one."""
     read = raws(items)
     plan = await off_the_loop(lambda: plan_compaction(items, end, counter, previous), read)
     if plan is None:
         return None
-    written = await llm_summary(request, plan, counter)
+    written = await llm_summary(request, plan, counter, thread_id)
     tenant = request[NAMESPACE]
 
     def seal() -> tuple[JsonDict, list[tuple[int, Item]]]:
@@ -220,7 +221,9 @@ async def compact_items(
     return await off_the_loop(seal, read)
 
 
-async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -> JsonDict | None:
+async def llm_summary(
+    request: web.Request, plan: Plan, counter: TokenCounter, thread_id: str | None = None
+) -> JsonDict | None:
     """The state the tenant's summarizer model writes of `plan`, guarded
     (proxy/core/llm_summary.py: every must-keep string the model left out is appended),
     for `Plan.summary` to seal. The same plan (items, the state they
@@ -245,7 +248,7 @@ async def llm_summary(request: web.Request, plan: Plan, counter: TokenCounter) -
     previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
     job = Job(
         namespace=request[NAMESPACE],
-        thread_id=None,  # a compaction's summary is left to the retention
+        thread_id=thread_id,  # None: left to the retention
         policy=policy,
         target=target,
         api=RESPONSES.name,
@@ -349,13 +352,14 @@ async def compact(request: web.Request) -> web.StreamResponse:
     await resolve_references(request, body)
     tenant = request[NAMESPACE]
     counter = await counter_for(body["model"])
-    history = [*await _previous_items(request, body), *_input_items(body)]
+    thread_id, previous_items = await _previous_items(request, body)
+    history = [*previous_items, *_input_items(body)]
     key = await request_key(request)
 
     read = raws(history)
     given = await off_the_loop(lambda: expand(key, tenant, history, counter, "input"), read)
     items = given.items
-    made = await compact_items(request, key, items, len(items), counter, given.summary)
+    made = await compact_items(request, key, items, len(items), counter, given.summary, thread_id)
 
     def answer() -> JsonDict:
         if made is None:  # nothing but user messages: an empty summary still stands for them
@@ -381,12 +385,12 @@ def _input_items(body: JsonDict) -> list[Item]:
     return RESPONSES.items(given) if given is not None else []
 
 
-async def _previous_items(request: web.Request, body: JsonDict) -> list[Item]:
-    """Every item of the chain that `previous_response_id` ends, from its thread's log
-    (the log keeps what the live window no longer sends, SPEC 2)."""
+async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | None, list[Item]]:
+    """The thread of the chain that `previous_response_id` ends and every item of it, from
+    the thread's log (the log keeps what the live window no longer sends, SPEC 2)."""
     previous = body.get("previous_response_id")
     if previous is None:
-        return []
+        return None, []
     store, tenant = request.app[STORE], request[NAMESPACE]
     stored = await store.get_response(tenant, previous)
     if (
@@ -402,7 +406,7 @@ async def _previous_items(request: web.Request, body: JsonDict) -> list[Item]:
             code="previous_response_not_found",
         )
     rows = await store.items_between(tenant, stored.thread_id, 0, stored.output_last_seq)
-    return [RESPONSES.item(row.raw) for row in rows if row.api == "responses"]
+    return stored.thread_id, [RESPONSES.item(row.raw) for row in rows if row.api == "responses"]
 
 
 def _usage(input_tokens: int, output_tokens: int) -> JsonDict:
@@ -470,7 +474,9 @@ class Compactions(TurnHook):
             return
         key = await request_key(self.request)
         end = current_turn_start(everything)
-        made = await compact_items(self.request, key, everything, end, counter, self.summary)
+        made = await compact_items(
+            self.request, key, everything, end, counter, self.summary, kept_for(turn)
+        )
         if made is None:
             return
         self.item, pairs = made

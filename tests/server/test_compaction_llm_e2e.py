@@ -15,7 +15,7 @@ from typing import Any
 from proxy.cli import main
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
-from proxy.server.state import SETTINGS
+from proxy.server.state import SETTINGS, STORE
 
 from .conftest import PROVIDER_KEY, TENANT_KEY, Proxy
 
@@ -309,3 +309,16 @@ async def test_a_stateful_thread_compacts_with_the_summarizer(make_proxy: Any) -
     assert [o.type for o in third.output] == ["message"]
     sent = json.dumps(turn_requests(proxy)[-1].json["input"])
     assert LLM_TASK in sent and "rfd_555" in sent and '"compaction"' not in sent
+    # The summary quotes the thread: it is kept for it, and deleted with it.
+    store = proxy.app[STORE]  # type: ignore[index]
+    tenant = (await stored_summary_rows(store))[0][0]
+    thread_id = (await store.get_response(tenant, first.id)).thread_id
+    assert await store.delete_thread(tenant, thread_id)
+    assert await stored_summary_rows(store) == []
+
+
+async def stored_summary_rows(store: Any) -> list[tuple[str, str]]:
+    """(tenant, digest) of every summary row."""
+    async with store.db.read() as conn:
+        rows = await conn.fetch("SELECT tenant, digest FROM summaries ORDER BY digest")
+    return [(row["tenant"], row["digest"]) for row in rows]

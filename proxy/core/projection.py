@@ -36,11 +36,12 @@ it is returned.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from proxy.core.blocks import Block, segment
+from proxy.core.blocks import Block, compile_pins, is_pinned, segment
 from proxy.core.budget import history_budget
 from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
@@ -294,7 +295,12 @@ def project_context(
 ) -> Projection:
     """The context to send for `request`, under its budget, with the cut to keep."""
     if not request.stateless or request.cut is not None:
-        return _project(request, counter, policy, summarizer)
+        return _projected(_prepared(request, counter, policy, summarizer))
+    whole = _prepared(request, counter, policy, summarizer)
+    if _history(whole.state) <= whole.budget:
+        # It fits whole, so each earlier request of its history did (they hold fewer of
+        # the same items): there is no cut to replay.
+        return _projected(whole)
     cut, made = _replayed_cut(request, counter, policy, summarizer)
     projection = _project(replace(request, cut=cut), counter, policy, summarizer)
     # The blocks sent were made while replaying, most of them: Projection.chunks lists them.
@@ -303,12 +309,29 @@ def project_context(
     return replace(projection, chunks=tuple(chunk for chunk in sent if chunk is not None))
 
 
+@dataclass
+class _Prepared:
+    state: _State
+    fixed: _Fixed
+    budget: int
+
+
 def _project(
     request: ProjectionRequest,
     counter: TokenCounter,
     policy: ProjectionPolicy,
     summarizer: Summarizer,
 ) -> Projection:
+    return _projected(_prepared(request, counter, policy, summarizer))
+
+
+def _prepared(
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+) -> _Prepared:
+    """The state with the previous cut applied, the fixed tokens and B_H."""
     blocks = segment(request.items, policy.pin_patterns, request.first_position)
     state = _initial_state(request, policy, summarizer, blocks, counter)
     fixed = _fixed_tokens(state)
@@ -328,11 +351,16 @@ def _project(
     state.capacity = capacity = budget + fixed.current + fixed.pinned
     state.room = _summary_room(capacity)
     state.chain_max = int(capacity * policy.summary_chain_max_share)
+    return _Prepared(state, fixed, budget)
+
+
+def _projected(prepared: _Prepared) -> Projection:
+    state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
-    relieved = _relieve(state, budget, policy)
+    relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
-    keep = relieved or request.cut is not None or state.cut_changed
+    keep = relieved or state.request.cut is not None or state.cut_changed
     return _finish(state, fixed, budget, keep)
 
 
@@ -349,8 +377,11 @@ def _replayed_cut(
     it: its prefix repeats until the next cut, as a stored thread's does.
 
     The replay resumes from the last request of the same history it has seen (`_replays`),
-    so a client resending its history pays for its new requests only."""
+    so a client resending its history pays for its new requests only, and it projects
+    only the requests that do not fit as the cut left them (`_Fit`): at the others the
+    projection changes nothing, so a long history costs one projection per cut."""
     items = request.items
+    fit = _Fit(request, counter, policy)
     ends = [e for e in range(1, len(items)) if _asks(items[e - 1]) and not _asks(items[e])]
     keys = _replay_keys(request, counter, policy, summarizer, ends)
     cut: CutPoint | None = None
@@ -362,7 +393,18 @@ def _replayed_cut(
             cut, made, resume = hit.cut, list(hit.made), index + 1
             break
     for end in ends[resume:]:
-        asked = replace(request, items=items[:end], cut=cut, stateless=False)
+        if fit.fits(cut, end):
+            continue
+        # A stored thread's window: the items from its cut on (its prefix stands for the
+        # rest), and so a replayed request costs what the window holds, not the history.
+        first = fit.window_start(cut)
+        asked = replace(
+            request,
+            items=items[first:end],
+            first_position=request.first_position + first,
+            cut=cut,
+            stateless=False,
+        )
         try:
             projection = _project(asked, counter, policy, summarizer)
         except ContextLengthExceeded:
@@ -377,6 +419,79 @@ def _replayed_cut(
             _replays.clear()
         _replays[keys[-1]] = _Replay(cut, tuple(made))
     return cut, made
+
+
+class _Fit:
+    """Whether the request of the first `end` items fits as `cut` leaves it, so its
+    projection would change nothing. Counted from above (a pinned item both given and
+    carried in the cut's prefix counts twice): a request that would be cut is never
+    taken to fit. A cut holding a deferred block never fits (it may grow back)."""
+
+    def __init__(
+        self, request: ProjectionRequest, counter: TokenCounter, policy: ProjectionPolicy
+    ) -> None:
+        self.request, self.counter = request, counter
+        pins = compile_pins(policy.pin_patterns)
+        self.counts = [counter.item(item) for item in request.items]
+        self.total = list(itertools.accumulate(self.counts, initial=0))
+        pinned = (
+            c if is_pinned(i, pins) else 0 for i, c in zip(request.items, self.counts, strict=True)
+        )
+        self.pinned = list(itertools.accumulate(pinned, initial=0))
+        self.limit = (
+            request.window
+            - request.tools_tokens
+            - request.output
+            - request.epsilon
+            - request.instructions_tokens
+            - REPLY_PRIMING
+        )
+        self._cut: CutPoint | None = None
+        self._cut_tokens = 0
+        # reach[i]: the earliest call that an output at or after i answers (len: none).
+        calls: dict[str, int] = {}
+        answered = []
+        for index, item in enumerate(request.items):
+            for call_id in item.call_ids:
+                calls.setdefault(call_id, index)
+            answered.append(calls.get(item.output_for or "", index))
+        self.reach = list(itertools.accumulate(reversed(answered), min, initial=len(answered)))
+        self.reach.reverse()
+
+    def fits(self, cut: CutPoint | None, end: int) -> bool:
+        if cut is None:
+            return self.total[end] <= self.limit
+        if cut.deferred is not None:
+            return False
+        if cut is not self._cut:
+            self._cut, self._cut_tokens = cut, self._tokens_before(cut)
+        start = self._index(cut.start)
+        if start > end:
+            return False
+        return self._cut_tokens + self.total[end] - self.total[start] <= self.limit
+
+    def window_start(self, cut: CutPoint | None) -> int:
+        """The index a stored thread's window would start at: the cut's start, moved back
+        so that no output in the window answers a call before it (turns merged across a
+        late output are realigned whole, as in the full history)."""
+        start = self._index(cut.start) if cut is not None else 0
+        while self.reach[start] < start:
+            start = self.reach[start]
+        return start
+
+    def _index(self, position: int) -> int:
+        return min(max(0, position - self.request.first_position), len(self.counts))
+
+    def _tokens_before(self, cut: CutPoint) -> int:
+        """The cut's prefix, the given pinned items before its start, and what its
+        compressed tool results weigh above the originals."""
+        start = self._index(cut.start)
+        compressed = sum(
+            self.counter.item(item) - self.counts[self._index(position)]
+            for position, item in cut.compressed
+            if start <= self._index(position) < len(self.counts)
+        )
+        return self.counter.items(cut.summary) + self.pinned[start] + compressed
 
 
 @dataclass(frozen=True)

@@ -436,3 +436,19 @@ def test_a_stateless_cut_is_the_cut_a_stored_thread_would_hold(counter: TokenCou
         assert warm.report == stored.report
         cut = stored.cut
         items.append(chat_item({"role": "assistant", "content": f"Booked hotel {n}, ref BK-{n}."}))
+
+
+def test_a_stateless_history_that_fits_is_not_replayed(
+    counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hot path: a history that fits whole needs no replay (each earlier request of it
+    fit too), so it costs one projection."""
+    from proxy.core import projection as module
+
+    def no_replay(*_: object) -> None:
+        raise AssertionError("replayed a history that fits")
+
+    monkeypatch.setattr(module, "_replayed_cut", no_replay)
+    items = [*booking_history(20), chat_item({"role": "user", "content": "next"})]
+    projection = project_context(request(items, 16000, stateless=True), counter, POLICY)
+    assert projection.items == tuple(items) and projection.cut is None

@@ -196,7 +196,10 @@ def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
 @given(cases())
 def test_recent_turns_are_kept_whenever_they_fit(case: Case) -> None:
     """Never summarized while they fit: the last closed turn verbatim, the others too but
-    for their large tool results, which a cut may compress (to reach target_fill)."""
+    for their large tool results, which a cut may compress (to reach target_fill). Checked
+    on a request that carries no cut: a cut made earlier, while a large current turn left
+    no room, sticks (SPEC 5), for a stored thread and a stateless history's replayed cut
+    alike."""
     window = window_for(case)
     blocks = segment(case.items, POLICY.pin_patterns)
     closed = [b for b in blocks if b.kind == "turn"]
@@ -210,7 +213,7 @@ def test_recent_turns_are_kept_whenever_they_fit(case: Case) -> None:
         event("recent turns do not fit")
         return
     event("recent turns fit")
-    projection = project(case.items, window, stateless=case.stateless)
+    projection = project(case.items, window)
     sent = {id(item) for item in projection.items}
     outputs = {item.output_for for item in projection.items if item.output_for}
     for index, block in enumerate(turns):
@@ -247,3 +250,39 @@ def test_kept_cut_leaves_the_prefix_unchanged_until_the_budget_is_hit(case: Case
     event("prefix kept" if second.cut == first.cut else "budget hit again: new cut")
     if second.cut == first.cut:
         assert second.items[: len(first.items)] == first.items
+
+
+def _asks(item: Item) -> bool:
+    return item.is_user_message or item.output_for is not None
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_a_stateless_history_is_cut_as_its_earlier_requests_left_it(case: Case) -> None:
+    """The oracle, unoptimized: project every earlier request (the history up to each
+    model answer) with the cut the one before left, then the request itself. The replay
+    (which skips requests that fit, projects windows, and caches) sends the same."""
+    from proxy.core import projection as module
+
+    window = window_for(case)
+    items = case.items
+    cut = None
+    for end in range(1, len(items)):
+        if _asks(items[end - 1]) and not _asks(items[end]):
+            try:
+                cut = project(items[:end], window, cut).cut
+            except ContextLengthExceeded:
+                pass
+    try:
+        expected: Projection | None = project(items, window, cut)
+    except ContextLengthExceeded:
+        expected = None
+    module._replays.clear()
+    try:
+        got: Projection | None = project(items, window, stateless=True)
+    except ContextLengthExceeded:
+        got = None
+    event(f"cut: {expected is not None and expected.cut is not None}")
+    assert (got is None) == (expected is None)
+    if got is not None and expected is not None:
+        assert [i.raw for i in got.items] == [i.raw for i in expected.items]

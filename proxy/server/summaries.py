@@ -150,6 +150,9 @@ class BackgroundSummaries:
         self._kept: dict[tuple[Key, str], None] = {}  # summaries known kept for a thread
         self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
         self._failed: dict[Key, datetime] = {}
+        # Per (namespace, thread): the cut a next cut was last predicted after; predicting
+        # again before that cut changes would find the same chunk (hooks/summaries.py).
+        self.predicted: dict[tuple[str, str], int] = {}
         self._closed = False  # after aclose nothing starts (a request ending late)
 
     def ready(self, namespace: str, model: str, api: str) -> Ready:
@@ -274,7 +277,7 @@ class BackgroundSummaries:
             stored = await self.store.summaries_get(key[0], key[1], key[2], [job.digest])
             return stored.get(job.digest)
         if job.thread_id is not None:
-            _bounded_put(self._kept, (key, job.thread_id), None)
+            bounded_put(self._kept, (key, job.thread_id), None)
         return summary
 
     def _failed_lately(self, key: Key) -> bool:
@@ -287,10 +290,10 @@ class BackgroundSummaries:
         return False
 
     def _fail(self, key: Key) -> None:
-        _bounded_put(self._failed, key, self.clock.now())
+        bounded_put(self._failed, key, self.clock.now())
 
     def _remember(self, key: Key, item: Item) -> None:
-        _bounded_put(self._cache, key, item)
+        bounded_put(self._cache, key, item)
 
     async def keep(
         self, prefix: tuple[str, str, str], thread_id: str, digests: Sequence[str]
@@ -305,7 +308,7 @@ class BackgroundSummaries:
             namespace, thread_id, model, api, wanted[:MAX_SUMMARY_DIGESTS]
         )
         for digest in wanted[:MAX_SUMMARY_DIGESTS]:
-            _bounded_put(self._kept, ((*prefix, digest), thread_id), None)
+            bounded_put(self._kept, ((*prefix, digest), thread_id), None)
 
     def keep_later(
         self, tenant: str, prefix: tuple[str, str, str], thread_id: str, digests: Sequence[str]
@@ -363,10 +366,10 @@ def _item(stored: StoredSummary) -> Item:
 
 def _mark_used(used: dict[Key, None], key: Key) -> None:
     if key not in used:
-        _bounded_put(used, key, None)
+        bounded_put(used, key, None)
 
 
-def _bounded_put(entries: dict[K, V], key: K, value: V) -> None:
+def bounded_put(entries: dict[K, V], key: K, value: V) -> None:
     """Puts an entry, first dropping the oldest ones beyond CACHE_ENTRIES."""
     while len(entries) >= CACHE_ENTRIES:
         del entries[next(iter(entries))]

@@ -26,7 +26,7 @@ from proxy.server.auth import bearer_token
 from proxy.server.rebuild import budget_log_fields, rebuild
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
-from proxy.server.summaries import BackgroundSummaries, Job, Ready
+from proxy.server.summaries import BackgroundSummaries, Job, Ready, bounded_put
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict
 from proxy.summarizer import Target
@@ -134,7 +134,13 @@ class SummaryHook(TurnHook):
             cut, first_position = turn.projection.cut or loaded.cut(), loaded.first_position
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
-        ready = self.background.ready(namespace, self._model(), turn.api.name)
+        thread = loaded.thread_id if loaded is not None else asked[-1].digest
+        known = turn.projection.cut
+        after = (namespace, thread), known.start if known is not None else -1
+        if self.background.predicted.get(after[0]) == after[1]:
+            return  # predicted since the thread was last cut: the same chunk again
+        background = self.background
+        ready = background.ready(namespace, self._model(), turn.api.name)
 
         async def predict() -> None:
             for ahead in range(LOOKAHEAD_TURNS):
@@ -157,9 +163,9 @@ class SummaryHook(TurnHook):
                 chunks = sent_chunks(projection)
                 if chunks:
                     await self._summarize_predicted(turn, chunks, real)
+                    bounded_put(background.predicted, *after)
                     return
 
-        thread = loaded.thread_id if loaded is not None else asked[-1].digest
         key = (namespace, "predict", thread)  # the namespace first: the caps count it
         self.background.spawn(namespace, self.policy.tenant, key, predict)
 

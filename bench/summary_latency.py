@@ -79,8 +79,10 @@ async def run(turns: int) -> dict[str, list[float]]:
         url = f"http://127.0.0.1:{bound_port(runner)}/v1/chat/completions"
         try:
             async with aiohttp.ClientSession() as http:
-                for name, tenant in (("without", "plain"), ("with", "summarized")):
-                    for number in range(turns):
+                # Interleaved turn by turn, so drift (a warmer process, a bigger file)
+                # hits both tenants alike.
+                for number in range(turns):
+                    for name, tenant in (("without", "plain"), ("with", "summarized")):
                         body = {
                             "model": "gpt-4o",
                             "messages": [{"role": "user", "content": user_turn(number)}],

@@ -125,7 +125,7 @@ def main() -> None:
         "",
         f"`python bench/summary_latency.py --write`: one stateful thread, {args.turns} turns, "
         f"the same turns for a tenant without and with an LLM summarizer whose model answers "
-        f"after {SUMMARY_DELAY} s; turns {skip + 1}-{args.turns} compared (past the high-water "
+        f"after {SUMMARY_DELAY} s, interleaved turn by turn; turns {skip + 1}-{args.turns} compared (past the high-water "
         f"mark). The summarizer was called {int(result['summaries'][0])} times while the "
         "turns ran.",
         "",

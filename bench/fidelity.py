@@ -1025,9 +1025,18 @@ budget: {{reserve_output_tokens: {reserve}, safety_margin_tokens: {margin}}}
 {memory}
 """
 
-BAD_SUMMARY = (
-    "The user talked with the assistant about several things and some orders and refunds "
-    "were discussed, and the assistant helped with various tasks."
+# What the scripted summarizer answers: the state asked for, well formed but vague, with
+# none of the ids, amounts, rules or tool facts (the guard must append the must-keep ones).
+BAD_SUMMARY = json.dumps(
+    {
+        "constraints": ["Be helpful and polite."],
+        "preferences": [],
+        "decisions": ["The user and the assistant discussed several things."],
+        "open_tasks": ["Help the user with various tasks."],
+        "pending_calls": [],
+        "facts": [],
+        "entities": ["some orders", "the user"],
+    }
 )
 
 

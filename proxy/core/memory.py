@@ -90,10 +90,12 @@ class MemoryState:
 
     def must_keep(self) -> tuple[str, ...]:
         """Strings every summary of this state must hold verbatim: the rules, the latest
-        preferences, decisions, open tasks, pending calls and entities (the ids and
-        amounts of the facts among them), in render order."""
+        preferences, decisions, open tasks, pending calls, the tool facts that report an
+        error or a code location (a log's one failure), and entities (the ids and amounts
+        of the other facts among them), in render order."""
         kept: list[str] = [*self.constraints, *(p.text for p in self.preferences)]
         kept += [*self.decisions, *self.open_tasks, *(p.text for p in self.pending)]
+        kept += [fact for fact in self.facts if _reports_error(fact)]
         kept += self.entities
         return tuple(dict.fromkeys(kept))
 
@@ -209,7 +211,9 @@ PREFERENCE = re.compile(
 )
 # A change of mind that replaces a preference already stated on the same subject.
 CHANGE = re.compile(
-    r"\b(?:actually|make (?:it|that) an?|rather than|go for|on second thought)\b", re.IGNORECASE
+    r"\b(?:actually|make (?:it|that) an?|rather than|go for|on second thought|change of plans?"
+    r"|i (?:now )?want|i(?:'d| would) like)\b|,\s*not\s+\w",
+    re.IGNORECASE,
 )
 # Words that name what a preference is about: a later preference about the same
 # subject replaces the earlier one.
@@ -487,6 +491,10 @@ def _pairs_text(pairs: list[tuple[str, Any]]) -> str:
     return ", ".join(f"{label}={_value_text(value)}" for label, value in pairs)
 
 
+def _reports_error(fact: str) -> bool:
+    return bool(ERROR_LINE.search(fact) or LOCATION_LINE.search(fact))
+
+
 def _value_text(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_value_text(v) for v in value) + "]"
@@ -570,6 +578,7 @@ def guard(candidate: MemoryState, reference: MemoryState) -> MemoryState:
         decisions=candidate.decisions + lacking(reference.decisions, str),
         open_tasks=candidate.open_tasks + lacking(reference.open_tasks, str),
         pending=candidate.pending + lacking(reference.pending, _text_of),
+        facts=candidate.facts + lacking(reference.facts, str),
         entities=candidate.entities + lacking(reference.entities, str),
     )
 

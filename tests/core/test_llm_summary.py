@@ -222,3 +222,36 @@ def test_a_base_state_keeps_the_pending_calls_ids_that_its_text_loses(
     assert "Pending actions" not in written.item.text()
     from_text = summary_from_answer(answer, [output], counter, 800, previous)
     assert from_text is not None and memory.from_json(from_text.state).pending != ()
+
+
+def test_a_failure_in_a_tool_log_is_kept_when_the_model_leaves_it_out(
+    counter: TokenCounter,
+) -> None:
+    """The one failing line of a long test log is what the later turns act on: a vague
+    answer without it gets it appended (it is must-keep), like the digest keeps it."""
+    passed = [f"tests/test_{i}.py::test_ok PASSED" for i in range(300)]
+    failed = ["E   ZeroDivisionError", "src/billing/proration.py:88: ZeroDivisionError"]
+    log = "\n".join([*passed, *failed, "1 failed, 300 passed"])
+    items = [
+        chat_item({"role": "user", "content": "Run the tests."}),
+        chat_item(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_t",
+                        "type": "function",
+                        "function": {"name": "run_tests", "arguments": "{}"},
+                    }
+                ],
+            }
+        ),
+        chat_item({"role": "tool", "tool_call_id": "call_t", "content": log}),
+        chat_item({"role": "assistant", "content": "One test fails."}),
+    ]
+    vague = json.dumps({"decisions": ["The tests were run."], "facts": []})
+    written = summary_from_answer(vague, items, counter, 600)
+    assert written is not None
+    assert "proration.py:88" in written.item.text()
+    assert any("proration.py:88" in kept for kept in memory.must_keep(items))

@@ -571,3 +571,21 @@ def test_a_log_result_is_remembered_by_its_error_line_not_its_first_lines() -> N
     assert "ERROR pg: remaining connection slots are reserved" in text
     assert "FATAL: the database system is shutting down" in text
     assert "INFO payments-api" not in text
+
+
+def test_a_change_of_plan_replaces_the_preference_on_its_subject() -> None:
+    """"Change of plan: I want a window seat, not aisle." was kept only as a request, so
+    an LLM summary (which has no requests section) lost it while the aisle seat stood."""
+    items = [
+        chat_item({"role": "user", "content": "I'm vegetarian. I prefer an aisle seat."}),
+        chat_item({"role": "assistant", "content": "Noted."}),
+        chat_item({"role": "user", "content": "Change of plan: I want a window seat, not aisle."}),
+        chat_item({"role": "assistant", "content": "Noted, a window seat."}),
+    ]
+    state = extract(items)
+    [preference] = state.preferences
+    assert preference.text == "Change of plan: I want a window seat, not aisle."
+    assert preference.changed_from == "I prefer an aisle seat."
+    assert preference.text in state.must_keep()
+    # Without a stated preference on the subject, "I want" is a request, not a preference.
+    assert extract([chat_item({"role": "user", "content": "I want a refund."})]).preferences == ()

@@ -23,6 +23,8 @@ from .test_llm_summaries_e2e import (
     background,
     summarizer_answer,
     summarizer_requests,
+    summary_blocks,
+    turn_requests,
     user_turn,
 )
 
@@ -70,13 +72,8 @@ async def test_a_summary_shared_with_a_live_thread_survives_until_that_one_goes(
     content hashes): the first deleted (the admin CLI) leaves them to the other."""
     proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
     proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
-    client = proxy.client()
-    history = overflowing_history()
     for thread_id in ("t-first", "t-second"):
-        await client.chat.completions.create(
-            model="gpt-4o", messages=history, extra_headers={"X-Thread-Id": thread_id}
-        )
-        await background(proxy).idle()
+        await grow_until_cut(proxy, thread_id)
     paid = len(summarizer_requests(proxy))
     assert paid >= 1  # written for t-first, used by t-second: paid once
     rows = await stored_summaries(proxy)
@@ -90,13 +87,23 @@ async def test_a_summary_shared_with_a_live_thread_survives_until_that_one_goes(
     capsys.readouterr()
 
 
-def overflowing_history() -> list[dict[str, Any]]:
+async def grow_until_cut(proxy: Proxy, thread_id: str | None) -> list[dict[str, Any]]:
+    """Turns until the first cut (its chunk summarized ahead, past the high-water mark);
+    the history a stateless client (thread_id None) sent."""
+    client = proxy.client()
     history: list[dict[str, Any]] = []
-    for number in range(24):
+    headers = {"X-Thread-Id": thread_id} if thread_id else {}
+    for number in range(30):
         history.append({"role": "user", "content": user_turn(number)})
-        history.append({"role": "assistant", "content": f"Noted for ORD-{1000 + number}."})
-    history.append({"role": "user", "content": "Summarize the refunds, please."})
-    return history
+        sent = history if thread_id is None else history[-1:]
+        reply = await client.chat.completions.create(
+            model="gpt-4o", messages=sent, extra_headers=headers
+        )
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        await background(proxy).idle()
+        if summary_blocks(turn_requests(proxy)[-1].json["messages"]):
+            return history
+    raise AssertionError("the history never outgrew its budget")
 
 
 async def test_a_stateless_requests_summaries_are_left_to_the_retention(
@@ -114,9 +121,7 @@ async def test_a_stateless_requests_summaries_are_left_to_the_retention(
     )
     proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
     client = proxy.client()
-    history = overflowing_history()
-    await client.chat.completions.create(model="gpt-4o", messages=history)
-    await background(proxy).idle()
+    history = await grow_until_cut(proxy, None)
     conversation = await client.conversations.create()
     await client.conversations.delete(conversation.id)  # another thread goes
     rows = await stored_summaries(proxy)

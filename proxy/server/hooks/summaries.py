@@ -4,9 +4,11 @@
 - projected: digests it asked for and lacked are read from the store (another process
   wrote them); when some were there, the projection is made again with them;
 - answered: the answer reached the client;
-- finished: only then, the summaries the turn lacked are started in the background:
-  the chunks a stateless request had summarized deterministically, and past the
-  high-water mark the chunk its next cut is predicted to take.
+- finished: only then, past the high-water mark, the chunk the next cut is predicted to
+  take is summarized in the background. A block already sent with the deterministic
+  digest is not summarized again: its LLM summary would change the prefix the
+  provider caches (a stored thread keeps its cut; a stateless client's replayed cut
+  keeps its blocks the same way).
 
 Nothing here waits for a summarizer call, and nothing here raises into the turn: a
 failure to read or start summaries is logged and the deterministic digest stands.
@@ -78,8 +80,6 @@ class SummaryHook(TurnHook):
         try:
             self.target = self._target()
             self._keep_used(turn, turn.projection)
-            if stateless(turn):
-                self._summarize_chunks(turn)
             if self._past_high_water(turn.projection):
                 self._predict_next_cut(turn, self.answer)
         except Exception:
@@ -93,13 +93,6 @@ class SummaryHook(TurnHook):
         if thread_id is not None and used and self.background is not None:
             prefix = (self.request[NAMESPACE], self._model(), turn.api.name)
             self.background.keep_later(self.policy.tenant, prefix, thread_id, used)
-
-    def _summarize_chunks(self, turn: Turn) -> None:
-        """Stateless: the chunks this request summarized deterministically, so the
-        client's next request (which resends them) gets their LLM summary."""
-        assert turn.projection is not None and self.background is not None
-        for chunk in sent_chunks(turn.projection):
-            self.background.submit(self._job(turn, chunk))
 
     def _past_high_water(self, projection: Projection) -> bool:
         settings = self.policy.memory.summarizer
@@ -141,6 +134,7 @@ class SummaryHook(TurnHook):
             return  # predicted since the thread was last cut: the same chunk again
         background = self.background
         ready = background.ready(namespace, self._model(), turn.api.name)
+        sent = {chunk.digest for chunk in turn.projection.chunks}  # kept as they were sent
 
         async def predict() -> None:
             for ahead in range(LOOKAHEAD_TURNS):
@@ -160,7 +154,7 @@ class SummaryHook(TurnHook):
                     background=True,
                 )
                 self._keep_used(turn, projection)
-                chunks = sent_chunks(projection)
+                chunks = [c for c in sent_chunks(projection) if c.digest not in sent]
                 if chunks:
                     await self._summarize_predicted(turn, chunks, real)
                     bounded_put(background.predicted, *after)

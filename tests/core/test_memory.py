@@ -574,7 +574,7 @@ def test_a_log_result_is_remembered_by_its_error_line_not_its_first_lines() -> N
 
 
 def test_a_change_of_plan_replaces_the_preference_on_its_subject() -> None:
-    """"Change of plan: I want a window seat, not aisle." was kept only as a request, so
+    """ "Change of plan: I want a window seat, not aisle." was kept only as a request, so
     an LLM summary (which has no requests section) lost it while the aisle seat stood."""
     items = [
         chat_item({"role": "user", "content": "I'm vegetarian. I prefer an aisle seat."}),

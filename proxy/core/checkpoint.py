@@ -45,6 +45,14 @@ def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) ->
     return state
 
 
+def without_cut(state: Mapping[str, Any]) -> JsonDict:
+    """`state` with no cut: the thread is projected again from its whole log (an item
+    left it, and the cut's summaries may quote it)."""
+    return {
+        k: v for k, v in state.items() if k not in (WINDOW_START, SUMMARY, COMPRESSED, DEFERRED)
+    }
+
+
 def state_to_cut(state: Mapping[str, Any]) -> CutPoint | None:
     """The cut a state holds; None for a thread that was never trimmed."""
     start = state.get(WINDOW_START)

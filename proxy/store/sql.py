@@ -127,6 +127,8 @@ FIND_ITEM = f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND item_id = $
 
 DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
 BUMP_EPOCH = "UPDATE threads SET epoch = epoch + 1 WHERE tenant = $1 AND id = $2"
+SELECT_STATE = "SELECT state FROM threads WHERE tenant = $1 AND id = $2"
+SET_STATE = "UPDATE threads SET state = $3 WHERE tenant = $1 AND id = $2"
 
 
 def page_query(order: str, *, after: bool) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
+from proxy.core.checkpoint import without_cut
 from proxy.store import sql
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
@@ -244,6 +245,13 @@ class SqlStore:
                 return False
             await conn.execute(sql.BUMP_EPOCH, tenant, thread_id)
             await _forget_thread_summaries(conn, tenant, thread_id)
+            # The cut's summaries and compressed results may quote the item: projected
+            # again from the log, they go.
+            row = await conn.fetchrow(sql.SELECT_STATE, tenant, thread_id)
+            state = sql.loads(row["state"]) if row is not None else None
+            if isinstance(state, dict):
+                cleared = sql.dumps(without_cut(state))
+                await conn.execute(sql.SET_STATE, tenant, thread_id, cleared)
         return True
 
     # responses ------------------------------------------------------------------------

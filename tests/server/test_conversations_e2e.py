@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from proxy.fake_provider import Reply
 from proxy.server.state import SETTINGS, STORE
 from proxy.store.sqlite import sqlite_path
 from tests.server.conftest import Proxy
@@ -432,3 +433,23 @@ async def test_fork_is_authenticated_like_v1(make_proxy) -> None:  # type: ignor
     async with proxy.http() as http:
         anonymous = await http.post(f"/threadkeeper/v1/conversations/{source_id}/fork", json={})
     assert anonymous.status_code == 401
+
+
+async def test_a_deleted_item_leaves_the_summary_that_quoted_it(make_proxy: Any) -> None:
+    """A conversation cut with a summary quoting a message: deleting that message drops
+    the cut, so the next turn's summary, rebuilt from the log, no longer quotes it."""
+    proxy: Proxy = await make_proxy(window=6000)
+    client = proxy.client()
+    conversation_id = await create(proxy, [])
+    secret = "My rule: ship only to PO box 4471, never to my home."
+    for number in range(16):
+        text = secret if number == 0 else f"Order ORD-{100 + number}: " + "words " * 300
+        proxy.provider.script.append(Reply(text=f"Noted {number}."))
+        await client.responses.create(model="gpt-4o", input=text, conversation=conversation_id)
+    sent = json.dumps(proxy.provider.model_requests[-1].json["input"])
+    assert "PO box 4471" in sent and "summary" in sent  # cut, the rule in the summary
+    [first] = [i for i in await listed(proxy, conversation_id, order="asc")][:1]
+    await client.conversations.items.delete(first["id"], conversation_id=conversation_id)
+    proxy.provider.script.append(Reply(text="Noted."))
+    await client.responses.create(model="gpt-4o", input="Next?", conversation=conversation_id)
+    assert "PO box 4471" not in json.dumps(proxy.provider.model_requests[-1].json["input"])

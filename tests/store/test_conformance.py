@@ -327,6 +327,22 @@ async def test_deleting_an_item_bumps_the_epoch_not_the_version(store: Store) ->
     assert after is not None and (after.epoch, after.version) == (1, before.version)
 
 
+async def test_deleting_an_item_drops_the_threads_cut(store: Store) -> None:
+    """The cut's summary may quote the item: the thread is projected again from its log.
+    What else the state holds stays."""
+    await thread_with(store, "a", "b")
+    state = {
+        "window_start": 1,
+        "summary": [{"api": "chat", "raw": {"role": "system", "content": "quotes a"}}],
+        "compressed": [],
+        "other": 1,
+    }
+    await store.append_items("acme", "t1", [], state=state, now=T0)
+    assert await store.delete_item("acme", "t1", "a")
+    after = await store.get_thread("acme", "t1")
+    assert after is not None and after.state == {"other": 1}
+
+
 async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)

@@ -503,7 +503,7 @@ class _Replay:
 # Replayed cuts by history prefix and everything else the projection reads. Bounded;
 # cleared when full (a miss only costs a longer replay, never other bytes).
 _replays: dict[tuple[object, ...], _Replay] = {}
-REPLAY_CACHE_MAX = 4096
+REPLAY_CACHE_MAX = 1024
 
 
 def _replay_keys(

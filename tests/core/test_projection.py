@@ -452,3 +452,28 @@ def test_a_stateless_history_that_fits_is_not_replayed(
     items = [*booking_history(20), chat_item({"role": "user", "content": "next"})]
     projection = project_context(request(items, 16000, stateless=True), counter, POLICY)
     assert projection.items == tuple(items) and projection.cut is None
+
+
+def test_a_long_stateless_history_is_replayed_at_its_cuts_only(
+    counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work is bounded by the cuts, not by the requests: a request that fits as the
+    cut left it is skipped, so a 1,200-turn history does not cost 1,200 projections."""
+    from proxy.core import projection as module
+
+    calls: list[int] = []
+    project = module._project
+
+    def counted(request: ProjectionRequest, *args: object) -> Projection:
+        calls.append(len(request.items))
+        return project(request, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "_project", counted)
+    module._replays.clear()
+    items = [*booking_history(1200), chat_item({"role": "user", "content": "next"})]
+    projection = project_context(request(items, 3000, stateless=True), counter, POLICY)
+    assert projection.cut is not None
+    assert len(calls) < 1200 / 10  # one per cut (about every 25 turns here), and the last
+    # Each replayed request projects a stored thread's window, not the whole history
+    # (only the request itself is given whole).
+    assert calls[-1] == len(items) and max(calls[:-1]) < 200

@@ -328,8 +328,9 @@ class Store(Protocol):
         names); a fork shares its source's items, and any copy is the same item."""
 
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
-        """Remove one item; the thread's `epoch` goes up (its version does not) and its cut
-        goes (the thread is projected again from its log). The LLM
+        """Remove one item; the thread's `epoch` and version go up (a turn that read the
+        thread before commits again, VersionConflict) and its cut goes (the thread is
+        projected again from its log). The LLM
         summaries kept for the thread stop being kept for it (they may quote the item):
         those no other thread keeps are deleted."""
 

@@ -126,7 +126,11 @@ SELECT_ITEM = (
 FIND_ITEM = f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND item_id = $2 LIMIT 1"
 
 DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
-BUMP_EPOCH = "UPDATE threads SET epoch = epoch + 1 WHERE tenant = $1 AND id = $2"
+# An item left the log: the epoch tells window caches to read it whole, the version makes a
+# turn committing what it read before (its cut may quote the item) lose the race.
+BUMP_EPOCH = (
+    "UPDATE threads SET epoch = epoch + 1, version = version + 1 WHERE tenant = $1 AND id = $2"
+)
 SELECT_STATE = "SELECT state FROM threads WHERE tenant = $1 AND id = $2"
 SET_STATE = "UPDATE threads SET state = $3 WHERE tenant = $1 AND id = $2"
 

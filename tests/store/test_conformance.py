@@ -317,14 +317,20 @@ async def test_load_window_from_seq_reads_only_what_is_new(store: Store) -> None
     assert past_end is not None and past_end.items == () and past_end.thread.next_seq == 4
 
 
-async def test_deleting_an_item_bumps_the_epoch_not_the_version(store: Store) -> None:
+async def test_deleting_an_item_bumps_the_epoch_and_the_version(store: Store) -> None:
+    """A turn that read the thread before the delete commits its state (a cut that may
+    quote the item) at the old version: it loses the race and commits again."""
     await thread_with(store, "a", "b")
     before = await store.get_thread("acme", "t1")
     assert before is not None and before.epoch == 0
     assert await store.delete_item("acme", "t1", "a")
     assert not await store.delete_item("acme", "t1", "a")
     after = await store.get_thread("acme", "t1")
-    assert after is not None and (after.epoch, after.version) == (1, before.version)
+    assert after is not None and (after.epoch, after.version) == (1, before.version + 1)
+    with pytest.raises(VersionConflict):
+        await store.commit_turn(
+            "acme", "t1", expected_version=before.version, items=[], state={}, now=T0
+        )
 
 
 async def test_deleting_an_item_drops_the_threads_cut(store: Store) -> None:

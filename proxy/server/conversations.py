@@ -155,19 +155,21 @@ async def delete_conversation(request: web.Request) -> web.Response:
     thread = await conversation(request)
     if not await request.app[STORE].delete_thread(thread.tenant, thread.id):
         raise conversation_not_found(thread.id)
-    forget_summaries(request)
-    recorder = request.app.get(EXPLAIN)
-    if recorder is not None:
-        recorder.forget_thread(thread.tenant, thread.id)
+    forget_thread(request, thread.tenant, thread.id)
     return web.json_response({"id": thread.id, "object": "conversation.deleted", "deleted": True})
 
 
-def forget_summaries(request: web.Request) -> None:
-    """The store deleted the LLM summaries only this thread kept: this process's memory
-    of the tenant's summaries goes too (the others refill it from the store)."""
+def forget_thread(request: web.Request, tenant: str, thread_id: str) -> None:
+    """The store deleted what quoted the thread (or an item of it): the LLM summaries
+    only it kept and its explain records. This process's memory of them goes too: the
+    tenant's summaries (the others refill from the store) and the thread's queued
+    records."""
     background = request.app.get(SUMMARIES)
     if background is not None:
         background.forget(request[NAMESPACE])
+    recorder = request.app.get(EXPLAIN)
+    if recorder is not None:
+        recorder.forget_thread(tenant, thread_id)
 
 
 async def list_items(request: web.Request) -> web.Response:
@@ -219,7 +221,7 @@ async def delete_item(request: web.Request) -> web.Response:
     store = request.app[STORE]
     if not await store.delete_item(thread.tenant, thread.id, item_id):
         raise item_not_found(item_id)
-    forget_summaries(request)
+    forget_thread(request, thread.tenant, thread.id)
     after = await store.get_thread(thread.tenant, thread.id)
     return web.json_response(conversation_object(after or thread))
 

@@ -330,7 +330,7 @@ class Store(Protocol):
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
         """Remove one item; the thread's `epoch` and version go up (a turn that read the
         thread before commits again, VersionConflict) and its cut goes (the thread is
-        projected again from its log). The LLM
+        projected again from its log), with the thread's explain records. The LLM
         summaries kept for the thread stop being kept for it (they may quote the item):
         those no other thread keeps are deleted."""
 

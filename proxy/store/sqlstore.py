@@ -246,7 +246,8 @@ class SqlStore:
             await conn.execute(sql.BUMP_EPOCH, tenant, thread_id)
             await _forget_thread_summaries(conn, tenant, thread_id)
             # The cut's summaries and compressed results may quote the item: projected
-            # again from the log, they go.
+            # again from the log, they go, and so do the explain records that show them.
+            await conn.execute(sql.DELETE_THREAD_EXPLAIN, tenant, thread_id)
             row = await conn.fetchrow(sql.SELECT_STATE, tenant, thread_id)
             state = sql.loads(row["state"]) if row is not None else None
             if isinstance(state, dict):

@@ -334,8 +334,9 @@ async def test_deleting_an_item_bumps_the_epoch_and_the_version(store: Store) ->
 
 
 async def test_deleting_an_item_drops_the_threads_cut(store: Store) -> None:
-    """The cut's summary may quote the item: the thread is projected again from its log.
-    What else the state holds stays."""
+    """The cut's summary may quote the item: the thread is projected again from its log,
+    and the explain records that showed the summary go. What else the state holds
+    stays."""
     await thread_with(store, "a", "b")
     state = {
         "window_start": 1,
@@ -344,9 +345,12 @@ async def test_deleting_an_item_drops_the_threads_cut(store: Store) -> None:
         "other": 1,
     }
     await store.append_items("acme", "t1", [], state=state, now=T0)
+    await store.explain_put([explain_record("req_a", T0, "t1"), explain_record("req_b", T0, "t2")])
     assert await store.delete_item("acme", "t1", "a")
     after = await store.get_thread("acme", "t1")
     assert after is not None and after.state == {"other": 1}
+    assert await store.explain_get("acme", "req_a") is None  # it showed that summary
+    assert await store.explain_get("acme", "req_b") is not None
 
 
 async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend) -> None:

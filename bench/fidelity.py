@@ -1027,11 +1027,12 @@ budget: {{reserve_output_tokens: {reserve}, safety_margin_tokens: {margin}}}
 
 # What the scripted summarizer answers: the state asked for, well formed but vague, with
 # none of the ids, amounts, rules or tool facts (the guard must append the must-keep ones).
+BAD_DECISION = "The user and the assistant discussed several things."
 BAD_SUMMARY = json.dumps(
     {
         "constraints": ["Be helpful and polite."],
         "preferences": [],
-        "decisions": ["The user and the assistant discussed several things."],
+        "decisions": [BAD_DECISION],
         "open_tasks": ["Help the user with various tasks."],
         "pending_calls": [],
         "facts": [],
@@ -1419,6 +1420,16 @@ def lost_facts(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def llm_summaries_sent(rows: Sequence[Row]) -> list[str]:
+    """Per summarizer run: how many requests carried a summary the LLM wrote."""
+    return [
+        f"{row.scenario} {row.mode} {sum(BAD_DECISION in visible(s) for s in row.received)} "
+        f"of {len(row.received)}"
+        for row in rows
+        if "summarizer" in row.system
+    ]
+
+
 def failures(rows: Sequence[Row]) -> list[str]:
     """Requests the proxy did not forward (left out of the other columns), first error each."""
     lines = []
@@ -1504,6 +1515,16 @@ def section(
     lost = lost_facts(rows)
     if lost:
         parts += ["Must-keep facts threadkeeper lost:", "", *lost, ""]
+    used = llm_summaries_sent(rows)
+    if used:
+        parts += [
+            "The summarizer rows: the summarizer model answers every summary request with the "
+            "same well-formed state, vague and without ids, amounts, rules or tool facts, so "
+            "what they measure is the guard. Requests that carried one of its summaries: "
+            + "; ".join(used)
+            + ".",
+            "",
+        ]
     if notes:
         parts += ["Notes:", "", *(f"- {n}" for n in notes), ""]
     parts += [

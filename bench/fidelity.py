@@ -1028,6 +1028,10 @@ budget: {{reserve_output_tokens: {reserve}, safety_margin_tokens: {margin}}}
 # What the scripted summarizer answers: the state asked for, well formed but vague, with
 # none of the ids, amounts, rules or tool facts (the guard must append the must-keep ones).
 BAD_DECISION = "The user and the assistant discussed several things."
+# With the summarizer, the client sends each request this long after the previous answer
+# (an agent acting on it): a summary predicted after a turn is ready for the next one.
+# Without the pause, a stateless client's cut may go out before it and switch to it once.
+THINK_SECONDS = 0.1
 BAD_SUMMARY = json.dumps(
     {
         "constraints": ["Be helpful and polite."],
@@ -1166,8 +1170,10 @@ async def run_through_proxy(
     scenario: Scenario,
     stateful: bool,
     tag: str,
+    think: float = 0.0,
 ) -> list[Sent]:
-    """Drive the scenario through the proxy; what the provider received, per request."""
+    """Drive the scenario through the proxy; what the provider received, per request.
+    `think`: seconds between an answer and the next request (a client acting on it)."""
     sent: list[Sent] = []
     thread = f"fid-{tag}-{scenario.name.split()[0]}"
     previous_id: str | None = None
@@ -1193,6 +1199,8 @@ async def run_through_proxy(
             else:
                 body["input"] = items
                 body["store"] = False
+        if index and think:
+            await asyncio.sleep(think)
         provider.answer_next(scripted_answer(scenario, step.reply, index))
         before = len(provider.model_requests)
         async with session.post(base + path, json=body, headers=headers) as response:
@@ -1247,23 +1255,21 @@ async def measure(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for system, policy in systems:
                 name = "summarizer" if "summarizer" in system else "deterministic"
-                proxy = await asyncio.to_thread(start_proxy, tmp, upstream, name, policy)
-                if isinstance(proxy, str):
-                    policy_note = (
-                        " with `memory.summarizer: {model, max_tokens, timeout_seconds}` "
-                        "(not supported by this build?)"
-                        if name == "summarizer"
-                        else ""
-                    )
-                    notes.append(f"{system}: skipped, `serve` did not start{policy_note}: {proxy}")
-                    continue
                 summaries_before = provider.summary_requests
-                try:
-                    for scenario in scenarios:
-                        for stateful in (False, True):
+                # One proxy (and store) per mode: summaries one mode wrote must not serve
+                # the other's requests.
+                for stateful in (False, True):
+                    label = f"{name}-{'stateful' if stateful else 'stateless'}"
+                    proxy = await asyncio.to_thread(start_proxy, tmp, upstream, label, policy)
+                    if isinstance(proxy, str):
+                        notes.append(f"{system}: skipped, `serve` did not start: {proxy}")
+                        break
+                    try:
+                        for scenario in scenarios:
                             mode = stateful_label(scenario) if stateful else "stateless"
+                            think = THINK_SECONDS if name == "summarizer" else 0.0
                             requests = await run_through_proxy(
-                                session, proxy.base, provider, scenario, stateful, f"{name}-{mode}"
+                                session, proxy.base, provider, scenario, stateful, label, think
                             )
                             rows.append(
                                 Row(
@@ -1278,20 +1284,13 @@ async def measure(
                                     tuple(added_tokens(scenario)),
                                 )
                             )
-                finally:
-                    proxy.stop()
-                if any(r.errors() for r in rows if r.system == system):
-                    notes.append(f"{system}: the proxy's log ends with `{proxy.last_error()}`")
+                    finally:
+                        proxy.stop()
+                    if any(r.errors() for r in rows if r.system == system):
+                        notes.append(f"{system}: the proxy's log ends with `{proxy.last_error()}`")
                 if name == "summarizer":
                     calls = provider.summary_requests - summaries_before
-                    notes.append(
-                        f"{system}: the provider received {calls} summary requests"
-                        + (
-                            " (the policy loads but nothing calls the summarizer yet)"
-                            if calls == 0
-                            else ""
-                        )
-                    )
+                    notes.append(f"{system}: the provider received {calls} summary requests")
     finally:
         await provider.fake.stop()
     for scenario in scenarios:
@@ -1520,9 +1519,9 @@ def section(
         parts += [
             "The summarizer rows: the summarizer model answers every summary request with the "
             "same well-formed state, vague and without ids, amounts, rules or tool facts, so "
-            "what they measure is the guard. Requests that carried one of its summaries: "
-            + "; ".join(used)
-            + ".",
+            "what they measure is the guard; the client sends each request "
+            f"{THINK_SECONDS} s after the previous answer. Requests that carried one of its "
+            "summaries: " + "; ".join(used) + ".",
             "",
         ]
     if notes:

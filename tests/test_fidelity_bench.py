@@ -116,11 +116,11 @@ async def test_a_short_scenario_runs_end_to_end_through_the_proxy(tmp_path: Path
     scenarios = [tiny("chat"), tiny("responses")]
     rows, notes = await measure(scenarios, with_summarizer=False, tmp=tmp_path)
     proxied = [row for row in rows if row.system == "threadkeeper"]
-    assert [(row.scenario, row.mode) for row in proxied] == [
-        ("tiny", "stateless"),
-        ("tiny", "X-Thread-Id"),
-        ("tiny", "stateless"),
-        ("tiny", "previous_response_id"),
+    assert sorted((row.scenario, row.api, row.mode) for row in proxied) == [
+        ("tiny", "chat", "X-Thread-Id"),
+        ("tiny", "chat", "stateless"),
+        ("tiny", "responses", "previous_response_id"),
+        ("tiny", "responses", "stateless"),
     ]
     for row in proxied:
         assert [sent.error for sent in row.requests] == [None] * 4

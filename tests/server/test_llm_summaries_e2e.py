@@ -108,6 +108,42 @@ async def test_a_stateful_thread_gets_its_next_cut_summarized_in_the_background(
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == [block]
 
 
+async def test_an_agent_thread_gets_the_cut_a_tool_result_forces_summarized_ahead(
+    make_proxy: Any,
+) -> None:
+    """Turns with a large tool result: the cut comes on the request that carries the
+    result. It was never predicted (only requests with a user message predicted, and
+    they assumed turns without the results), so the cut always sent the digest."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+    client = proxy.client()
+    headers = {"X-Thread-Id": "t-agent"}
+    log = "\n".join(f"scan {i}: parcel ORD-{1000 + i} checked, no damage found" for i in range(25))
+    blocks: list[str] = []
+    for number in range(20):
+        proxy.provider.script.append(Reply(tool_calls=[("scan_parcels", "{}")]))
+        asked = await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": user_turn(number)[:200]}],
+            extra_headers=headers,
+        )
+        await background(proxy).idle()
+        [call] = asked.choices[0].message.tool_calls or []
+        proxy.provider.script.append(Reply(text=f"Checked {number}."))
+        result = {"role": "tool", "tool_call_id": call.id, "content": log}
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[result],
+            extra_headers=headers,  # type: ignore[list-item]
+        )
+        await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            break
+    assert blocks, "the thread never outgrew its budget"
+    assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
+
+
 async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any) -> None:
     proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
     release = asyncio.Event()

@@ -16,6 +16,7 @@ failure to read or start summaries is logged and the deterministic digest stands
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import structlog
@@ -112,13 +113,21 @@ class SummaryHook(TurnHook):
         clients alike (whose cut is replayed from the history, so the real cut matches
         whenever the turns ahead are like the assumed ones)."""
         assert turn.projection is not None and self.background is not None
-        asked = [item for item in turn.new if item.is_user_message]
-        if not asked:
-            return
         reply = [turn.api.item(raw) for raw in turn.api.reply(answer) or []]
         real = [*turn.known, *turn.new, *reply]
-        start = max(i for i, item in enumerate(real) if item is asked[-1])
-        this_turn = [item.raw for item in real[start:]]
+        asked = [i for i, item in enumerate(real) if item.is_user_message]
+        if not asked:
+            return
+        # The turn so far, from its user message (a tool loop's later requests carry its
+        # results: the large part of an agent's turn); calls still unanswered left out.
+        start = asked[-1]
+        answered = {item.output_for for item in real[start:] if item.output_for}
+        turn_items = [
+            item
+            for item in real[start:]
+            if not item.call_ids or any(c in answered for c in item.call_ids)
+        ]
+        this_turn = [item.raw for item in turn_items]
         api = turn.api
         loaded = turn.loaded
         cut, first_position = None, 0  # a stateless client's next request: none stored
@@ -127,7 +136,7 @@ class SummaryHook(TurnHook):
             cut, first_position = turn.projection.cut or loaded.cut(), loaded.first_position
         inputs = turn.api.budget_inputs(turn.body)
         namespace = self.request[NAMESPACE]
-        thread = loaded.thread_id if loaded is not None else asked[-1].digest
+        thread = loaded.thread_id if loaded is not None else real[start].digest
         known = turn.projection.cut
         after = (namespace, thread), known.start if known is not None else -1
         if self.background.predicted.get(after[0]) == after[1]:
@@ -136,10 +145,18 @@ class SummaryHook(TurnHook):
         ready = background.ready(namespace, self._model(), turn.api.name)
         sent = {chunk.digest for chunk in turn.projection.chunks}  # kept as they were sent
 
+        # The requests of a turn like this one: up to each user message or batch of tool
+        # results the model answers (a cut mostly comes when a large result arrives).
+        steps = [
+            k
+            for k in range(1, len(turn_items) + 1)
+            if _asks(turn_items[k - 1]) and (k == len(turn_items) or not _asks(turn_items[k]))
+        ]
+
         async def predict() -> None:
-            for ahead in range(LOOKAHEAD_TURNS):
-                assumed = [api.item(dict(raw)) for raw in this_turn * ahead]
-                history = [*real, *assumed, api.item(dict(this_turn[0]))]
+            for ahead, step in itertools.product(range(LOOKAHEAD_TURNS), steps):
+                assumed = [api.item(dict(raw)) for raw in [*this_turn * ahead, *this_turn[:step]]]
+                history = [*real, *assumed]
                 projection, _ = await rebuild(
                     self.policy,
                     inputs.model,
@@ -213,6 +230,11 @@ def kept_for(turn: Turn) -> str | None:
     if loaded is None or (loaded.thread is None and not turn.committed):
         return None
     return loaded.thread_id
+
+
+def _asks(item: Item) -> bool:
+    """Whether a request may end with this item: a user message or a tool result."""
+    return item.is_user_message or item.output_for is not None
 
 
 def sent_chunks(projection: Projection) -> list[SummaryChunk]:

@@ -382,7 +382,7 @@ def _replayed_cut(
     projection changes nothing, so a long history costs one projection per cut."""
     items = request.items
     fit = _Fit(request, counter, policy)
-    ends = [e for e in range(1, len(items)) if _asks(items[e - 1]) and not _asks(items[e])]
+    ends = [end for end in request_ends(items) if end < len(items)]
     keys = _replay_keys(request, counter, policy, summarizer, ends)
     cut: CutPoint | None = None
     made: list[SummaryChunk] = []
@@ -547,6 +547,16 @@ def _still_made(replay: _Replay, summaries: Mapping[str, Item]) -> bool:
         if ready != (chunk.summary if chunk.ready else None):
             return False
     return True
+
+
+def request_ends(items: Sequence[Item]) -> list[int]:
+    """Where a client's requests ended in a history: after each user message or batch of
+    tool results that the next item (the model's answer) or the history's end follows."""
+    return [
+        end
+        for end in range(1, len(items) + 1)
+        if _asks(items[end - 1]) and (end == len(items) or not _asks(items[end]))
+    ]
 
 
 def _asks(item: Item) -> bool:

@@ -18,6 +18,7 @@ from proxy.fake_provider import Reply
 from proxy.server.state import SETTINGS, STORE
 
 from .conftest import PROVIDER_KEY, TENANT_KEY, Proxy
+from .test_compaction_e2e import history as compaction_history
 
 SUMMARIZER = "gpt-4.1-mini"
 TIMEOUT = 1
@@ -31,32 +32,15 @@ CONTEXT = [{"type": "compaction", "compact_threshold": 1000}]
 
 
 def history(turns: int) -> list[dict[str, Any]]:
-    """A Responses history: a rule, a tool call and its result, a decision by the
-    assistant, then question and (long) answer turns."""
-    items: list[dict[str, Any]] = [
-        {"role": "user", "content": "Rules: all prices in EUR, never book red-eye flights."},
-        {"type": "function_call", "call_id": "call_1", "name": "lookup", "arguments": "{}"},
-        {
-            "type": "function_call_output",
-            "call_id": "call_1",
-            "output": json.dumps({"status": "order ORD-7731 refunded 129.50 EUR"}),
-        },
-        {
-            "type": "message",
-            "role": "assistant",
-            "content": [{"type": "output_text", "text": DECISION}],
-        },
-    ]
-    for turn in range(turns):
-        items.append({"role": "user", "content": f"question {turn}?"})
-        items.append(
-            {
-                "type": "message",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": f"answer {turn} " + "words " * 120}],
-            }
-        )
-    return items
+    """test_compaction_e2e's history with a decision by the assistant after its tool
+    result."""
+    items = compaction_history(turns)
+    decision = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": DECISION}],
+    }
+    return [*items[:3], decision, *items[3:]]
 
 
 def answer(**changes: Any) -> Reply:

@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 
 from proxy.core.items import Item
-from proxy.core.projection import Projection, SummaryChunk
+from proxy.core.projection import Projection, SummaryChunk, request_ends
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
 from proxy.server.rebuild import budget_log_fields, rebuild
@@ -147,11 +147,7 @@ class SummaryHook(TurnHook):
 
         # The requests of a turn like this one: up to each user message or batch of tool
         # results the model answers (a cut mostly comes when a large result arrives).
-        steps = [
-            k
-            for k in range(1, len(turn_items) + 1)
-            if _asks(turn_items[k - 1]) and (k == len(turn_items) or not _asks(turn_items[k]))
-        ]
+        steps = request_ends(turn_items)
 
         async def predict() -> None:
             for ahead, step in itertools.product(range(LOOKAHEAD_TURNS), steps):
@@ -230,11 +226,6 @@ def kept_for(turn: Turn) -> str | None:
     if loaded is None or (loaded.thread is None and not turn.committed):
         return None
     return loaded.thread_id
-
-
-def _asks(item: Item) -> bool:
-    """Whether a request may end with this item: a user message or a tool result."""
-    return item.is_user_message or item.output_for is not None
 
 
 def sent_chunks(projection: Projection) -> list[SummaryChunk]:

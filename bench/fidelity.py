@@ -2,10 +2,10 @@
 
     python bench/fidelity.py [--write] [--summarizer] [--only NAME]
 
-Four scripted conversations that overflow a small window several times (customer support
+Five scripted conversations that overflow a small window several times (customer support
 with two refunds, a coding agent with multi-thousand-token test logs, travel booking with
 parallel tool calls and a preference changed mid-way, an incident run on the Responses
-API). Each plants facts: a text that must appear in what the provider receives, the turn
+API, and a 60-turn sales agent with one account lookup a turn). Each plants facts: a text that must appear in what the provider receives, the turn
 it appears in, and whether it is must-keep or nice-to-keep.
 
 Every scenario runs through the proxy (`python -m proxy serve`, a SQLite file, the fake
@@ -656,6 +656,116 @@ def incident() -> Scenario:
     )
 
 
+def _account(rng: random.Random, account: str, deals: int, extra: str = "") -> str:
+    """A CRM account record: contacts and open deals (~450 tokens)."""
+    towns = ("Bremen", "Graz", "Lyon", "Ghent", "Turin", "Malmo", "Porto", "Brno")
+    record: JsonDict = {
+        "request_id": f"req_{rng.randrange(16**8):08x}",
+        "account": account,
+        "city": rng.choice(towns),
+        "contacts": [
+            {"name": f"Contact {i}", "role": rng.choice(("buyer", "cfo", "it", "ops")), "ext": i}
+            for i in range(4)
+        ],
+        "deals": [
+            {
+                "deal": f"D-{rng.randrange(10_000, 99_999)}",
+                "stage": rng.choice(("lead", "proposal", "negotiation")),
+                "value_eur": rng.randrange(1_000, 90_000),
+                "owner": rng.choice(("ana", "ben", "chloe", "dev")),
+            }
+            for _ in range(deals)
+        ],
+    }
+    if extra:
+        record["notes"] = extra
+    return json.dumps(record)
+
+
+def sales() -> Scenario:
+    """A 60-turn sales-ops agent, 12k window: one account lookup a turn, rules in turn 1, a
+    quote created, a preference changed late (the conversation length most agents run)."""
+    rng = random.Random(5)
+
+    def lookup(i: int, extra: str = "") -> Call:
+        account = f"ACC-{1000 + i}"
+        output = _account(rng, account, 9, extra)
+        return Call(f"call_sal_{i}", "get_account", {"account": account}, output)
+
+    turns = [
+        Turn(
+            "Ground rules for this session: quote prices in EUR only, never e-mail a customer "
+            "without my OK, and our fiscal year starts in April.",
+            ("Understood: EUR only, no e-mails without your OK, fiscal year from April.",),
+        )
+    ]
+    special = {
+        5: (
+            "Nordwind GmbH is ACC-1005; what is open there?",
+            "",
+            "Nordwind has deal DL-5521 in negotiation at 48,200 EUR.",
+        ),
+        12: (
+            "How do we close Nordwind?",
+            "",
+            "Decision: we offer Nordwind a 12% discount if they sign before the quarter ends.",
+        ),
+        20: (
+            "From now on summarize accounts in bullet points, not paragraphs. Next: ACC-1020.",
+            "",
+            "- ACC-1020: three deals in proposal.",
+        ),
+        30: (
+            "Check ACC-1030.",
+            "WARN contract CT-3390 expires 2026-12-31, renewal not started",
+            "- ACC-1030: contract CT-3390 expires at year end.",
+        ),
+        45: ("Anything odd in ACC-1045?", "", "- ACC-1045: the CFO changed to Contact 2."),
+    }
+    for i in range(1, 59):
+        question, extra, answer = special.get(
+            i, (f"Look up ACC-{1000 + i}.", "", f"- ACC-{1000 + i}: nothing urgent.")
+        )
+        turns.append(Turn(question, ((lookup(i, extra),), answer)))
+        if i == 40:
+            turns.append(
+                Turn(
+                    "Create the Nordwind quote.",
+                    (
+                        (
+                            Call(
+                                "call_sal_quote",
+                                "create_quote",
+                                {"account": "ACC-1005", "deal": "DL-5521", "discount": "12%"},
+                                json.dumps({"quote": "QT-88120", "status": "sent_for_review"}),
+                            ),
+                        ),
+                        "- Quote QT-88120 is waiting for review.",
+                    ),
+                )
+            )
+    turns.append(Turn("What is still open for me?", ("- QT-88120 and CT-3390.",)))
+    facts = (
+        Fact("never e-mail a customer without my OK", 0, "must"),
+        Fact("fiscal year starts in April", 0, "must"),
+        Fact("DL-5521", 5, "must"),
+        Fact("12% discount", 12, "must"),
+        Fact("bullet points, not paragraphs", 20, "must"),
+        Fact("CT-3390 expires 2026-12-31", 30, "must"),
+        Fact("QT-88120", 41, "must"),
+        Fact("Nordwind GmbH", 5, "nice"),
+        Fact("the CFO changed to Contact 2", 46, "nice"),
+    )
+    return Scenario(
+        "sales agent, 60 turns",
+        "chat",
+        "gpt-4o-mini",
+        "You are a sales-operations agent with CRM tools.",
+        tuple(turns),
+        facts,
+    )
+
+
 def check_facts(scenario: Scenario) -> None:
     """Each fact's text first appears in the history during the turn it is planted in, so
     a miss is the memory's doing, not the scenario's."""
@@ -674,6 +784,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "coding": coding,
     "travel": travel,
     "incident": incident,
+    "sales": sales,
 }
 
 
@@ -986,6 +1097,68 @@ def drop_oldest(scenario: Scenario) -> list[Sent]:
     return out
 
 
+def cache_optimum(scenario: Scenario) -> list[Sent]:
+    """The trimming with the highest mean prefix reuse, chosen knowing every later request.
+
+    Each request sends the system text and the history from some item on, under the
+    window, with at least what the client added since its previous request, and never
+    from a tool output (its call would be gone). Nothing stands for the items left out (a
+    summary would cost tokens and, once added, prefix), so no system that keeps a record of
+    what it cut, and sends each new item verbatim, can reuse more. Dynamic programming over
+    (request, first item sent): a request reuses the whole previous one when both start at
+    the same item, else only the system text.
+    """
+    runs = [_split_system(scenario, items) for _, items in histories(scenario)]
+    budget = scenario.window - RESERVE_OUTPUT - SAFETY_MARGIN
+    empty = prompt_tokens(scenario.api, scenario.model, [], None)
+    everything = runs[-1][2]
+    sizes = [prompt_tokens(scenario.api, scenario.model, [i], None) - empty for i in everything]
+    suffix = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # tokens from s on
+    outputs = {
+        index
+        for index, item in enumerate(everything)
+        if item.get("role") == "tool" or item.get("type") == "function_call_output"
+    }
+
+    def sent_tokens(request: int, start: int) -> int:
+        head, instructions, rest = runs[request]
+        base = prompt_tokens(scenario.api, scenario.model, head, instructions) - empty
+        return base + suffix[start] - suffix[len(rest)]
+
+    best: list[dict[int, tuple[float, int | None]]] = []  # start -> (sum of reuse, previous)
+    for request, (head, instructions, _) in enumerate(runs):
+        newest = len(runs[request - 1][2]) if request else 0
+        starts = [s for s in range(newest + 1) if s not in outputs]
+        fitting = [s for s in starts if sent_tokens(request, s) <= budget] or [newest]
+        if not request:
+            best.append({s: (0.0, None) for s in fitting})
+            continue
+        head_tokens = prompt_tokens(scenario.api, scenario.model, head, instructions) - empty
+        before = best[-1]
+        anywhere = max(before, key=lambda s: before[s][0])
+        row: dict[int, tuple[float, int | None]] = {}
+        for start in fitting:
+            total = max(1, sent_tokens(request, start))
+            row[start] = (before[anywhere][0] + head_tokens / total, anywhere)
+            if start in before:
+                same = before[start][0] + sent_tokens(request - 1, start) / total
+                if same > row[start][0]:
+                    row[start] = (same, start)
+        best.append(row)
+    chosen: list[int] = [max(best[-1], key=lambda s: best[-1][s][0])]
+    for request in range(len(runs) - 1, 0, -1):
+        previous = best[request][chosen[-1]][1]
+        assert previous is not None
+        chosen.append(previous)
+    chosen.reverse()
+    return [
+        Sent(turn, head + rest[start:], instructions)
+        for (turn, _), (head, instructions, rest), start in zip(
+            histories(scenario), runs, chosen, strict=True
+        )
+    ]
+
+
 def _last_turns(rest: list[JsonDict], k: int) -> list[JsonDict]:
     starts = [i for i, item in enumerate(rest) if item.get("role") == "user"]
     return rest[starts[-k] :] if len(starts) >= k else rest
@@ -1237,6 +1410,8 @@ async def run_through_proxy(
 
 # Not a system: the whole history with no window, what a prompt cache could at best reuse.
 CEILING = "whole history, no window limit (ceiling; later requests exceed the window)"
+# Not a system either: the most prefix any trimming under the window can reuse.
+OPTIMUM = "cache optimum under the window (trimming that knows every later request, summaries free)"
 
 
 async def measure(
@@ -1315,6 +1490,19 @@ async def measure(
         )
         rows.append(
             Row(
+                OPTIMUM,
+                "same histories",
+                scenario.name,
+                cache_optimum(scenario),
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+                added,
+            )
+        )
+        rows.append(
+            Row(
                 "drop oldest until it fits",
                 "same histories",
                 scenario.name,
@@ -1356,6 +1544,13 @@ def _worst(values: Sequence[float]) -> str:
     return f"{min(values):.0%}" if values else "-"
 
 
+def _share(values: Sequence[float], best: Sequence[float]) -> str:
+    """The mean of `values` over the mean of `best` (the same requests)."""
+    if not values or len(values) != len(best) or not statistics.mean(best):
+        return "-"
+    return f"{statistics.mean(values) / statistics.mean(best):.0%}"
+
+
 def summary_table(rows: Sequence[Row]) -> list[str]:
     groups: dict[tuple[str, str], list[Row]] = {}
     for row in rows:
@@ -1364,9 +1559,10 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| system | mode | must-keep recall, mean | worst request | all facts, mean "
         "| turn-1 rules present | tool-pair violations | mean fill | mean prefix reuse "
-        "| prefix reuse of what was resent | failed requests |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| share of the cache optimum | prefix reuse of what was resent | failed requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    optimum = {r.scenario: r.reuse() for r in rows if r.system == OPTIMUM}
     for (system, mode), group in groups.items():
         must = [v for r in group for v in r.must()]
         every = [v for r in group for v in r.all()]
@@ -1378,6 +1574,7 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
             f"| {system} | {mode} | {_pct(must)} | {_worst(must)} | {_pct(every)} | "
             f"{_pct(rules)} | "
             f"{sum(r.violations() for r in group)} | {_pct(fills)} | {_pct(reuse)} | "
+            f"{_share(reuse, [v for r in group for v in optimum.get(r.scenario, [])])} | "
             f"{_pct(resent)} | {sum(r.errors() for r in group)} |"
         )
     return lines
@@ -1499,7 +1696,15 @@ def section(
         "request's prompt tokens less those the client added since its previous request "
         "(new tokens no cache can hold; sending every history whole scores 100%). The "
         f"*{CEILING}* row is no system (its later requests exceed the window): it shows what the "
-        "new tokens alone leave for any cache.",
+        f"new tokens alone leave for any cache. The *{OPTIMUM}* row is no system either: of "
+        "every way to trim each request under the window (send the history from some item "
+        "on, at least what the client just added, never a tool output without its call), the "
+        "one with the highest mean prefix reuse, found by dynamic programming over the whole "
+        "run; it sends no summary of what it cut. A cut re-sends everything after the cut "
+        "point, so the fewer the requests between cuts (the larger each turn against the "
+        "window), the lower this optimum: no trimming reaches 85% on a scenario whose optimum "
+        "is below it. *Share of the cache optimum*: the mean prefix reuse over the optimum's, "
+        "on the same requests.",
         "",
         *summary_table(rows),
         "",

@@ -167,7 +167,7 @@ class BudgetPolicy(_Frozen):
     """The margin epsilon kept free for counting differences."""
     # share of the budget a sticky cut trims down to (SPEC section 5, cache-aware trimming)
     target_fill: float = Field(default=0.65, gt=0, le=1)
-    """When trimming is needed, the history is cut down to this share of its budget and the cut is kept, so later turns send the same prefix (prompt caching)."""
+    """When trimming is needed, the history is cut down to this share of its budget (lower when recent turns are large, to leave room for two more like them) and the cut is kept, so later turns send the same prefix (prompt caching)."""
 
 
 class SummarizerPolicy(_Frozen):

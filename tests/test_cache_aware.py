@@ -78,3 +78,48 @@ def test_each_cut_extends_the_summary_chain_except_at_a_consolidation() -> None:
             assert sum(map(stands_for, after)) > sum(map(stands_for, before))
         assert extended >= 5, stateless
         assert 1 <= consolidated <= extended, stateless
+
+
+def big_turn(turn: int) -> list[Item]:
+    """A turn of about a quarter of the history budget below (2,200 tokens)."""
+    rows = " ".join(f"row{turn}-{i} fare {i % 7} seat {i % 31}" for i in range(220))
+    return [
+        chat_item({"role": "user", "content": f"Search day trip {turn}."}),
+        chat_item(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{turn}",
+                        "type": "function",
+                        "function": {"name": "search", "arguments": "{}"},
+                    }
+                ],
+            }
+        ),
+        chat_item({"role": "tool", "tool_call_id": f"call_{turn}", "content": rows}),
+        chat_item({"role": "assistant", "content": f"Trip {turn}: trains hourly."}),
+    ]
+
+
+def test_a_cut_leaves_room_for_more_turns_the_size_of_the_recent_ones() -> None:
+    """Turns of a quarter of the budget: a cut to target_fill left room for one more, so
+    every second turn cut again and changed the prefix after the summary chain (travel in
+    bench/fidelity.py: a cut every turn). A cut now leaves room for two more such turns."""
+    counter = TokenCounter.for_model("gpt-4o")
+    policy = ProjectionPolicy(keep_recent_turns=1, target_fill=0.65)
+    history: list[Item] = [chat_item({"role": "system", "content": "You plan trips."})]
+    cut: CutPoint | None = None
+    sent: list[list[dict[str, object]]] = []
+    for turn in range(24):
+        history.extend(big_turn(turn))
+        request = ProjectionRequest(history, 12_000, 1000, 200, cut=cut)
+        projection = project_context(request, counter, policy)
+        cut = projection.cut
+        sent.append([i.raw for i in projection.items])
+    cuts = [n for n, (a, b) in enumerate(pairwise(sent), 1) if b[: len(a)] != a]
+    assert len(cuts) >= 4  # the thread outgrew its window again and again
+    # Later the summary chain, growing with every cut until it is consolidated, takes
+    # some of that room.
+    assert all(later - earlier >= 3 for earlier, later in pairwise(cuts[:5])), cuts

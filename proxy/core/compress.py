@@ -64,7 +64,7 @@ ID_VALUE = re.compile(
 ERROR_LINE = re.compile(
     r"[Ee]rror\b|ERROR\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
     r"|\bexhausted\b|\b[Ff]atal\b|\bFATAL\b|\bCRITICAL\b|\bPANIC\b|\bpanic"
-    r"|\btimed out\b|\brefused\b|\bdenied\b|\babort"
+    r"|\btimed out\b|\brefused\b|\bdenied\b|\babort|\bWARN(?:ING)?\b|\b[Ww]arning\b"
     r"|^E {2,}\S|File \"[^\"]+\", line \d+"
     r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
 )
@@ -315,7 +315,11 @@ def _is_transport(key: Any) -> bool:
 def _important(key: str, value: Any, referenced: frozenset[str]) -> bool:
     if IMPORTANT_KEY.search(key):
         return True
-    return isinstance(value, str) and (ID_VALUE.match(value) is not None or value in referenced)
+    return isinstance(value, str) and (
+        ID_VALUE.match(value) is not None
+        or value in referenced
+        or ERROR_LINE.search(value) is not None
+    )
 
 
 def _short(value: Any) -> Any:

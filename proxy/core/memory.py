@@ -115,11 +115,19 @@ class _Section:
             return [p.text for p in values]
         return list(values)
 
+    def priority_of(self, entry: str) -> int:
+        """A tool fact reporting an error or a warning ranks with the entities: it is
+        often the one line of a long result the conversation acts on."""
+        if self.name == "facts" and _reports_error(entry):
+            return _ERROR_FACT_PRIORITY
+        return self.priority
+
     def is_essential(self, entry: str) -> bool:
         """Whether `entry` survives before every non-essential entry when over budget."""
         return self.essential and (self.name != "facts" or bool(entities_in(entry)))
 
 
+_ERROR_FACT_PRIORITY = 6
 SECTIONS: tuple[_Section, ...] = (
     _Section("Constraints stated by the user (their words):", "constraints", 9, True),
     _Section("Current preferences of the user:", "preferences", 8, True),
@@ -197,6 +205,8 @@ RULE = re.compile(
     r"|\bbudget\b|\bdeadline\b|\b(?:at most|at least|no more than|no less than|maximum|minimum"
     r"|up to|not exceed|under)\s+[$€£¥]?\d"
     r"|\b(?:by|before|until|no later than)\s+" + _DAY + r"|\brules?\s*:"
+    r"|\b(?:from now on|going forward|from here on|henceforth|until further notice"
+    r"|for the rest of (?:this|the))\b"
     r"|(?:^|[,;:]\s*|\b(?:and|but)\s+)no\s+(?!problem|worries|thanks|idea|rush|one\b|need\b)"
     r"[a-z][\w-]+"
     r"|\b(?:vegetarian|vegan|halal|kosher|gluten[- ]free|allergic|allergy)\b"
@@ -224,7 +234,7 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("flight", ("flight", "airline", "red-eye", "departure", "nonstop", "layover")),
     ("time", ("morning", "afternoon", "evening", "night", "am", "pm", "o'clock")),
     ("language", ("english", "french", "german", "spanish", "chinese", "japanese", "language")),
-    ("format", ("format", "json", "markdown", "csv", "table", "bullets", "yaml")),
+    ("format", ("format", "json", "markdown", "csv", "table", "bullet", "paragraph", "yaml")),
     ("contact", ("email", "e-mail", "phone", "sms", "call me", "text me")),
     ("payment", ("card", "paypal", "payment", "invoice", "cash")),
     ("delivery", ("delivery", "shipping", "courier", "pickup", "express")),
@@ -233,6 +243,7 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
 DECISION = re.compile(
     r"\b(?:i'll|i will|we'll|we will|let'?s|let us|decided|decide to|going to|the plan is"
     r"|on hold|approved|confirmed|booked|agreed|chose|chosen|selected|go with|settled on"
+    r"|(?:decision|plan|agreed)\s*:|(?:we|i)(?:'ll| will)? (?:offer|grant|propose)"
     r"|will (?:bump|set|use|switch|book|refund|issue|escalate|change|update|proceed|keep"
     r"|cancel|hold|send|ship|release|merge|deploy|revert)"
     r"|bump(?:ed|ing)? (?:the )?version|set (?:the )?\w+ to|escalat(?:e|ed|ing) to)\b",
@@ -381,9 +392,9 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact, amounts = _fact(item, call, waiting.get(item.output_for or ""))
+            fact, named = _fact(item, call, waiting.get(item.output_for or ""))
             builder.add("facts", [fact])
-            builder.add("entities", (entities_in(fact) + amounts)[:ENTITIES_PER_ITEM])
+            builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
             for call_id in item.call_ids:
                 if call_id not in answered:
@@ -445,9 +456,10 @@ def _assistant_message(builder: _Builder, text: str) -> None:
 
 
 def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
-    """tool(arguments) -> the values that matter in its result; and the amounts with
-    their currency that the JSON of both holds. `described` is the call's text when the
-    call itself was summarized earlier (a pending call)."""
+    """tool(arguments) -> the values that matter in its result; and its entities: the ids
+    and amounts of the arguments and of the result's own values, not those of every
+    element of a list it returned. `described` is the call's text when the call itself
+    was summarized earlier (a pending call)."""
     name = tool_name(output, call)
     arguments, amounts = _arguments(call, output.output_for or "") if call else ("", [])
     head = f"{name}({arguments})" if call is not None or described is None else described
@@ -459,12 +471,16 @@ def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, 
         if parsed is not None:
             parsed = parsed.get("verified_facts") or {}
     if parsed is not None:
-        pairs = key_values(parsed)
+        # An error or a warning first: the fact is cut at FACT_CHARS.
+        pairs = sorted(key_values(parsed), key=lambda pair: not _reports_error(str(pair[1])))
         shown = _pairs_text(pairs) if pairs else "(no values)"
-        amounts = amounts + _amounts(pairs)
+        # Ids of list elements (a page of search results) are the fact's, not entities.
+        named = " ".join(str(value) for _, value in pairs if not isinstance(value, list))
+        found = entities_in(head) + entities_in(named) + amounts + _amounts(pairs)
     else:
         shown = json.dumps(_text_gist(text), ensure_ascii=False)
-    return _cut(f"{head} -> {shown}", FACT_CHARS), amounts
+        found = entities_in(f"{head} {shown}") + amounts
+    return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
 
 
 AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)
@@ -630,7 +646,7 @@ def _ranked(state: MemoryState, count_text: Callable[[str], int]) -> list[_Entry
     for number, section in enumerate(SECTIONS):
         for index, text in enumerate(section.entries(state)):
             tier = 0 if section.is_essential(text) else 1
-            rank = (tier, -section.priority, index)
+            rank = (tier, -section.priority_of(text), index)
             entries.append(_Entry(number, index, text, rank, count_text(f"- {text}\n")))
     entries.sort(key=lambda entry: entry.rank)
     return entries

@@ -4,7 +4,8 @@ SPEC section 5, seed sections 4, 6, 7, 8 and 13. The history is cut into blocks
 (proxy/core/blocks.py); pinned items and the current turn are fixed, the closed turns
 are history H with budget B_H (proxy/core/budget.py). While H <= B_H nothing changes:
 the turns are sent as the cut left them, so the prefix repeats. When H > B_H, a cut
-brings H down to target_fill * B_H at once (cache-aware, SPEC 5), in this order:
+brings H down to target_fill * B_H at once (cache-aware, SPEC 5), or lower when the
+recent turns are large (`_cut_target`), in this order:
 
 1. compress every large tool result of the older closed turns (all but
    keep_recent_turns);
@@ -56,6 +57,8 @@ from proxy.core.memory import (
 )
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
+# A cut leaves room for this many more turns the size of the recent ones.
+HEADROOM_TURNS = 2
 # A summary block gets this share of B_H (the budget without the current turn), never
 # more than SUMMARY_MAX_TOKENS; a summary is never given less than SUMMARY_MIN_TOKENS
 # (if that cannot fit, the request is refused rather than the summary dropped).
@@ -679,7 +682,7 @@ def _expand_deferred(state: _State, budget: int) -> None:
 def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     """Compresses and cuts when the history does not fit; True when anything changed.
 
-    A cut changes the prefix anyway, so it goes down to target_fill * B_H at once: the
+    A cut changes the prefix anyway, so it goes down to _cut_target at once: the
     turns after it then fit unchanged for a while (SPEC 5, cache-aware). The older turns
     give way first, then the recent ones but the last, compressed before they are cut;
     only a history that still does not fit loses the last closed turn too."""
@@ -687,7 +690,7 @@ def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
         return False
     turns = len(state.closed)
     older = max(0, turns - policy.keep_recent_turns)
-    target = int(budget * policy.target_fill)
+    target = _cut_target(state, budget, policy)
     _compress_until_fits(state, -1, policy, older)  # all of them: -1 is never reached
     if _history(state) > target and older > state.cut:
         _cut_to_target(state, older, target)
@@ -698,6 +701,16 @@ def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     if _history(state) > budget:
         _cut_to_target(state, turns, target)
     return True
+
+
+def _cut_target(state: _State, budget: int, policy: ProjectionPolicy) -> int:
+    """target_fill * B_H, lower when the recent turns are large: after the cut there is
+    room for HEADROOM_TURNS more turns of their mean size (as they arrived, before any
+    compression), so the next cut does not come with the very next turn. Every cut
+    changes the prefix after the summary chain."""
+    recent = state.closed[-policy.keep_recent_turns :] if policy.keep_recent_turns else ()
+    typical = sum(map(state.original_tokens, recent)) // max(1, len(recent))
+    return max(0, min(int(budget * policy.target_fill), budget - HEADROOM_TURNS * typical))
 
 
 def _summary_room(budget: int) -> int:

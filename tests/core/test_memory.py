@@ -169,6 +169,8 @@ def test_rules_without_a_pin_pattern_are_constraints() -> None:
         "All amounts in CNY, tax included.",
         "所有金额都用人民币，默认含税。",
         "We mustn't touch the production database.",
+        "From now on summarize accounts in bullet points, not paragraphs.",
+        "Going forward, cc the account owner.",
     ],
 )
 def test_rule_statements_are_detected(sentence: str) -> None:
@@ -589,3 +591,48 @@ def test_a_change_of_plan_replaces_the_preference_on_its_subject() -> None:
     assert preference.text in state.must_keep()
     # Without a stated preference on the subject, "I want" is a request, not a preference.
     assert extract([chat_item({"role": "user", "content": "I want a refund."})]).preferences == ()
+
+
+def test_a_decision_the_assistant_labels_is_a_decision() -> None:
+    said = "Decision: we offer Nordwind a 12% discount if they sign this quarter."
+    assert extract([assistant(said)]).decisions == (said,)
+
+
+def test_ids_of_listed_elements_are_facts_not_entities(counter: TokenCounter) -> None:
+    """A lookup listing nine deals put every deal id among the entities, which rank above
+    tool facts: in a 60-turn agent run they filled the summary and pushed the user's later
+    instructions and the assistant's decisions out (bench/fidelity.py, sales agent)."""
+    body = {
+        "account": "ACC-1001",
+        "deals": [{"deal": f"D-{i:05d}", "value_eur": 100 * i} for i in range(9)],
+        "refund": {"refund_id": "RF-77", "amount": 12.5, "currency": "EUR"},
+    }
+    state = extract(
+        [call("call_1", "get_account", {"account": "ACC-1001"}), result("call_1", body)]
+    )
+    assert "D-00001" in state.facts[0]
+    assert "D-00001" not in state.entities
+    assert {"ACC-1001", "RF-77", "12.5 EUR"} <= set(state.entities)
+
+
+def test_a_warning_inside_a_result_leads_its_fact_and_ranks_first(counter: TokenCounter) -> None:
+    """The warning sat in the last key of a long record: the fact was cut before it, and
+    older routine facts took the summary's room first."""
+    warning = "WARN contract CT-3390 expires 2026-12-31, renewal not started"
+    items: list[Item] = []
+    for n in range(12):
+        record: dict[str, Any] = {
+            "account": f"ACC-{n}",
+            "contacts": [{"name": f"Contact {i}", "role": "buyer"} for i in range(6)],
+            "deals": [{"deal": f"D-{n}{i:03d}", "stage": "proposal"} for i in range(9)],
+        }
+        if n == 9:
+            record["notes"] = warning
+        items += [
+            call(f"call_{n}", "get_account", {"account": f"ACC-{n}"}),
+            result(f"call_{n}", record),
+        ]
+    state = extract(items)
+    assert warning in state.facts[9]
+    assert any(warning in kept for kept in state.must_keep())
+    assert warning in render(state, counter, 250)

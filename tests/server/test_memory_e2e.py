@@ -71,3 +71,67 @@ async def test_summaries_keep_unpinned_rules_and_nested_values(make_proxy) -> No
         assert not re.search(r"\bcall_\d+\b", summary)  # no call ids
         assert "req_" not in summary and "fares-eu-2" not in summary  # no transport metadata
         assert "HLD-0" in summary and "LH-100" in summary  # ids from results and arguments
+
+
+def account_turn(turn: int) -> list[dict[str, Any]]:
+    """A sales agent's turn: a lookup whose result lists nine deals (ids the conversation
+    never mentions), the assistant's answer; three turns plant what must be kept."""
+    said = {
+        3: "From now on summarize accounts in bullet points, not paragraphs.",
+    }.get(turn, f"Look up ACC-{1000 + turn}.")
+    answer = {
+        5: "Decision: we offer Nordwind a 12% discount if they sign this quarter.",
+    }.get(turn, f"- ACC-{1000 + turn}: nothing urgent.")
+    record: dict[str, Any] = {
+        "account": f"ACC-{1000 + turn}",
+        "deals": [
+            {"deal": f"D-{turn:02d}{i:03d}", "stage": "proposal", "value_eur": 1000 * i}
+            for i in range(9)
+        ],
+        "contacts": [{"name": f"Contact {i}", "role": "buyer"} for i in range(4)],
+    }
+    if turn == 7:
+        record["notes"] = "WARN contract CT-3390 expires 2026-12-31, renewal not started"
+    return [
+        {"role": "user", "content": said},
+        {
+            "type": "function_call",
+            "call_id": f"call_acc_{turn}",
+            "name": "get_account",
+            "arguments": json.dumps({"account": f"ACC-{1000 + turn}"}),
+        },
+        {
+            "type": "function_call_output",
+            "call_id": f"call_acc_{turn}",
+            "output": json.dumps(record),
+        },
+        {"role": "assistant", "content": answer},
+    ]
+
+
+KEPT = ("bullet points, not paragraphs", "12% discount", "CT-3390 expires 2026-12-31")
+
+
+async def test_long_agent_thread_keeps_instructions_decisions_and_warnings(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    """Regression: in a 60-turn agent run the ids of every listed deal filled the summary,
+    so a "from now on" instruction, the assistant's "Decision:" and a warning inside a
+    lookup result went missing from half the requests (bench/fidelity.py, sales agent)."""
+    proxy = await make_proxy(window=6000)
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    for turn in range(40):
+        await client.responses.create(
+            model="gpt-4o", conversation=conversation.id, input=account_turn(turn)
+        )
+    checked = 0
+    for request in proxy.provider.model_requests:
+        sent = json.dumps(request.json["input"])
+        summary = summary_of(request.json["input"])
+        if summary is None:
+            continue
+        for text in KEPT:
+            assert text in sent, (text, summary)
+        entities = summary.split("Entities (ids, references, amounts):\n")[-1]
+        assert "- D-01003\n" not in entities  # a listed deal nobody named is no entity
+        checked += 1
+    assert checked >= 25, checked  # the thread was cut early and kept cut

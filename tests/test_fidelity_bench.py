@@ -3,17 +3,23 @@ scenario end to end through the proxy, and its section written only where it is 
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
+import fidelity
 from fidelity import (
     Call,
     Fact,
     Scenario,
     Sent,
     Turn,
+    cache_optimum,
     check_facts,
     drop_oldest,
     histories,
@@ -142,3 +148,47 @@ def test_write_section_replaces_only_its_own_section(tmp_path: Path) -> None:
     assert path.read_text() == (
         "# Benchmark results\n\n## A\n\nnew a\n\n## B\n\nold b\n\n## C\n\nnew c\n"
     )
+
+
+def crowded() -> Scenario:
+    """Four lookups whose results each take a good share of a small window."""
+    turns = [Turn("Rule: refunds need approval.", ("Noted.",))]
+    for n in range(1, 4):
+        rows = " ".join(f"scan {n}-{i} ok" for i in range(12))
+        lookup = Call(f"call_c{n}", "get_order", {"id": f"ORD-{n}"}, rows)
+        turns.append(Turn(f"Where is ORD-{n}?", ((lookup,), f"ORD-{n} moves.")))
+    return Scenario("crowded", "chat", "gpt-4o-mini", "Be brief.", tuple(turns), ())
+
+
+def test_the_cache_optimum_is_the_best_trimming_there_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Checked against every way to trim each request under a window that forces cuts."""
+    monkeypatch.setattr(fidelity, "RESERVE_OUTPUT", 0)
+    monkeypatch.setattr(fidelity, "SAFETY_MARGIN", 0)
+    monkeypatch.setitem(fidelity.WINDOWS, "gpt-4o-mini", 190)
+    scenario = crowded()
+    runs = [fidelity._split_system(scenario, items) for _, items in histories(scenario)]
+    choices = []
+    for request, (head, instructions, rest) in enumerate(runs):
+        newest = len(runs[request - 1][2]) if request else 0
+        choices.append(
+            [
+                Sent(0, head + rest[s:], instructions)
+                for s in range(newest + 1)
+                if rest[s].get("role") != "tool"
+                and fidelity._fits(scenario, head + rest[s:], instructions)
+            ]
+        )
+    assert all(choices) and any(len(c) < len(r[2]) + 1 for c, r in zip(choices, runs, strict=True))
+    assert math.prod(map(len, choices)) >= 100  # enough ways to trim to choose from
+    best = max(
+        sum(prefix_reuse("chat", scenario.model, list(trimming)))
+        for trimming in itertools.product(*choices)
+    )
+    optimum = cache_optimum(scenario)
+    assert sum(prefix_reuse("chat", scenario.model, optimum)) == pytest.approx(best)
+    assert all(fidelity._fits(scenario, s.items, s.instructions) for s in optimum)
+    assert sum(tool_pair_violations(s.items) for s in optimum) == 0
+    whole = [items for _, items in histories(scenario)]
+    assert any(
+        sent.items != full for sent, full in zip(optimum, whole, strict=True)
+    )  # it had to trim

@@ -240,6 +240,7 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("delivery", ("delivery", "shipping", "courier", "pickup", "express")),
     ("tone", ("tone", "formal", "casual", "concise", "short", "detailed", "verbose")),
 )
+_TOPIC_NAMES = frozenset(name for name, _ in TOPICS)
 DECISION = re.compile(
     r"\b(?:i'll|i will|we'll|we will|let'?s|let us|decided|decide to|going to|the plan is"
     r"|on hold|approved|confirmed|booked|agreed|chose|chosen|selected|go with|settled on"
@@ -346,9 +347,11 @@ class _Builder:
                 target.append(entry)
 
     def has_topic(self, text: str) -> bool:
-        """Whether a preference about the subject of `text` was stated already."""
+        """Whether `text` is about a known subject (a seat, a format) or one a preference
+        was stated about already. A summary block of a later chunk does not see the
+        preference an earlier block holds, so a known subject is enough."""
         subject = topic(text)
-        return any(topic(p.text) == subject for p in self.preferences)
+        return subject in _TOPIC_NAMES or any(topic(p.text) == subject for p in self.preferences)
 
     def prefer(self, text: str) -> None:
         """A later preference about the same subject replaces the earlier one."""

@@ -636,3 +636,13 @@ def test_a_warning_inside_a_result_leads_its_fact_and_ranks_first(counter: Token
     assert warning in state.facts[9]
     assert any(warning in kept for kept in state.must_keep())
     assert warning in render(state, counter, 250)
+
+
+def test_a_change_of_plan_alone_is_a_preference_when_its_subject_is_known() -> None:
+    """A summary block of a later chunk of the chain does not see the earlier block's
+    "I prefer an aisle seat.": the change of plan was filed as a request, which an LLM
+    summary has no section for, and 8 of 17 travel requests lost it (bench/fidelity.py)."""
+    said = "Change of plan: I want a window seat, not aisle."
+    state = extract([chat_item({"role": "user", "content": said})])
+    assert [p.text for p in state.preferences] == [said]
+    assert said in state.must_keep()

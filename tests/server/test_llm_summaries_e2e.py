@@ -333,3 +333,36 @@ async def test_chat_and_responses_histories_with_the_same_text_do_not_share_bloc
     await client.chat.completions.create(model="gpt-4o", messages=messages)
     await client.responses.create(model="gpt-4o", input=messages, store=False)
     assert responses_summary_blocks(proxy.provider.model_requests[-1].json)
+
+
+async def test_a_change_of_plan_cut_after_the_first_block_is_kept(make_proxy: Any) -> None:
+    """The aisle seat sits in the first summary block; the change of plan is cut into a
+    later one, summarized by an LLM that leaves it out. The guard's reference for that
+    block filed it as a request (it had no earlier seat preference to replace), so the
+    guard did not add it back (travel in bench/fidelity.py: 8 of 17 requests lost it)."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(40)]
+    client = proxy.client()
+    change = "Change of plan: I want a window seat, not aisle."
+    said_at: int | None = None
+    for number in range(60):
+        text = user_turn(number)
+        if number == 0:
+            text += " I prefer an aisle seat."
+        sent = turn_requests(proxy)[-1].json["messages"] if number else []
+        if said_at is None and summary_blocks(sent):
+            said_at, text = number, change
+        await client.chat.completions.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": text}],
+            extra_headers={"X-Thread-Id": "t-seat"},
+        )
+        await background(proxy).idle()
+    assert said_at is not None, "the thread never outgrew its budget"
+    later = [r.json["messages"] for r in turn_requests(proxy)[said_at:]]
+    cut_away = [m for m in later if change not in [x["content"] for x in m]]
+    assert cut_away, "the change of plan was never cut"
+    for messages in cut_away:
+        blocks = summary_blocks(messages)
+        assert LLM_DECISION in blocks[-1]  # the block holding the change is the LLM's
+        assert any(change in block for block in blocks), blocks

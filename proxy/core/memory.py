@@ -225,6 +225,11 @@ CHANGE = re.compile(
     r"|i (?:now )?want|i(?:'d| would) like)\b|,\s*not\s+\w",
     re.IGNORECASE,
 )
+# The explicit ones among them: a change even without the earlier preference in view.
+REPLACEMENT = re.compile(
+    r"\b(?:actually|rather than|on second thought|change of plans?|instead of)\b|,\s*not\s+\w",
+    re.IGNORECASE,
+)
 # Words that name what a preference is about: a later preference about the same
 # subject replaces the earlier one.
 TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -347,11 +352,9 @@ class _Builder:
                 target.append(entry)
 
     def has_topic(self, text: str) -> bool:
-        """Whether `text` is about a known subject (a seat, a format) or one a preference
-        was stated about already. A summary block of a later chunk does not see the
-        preference an earlier block holds, so a known subject is enough."""
+        """Whether a preference about the subject of `text` was stated already."""
         subject = topic(text)
-        return subject in _TOPIC_NAMES or any(topic(p.text) == subject for p in self.preferences)
+        return any(topic(p.text) == subject for p in self.preferences)
 
     def prefer(self, text: str) -> None:
         """A later preference about the same subject replaces the earlier one."""
@@ -430,7 +433,7 @@ def _user_message(builder: _Builder, text: str) -> None:
     builder.add("requests", [_cut(text, REQUEST_CHARS)])
     for sentence in sentences(text):
         kept = _cut(sentence, SENTENCE_CHARS)
-        if PREFERENCE.search(sentence) or (CHANGE.search(sentence) and builder.has_topic(kept)):
+        if PREFERENCE.search(sentence) or (CHANGE.search(sentence) and _replaces(builder, kept)):
             builder.prefer(kept)
         elif is_rule(sentence):
             builder.add("constraints", [kept])
@@ -439,6 +442,15 @@ def _user_message(builder: _Builder, text: str) -> None:
         elif OPEN_TASK.search(sentence):
             builder.add("open_tasks", [kept])
     builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
+
+
+def _replaces(builder: _Builder, sentence: str) -> bool:
+    """Whether a change of mind replaces a preference: one stated on its subject, or
+    (a summary block of a later chunk does not see the earlier block's) a known subject
+    named with an explicit change ("change of plan", "not aisle")."""
+    if builder.has_topic(sentence):
+        return True
+    return REPLACEMENT.search(sentence) is not None and topic(sentence) in _TOPIC_NAMES
 
 
 def _assistant_message(builder: _Builder, text: str) -> None:

@@ -646,3 +646,6 @@ def test_a_change_of_plan_alone_is_a_preference_when_its_subject_is_known() -> N
     state = extract([chat_item({"role": "user", "content": said})])
     assert [p.text for p in state.preferences] == [said]
     assert said in state.must_keep()
+    # Without an explicit change, "I'd like" names a request, not a preference.
+    asked = "I'd like to book a room for Friday."
+    assert extract([chat_item({"role": "user", "content": asked})]).preferences == ()

@@ -6,8 +6,11 @@ deterministic digest for any other. After the turn has been relayed, the summari
 were missing are written in the background and stored (the `summaries` table, by
 tenant, summarizer model, api and chunk digest), so a later request finds them:
 
-- a stateless client that resends its history gets, from its next request on, the LLM
-  summary of each chunk its history is cut into, paid for once;
+- a stateless client that resends its history gets the LLM summary of a chunk its
+  history is cut into when it was written before the chunk was first sent (predicted,
+  as below); a chunk first sent with the deterministic digest keeps it, here and in any
+  other process: the digest is stored as the chunk's summary before it is sent
+  (`claim`), and an LLM summary finished later for it is not stored;
 - a stateful thread whose history crossed `memory.summarizer.high_water` of its budget
   gets its next cut's summary written before that cut is made; a cut already sent with
   the deterministic digest keeps it (the thread's prefix stays byte-identical).
@@ -50,6 +53,7 @@ import structlog
 from proxy.clock import Clock, utc_iso
 from proxy.core.items import Item, chat_item, responses_item
 from proxy.core.memory import MemoryState
+from proxy.core.projection import SummaryChunk
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -99,13 +103,13 @@ class Ready(Mapping[str, Item]):
         self, cache: Mapping[Key, Item], prefix: tuple[str, str, str], used: dict[Key, None]
     ) -> None:
         self._cache = cache
-        self._prefix = prefix
+        self.prefix = prefix  # (namespace, summarizer model, api)
         self._used = used
         self.asked: dict[str, None] = {}  # digests asked for, in order (a set with order)
 
     def __getitem__(self, digest: str) -> Item:
         self.asked[digest] = None
-        key = (*self._prefix, digest)
+        key = (*self.prefix, digest)
         item = self._cache.get(key)
         if item is None:
             raise KeyError(digest)
@@ -114,7 +118,7 @@ class Ready(Mapping[str, Item]):
 
     def __iter__(self) -> Iterator[str]:
         """The digests ready now (a snapshot: the loop may add entries meanwhile)."""
-        prefix = self._prefix
+        prefix = self.prefix
         return iter([key[3] for key in list(self._cache) if key[:3] == prefix])
 
     def __len__(self) -> int:
@@ -122,7 +126,7 @@ class Ready(Mapping[str, Item]):
 
     def missing(self) -> list[str]:
         """Digests asked for that had no summary."""
-        return [d for d in self.asked if (*self._prefix, d) not in self._cache]
+        return [d for d in self.asked if (*self.prefix, d) not in self._cache]
 
 
 class BackgroundSummaries:
@@ -164,12 +168,44 @@ class BackgroundSummaries:
         wanted = ready.missing()[:MAX_SUMMARY_DIGESTS]
         if not wanted:
             return 0
-        namespace, model, api = ready._prefix
+        namespace, model, api = ready.prefix
         found = await self.store.summaries_get(namespace, model, api, wanted)
         for digest, stored in found.items():
             key = (namespace, model, api, digest)
             self._remember(key, _item(stored))
             _mark_used(self._used, key)
+        return len(found)
+
+    async def claim(self, ready: Ready, chunks: Sequence[SummaryChunk]) -> int:
+        """Stores the deterministic digests a stateless request is about to send as the
+        summaries of their chunks (the first write wins), so that no LLM summary written
+        later for them (a prediction still running) changes the prefix, in this process
+        or any other. How many were stored first by someone else: those are read into
+        the cache, and the request is projected again to send them."""
+        namespace, model, api = ready.prefix
+        lost: list[str] = []
+        for chunk in chunks[:MAX_SUMMARY_DIGESTS]:
+            key = (namespace, model, api, chunk.digest)
+            if key in self._cache:
+                continue
+            claimed = StoredSummary(
+                tenant=namespace,
+                model=model,
+                api=chunk.summary.api,
+                digest=chunk.digest,
+                raw=chunk.summary.raw,
+                state=None,
+                created_at=self.clock.iso(),
+            )
+            if await self.store.summary_put(claimed):
+                self._remember(key, chunk.summary)
+            else:
+                lost.append(chunk.digest)
+        if not lost:
+            return 0
+        found = await self.store.summaries_get(namespace, model, api, lost)
+        for digest, stored in found.items():
+            self._remember((namespace, model, api, digest), _item(stored))
         return len(found)
 
     def submit(self, job: Job) -> bool:

@@ -212,10 +212,12 @@ class IdempotencyRecord:
 
 @dataclass(frozen=True)
 class StoredSummary:
-    """A summary an LLM wrote for one run of history items (a chunk), by its digest."""
+    """A summary an LLM wrote for one run of history items (a chunk), by its digest; or
+    the deterministic digest a stateless request sent for the chunk first (state None),
+    kept so that every process goes on sending it (proxy/server/summaries.py, claim)."""
 
     tenant: str
-    model: str  # the summarizer model that wrote it
+    model: str  # the tenant's summarizer model (the key), which wrote it unless claimed
     api: Literal["chat", "responses"]
     digest: str  # the chunk's digest (proxy/core/projection.py)
     raw: JsonDict  # the summary item as sent

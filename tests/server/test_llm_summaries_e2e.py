@@ -366,3 +366,64 @@ async def test_a_change_of_plan_cut_after_the_first_block_is_kept(make_proxy: An
         blocks = summary_blocks(messages)
         assert LLM_DECISION in blocks[-1]  # the block holding the change is the LLM's
         assert any(change in block for block in blocks), blocks
+
+
+async def test_a_stateless_cut_sent_while_its_summary_is_written_keeps_the_digest(
+    store_url: str, make_proxy: Any
+) -> None:
+    """The client sends its next request at once: the cut goes out with the digest while
+    the predicted LLM summary of the same chunk is still being written. Once written it
+    was stored and the next resend switched to it, a changed prefix; now the digest was
+    stored first, in every process on the store."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url)
+    gate = asyncio.Event()
+    proxy.provider.scripts[SUMMARIZER] = [
+        Reply(text=summarizer_answer().text, release=gate) for _ in range(20)
+    ]
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    blocks: list[str] = []
+    for number in range(30):
+        history.append({"role": "user", "content": user_turn(number)})
+        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            break
+    assert blocks, "the history never outgrew its budget"
+    assert summarizer_requests(proxy), "no summary was being written ahead of the cut"
+    assert all(LLM_DECISION not in block for block in blocks)  # the digest went out
+    gate.set()
+    await background(proxy).idle()  # the LLM summary of that chunk is written now
+    for client_of in (
+        proxy,
+        await make_proxy(window=5000, memory_extra=MEMORY, store_url=store_url),
+    ):
+        await client_of.client().chat.completions.create(model="gpt-4o", messages=history)
+        assert summary_blocks(turn_requests(client_of)[-1].json["messages"]) == blocks
+
+
+async def test_a_store_that_fails_the_claim_leaves_the_request_its_digest(
+    make_proxy: Any, monkeypatch: Any
+) -> None:
+    """Storing the digests a stateless cut sends is best effort: the request goes out."""
+    proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
+    proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+
+    tried: list[Any] = []
+
+    async def down(*args: Any, **kwargs: Any) -> bool:
+        tried.append(args)
+        raise ConnectionError("store down")
+
+    monkeypatch.setattr(background(proxy).store, "summary_put", down)
+    history: list[dict[str, Any]] = []
+    for number in range(24):
+        history.append({"role": "user", "content": user_turn(number)})
+        history.append({"role": "assistant", "content": f"Noted for ORD-{1000 + number}."})
+    history.append({"role": "user", "content": "Summarize the refunds, please."})
+    reply = await proxy.client().chat.completions.create(model="gpt-4o", messages=history)
+    assert reply.choices[0].message.content
+    blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+    assert blocks and all(LLM_DECISION not in block for block in blocks)
+    assert tried  # the claim was tried, and failed

@@ -2,7 +2,10 @@
 
 - load: the projection gets the LLM summaries ready for its chunks (`turn.summaries`);
 - projected: digests it asked for and lacked are read from the store (another process
-  wrote them); when some were there, the projection is made again with them;
+  wrote them); when some were there, the projection is made again with them. A
+  stateless request then stores the deterministic digests it sends as their chunks'
+  summaries (`BackgroundSummaries.claim`), unless another process stored one first,
+  which it then sends instead;
 - answered: the answer reached the client;
 - finished: only then, past the high-water mark, the chunk the next cut is predicted to
   take is summarized in the background. A block already sent with the deterministic
@@ -60,16 +63,27 @@ class SummaryHook(TurnHook):
         turn.summaries = self.ready
 
     async def projected(self, turn: Turn) -> None:
-        if self.ready is None or self.background is None or not self.ready.missing():
+        if self.ready is None or self.background is None or turn.projection is None:
             return
         try:
-            found = await self.background.fetch(self.ready)
+            found = await self.background.fetch(self.ready) if self.ready.missing() else 0
+            if found:
+                await self._project_again(turn)
+            if stateless(turn):
+                # Its digests, once sent, stay: no process may send an LLM summary
+                # for the same chunk later (the replayed cut would change its prefix).
+                assert turn.projection is not None
+                chunks = sent_chunks(turn.projection)
+                if chunks and await self.background.claim(self.ready, chunks):
+                    await self._project_again(turn)
         except Exception:
-            log.exception("summaries_read_failed", tenant=self.policy.tenant)
-            return
-        if found:  # observed once: the request's log line gets the projection it sends
-            turn.projection, turn.counter = await project(turn, observe=False)
-            self.request[LOG_FIELDS].update(budget_log_fields(turn.projection))
+            log.exception("summaries_store_failed", tenant=self.policy.tenant)
+
+    async def _project_again(self, turn: Turn) -> None:
+        """With the summaries found: observed once, the request's log line gets the
+        projection it sends."""
+        turn.projection, turn.counter = await project(turn, observe=False)
+        self.request[LOG_FIELDS].update(budget_log_fields(turn.projection))
 
     def answered(self, turn: Turn, answer: JsonDict) -> None:
         self.answer = answer

@@ -1097,66 +1097,86 @@ def drop_oldest(scenario: Scenario) -> list[Sent]:
     return out
 
 
-def cache_optimum(scenario: Scenario) -> list[Sent]:
+def cache_optimum(scenario: Scenario, middle_out: bool = False) -> list[Sent]:
     """The trimming with the highest mean prefix reuse, chosen knowing every later request.
 
     Each request sends the system text and the history from some item on, under the
     window, with at least what the client added since its previous request, and never
-    from a tool output (its call would be gone). Nothing stands for the items left out (a
-    summary would cost tokens and, once added, prefix), so no system that keeps a record of
-    what it cut, and sends each new item verbatim, can reuse more. Dynamic programming over
-    (request, first item sent): a request reuses the whole previous one when both start at
-    the same item, else only the system text.
+    from a tool output (its call would be gone). `middle_out`: it may also keep the
+    first turns whole (the same ones all along, a stable head the cache holds) and cut
+    after them instead. Nothing stands for the items left out (a summary block would
+    cost room; kept, it is more stable head). Dynamic programming over (request, first
+    item sent after the head), for each head: a request reuses the whole previous one
+    when both cut at the same item, else the system text and the head.
     """
     runs = [_split_system(scenario, items) for _, items in histories(scenario)]
+    everything = runs[-1][2]
+    heads = [0]
+    if middle_out:
+        heads += [h for h, item in enumerate(everything) if h and item.get("role") == "user"]
+    plans = [_optimum_for(scenario, runs, head) for head in heads]
+    _, head, chosen = max(plans, key=lambda plan: plan[0])
+    return [
+        Sent(turn, system + (rest if start == 0 else rest[:head] + rest[start:]), instructions)
+        for (turn, _), (system, instructions, rest), start in zip(
+            histories(scenario), runs, chosen, strict=True
+        )
+    ]
+
+
+def _optimum_for(
+    scenario: Scenario, runs: list[tuple[list[JsonDict], str | None, list[JsonDict]]], head: int
+) -> tuple[float, int, list[int]]:
+    """(sum of prefix reuse, head, where each request cuts: 0 for nowhere) of the best
+    trimming that keeps the first `head` history items; -1 when none fits the window."""
     budget = scenario.window - RESERVE_OUTPUT - SAFETY_MARGIN
     empty = prompt_tokens(scenario.api, scenario.model, [], None)
     everything = runs[-1][2]
     sizes = [prompt_tokens(scenario.api, scenario.model, [i], None) - empty for i in everything]
-    suffix = list(itertools.accumulate(reversed(sizes), initial=0))[::-1]  # tokens from s on
+    before_item = list(itertools.accumulate(sizes, initial=0))  # tokens of items [0, i)
     outputs = {
         index
         for index, item in enumerate(everything)
         if item.get("role") == "tool" or item.get("type") == "function_call_output"
     }
+    system = prompt_tokens(scenario.api, scenario.model, runs[0][0], runs[0][1]) - empty
 
     def sent_tokens(request: int, start: int) -> int:
-        head, instructions, rest = runs[request]
-        base = prompt_tokens(scenario.api, scenario.model, head, instructions) - empty
-        return base + suffix[start] - suffix[len(rest)]
+        length = len(runs[request][2])
+        if start == 0:
+            return system + before_item[length]
+        return system + before_item[min(head, length)] + before_item[length] - before_item[start]
 
     best: list[dict[int, tuple[float, int | None]]] = []  # start -> (sum of reuse, previous)
-    for request, (head, instructions, _) in enumerate(runs):
+    for request in range(len(runs)):
         newest = len(runs[request - 1][2]) if request else 0
-        starts = [s for s in range(newest + 1) if s not in outputs]
-        fitting = [s for s in starts if sent_tokens(request, s) <= budget] or [newest]
+        starts = [0] + [s for s in range(head + 1, newest + 1) if s not in outputs]
+        fitting = [s for s in starts if sent_tokens(request, s) <= budget]
+        if not fitting:
+            return -1.0, head, []
         if not request:
             best.append({s: (0.0, None) for s in fitting})
             continue
-        head_tokens = prompt_tokens(scenario.api, scenario.model, head, instructions) - empty
+        shared = system + before_item[min(head, len(runs[request - 1][2]))]
         before = best[-1]
         anywhere = max(before, key=lambda s: before[s][0])
         row: dict[int, tuple[float, int | None]] = {}
         for start in fitting:
             total = max(1, sent_tokens(request, start))
-            row[start] = (before[anywhere][0] + head_tokens / total, anywhere)
+            row[start] = (before[anywhere][0] + shared / total, anywhere)
             if start in before:
                 same = before[start][0] + sent_tokens(request - 1, start) / total
                 if same > row[start][0]:
                     row[start] = (same, start)
         best.append(row)
     chosen: list[int] = [max(best[-1], key=lambda s: best[-1][s][0])]
+    value = best[-1][chosen[0]][0]
     for request in range(len(runs) - 1, 0, -1):
         previous = best[request][chosen[-1]][1]
         assert previous is not None
         chosen.append(previous)
     chosen.reverse()
-    return [
-        Sent(turn, head + rest[start:], instructions)
-        for (turn, _), (head, instructions, rest), start in zip(
-            histories(scenario), runs, chosen, strict=True
-        )
-    ]
+    return value, head, chosen
 
 
 def _last_turns(rest: list[JsonDict], k: int) -> list[JsonDict]:
@@ -1410,8 +1430,9 @@ async def run_through_proxy(
 
 # Not a system: the whole history with no window, what a prompt cache could at best reuse.
 CEILING = "whole history, no window limit (ceiling; later requests exceed the window)"
-# Not a system either: the most prefix any trimming under the window can reuse.
-OPTIMUM = "cache optimum under the window (trimming that knows every later request, summaries free)"
+# Not systems either: the most prefix a trimming under the window can reuse.
+OPTIMUM = "cache optimum, cut from the oldest (knows every later request, summaries free)"
+MIDDLE_OUT = "cache optimum, first turns kept, cut after them (knows every later request)"
 
 
 async def measure(
@@ -1481,6 +1502,19 @@ async def measure(
                 "same histories",
                 scenario.name,
                 whole,
+                scenario.window,
+                scenario.api,
+                scenario.model,
+                scenario.facts,
+                added,
+            )
+        )
+        rows.append(
+            Row(
+                MIDDLE_OUT,
+                "same histories",
+                scenario.name,
+                cache_optimum(scenario, middle_out=True),
                 scenario.window,
                 scenario.api,
                 scenario.model,
@@ -1702,9 +1736,11 @@ def section(
         "one with the highest mean prefix reuse, found by dynamic programming over the whole "
         "run; it sends no summary of what it cut. A cut re-sends everything after the cut "
         "point, so the fewer the requests between cuts (the larger each turn against the "
-        "window), the lower this optimum: no trimming reaches 85% on a scenario whose optimum "
-        "is below it. *Share of the cache optimum*: the mean prefix reuse over the optimum's, "
-        "on the same requests.",
+        "window), the lower this optimum. threadkeeper cuts this way (its summary chain "
+        f"stands before the kept turns). The *{MIDDLE_OUT}* row may also keep the same first "
+        "turns whole all along and cut after them (middle-out): a cut then re-sends less, "
+        "and the head stays cached. *Share of the cache optimum*: the mean prefix reuse over "
+        "the first optimum's, on the same requests.",
         "",
         *summary_table(rows),
         "",

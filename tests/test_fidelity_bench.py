@@ -160,35 +160,49 @@ def crowded() -> Scenario:
     return Scenario("crowded", "chat", "gpt-4o-mini", "Be brief.", tuple(turns), ())
 
 
+def trimmings(scenario: Scenario, head: int) -> list[list[Sent]]:
+    """Per request, every way to send it under the window keeping the first `head`
+    history items: the whole history, or the head and the history from a later item on
+    (at least what is new, never from a tool output)."""
+    runs = [fidelity._split_system(scenario, items) for _, items in histories(scenario)]
+    choices = []
+    for request, (system, instructions, rest) in enumerate(runs):
+        newest = len(runs[request - 1][2]) if request else 0
+        starts = [0] + [s for s in range(head + 1, newest + 1) if rest[s].get("role") != "tool"]
+        sent = [system + (rest if s == 0 else rest[:head] + rest[s:]) for s in starts]
+        choices.append(
+            [Sent(0, i, instructions) for i in sent if fidelity._fits(scenario, i, instructions)]
+        )
+    return choices
+
+
 def test_the_cache_optimum_is_the_best_trimming_there_is(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Checked against every way to trim each request under a window that forces cuts."""
+    """Checked against every way to trim each request under a window that forces cuts,
+    from the oldest item and, middle-out, after each possible head of first turns."""
     monkeypatch.setattr(fidelity, "RESERVE_OUTPUT", 0)
     monkeypatch.setattr(fidelity, "SAFETY_MARGIN", 0)
     monkeypatch.setitem(fidelity.WINDOWS, "gpt-4o-mini", 190)
     scenario = crowded()
-    runs = [fidelity._split_system(scenario, items) for _, items in histories(scenario)]
-    choices = []
-    for request, (head, instructions, rest) in enumerate(runs):
-        newest = len(runs[request - 1][2]) if request else 0
-        choices.append(
-            [
-                Sent(0, head + rest[s:], instructions)
-                for s in range(newest + 1)
-                if rest[s].get("role") != "tool"
-                and fidelity._fits(scenario, head + rest[s:], instructions)
-            ]
-        )
-    assert all(choices) and any(len(c) < len(r[2]) + 1 for c, r in zip(choices, runs, strict=True))
-    assert math.prod(map(len, choices)) >= 100  # enough ways to trim to choose from
-    best = max(
-        sum(prefix_reuse("chat", scenario.model, list(trimming)))
-        for trimming in itertools.product(*choices)
-    )
-    optimum = cache_optimum(scenario)
-    assert sum(prefix_reuse("chat", scenario.model, optimum)) == pytest.approx(best)
-    assert all(fidelity._fits(scenario, s.items, s.instructions) for s in optimum)
-    assert sum(tool_pair_violations(s.items) for s in optimum) == 0
-    whole = [items for _, items in histories(scenario)]
-    assert any(
-        sent.items != full for sent, full in zip(optimum, whole, strict=True)
-    )  # it had to trim
+    history = histories(scenario)[-1][1][1:]
+    heads = [h for h, item in enumerate(history) if h and item["role"] == "user"]
+    best: dict[bool, float] = {}
+    for middle_out in (False, True):
+        for head in [0, *heads] if middle_out else [0]:
+            choices = trimmings(scenario, head)
+            if not all(choices):
+                continue
+            assert math.prod(map(len, choices)) >= 20  # ways to choose from
+            best[middle_out] = max(
+                best.get(middle_out, 0.0),
+                max(
+                    sum(prefix_reuse("chat", scenario.model, list(trimming)))
+                    for trimming in itertools.product(*choices)
+                ),
+            )
+        optimum = cache_optimum(scenario, middle_out)
+        assert sum(prefix_reuse("chat", scenario.model, optimum)) == pytest.approx(best[middle_out])
+        assert all(fidelity._fits(scenario, s.items, s.instructions) for s in optimum)
+        assert sum(tool_pair_violations(s.items) for s in optimum) == 0
+        whole = [items for _, items in histories(scenario)]
+        assert any(sent.items != full for sent, full in zip(optimum, whole, strict=True))
+    assert best[True] > best[False]  # keeping the first turns pays here

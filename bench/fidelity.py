@@ -20,13 +20,17 @@ run sends the same bytes) in two modes:
 Baselines are computed on the same histories the stateless client sends: drop the oldest
 message until the request fits (OpenAI's `truncation: auto`, LangChain's
 `trim_messages`), and keep the system text plus the last k turns (one k per scenario, the
-largest that makes every request fit). Tokens are counted as the proxy counts them (the
+largest that makes every request fit). Two rows bound the prompt cache: the best mean
+prefix reuse any trimming of the same histories reaches under the window, knowing every
+later request (cache_optimum: cutting from the oldest item, as SPEC 5 does, and
+middle-out). Tokens are counted as the proxy counts them (the
 fake provider's counters, which use the project's TokenCounter).
 
 Only public surfaces are used (HTTP through the proxy, policy files, the fake provider),
 so the bench measures whatever the memory code on the branch does. --summarizer adds a row
 with policy `memory.summarizer` pointed at the fake provider, which answers summary
-requests badly (prose, ids dropped): the guard is what is measured. --write replaces the
+requests badly (well-formed state, but vague: no ids, rules or tool facts): the guard is
+what is measured. --write replaces the
 "## Fidelity" section of bench/RESULTS.md (and nothing else).
 """
 

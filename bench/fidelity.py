@@ -1775,8 +1775,45 @@ def section(
         "Targets (issue 10): must-keep recall 100% in every request, all facts >= 90% mean, "
         "prefix reuse >= 85% mean in every mode, 0 tool-pair violations.",
         "",
+        *verdicts(rows),
     ]
     return "\n".join(parts)
+
+
+def verdicts(rows: Sequence[Row]) -> list[str]:
+    """Each threadkeeper row against the targets, and the prompt cache's bounds."""
+
+    def reuse(system: str) -> list[float]:
+        return [v for r in rows if r.system == system for v in r.reuse()]
+
+    lines = []
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        if row.system.startswith("threadkeeper"):
+            stateful = row.mode in ("X-Thread-Id", "previous_response_id")
+            groups.setdefault((row.system, "stateful" if stateful else "stateless"), []).append(row)
+    for (system, mode), group in groups.items():
+        must = [v for r in group for v in r.must()]
+        every = [v for r in group for v in r.all()]
+        shares = [v for r in group for v in r.reuse()]
+        met = {
+            "must-keep in every request": bool(must) and min(must) == 1.0,
+            f"all facts {_pct(every)}": bool(every) and statistics.mean(every) >= 0.9,
+            f"prefix reuse {_pct(shares)}": bool(shares) and statistics.mean(shares) >= 0.85,
+            "0 tool-pair violations": sum(r.violations() for r in group) == 0,
+        }
+        said = ", ".join(f"{k} ({'met' if ok else 'not met'})" for k, ok in met.items())
+        lines.append(f"- {system}, {mode}: {said}.")
+    if reuse(OPTIMUM):
+        lines += [
+            "",
+            f"No trimming that cuts from the oldest turns (SPEC 5: the oldest closed turns "
+            f"give way to a summary) reaches more than {_pct(reuse(OPTIMUM))} mean prefix "
+            f"reuse on these histories, knowing every later request and paying nothing for "
+            f"summaries; one that keeps the first turns whole and cuts after them "
+            f"(middle-out) reaches {_pct(reuse(MIDDLE_OUT))}.",
+        ]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

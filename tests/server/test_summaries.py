@@ -16,6 +16,7 @@ from proxy.clock import ManualClock
 from proxy.core.items import Item, chat_item
 from proxy.core.llm_summary import Written
 from proxy.core.memory import MemoryState
+from proxy.core.projection import SummaryChunk
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -306,3 +307,32 @@ async def test_purge_keeps_what_was_served_within_the_retention_and_deletes_the_
     clock.advance(timedelta(days=2))
     assert await background.purge(retention) == 1
     assert await stored_digests(store, "d1", "d2") == []
+
+
+def sent(digest: str, text: str) -> SummaryChunk:
+    """A block a projection sends as the deterministic digest."""
+    block = chat_item({"role": "system", "content": text})
+    return SummaryChunk(digest, ITEMS, 500, None, block)
+
+
+async def test_a_claimed_digest_wins_over_a_summary_written_later(
+    background: BackgroundSummaries, store: Store, fake: FakeSummarizer, clock: ManualClock
+) -> None:
+    """A stateless request stores the digest it sends; a prediction of the same chunk
+    finishing afterwards finds it stored and keeps it, and so does another process."""
+    fake.gate = asyncio.Event()
+    assert background.submit(job("d1"))  # a prediction, still being written
+    await fake.started.wait()
+    ready = background.ready("acme", "m", "chat")
+    assert await background.claim(ready, [sent("d1", "the digest")]) == 0
+    fake.gate.set()
+    await background.idle()
+    assert ready["d1"].text() == "the digest"
+    assert (await store.summaries_get("acme", "m", "chat", ["d1"]))["d1"].state is None
+    # Another process that sent its own digest of d1 (it had not seen the stored one)
+    # loses the claim and is handed the stored one to send instead.
+    other = BackgroundSummaries(store, FakeSummarizer(), Metrics(), clock)  # type: ignore[arg-type]
+    theirs = other.ready("acme", "m", "chat")
+    assert await other.claim(theirs, [sent("d1", "another digest")]) == 1
+    assert theirs["d1"].text() == "the digest"
+    await other.aclose()

@@ -41,6 +41,9 @@ log = structlog.get_logger("threadkeeper.summaries")
 
 # How many turns like the current one a stateful thread's next cut is looked for in.
 LOOKAHEAD_TURNS = 4
+# Projections a stateless request makes at most while other processes' summaries for its
+# chunks turn up (each found one may change the digests of the blocks after it).
+CLAIM_ROUNDS = 3
 
 
 class SummaryHook(TurnHook):
@@ -69,13 +72,16 @@ class SummaryHook(TurnHook):
             found = await self.background.fetch(self.ready) if self.ready.missing() else 0
             if found:
                 await self._project_again(turn)
-            if stateless(turn):
-                # Its digests, once sent, stay: no process may send an LLM summary
-                # for the same chunk later (the replayed cut would change its prefix).
+            # A stateless request's digests, once sent, stay: no process may send an
+            # LLM summary for the same chunk later (the replayed cut would change its
+            # prefix). A summary stored first is sent instead; it may change the
+            # digests of the blocks after it, which are claimed in turn.
+            for _ in range(CLAIM_ROUNDS if stateless(turn) else 0):
                 assert turn.projection is not None
                 chunks = sent_chunks(turn.projection)
-                if chunks and await self.background.claim(self.ready, chunks):
-                    await self._project_again(turn)
+                if not chunks or not await self.background.claim(self.ready, chunks):
+                    break
+                await self._project_again(turn)
         except Exception:
             log.exception("summaries_store_failed", tenant=self.policy.tenant)
 

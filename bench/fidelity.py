@@ -2,11 +2,12 @@
 
     python bench/fidelity.py [--write] [--summarizer] [--only NAME]
 
-Five scripted conversations that overflow a small window several times (customer support
-with two refunds, a coding agent with multi-thousand-token test logs, travel booking with
-parallel tool calls and a preference changed mid-way, an incident run on the Responses
-API, and a 60-turn sales agent with one account lookup a turn). Each plants facts: a text that must appear in what the provider receives, the turn
-it appears in, and whether it is must-keep or nice-to-keep.
+Five scripted conversations that overflow a small window several times (customer
+support with two refunds, a coding agent with multi-thousand-token test logs, travel
+booking with parallel tool calls and a preference changed mid-way, an incident run on
+the Responses API, and a 60-turn sales agent with one account lookup a turn). Each plants
+facts: a text that must appear in what the provider receives, the turn it appears in,
+and whether it is must-keep or nice-to-keep.
 
 Every scenario runs through the proxy (`python -m proxy serve`, a SQLite file, the fake
 provider of proxy/fake_provider.py in this process, scripted with exact answers so every
@@ -23,14 +24,14 @@ message until the request fits (OpenAI's `truncation: auto`, LangChain's
 largest that makes every request fit). Two rows bound the prompt cache: the best mean
 prefix reuse any trimming of the same histories reaches under the window, knowing every
 later request (cache_optimum: cutting from the oldest item, as SPEC 5 does, and
-middle-out). Tokens are counted as the proxy counts them (the
-fake provider's counters, which use the project's TokenCounter).
+middle-out). Tokens are counted as the proxy counts them (the fake provider's counters,
+which use the project's TokenCounter).
 
 Only public surfaces are used (HTTP through the proxy, policy files, the fake provider),
 so the bench measures whatever the memory code on the branch does. --summarizer adds a row
 with policy `memory.summarizer` pointed at the fake provider, which answers summary
-requests badly (well-formed state, but vague: no ids, rules or tool facts): the guard is
-what is measured. --write replaces the
+requests badly (well-formed state, but vague: no ids, rules or tool facts): the guard
+is what is measured. --write replaces the
 "## Fidelity" section of bench/RESULTS.md (and nothing else).
 """
 
@@ -688,7 +689,7 @@ def _account(rng: random.Random, account: str, deals: int, extra: str = "") -> s
 
 def sales() -> Scenario:
     """A 60-turn sales-ops agent, 12k window: one account lookup a turn, rules in turn 1, a
-    quote created, a preference changed late (the conversation length most agents run)."""
+    decision, a standing instruction at turn 20, a warning inside a lookup, a quote."""
     rng = random.Random(5)
 
     def lookup(i: int, extra: str = "") -> Call:

@@ -91,8 +91,8 @@ class MemoryState:
     def must_keep(self) -> tuple[str, ...]:
         """Strings every summary of this state must hold verbatim: the rules, the latest
         preferences, decisions, open tasks, pending calls, the tool facts that report an
-        error or a code location (a log's one failure), and entities (the ids and amounts
-        of the other facts among them), in render order."""
+        error, a warning or a code location (a log's one failure), and entities (the ids
+        and amounts of the other facts' own values among them), in render order."""
         kept: list[str] = [*self.constraints, *(p.text for p in self.preferences)]
         kept += [*self.decisions, *self.open_tasks, *(p.text for p in self.pending)]
         kept += [fact for fact in self.facts if _reports_error(fact)]

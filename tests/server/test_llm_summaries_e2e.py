@@ -173,23 +173,31 @@ async def test_a_turn_that_starts_a_summary_does_not_wait_for_it(make_proxy: Any
     assert summarizer_requests(proxy)
 
 
+async def grow_until_cut(proxy: Proxy, settle: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """A stateless client's history, resent whole with one more turn each request, until
+    a request carries summary blocks: (the history, those blocks). `settle`: the
+    background work a request started is done before the next one is sent."""
+    client = proxy.client()
+    history: list[dict[str, Any]] = []
+    for number in range(30):
+        history.append({"role": "user", "content": user_turn(number)})
+        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if settle:
+            await background(proxy).idle()
+        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
+        if blocks:
+            return history, blocks
+    raise AssertionError("the history never outgrew its budget")
+
+
 async def test_a_growing_stateless_history_gets_its_first_cut_summarized_ahead(
     make_proxy: Any,
 ) -> None:
     proxy: Proxy = await make_proxy(window=5000, memory_extra=MEMORY)
     proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
     client = proxy.client()
-    history: list[dict[str, Any]] = []
-    blocks: list[str] = []
-    for number in range(30):
-        history.append({"role": "user", "content": user_turn(number)})
-        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
-        history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        await background(proxy).idle()
-        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
-        if blocks:
-            break
-    assert blocks, "the history never outgrew its budget"
+    history, blocks = await grow_until_cut(proxy, settle=True)
     # The request that made the cut already sent the LLM summary (written ahead).
     assert LLM_DECISION in blocks[0] and GUARDED_RULE in blocks[0]
     # The resend keeps the block's bytes (the prefix holds).
@@ -380,17 +388,7 @@ async def test_a_stateless_cut_sent_while_its_summary_is_written_keeps_the_diges
     proxy.provider.scripts[SUMMARIZER] = [
         Reply(text=summarizer_answer().text, release=gate) for _ in range(20)
     ]
-    client = proxy.client()
-    history: list[dict[str, Any]] = []
-    blocks: list[str] = []
-    for number in range(30):
-        history.append({"role": "user", "content": user_turn(number)})
-        reply = await client.chat.completions.create(model="gpt-4o", messages=history)
-        history.append({"role": "assistant", "content": reply.choices[0].message.content})
-        blocks = summary_blocks(turn_requests(proxy)[-1].json["messages"])
-        if blocks:
-            break
-    assert blocks, "the history never outgrew its budget"
+    history, blocks = await grow_until_cut(proxy, settle=False)
     assert summarizer_requests(proxy), "no summary was being written ahead of the cut"
     assert all(LLM_DECISION not in block for block in blocks)  # the digest went out
     gate.set()

@@ -51,14 +51,17 @@ def summary_of(inputs: list[dict[str, Any]]) -> str | None:
     return None
 
 
-async def test_summaries_keep_unpinned_rules_and_nested_values(make_proxy) -> None:  # type: ignore[no-untyped-def]
-    proxy = await make_proxy(window=6000)
+async def converse(proxy: Any, turns: list[list[dict[str, Any]]]) -> None:
+    """One conversation through the proxy, a Responses turn per input."""
     client = proxy.client()
     conversation = await client.conversations.create()
-    for turn in range(14):
-        await client.responses.create(
-            model="gpt-4o", conversation=conversation.id, input=turn_input(turn)
-        )
+    for turn in turns:
+        await client.responses.create(model="gpt-4o", conversation=conversation.id, input=turn)
+
+
+async def test_summaries_keep_unpinned_rules_and_nested_values(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = await make_proxy(window=6000)
+    await converse(proxy, [turn_input(turn) for turn in range(14)])
     summaries = [summary_of(r.json["input"]) for r in proxy.provider.model_requests]
     summarized = [s for s in summaries if s is not None]
     assert summarized, "the thread never outgrew its window"
@@ -117,12 +120,7 @@ async def test_long_agent_thread_keeps_instructions_decisions_and_warnings(make_
     so a "from now on" instruction, the assistant's "Decision:" and a warning inside a
     lookup result went missing from half the requests (bench/fidelity.py, sales agent)."""
     proxy = await make_proxy(window=6000)
-    client = proxy.client()
-    conversation = await client.conversations.create()
-    for turn in range(40):
-        await client.responses.create(
-            model="gpt-4o", conversation=conversation.id, input=account_turn(turn)
-        )
+    await converse(proxy, [account_turn(turn) for turn in range(40)])
     checked = 0
     for request in proxy.provider.model_requests:
         sent = json.dumps(request.json["input"])

@@ -1814,8 +1814,11 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
             f"{_pct(reuse(OPTIMUM))} mean prefix reuse on these histories, even knowing every "
             f"later request. A stable head before the cut point does better, as every cut "
             f"re-sends less: keeping the first turns whole (middle-out) reaches "
-            f"{_pct(reuse(MIDDLE_OUT))}. threadkeeper's summary chain is such a head, but a "
-            f"small one (a few hundred tokens a block).",
+            f"{_pct(reuse(MIDDLE_OUT))}. threadkeeper keeps such a head, its opening turns "
+            f"(memory.keep_opening_share), where it leaves room for the recent turns: these "
+            f"oracles keep none of them, threadkeeper keeps keep_recent_turns (SPEC 1: whole "
+            f"turns always kept verbatim) and the summaries, and where turns are a quarter "
+            f"of the window those leave no room for a head.",
         ]
     return lines
 

@@ -162,9 +162,15 @@ async def show_thread(
     return {
         **thread_json(thread),
         "log": log,
+        # `opening`: one of the thread's opening turns' items, sent verbatim (the head).
         "summary": [
-            {"type": _item_kind(item), "tokens": counter.item(item), "text": item.text()}
-            for item in (cut.summary if cut is not None else ())
+            {
+                "type": _item_kind(item),
+                "tokens": counter.item(item),
+                "text": item.text(),
+                "opening": cut is not None and index < cut.opening,
+            }
+            for index, item in enumerate(cut.summary if cut is not None else ())
         ],
         "compressed": [
             {
@@ -196,7 +202,8 @@ def show_text(shown: JsonDict) -> str:
     if shown["summary"]:
         lines += ["", "Stands for the cut part (sent before the window):"]
         for block in shown["summary"]:
-            lines += [f"[{block['type']}, {block['tokens']} tokens]", block["text"], ""]
+            verbatim = ", opening turn, verbatim" if block["opening"] else ""
+            lines += [f"[{block['type']}, {block['tokens']} tokens{verbatim}]", block["text"], ""]
     if shown["compressed"]:
         lines += ["", "Compressed tool results:"]
         for entry in shown["compressed"]:

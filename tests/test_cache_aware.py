@@ -47,16 +47,19 @@ def chains(turns: int, stateless: bool) -> list[tuple[Item, ...]]:
     cut: CutPoint | None = None
     sent_chains = []
     for turn in range(turns):
-        history.extend(chat_item(m) for m in turn_messages(turn))
+        # A request ends with the user's message, as a client's does (the answer follows).
+        user, *answer = (chat_item(m) for m in turn_messages(turn))
+        history.append(user)
         request = ProjectionRequest(
             history, WINDOW, OUTPUT, MARGIN, cut=None if stateless else cut, stateless=stateless
         )
         projection = project_context(request, counter, POLICY)
         cut = projection.cut
-        recent = history[-12:]  # two closed turns and the current one, 4 items each
-        assert [i.raw for i in projection.items[-12:]] == [i.raw for i in recent]
+        recent = history[-9:]  # two closed turns of 4 items and the current message
+        assert [i.raw for i in projection.items[-9:]] == [i.raw for i in recent]
         assert projection.report.dropped == 0
         sent_chains.append(tuple(i for i in projection.items if is_summary(i)))
+        history.extend(answer)
     return sent_chains
 
 

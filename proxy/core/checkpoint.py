@@ -5,8 +5,9 @@ verbatim window starts (`window_start`, the key the store's `load_window` reads)
 stands for everything before it (`summary`: carried pinned items and the chain of summary
 blocks, in the order they are sent; a state written before the chain holds one block,
 which reads as a chain of one), the full-room form of a last block that was sent smaller
-(`summary_deferred`, absent when none) and the compressed forms of tool results
-(`compressed`). Positions are the thread's log positions. Other keys of the state belong
+(`summary_deferred`, absent when none), how many of the summary's first items are the
+thread's opening turns kept verbatim (`summary_opening`, absent when none) and the
+compressed forms of tool results (`compressed`). Positions are the thread's log positions. Other keys of the state belong
 to other features and are kept untouched.
 
 >>> cut = CutPoint(4, (chat_item({"role": "system", "content": "Be brief."}),))
@@ -26,6 +27,7 @@ WINDOW_START = "window_start"
 SUMMARY = "summary"
 COMPRESSED = "compressed"
 DEFERRED = "summary_deferred"
+OPENING = "summary_opening"
 
 
 def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) -> JsonDict:
@@ -42,6 +44,10 @@ def cut_to_state(cut: CutPoint | None, base: Mapping[str, Any] | None = None) ->
         state[DEFERRED] = _item_json(cut.deferred)
     else:
         state.pop(DEFERRED, None)
+    if cut.opening:
+        state[OPENING] = cut.opening
+    else:
+        state.pop(OPENING, None)
     return state
 
 
@@ -49,7 +55,9 @@ def without_cut(state: Mapping[str, Any]) -> JsonDict:
     """`state` with no cut: the thread is projected again from its whole log (an item
     left it, and the cut's summaries may quote it)."""
     return {
-        k: v for k, v in state.items() if k not in (WINDOW_START, SUMMARY, COMPRESSED, DEFERRED)
+        k: v
+        for k, v in state.items()
+        if k not in (WINDOW_START, SUMMARY, COMPRESSED, DEFERRED, OPENING)
     }
 
 
@@ -63,7 +71,14 @@ def state_to_cut(state: Mapping[str, Any]) -> CutPoint | None:
         (int(entry["position"]), _item(entry)) for entry in state.get(COMPRESSED) or ()
     )
     deferred = state.get(DEFERRED)
-    return CutPoint(start, summary, compressed, _item(deferred) if deferred else None)
+    opening = state.get(OPENING)
+    return CutPoint(
+        start,
+        summary,
+        compressed,
+        _item(deferred) if deferred else None,
+        opening if isinstance(opening, int) and 0 < opening <= len(summary) else 0,
+    )
 
 
 def _item_json(item: Item) -> JsonDict:

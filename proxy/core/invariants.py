@@ -23,12 +23,16 @@ def check_invariants(
     sent: Sequence[Item],
     pinned_positions: Iterable[int],
     current_positions: Iterable[int],
+    prefix: int = 0,
 ) -> None:
+    """`prefix`: how many of the first sent items stand before the window (a cut's
+    carried items and summaries): they have a log position only if `original` holds
+    that very item."""
     _check_one_api(sent)
     _check_pinned_kept(original, sent, pinned_positions)
     _check_current_verbatim(original, sent, current_positions)
     _check_calls_closed(original, sent)
-    _check_causal_order(original, sent)
+    _check_causal_order(original, sent, prefix)
     _check_serializable(original, sent)
 
 
@@ -80,21 +84,28 @@ def _output_ids(items: Iterable[Item]) -> set[str]:
     return {item.output_for for item in items if item.output_for is not None}
 
 
-def _check_causal_order(original: Sequence[Item], sent: Sequence[Item]) -> None:
+def _check_causal_order(original: Sequence[Item], sent: Sequence[Item], prefix: int) -> None:
     """Items taken from the log keep the log's order; an output never precedes its call.
 
     A compressed output stands at its original's position (matched by call id); summary
-    items are new and have no position.
+    items are new and have no position. An item of the prefix carried from an earlier
+    cut has none either: matched by content, an opening turn's "Noted." would take the
+    position of a later "Noted." in the window.
     """
     by_digest: dict[str, list[int]] = defaultdict(list)
     output_position: dict[str, int] = {}
+    given: dict[int, int] = {}
     for position, item in enumerate(original):
         by_digest[item.digest].append(position)
+        given[id(item)] = position
         if item.output_for is not None:
             output_position.setdefault(item.output_for, position)
     last = -1
-    for item in sent:
-        found = _next_position(item, by_digest, output_position, last)
+    for index, item in enumerate(sent):
+        if index < prefix:
+            found = given.get(id(item))
+        else:
+            found = _next_position(item, by_digest, output_position, last)
         if found is None:
             continue
         if found <= last:

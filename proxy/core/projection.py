@@ -19,6 +19,13 @@ recent turns are large (`_cut_target`), in this order:
    window, or leave less than that for a history that must be cut, raise
    ContextLengthExceeded.
 
+At a history's first cut that summarizes turns, its opening turns (up to
+keep_opening_share of B_H) become a head sent verbatim ahead of the chain from then on
+(`_opening`): the cut summarizes the oldest turns after it, and every later cut leaves it
+in place, so the provider's prompt cache keeps it. It never takes the recent turns' room:
+it gives way (`_released`, its turns becoming the chain's first block) when they or the
+current turn would not fit beside it.
+
 A request without a stored cut (a stateless client, a thread's first request) gets the
 cut a stored thread would hold had each of its user messages been sent on its own
 (`_replayed_cut`): the same history prefix gives the same cut and the same bytes.
@@ -75,6 +82,9 @@ class ProjectionPolicy:
     target_fill: float = 0.65
     # The summary chain is consolidated into one block above this share of B_H.
     summary_chain_max_share: float = 0.3
+    # At a history's first cut, its opening turns up to this share of B_H become a head
+    # sent verbatim ahead of the summary chain from then on (`_opening`); 0: none.
+    keep_opening_share: float = 0.4
 
 
 @dataclass(frozen=True)
@@ -82,13 +92,16 @@ class CutPoint:
     """Where the verbatim history starts, and what stands for everything before it.
 
     `summary` holds the pinned items before `start` (verbatim, in log order) followed by
-    the digest, if any; `compressed` maps log positions to compressed tool results.
+    the digest, if any; its first `opening` items are the history's first ones, verbatim
+    (the opening head, `_opening`). `compressed` maps log positions to compressed tool
+    results.
     """
 
     start: int
     summary: tuple[Item, ...]
     compressed: tuple[tuple[int, Item], ...] = ()
     deferred: Item | None = None  # full-room form of the last block, sent smaller
+    opening: int = 0
 
     @property
     def chain(self) -> tuple[Item, ...]:
@@ -298,7 +311,7 @@ def project_context(
 ) -> Projection:
     """The context to send for `request`, under its budget, with the cut to keep."""
     if not request.stateless or request.cut is not None:
-        return _projected(_prepared(request, counter, policy, summarizer))
+        return _project(request, counter, policy, summarizer)
     whole = _prepared(request, counter, policy, summarizer)
     if _history(whole.state) <= whole.budget:
         # It fits whole, so each earlier request of its history did (they hold fewer of
@@ -325,7 +338,116 @@ def _project(
     policy: ProjectionPolicy,
     summarizer: Summarizer,
 ) -> Projection:
-    return _projected(_prepared(request, counter, policy, summarizer))
+    """The projection of `request`. At its history's first cut that summarizes turns,
+    with the opening head (`_opening`) if that fits. The head is given up (`_released`)
+    when it leaves a later request no room, or keeps its recent turns from their place:
+    it may cost a cached prefix, never a refused request or a recent turn."""
+    try:
+        prepared = _prepared(request, counter, policy, summarizer)
+        if _crowded(prepared):
+            released = _released(request, counter, policy, summarizer)
+            assert released is not None
+            prepared = _prepared(released, counter, policy, summarizer)
+        opened = _opening(prepared)
+        projection = _projected(prepared)
+        if opened is not None and projection.cut is not None and projection.cut.chain:
+            try:
+                return _projected(_prepared(opened, counter, policy, summarizer))
+            except ContextLengthExceeded:
+                pass
+        return projection
+    except ContextLengthExceeded:
+        released = _released(request, counter, policy, summarizer)
+        if released is None:
+            raise
+        return _projected(_prepared(released, counter, policy, summarizer))
+
+
+def _opening(prepared: _Prepared) -> ProjectionRequest | None:
+    """Before a history's first cut, the request with a cut that makes its opening turns
+    a head: the whole turns from the start, up to keep_opening_share of B_H (without the
+    current turn: a large one at the first cut would shrink the head for good), carried
+    verbatim ahead of the summary chain from then on. Every later cut then re-sends less
+    (the provider caches the head), and the task and rules of the first turns stay as
+    they were said. Their tool results stay whole (compressed ones too: the cut changes
+    the prefix anyway). The recent turns, whole (keep_recent_turns), a full summary block
+    and HEADROOM_TURNS more turns like the recent ones keep their room. None
+    when no cut is due, one was made before (a cut that only compressed does not count),
+    or no turn fits."""
+    state, budget = prepared.state, prepared.budget
+    request, cut = state.request, state.request.cut
+    share = state.policy.keep_opening_share
+    if not share or _history(state) <= budget:
+        return None
+    if cut is not None and (cut.chain or cut.opening or cut.start > request.first_position):
+        return None
+    kept, count = _recent(state)
+    headroom = HEADROOM_TURNS * kept // max(1, count)
+    room = min(int(share * state.capacity), budget - state.room - kept - headroom)
+    end, total = request.first_position, 0
+    for block in state.closed:
+        total += state.original_tokens(block)
+        if total > room:
+            break
+        end = block.last + 1
+    count = end - request.first_position
+    if not count:
+        return None
+    compressed = tuple((p, item) for p, item in cut.compressed if p >= end) if cut else ()
+    head = CutPoint(end, tuple(request.items[:count]), compressed, opening=count)
+    return replace(request, cut=head)
+
+
+def _recent(state: _State) -> tuple[int, int]:
+    """(tokens, count) of the recent closed turns (keep_recent_turns), as they arrived."""
+    keep = state.policy.keep_recent_turns
+    recent = state.closed[-keep:] if keep else []
+    return sum(map(state.original_tokens, recent)), len(recent)
+
+
+def _crowded(prepared: _Prepared) -> bool:
+    """Whether, at a cut, the recent turns (whole) and a full summary block do not fit
+    beside the opening head: it then gives way to them (keep_recent_turns)."""
+    state, budget = prepared.state, prepared.budget
+    cut = state.request.cut
+    if cut is None or not cut.opening or _history(state) <= budget:
+        return False
+    return budget < state.room + _recent(state)[0]
+
+
+def _released(
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    summarizer: Summarizer,
+) -> ProjectionRequest | None:
+    """The request with its cut's opening head given up: the head's pinned items stay,
+    its turns become one summary block ahead of the chain (they are its oldest items).
+    The block is not listed in Projection.chunks: no LLM summary replaces it."""
+    cut = request.cut
+    if cut is None or not cut.opening:
+        return None
+    pins = compile_pins(policy.pin_patterns)
+    head = cut.summary[: cut.opening]
+    kept = tuple(item for item in head if is_pinned(item, pins))
+    turns = [item for item in head if not is_pinned(item, pins)]
+    room = _summary_room(_capacity(request))
+    digest = chunk_digest(turns, room, None)
+    block = (_summarize(summarizer, counter, turns, room, None, digest),) if turns else ()
+    summary = (*kept, *block, *cut.summary[cut.opening :])
+    return replace(request, cut=replace(cut, summary=summary, opening=0))
+
+
+def _capacity(request: ProjectionRequest) -> int:
+    """B_H as if the current turn were empty and nothing pinned."""
+    return (
+        request.window
+        - request.tools_tokens
+        - request.output
+        - request.epsilon
+        - request.instructions_tokens
+        - REPLY_PRIMING
+    )
 
 
 def _prepared(
@@ -441,14 +563,7 @@ class _Fit:
             c if is_pinned(i, pins) else 0 for i, c in zip(request.items, self.counts, strict=True)
         )
         self.pinned = list(itertools.accumulate(pinned, initial=0))
-        self.limit = (
-            request.window
-            - request.tools_tokens
-            - request.output
-            - request.epsilon
-            - request.instructions_tokens
-            - REPLY_PRIMING
-        )
+        self.limit = _capacity(request)
         self._cut: CutPoint | None = None
         self._cut_tokens = 0
         # reach[i]: the earliest call that an output at or after i answers (len: none).
@@ -708,8 +823,8 @@ def _cut_target(state: _State, budget: int, policy: ProjectionPolicy) -> int:
     room for HEADROOM_TURNS more turns of their mean size (as they arrived, before any
     compression), so the next cut does not come with the very next turn. Every cut
     changes the prefix after the summary chain."""
-    recent = state.closed[-policy.keep_recent_turns :] if policy.keep_recent_turns else ()
-    typical = sum(map(state.original_tokens, recent)) // max(1, len(recent))
+    kept, count = _recent(state)
+    typical = kept // max(1, count)
     return max(0, min(int(budget * policy.target_fill), budget - HEADROOM_TURNS * typical))
 
 
@@ -901,7 +1016,8 @@ def _summary(state: _State, items: Sequence[Item], room: int, previous: Item | N
     if ready is not None and is_summary(ready) and counter.item(ready) <= room:
         made, from_request = ready, True
     else:
-        made, from_request = _summarize(state, items, room, previous, digest), False
+        made = _summarize(state.summarizer, counter, items, room, previous, digest)
+        from_request = False
         if counter.item(made) > room:
             return None
     state.made[digest] = SummaryChunk(digest, tuple(items), room, previous, made, from_request)
@@ -909,11 +1025,15 @@ def _summary(state: _State, items: Sequence[Item], room: int, previous: Item | N
 
 
 def _summarize(
-    state: _State, items: Sequence[Item], room: int, previous: Item | None, digest: str
+    summarizer: Summarizer,
+    counter: TokenCounter,
+    items: Sequence[Item],
+    room: int,
+    previous: Item | None,
+    digest: str,
 ) -> Item:
-    counter = state.counter
-    if state.summarizer is not summarize_turns:
-        made = state.summarizer(items, counter, room, previous)
+    if summarizer is not summarize_turns:
+        made = summarizer(items, counter, room, previous)
         if counter.item(made) <= room and is_summary(made):
             return made
     api = items[0].api if items else previous.api if previous is not None else "chat"
@@ -946,12 +1066,19 @@ def _finish(state: _State, fixed: _Fixed, budget: int, keep_cut: bool) -> Projec
     sent = list(outcome.prefix)
     for index in range(outcome.start - offset, len(request.items)):
         sent.append(state.replaced.get(index + offset, request.items[index]))
-    check_invariants(request.items, sent, _relative(state, "pinned"), _relative(state, "current"))
+    check_invariants(
+        request.items,
+        sent,
+        _relative(state, "pinned"),
+        _relative(state, "current"),
+        len(outcome.prefix),
+    )
     report = _report(state, fixed, budget, sent, outcome)
     compressed = tuple(sorted((p, i) for p, i in state.replaced.items() if p >= outcome.start))
     cut = None
     if keep_cut:
-        cut = CutPoint(outcome.start, outcome.prefix, compressed, state.deferred)
+        opening = request.cut.opening if request.cut is not None else 0
+        cut = CutPoint(outcome.start, outcome.prefix, compressed, state.deferred, opening)
     changed = len(sent) != len(request.items) or any(
         a is not b for a, b in zip(sent, request.items, strict=True)
     )
@@ -993,8 +1120,21 @@ def _outcome(state: _State) -> _Outcome:
     chain = tuple(item for item in prefix if is_summary(item))
     pinned_positions = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     offset = state.request.first_position
-    cut_away = tuple(p for p in range(offset, start) if p not in pinned_positions)
+    # The given items the opening head sends (a history resent whole) are not cut away.
+    head = Counter(item.digest for item in old if not is_summary(item))
+    cut_away = tuple(
+        p
+        for p in range(offset, start)
+        if p not in pinned_positions and not _taken(head, state.request.items[p - offset])
+    )
     return _Outcome(start, tuple(prefix), chain, cut_away)
+
+
+def _taken(available: Counter[str], item: Item) -> bool:
+    if available[item.digest] <= 0:
+        return False
+    available[item.digest] -= 1
+    return True
 
 
 def _new_start(state: _State) -> int:

@@ -268,7 +268,8 @@ def _pages(shown: Mapping[str, Any], page_items: int) -> str:
 def _cut_line(start: int, summary: Sequence[Mapping[str, Any]]) -> str:
     blocks = "".join(
         f'<li class="summary" data-tokens="{esc(b["tokens"])}"><span class="badge">'
-        f"{esc(b['type'])} · {esc(b['tokens'])} tokens · sent before the window"
+        f"{esc(b['type'])} · {esc(b['tokens'])} tokens · "
+        f"{'opening turn, sent verbatim' if b.get('opening') else 'sent before the window'}"
         f'</span><pre class="summary-text">{esc(b["text"])}</pre></li>'
         for b in summary
     )

@@ -84,6 +84,7 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
         pin_patterns=tuple(policy.memory.pin_patterns),
         target_fill=policy.budget.target_fill,
         summary_chain_max_share=policy.memory.summary_chain_max_share,
+        keep_opening_share=policy.memory.keep_opening_share,
     )
 
 

@@ -89,3 +89,18 @@ def test_mixed_api_shapes_are_a_violation() -> None:
     other = responses_item({"role": "user", "content": "two"})
     with pytest.raises(InvariantViolation, match="mixes"):
         check_invariants(HISTORY, [SYSTEM, other, U2], PINNED, CURRENT)
+
+
+def test_a_carried_prefix_item_has_no_log_position() -> None:
+    """A window [U1, "Noted.", U2] whose cut carries an earlier "Noted." ahead of it: the
+    carried copy must not take the window's position (it made a stateless request with
+    an opening head a 500)."""
+    noted = {"role": "assistant", "content": "Noted."}
+    window = [U1, chat_item(noted), U2]
+    carried = chat_item(noted)  # the same content, from the stored cut
+    check_invariants(window, [SYSTEM, carried, *window], [], [2], prefix=2)
+
+
+def test_a_given_item_in_the_prefix_still_keeps_the_log_order() -> None:
+    with pytest.raises(InvariantViolation, match="out of order"):
+        check_invariants(HISTORY, [U2, SYSTEM, U1, call("c1"), out("c1"), U2], PINNED, [], prefix=2)

@@ -107,12 +107,14 @@ def test_old_turns_are_summarized_down_to_the_target(counter: TokenCounter) -> N
     report = projection.report
     assert report.summarized > 0
     assert report.history_after <= POLICY.target_fill * report.history_budget
-    assert projection.items[0] == items[0]
-    assert projection.items[1].text().startswith(SUMMARY_MARKER)
+    cut = projection.cut
+    assert cut is not None and cut.opening > 1  # the system message and the first turns
+    assert projection.items[: cut.opening] == tuple(items[: cut.opening])
+    assert projection.items[cut.opening].text().startswith(SUMMARY_MARKER)
     assert projection.items[-1] == items[-1]
     assert report.prompt_tokens == recount(counter, projection.items, request(items, 2500))
     assert report.prompt_tokens <= 2500 - 500 - 100
-    assert projection.cut is not None and projection.cut.summary == projection.items[:2]
+    assert cut.summary == projection.items[: cut.opening + 1]
 
 
 def test_sticky_cut_keeps_the_prefix_on_the_next_turn(counter: TokenCounter) -> None:
@@ -200,7 +202,8 @@ def test_responses_history_keeps_reasoning_with_its_call(counter: TokenCounter) 
     items.append(responses_item({"role": "user", "content": "done?"}))
     projection = project_context(request(items, 3000), counter, POLICY)
     sent = projection.items
-    assert sent[1].raw == {"type": "message", "role": "developer", "content": sent[1].text()}
+    summary = next(item for item in sent if is_summary(item))
+    assert summary.raw == {"type": "message", "role": "developer", "content": summary.text()}
     for index, item in enumerate(sent):
         if item.kind == "reasoning":
             assert sent[index + 1].kind == "tool_calls"
@@ -212,7 +215,8 @@ def test_custom_summarizer_is_used(counter: TokenCounter) -> None:
         return summary_item("chat", f"{SUMMARY_MARKER} {len(items)} items about orders.")
 
     projection = project_context(request(chat_history(40), 2500), counter, POLICY, summarizer)
-    assert projection.items[1].text().endswith("items about orders.")
+    summaries = [item for item in projection.items if is_summary(item)]
+    assert len(summaries) == 1 and summaries[0].text().endswith("items about orders.")
 
 
 def test_report_serializes_for_logs(counter: TokenCounter) -> None:
@@ -264,10 +268,11 @@ def test_summary_is_never_dropped_when_the_recent_turns_fill_the_budget(
     recent = counter.items(later[-5:-1])
     fixed = counter.item(later[0]) + REPLY_PRIMING + counter.item(later[-1])
     window = fixed + recent + 2 + 500 + 100  # the two recent turns leave 2 tokens
-    first = project_context(request(first_items, window), counter, POLICY)
+    policy = replace(POLICY, keep_opening_share=0)  # the window is sized without a head
+    first = project_context(request(first_items, window), counter, policy)
     assert first.cut is not None and len(first.cut.chain) == 1
     earlier = first.cut.chain[0]
-    second = project_context(request(later, window, cut=first.cut), counter, POLICY)
+    second = project_context(request(later, window, cut=first.cut), counter, policy)
     report = second.report
     assert report.history_budget == recent + 2
     assert report.dropped == 0 and report.history_after <= report.history_budget
@@ -367,7 +372,10 @@ def test_successive_cuts_append_blocks_until_the_chain_is_consolidated(
             assert stands_for(after) > stands_for(before)
             consolidated += 1
     assert appended >= 3 and consolidated >= 1
-    assert cut is not None and stands_for(cut.chain) == cut.start - 1
+    # The chain stands for every item before the window that is not sent verbatim (the
+    # system message and the opening head are).
+    assert cut is not None and cut.opening > 1
+    assert stands_for(cut.chain) == cut.start - cut.opening
 
 
 def test_stateless_cuts_fall_on_whole_chunks_and_repeat_their_bytes(

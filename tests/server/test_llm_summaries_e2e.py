@@ -16,7 +16,11 @@ from proxy.server.summaries import BackgroundSummaries
 from .conftest import PROVIDER_KEY, Proxy
 
 SUMMARIZER = "gpt-4.1-mini"
-MEMORY = f", summarizer: {{model: {SUMMARIZER}, max_tokens: 300, timeout_seconds: 10}}"
+# No opening head (keep_opening_share: 0): the first cut summarizes the opening turn,
+# whose rule the guard must put back when the summarizer leaves it out. The head with
+# the summarizer: test_the_first_block_after_the_opening_head_is_written_ahead.
+SUMMARIZER_POLICY = f"summarizer: {{model: {SUMMARIZER}, max_tokens: 300, timeout_seconds: 10}}"
+MEMORY = f", keep_opening_share: 0, {SUMMARIZER_POLICY}"
 RULE = "My rules: never refund more than 100 EUR without approval."
 # Where the guard puts the rule the summarizer left out: back in its section, verbatim.
 GUARDED_RULE = f"Constraints stated by the user (their words):\n- {RULE}"
@@ -106,6 +110,38 @@ async def test_a_stateful_thread_gets_its_next_cut_summarized_in_the_background(
         extra_headers={"X-Thread-Id": "t-llm"},
     )
     assert summary_blocks(turn_requests(proxy)[-1].json["messages"]) == [block]
+
+
+async def test_the_first_block_after_the_opening_head_is_written_ahead(
+    make_proxy: Any,
+) -> None:
+    """With the opening head (the default), the first cut summarizes the turns after it:
+    that chunk is predicted and summarized ahead too, for a stored thread and for a
+    stateless client, and the rule of the first turn stays verbatim in the head."""
+    for stateless in (False, True):
+        proxy: Proxy = await make_proxy(window=5000, memory_extra=", " + SUMMARIZER_POLICY)
+        proxy.provider.scripts[SUMMARIZER] = [summarizer_answer() for _ in range(20)]
+        client = proxy.client()
+        history: list[dict[str, Any]] = []
+        sent: list[dict[str, Any]] = []
+        for number in range(30):
+            history.append({"role": "user", "content": user_turn(number)})
+            if stateless:
+                reply = await client.chat.completions.create(model="gpt-4o", messages=history)
+            else:
+                reply = await client.chat.completions.create(
+                    model="gpt-4o", messages=history[-1:], extra_headers={"X-Thread-Id": "t-h"}
+                )
+            history.append({"role": "assistant", "content": reply.choices[0].message.content})
+            await background(proxy).idle()
+            sent = turn_requests(proxy)[-1].json["messages"]
+            if summary_blocks(sent):
+                break
+        [block] = summary_blocks(sent)
+        assert LLM_DECISION in block, stateless  # the LLM's summary, written ahead
+        head = sent[: sent.index({"role": "system", "content": block})]
+        assert len(head) > 2 and head == history[: len(head)], stateless
+        assert RULE in head[0]["content"] and RULE not in block, stateless
 
 
 async def test_an_agent_thread_gets_the_cut_a_tool_result_forces_summarized_ahead(

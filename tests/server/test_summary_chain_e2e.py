@@ -44,7 +44,8 @@ async def test_recent_turns_that_fill_the_budget_never_drop_the_summary(
     and every later request lost what it stood for. Here the last request is sized so the
     two recent turns leave exactly 2 tokens."""
     window, output, margin = 5200, 1000, 200  # conftest's acme policy
-    proxy: Proxy = await make_proxy(window=window)
+    # Sized without an opening head (which would give way to the two large turns).
+    proxy: Proxy = await make_proxy(window=window, memory_extra=", keep_opening_share: 0")
     client = proxy.client()
     store = proxy.app[STORE]  # type: ignore[index]
     system = {"role": "system", "content": "You are a travel agent."}

@@ -344,9 +344,8 @@ def _project(
     it may cost a cached prefix, never a refused request or a recent turn."""
     try:
         prepared = _prepared(request, counter, policy, summarizer)
-        if _crowded(prepared):
-            released = _released(request, counter, policy, summarizer)
-            assert released is not None
+        released = _released(request, counter, policy, summarizer) if _crowded(prepared) else None
+        if released is not None:
             prepared = _prepared(released, counter, policy, summarizer)
         opened = _opening(prepared)
         projection = _projected(prepared)
@@ -1120,12 +1119,13 @@ def _outcome(state: _State) -> _Outcome:
     chain = tuple(item for item in prefix if is_summary(item))
     pinned_positions = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     offset = state.request.first_position
-    # The given items the opening head sends (a history resent whole) are not cut away.
-    head = Counter(item.digest for item in old if not is_summary(item))
+    # The given items the old prefix sends (an opening head, a history resent whole) are
+    # not cut away.
+    carried = Counter(item.digest for item in old if not is_summary(item))
     cut_away = tuple(
         p
         for p in range(offset, start)
-        if p not in pinned_positions and not _taken(head, state.request.items[p - offset])
+        if p not in pinned_positions and not _taken(carried, state.request.items[p - offset])
     )
     return _Outcome(start, tuple(prefix), chain, cut_away)
 

@@ -66,29 +66,35 @@ def run(turns: int, sticky: bool, stateless: bool = False) -> list[float]:
     """Prefix reuse per request; `stateless`: no cut is carried over and the requests are
     projected as a stateless client's (the cut replayed from the history)."""
     counter = TokenCounter.for_model("gpt-4o")
-    fill = 0.65 if sticky or stateless else 1.0
-    policy = ProjectionPolicy(keep_recent_turns=2, target_fill=fill)
+    if sticky or stateless:
+        policy = ProjectionPolicy(keep_recent_turns=2, target_fill=0.65)
+    else:  # the minimum every time, and no opening head kept
+        policy = ProjectionPolicy(keep_recent_turns=2, target_fill=1.0, keep_opening_share=0)
     history: list[Item] = [chat_item({"role": "system", "content": "You are an order assistant."})]
     cut: CutPoint | None = None
     previous: list[Item] = []
     shares: list[float] = []
     for turn in range(turns):
-        history.extend(chat_item(m) for m in turn_messages(turn))
-        request = ProjectionRequest(
-            items=history,
-            window=WINDOW,
-            output=OUTPUT,
-            epsilon=MARGIN,
-            cut=cut if sticky else None,
-            stateless=stateless,
-        )
-        projection = project_context(request, counter, policy)
-        cut = projection.cut
-        sent = list(projection.items)
-        total = counter.items(sent)
-        if previous:
-            shares.append(shared_prefix_tokens(previous, sent, counter) / total)
-        previous = sent
+        question, call, result, answer = (chat_item(m) for m in turn_messages(turn))
+        # A client's two requests of the turn: the question, then the tool result.
+        for asked in ([question], [call, result]):
+            history.extend(asked)
+            request = ProjectionRequest(
+                items=list(history),
+                window=WINDOW,
+                output=OUTPUT,
+                epsilon=MARGIN,
+                cut=cut if sticky else None,
+                stateless=stateless,
+            )
+            projection = project_context(request, counter, policy)
+            cut = projection.cut
+            sent = list(projection.items)
+            total = counter.items(sent)
+            if previous:
+                shares.append(shared_prefix_tokens(previous, sent, counter) / total)
+            previous = sent
+        history.append(answer)
     return shares
 
 
@@ -105,8 +111,9 @@ def main() -> None:
             "",
             f"`python bench/cache.py --write`: one agent conversation of {args.turns} turns "
             f"(4 items each: question, tool call, tool result, answer) under a {WINDOW}-token "
-            "window. Per request: the share of its input tokens equal to the previous request's "
-            "prefix (reusable by the provider's prompt cache).",
+            "window, two requests a turn (the question, then the tool result). Per request: "
+            "the share of its input tokens equal to the previous request's prefix (reusable "
+            "by the provider's prompt cache). Trimming the minimum keeps no opening head.",
             "",
             "| strategy | mean prefix reuse | median | requests with < 50% reuse |",
             "|---|---:|---:|---:|",

@@ -7,8 +7,8 @@ blocks, in the order they are sent; a state written before the chain holds one b
 which reads as a chain of one), the full-room form of a last block that was sent smaller
 (`summary_deferred`, absent when none), how many of the summary's first items are the
 thread's opening turns kept verbatim (`summary_opening`, absent when none) and the
-compressed forms of tool results (`compressed`). Positions are the thread's log positions. Other keys of the state belong
-to other features and are kept untouched.
+compressed forms of tool results (`compressed`). Positions are the thread's log
+positions. Other keys of the state belong to other features and are kept untouched.
 
 >>> cut = CutPoint(4, (chat_item({"role": "system", "content": "Be brief."}),))
 >>> state_to_cut(cut_to_state(cut)) == cut

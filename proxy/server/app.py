@@ -330,13 +330,17 @@ def run(settings: Settings) -> None:
     requests finish or are cut, own in_progress responses end `incomplete`)."""
 
     async def main() -> None:
-        runner = await start(settings)
-        log.info("listening", host=settings.host, port=bound_port(runner), pid=os.getpid())
+        # The handlers come first: a signal while the app starts stops it once started,
+        # cleanly. A worker holds the signals pending until here (proxy/server/workers.py).
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows
                 loop.add_signal_handler(signum, stop.set)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        runner = await start(settings)
+        log.info("listening", host=settings.host, port=bound_port(runner), pid=os.getpid())
         try:
             await stop.wait()
         finally:

@@ -53,6 +53,7 @@ MAX_RESTARTS = 5
 RESTART_WINDOW = 60.0  # seconds
 SHUTDOWN_TIMEOUT = 70.0  # seconds; above aiohttp's 60 s graceful shutdown of a worker
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 def serve(settings: Settings) -> int:
@@ -113,9 +114,11 @@ def _reserved_port(settings: Settings) -> Iterator[int]:
 
 
 def _worker(settings: Settings) -> None:
-    """A worker process: default signal handling (run() installs its own), SIGTERM when
-    the supervisor dies, then serve like a single process."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    """A worker process: SIGTERM and SIGINT held pending until run() has its handlers
+    (one that came while the worker started, its heartbeat row already written, killed it
+    with exit -15), SIGTERM when the supervisor dies, then serve like a single process."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     if sys.platform.startswith("linux"):

@@ -226,6 +226,27 @@ async def test_sigterm_is_a_clean_shutdown_that_retires_every_process(
             await store.close()
 
 
+async def test_sigterm_while_the_workers_start_is_a_clean_shutdown(
+    tmp_path: Path, provider: FakeProvider
+) -> None:
+    """SIGTERM right after the workers were forked, before they listen: each worker stops
+    once started, as on a later SIGTERM (it was killed by the signal, exit -15, leaving its
+    heartbeat row; the supervisor exited 1)."""
+    server = workers(tmp_path, provider)
+    with running(server):
+        for _ in range(1000):
+            if any(line.get("event") == "workers_started" for line in log_lines(server)):
+                break
+            await asyncio.sleep(0.005)
+        assert not worker_pids(server), "a worker was listening already: too late to test"
+        assert await stop(server) == 0, server.output()
+    store = await open_store(server.store_url)
+    try:
+        assert await store.heartbeats() == ()
+    finally:
+        await store.close()
+
+
 async def test_workers_do_not_outlive_a_killed_supervisor(
     tmp_path: Path, provider: FakeProvider
 ) -> None:

@@ -143,7 +143,7 @@ def test_a_cut_that_only_compresses_makes_no_head_and_a_later_summarizing_cut_do
     assert [i.raw for i in head] == [i.raw for i in later[: cut.opening]]
 
 
-def big_user_turn(counter: TokenCounter, tokens: int) -> Item:
+def big_user_turn(tokens: int) -> Item:
     return chat_item({"role": "user", "content": "Please read: " + "lorem ipsum " * (tokens // 2)})
 
 
@@ -158,7 +158,7 @@ def test_the_head_gives_way_to_a_current_turn_that_fits_only_without_it(
     items = booking_history(120)
     # A current turn that leaves room for the recent turns and a summary only without
     # the head: the head's turns become the chain's first block instead of a 400.
-    big = big_user_turn(counter, 2400 - counter.items(head[1:]) // 2)
+    big = big_user_turn(2400 - counter.items(head[1:]) // 2)
     projection = project_context(
         request([*items, big], 3000, cut=cut, first_position=0), counter, POLICY
     )

@@ -1815,10 +1815,12 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
             f"later request. A stable head before the cut point does better, as every cut "
             f"re-sends less: keeping the first turns whole (middle-out) reaches "
             f"{_pct(reuse(MIDDLE_OUT))}. threadkeeper keeps such a head, its opening turns "
-            f"(memory.keep_opening_share), where it leaves room for the recent turns: these "
-            f"oracles keep none of them, threadkeeper keeps keep_recent_turns (SPEC 1: whole "
-            f"turns always kept verbatim) and the summaries, and where turns are a quarter "
-            f"of the window those leave no room for a head.",
+            f"(memory.keep_opening_share), where it leaves room for the recent turns (where "
+            f"turns are a quarter of the window they leave none). It gains most by "
+            f"compressing every large tool result outside the current turn at once before "
+            f"it cuts anything (SPEC 5 step 1), which these oracles, sending each item whole "
+            f"or not at all, cannot: the prompt then changes only from the first compressed "
+            f"result on, and the history grows from the smaller size, so cuts come later.",
         ]
     return lines
 

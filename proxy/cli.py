@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the proxy against a built-in scripted provider")
     demo.add_argument("--turns", type=int, default=8)
-    demo.add_argument("--window", type=int, default=4000)
+    demo.add_argument("--window", type=int, default=3000)
     demo.add_argument(
         "--serve",
         action="store_true",

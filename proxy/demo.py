@@ -171,7 +171,7 @@ def _check_sent(messages: list[dict[str, Any]], tokens: int, window: int) -> Non
         raise SystemExit(f"broken request sent: calls={calls} outputs={outputs} tokens={tokens}")
 
 
-def run_demo(turns: int = 8, window: int = 4000, serve: bool = False) -> int:
+def run_demo(turns: int = 8, window: int = 3000, serve: bool = False) -> int:
     """`serve`: keep the proxy running afterwards with the thread inspector on."""
     configure_logging("warning")  # keep the table readable; `serve` logs every request
     with tempfile.TemporaryDirectory() as tmp:

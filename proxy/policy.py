@@ -207,7 +207,7 @@ def _legacy_summarizer(value: Any) -> Any:
 
 class MemoryPolicy(_Frozen):
     keep_recent_turns: int = Field(default=3, ge=0)
-    """Recent closed turns never summarized while they fit. A cut may compress their large tool results (never the last turn's) to bring the history down to target_fill."""
+    """Recent closed turns never summarized while they fit. Their large tool results are compressed like any other closed turn's when the history outgrows its budget (the current turn's never)."""
     tool_result_max_tokens: int = Field(default=800, gt=0)
     """Older tool results above this size are compressed (errors, ids and values kept)."""
     pin_patterns: list[Regex] = Field(default_factory=list)

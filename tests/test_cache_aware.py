@@ -109,20 +109,28 @@ def big_turn(turn: int) -> list[Item]:
 def test_a_cut_leaves_room_for_more_turns_the_size_of_the_recent_ones() -> None:
     """Turns of a quarter of the budget: a cut to target_fill left room for one more, so
     every second turn cut again and changed the prefix after the summary chain (travel in
-    bench/fidelity.py: a cut every turn). A cut now leaves room for two more such turns."""
+    bench/fidelity.py: a cut every turn). A cut now leaves room for two more such turns,
+    and compressing their tool results (SPEC 5 step 1) defers the next cut further; a
+    compression changes the prefix only from the tool results it compresses on."""
     counter = TokenCounter.for_model("gpt-4o")
     policy = ProjectionPolicy(keep_recent_turns=1, target_fill=0.65)
     history: list[Item] = [chat_item({"role": "system", "content": "You plan trips."})]
     cut: CutPoint | None = None
     sent: list[list[dict[str, object]]] = []
-    for turn in range(24):
+    for turn in range(40):
         history.extend(big_turn(turn))
         request = ProjectionRequest(history, 12_000, 1000, 200, cut=cut)
         projection = project_context(request, counter, policy)
         cut = projection.cut
         sent.append([i.raw for i in projection.items])
-    cuts = [n for n, (a, b) in enumerate(pairwise(sent), 1) if b[: len(a)] != a]
+    chains = [[m for m in items if is_summary(chat_item(m))] for items in sent]
+    cuts = [n for n, (a, b) in enumerate(pairwise(chains), 1) if b != a]
     assert len(cuts) >= 4  # the thread outgrew its window again and again
     # Later the summary chain, growing with every cut until it is consolidated, takes
     # some of that room.
     assert all(later - earlier >= 3 for earlier, later in pairwise(cuts[:5])), cuts
+    for n, (before, after) in enumerate(pairwise(sent), 1):
+        if n in cuts or after[: len(before)] == before:
+            continue
+        changed = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+        assert "threadkeeper_compressed" in str(after[changed]["content"])

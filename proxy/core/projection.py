@@ -3,17 +3,18 @@
 SPEC section 5, seed sections 4, 6, 7, 8 and 13. The history is cut into blocks
 (proxy/core/blocks.py); pinned items and the current turn are fixed, the closed turns
 are history H with budget B_H (proxy/core/budget.py). While H <= B_H nothing changes:
-the turns are sent as the cut left them, so the prefix repeats. When H > B_H, a cut
-brings H down to target_fill * B_H at once (cache-aware, SPEC 5), or lower when the
-recent turns are large (`_cut_target`), in this order:
+the turns are sent as the cut left them, so the prefix repeats. When H > B_H, it is
+relieved in this order (SPEC 5):
 
-1. compress every large tool result of the older closed turns (all but
-   keep_recent_turns);
-2. replace the oldest closed turns by a summary block appended to the summary chain
-   (`[pinned][summary 1][summary 2]...` keeps its bytes from one cut to the next); above
+1. compress every large tool result of the closed turns at once (the prefix changes
+   from the first one on anyway, and H then grows from the smaller size); if H fits,
+   nothing else changes;
+2. otherwise cut: replace the oldest closed turns but keep_recent_turns by a summary
+   block appended to the summary chain (`[pinned][summary 1][summary 2]...` keeps its
+   bytes from one cut to the next), down to target_fill * B_H at once (cache-aware), or
+   lower when the recent turns are large (`_cut_target`); above
    summary_chain_max_share of B_H the chain is consolidated once into one block;
-3. compress, then summarize, the recent closed turns but the last; only if H still
-   exceeds B_H, the last one too;
+3. only if H still exceeds B_H, summarize the recent closed turns too, the oldest first;
 4. a summary is never dropped: it gets at least SUMMARY_MIN_TOKENS, more of the oldest
    turns being cut into it if need be; if pinned + current turn alone exceed the
    window, or leave less than that for a history that must be cut, raise
@@ -796,22 +797,22 @@ def _expand_deferred(state: _State, budget: int) -> None:
 def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     """Compresses and cuts when the history does not fit; True when anything changed.
 
-    A cut changes the prefix anyway, so it goes down to _cut_target at once: the
-    turns after it then fit unchanged for a while (SPEC 5, cache-aware). The older turns
-    give way first, then the recent ones but the last, compressed before they are cut;
-    only a history that still does not fit loses the last closed turn too."""
+    Step 1 compresses every large tool result of the closed turns at once: the prefix
+    changes from the first one on anyway, and the history then grows from its compressed
+    size, so the next change comes later. Only a history that still does not fit is
+    cut, down to _cut_target at once (SPEC 5, cache-aware): the older turns give way
+    first; only a history that still does not fit loses recent turns too, the oldest
+    first."""
     if _history(state) <= budget:
         return False
     turns = len(state.closed)
+    _compress(state, policy)
+    if _history(state) <= budget:
+        return True
     older = max(0, turns - policy.keep_recent_turns)
     target = _cut_target(state, budget, policy)
-    _compress_until_fits(state, -1, policy, older)  # all of them: -1 is never reached
-    if _history(state) > target and older > state.cut:
+    if older > state.cut:
         _cut_to_target(state, older, target)
-    if _history(state) > target:
-        _compress_until_fits(state, target, policy, turns - 1)
-    if _history(state) > budget:
-        _compress_until_fits(state, budget, policy, turns)
     if _history(state) > budget:
         _cut_to_target(state, turns, target)
     return True
@@ -840,16 +841,12 @@ def _history(state: _State) -> int:
     return kept
 
 
-def _compress_until_fits(state: _State, budget: int, policy: ProjectionPolicy, upto: int) -> None:
-    """Steps 1 and 3: large tool results of the kept closed turns before `upto`, oldest
-    first, until the history fits."""
+def _compress(state: _State, policy: ProjectionPolicy) -> None:
+    """Step 1: every tool result of the kept closed turns above tool_result_max_tokens."""
     calls = _calls_by_id(state.closed)
-    history = _history(state)
-    for turn in range(state.cut, upto):
+    for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
         for position, item in zip(block.positions, block.items, strict=True):
-            if history <= budget:
-                return
             if position in state.replaced or not is_compressible(item):
                 continue
             before = state.tokens(position)
@@ -865,7 +862,6 @@ def _compress_until_fits(state: _State, budget: int, policy: ProjectionPolicy, u
             if after < before:
                 state.replaced[position] = smaller
                 state.turn_tokens[turn] -= before - after
-                history -= before - after
 
 
 def _calls_by_id(blocks: Sequence[Block]) -> dict[str, Item]:
@@ -938,12 +934,12 @@ def _append_block(state: _State, budget: int) -> bool:
     room = min(state.room, budget - rest - state.chain_tokens)
     if room < SUMMARY_MIN_TOKENS:
         return False
+    if state.chain and state.chain_tokens + state.room > state.chain_max:
+        return _consolidate_all(state, budget)  # as _cut_to_target counted the chain
     items = _cut_items(state)
     block = _summary(state, items, room, None)
     if block is None:
         return False
-    if state.chain and state.chain_tokens + state.counter.item(block) > state.chain_max:
-        return _consolidate_all(state, budget)
     state.new_blocks = [(_region_end(state, state.cut), block)]
     state.consolidated = False
     if room < state.room:

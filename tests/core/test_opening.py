@@ -106,9 +106,10 @@ def test_a_share_of_zero_makes_no_head(counter: TokenCounter) -> None:
 
 
 def test_no_head_when_the_recent_turns_need_the_room(counter: TokenCounter) -> None:
-    """Turns of a quarter of the window: the recent ones, a summary block and two more
-    like them leave nothing for a head, so the cut summarizes from the oldest turn."""
-    items = chat_history(12, rows=40)
+    """Turns of a quarter of the window as they arrive: the recent ones, a summary block
+    and two more like them leave nothing for a head, so the cut (due although every
+    tool result is compressed) summarizes from the oldest turn."""
+    items = chat_history(40, rows=40)
     projection = project_context(request(items, 5000), counter, POLICY)
     assert projection.cut is not None and projection.cut.chain
     assert projection.cut.opening == 0

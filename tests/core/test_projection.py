@@ -94,10 +94,14 @@ def test_old_tool_results_are_compressed_first(counter: TokenCounter) -> None:
     projection = project_context(request(items, total - 400 + 600), counter, POLICY)
     assert projection.changed and projection.report.compressed >= 1
     assert projection.report.summarized == 0 and projection.report.dropped == 0
-    compressed = [i for i in projection.items if "threadkeeper_compressed" in str(i.raw)]
-    assert compressed[0].output_for == "call_0"
-    # the last keep_recent_turns turns are untouched
-    assert projection.items[-9:] == tuple(items[-9:])
+    # Every large result outside the current turn at once, the recent turns' too: the
+    # prefix changes from the first one on anyway, and the next change comes later.
+    compressed = [i.output_for for i in projection.items if "threadkeeper_compressed" in str(i.raw)]
+    assert compressed == [f"call_{n}" for n in range(6)]
+    # Everything else is sent as it was, in its place.
+    assert [i for i in projection.items if i.kind != "tool_output"] == [
+        i for i in items if i.kind != "tool_output"
+    ]
     assert projection.cut is not None and projection.cut.start == 0
 
 

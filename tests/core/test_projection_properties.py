@@ -195,8 +195,8 @@ def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
 @PROPERTY_SETTINGS
 @given(cases())
 def test_recent_turns_are_kept_whenever_they_fit(case: Case) -> None:
-    """Never summarized while they fit: the last closed turn verbatim, the others too but
-    for their large tool results, which a cut may compress (to reach target_fill). Checked
+    """Never summarized while they fit: sent verbatim but for their large tool results,
+    which may be compressed in their place (SPEC 5 step 1: before any turn is cut). Checked
     on a request that carries no cut: a cut made earlier, while a large current turn left
     no room, sticks (SPEC 5), for a stored thread and a stateless history's replayed cut
     alike."""
@@ -216,10 +216,10 @@ def test_recent_turns_are_kept_whenever_they_fit(case: Case) -> None:
     projection = project(case.items, window)
     sent = {id(item) for item in projection.items}
     outputs = {item.output_for for item in projection.items if item.output_for}
-    for index, block in enumerate(turns):
+    for block in turns:
         for item in block.items:
             large = is_compressible(item) and COUNTER.item(item) > POLICY.tool_result_max_tokens
-            if large and index < len(turns) - 1:
+            if large:
                 assert item.output_for in outputs  # verbatim or compressed, in its place
             else:
                 assert id(item) in sent

@@ -317,12 +317,16 @@ def tool_turn(turn: int) -> list[dict[str, Any]]:
     ]
 
 
+# Enough turns that compressing their logs (SPEC 5 step 1) no longer makes them fit.
+TURNS = 24
+
+
 async def test_long_conversation_is_rebuilt_under_budget_with_a_stable_prefix(make_proxy) -> None:  # type: ignore[no-untyped-def]
     proxy = await make_proxy(window=6000)
     client = proxy.client()
     conversation = await client.conversations.create()
     trimmed = []
-    for turn in range(14):
+    for turn in range(TURNS):
         raw = await client.responses.with_raw_response.create(
             model="gpt-4o", conversation=conversation.id, input=tool_turn(turn)
         )
@@ -340,4 +344,4 @@ async def test_long_conversation_is_rebuilt_under_budget_with_a_stable_prefix(ma
     # (the provider's cached prefix), until the budget forces the next cut.
     first, after = sent[summarized[0]], sent[summarized[0] + 1]
     assert after[: len(first)] == first
-    assert len(await conversation_items(proxy, conversation.id)) == 14 * 4
+    assert len(await conversation_items(proxy, conversation.id)) == TURNS * 4

@@ -489,3 +489,34 @@ def test_a_long_stateless_history_is_replayed_at_its_cuts_only(
     # Each replayed request projects a stored thread's window, not the whole history
     # (only the request itself is given whole).
     assert calls[-1] == len(items) and max(calls[:-1]) < 200
+
+
+def test_a_cut_that_counted_the_chain_as_consolidated_consolidates_it(
+    counter: TokenCounter,
+) -> None:
+    """A cut sizes itself for a consolidated chain when the chain and a block of full room
+    would pass summary_chain_max_share; it then consolidates even when the block it made
+    is small. It used to append the small block and consolidate at the very next cut:
+    two prefix changes a few requests apart (the sales run in bench/fidelity.py)."""
+    capacity = 3000 - 500 - 100 - REPLY_PRIMING
+    room = max(SUMMARY_MIN_TOKENS, min(SUMMARY_MAX_TOKENS, int(capacity * SUMMARY_SHARE)))
+    chain_max = int(capacity * POLICY.summary_chain_max_share)
+    items = [*booking_history(100), chat_item({"role": "user", "content": "next"})]
+
+    def block(count: int, tokens: int) -> Item:
+        head = f"{SUMMARY_MARKER} Stands for {count} earlier items no longer sent verbatim."
+        text = head + "\n- noted" * tokens
+        while counter.item(summary_item("chat", text)) > tokens:
+            text = text[: -len("\n- noted")]
+        return summary_item("chat", text)
+
+    # The chain and a full block would pass the share; the chain and a small one would not.
+    chain = (block(20, (chain_max - room) // 2 + 10), block(20, (chain_max - room) // 2 + 10))
+    assert counter.items(chain) + room > chain_max >= counter.items(chain) + room // 2
+    cut = CutPoint(start=41, summary=(items[0], *chain))
+    # A high target_fill: counting the chain consolidated leaves a small cut to make.
+    policy = replace(POLICY, target_fill=0.85)
+    projection = project_context(request(items, 3000, cut=cut), counter, policy)
+    assert projection.cut is not None and projection.cut.chain != chain
+    assert len(projection.cut.chain) == 1  # consolidated, now
+    assert stands_for(projection.cut.chain) == projection.cut.start - 1

@@ -1575,8 +1575,8 @@ def stateful_label(scenario: Scenario) -> str:
     return "X-Thread-Id" if scenario.api == "chat" else "previous_response_id"
 
 
-def _pct(values: Sequence[float]) -> str:
-    return f"{statistics.mean(values):.0%}" if values else "-"
+def _pct(values: Sequence[float], decimals: int = 0) -> str:
+    return f"{statistics.mean(values):.{decimals}%}" if values else "-"
 
 
 def _worst(values: Sequence[float]) -> str:
@@ -1800,8 +1800,8 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
         shares = [v for r in group for v in r.reuse()]
         met = {
             "must-keep in every request": bool(must) and min(must) == 1.0,
-            f"all facts {_pct(every)}": bool(every) and statistics.mean(every) >= 0.9,
-            f"prefix reuse {_pct(shares)}": bool(shares) and statistics.mean(shares) >= 0.85,
+            f"all facts {_pct(every, 1)}": bool(every) and statistics.mean(every) >= 0.9,
+            f"prefix reuse {_pct(shares, 1)}": bool(shares) and statistics.mean(shares) >= 0.85,
             "0 tool-pair violations": sum(r.violations() for r in group) == 0,
         }
         said = ", ".join(f"{k} ({'met' if ok else 'not met'})" for k, ok in met.items())

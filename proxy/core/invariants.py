@@ -87,25 +87,26 @@ def _output_ids(items: Iterable[Item]) -> set[str]:
 def _check_causal_order(original: Sequence[Item], sent: Sequence[Item], prefix: int) -> None:
     """Items taken from the log keep the log's order; an output never precedes its call.
 
-    A compressed output stands at its original's position (matched by call id); summary
-    items are new and have no position. An item of the prefix carried from an earlier
+    A compressed output stands at its original's position (the next output with its call
+    id: clients may reuse an id in later turns); summary items are new and have no
+    position. An item of the prefix carried from an earlier
     cut has none either: matched by content, an opening turn's "Noted." would take the
     position of a later "Noted." in the window.
     """
     by_digest: dict[str, list[int]] = defaultdict(list)
-    output_position: dict[str, int] = {}
+    output_positions: dict[str, list[int]] = defaultdict(list)
     given: dict[int, int] = {}
     for position, item in enumerate(original):
         by_digest[item.digest].append(position)
         given[id(item)] = position
         if item.output_for is not None:
-            output_position.setdefault(item.output_for, position)
+            output_positions[item.output_for].append(position)
     last = -1
     for index, item in enumerate(sent):
         if index < prefix:
             found = given.get(id(item))
         else:
-            found = _next_position(item, by_digest, output_position, last)
+            found = _next_position(item, by_digest, output_positions, last)
         if found is None:
             continue
         if found <= last:
@@ -115,15 +116,18 @@ def _check_causal_order(original: Sequence[Item], sent: Sequence[Item], prefix: 
 
 
 def _next_position(
-    item: Item, by_digest: dict[str, list[int]], output_position: dict[str, int], last: int
+    item: Item,
+    by_digest: dict[str, list[int]],
+    output_positions: dict[str, list[int]],
+    last: int,
 ) -> int | None:
     positions = by_digest.get(item.digest)
-    if positions:
-        index = bisect_right(positions, last)
-        return positions[index] if index < len(positions) else positions[-1]
-    if item.output_for is not None:
-        return output_position.get(item.output_for)
-    return None
+    if not positions and item.output_for is not None:
+        positions = output_positions.get(item.output_for)
+    if not positions:
+        return None
+    index = bisect_right(positions, last)
+    return positions[index] if index < len(positions) else positions[-1]
 
 
 def _check_calls_before_outputs(sent: Sequence[Item]) -> None:

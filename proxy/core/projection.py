@@ -842,11 +842,13 @@ def _history(state: _State) -> int:
 
 
 def _compress(state: _State, policy: ProjectionPolicy) -> None:
-    """Step 1: every tool result of the kept closed turns above tool_result_max_tokens."""
+    """Step 1: every tool result of the kept closed turns above tool_result_max_tokens,
+    each with the call last made before it (clients may reuse a call id in later turns)."""
     calls = _calls_by_id(state.closed)
     for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
         for position, item in zip(block.positions, block.items, strict=True):
+            calls.update(dict.fromkeys(item.call_ids, item))
             if position in state.replaced or not is_compressible(item):
                 continue
             before = state.tokens(position)

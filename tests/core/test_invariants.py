@@ -104,3 +104,13 @@ def test_a_carried_prefix_item_has_no_log_position() -> None:
 def test_a_given_item_in_the_prefix_still_keeps_the_log_order() -> None:
     with pytest.raises(InvariantViolation, match="out of order"):
         check_invariants(HISTORY, [U2, SYSTEM, U1, call("c1"), out("c1"), U2], PINNED, [], prefix=2)
+
+
+def test_a_compressed_output_of_a_reused_call_id_stands_at_its_own_position() -> None:
+    """Clients may reuse a call id in later turns: a compressed later output took the
+    first output's position and looked sent out of order."""
+    history = [SYSTEM, U1, call("c0"), out("c0", "small"), U2, call("c0"), out("c0", "big")]
+    compressed = out("c0", "compressed big")
+    check_invariants(history, [*history[:6], compressed], PINNED, [])
+    with pytest.raises(InvariantViolation, match="out of order"):
+        check_invariants(history, [SYSTEM, compressed, U1, call("c0")], PINNED, [])

@@ -133,3 +133,51 @@ async def test_long_agent_thread_keeps_instructions_decisions_and_warnings(make_
         assert "- D-01003\n" not in entities  # a listed deal nobody named is no entity
         checked += 1
     assert checked >= 25, checked  # the thread was cut early and kept cut
+
+
+def reused_id_history(turns: int) -> list[dict[str, Any]]:
+    """A chat history whose every tool call has the id "call_0", as some providers and
+    local servers answer: valid (an output answers the call just before it). The first
+    result is small, the later ones large; the tools alternate."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You scan parcels."}]
+    for turn in range(turns):
+        rows = [
+            f"row {i} of batch {turn}: parcel ORD-{1000 + i}" for i in range(120 if turn else 3)
+        ]
+        function = {"name": ("scan", "weigh")[turn % 2], "arguments": json.dumps({"batch": turn})}
+        messages += [
+            {"role": "user", "content": f"Check batch {turn}."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "call_0", "type": "function", "function": function}],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": json.dumps({"rows": rows})},
+            {"role": "assistant", "content": f"Batch {turn} checked."},
+        ]
+    return [*messages, {"role": "user", "content": "Anything damaged?"}]
+
+
+async def test_tool_call_ids_reused_across_turns_are_compressed_and_cut_in_order(
+    make_proxy,
+) -> None:  # type: ignore[no-untyped-def]
+    """A compressed output took the log position of the first output with its call id,
+    so a compressed later "call_0" looked sent before the earlier one: the projection
+    raised InvariantViolation and the client got a 500. Compression also named the
+    tool of the thread's last "call_0" on every output."""
+    proxy = await make_proxy(window=6000)
+    client = proxy.client()
+    for turns in (6, 12, 24):
+        await client.chat.completions.create(model="gpt-4o", messages=reused_id_history(turns))
+        sent = proxy.provider.model_requests[-1].json["messages"]
+        assert sent[-1] == {"role": "user", "content": "Anything damaged?"}
+        compressed = 0
+        for index, message in enumerate(sent):
+            if message["role"] != "tool":
+                continue
+            [call] = sent[index - 1]["tool_calls"]  # right after its call
+            if "threadkeeper_compressed" in message["content"]:
+                compressed += 1
+                facts = json.loads(message["content"])["threadkeeper_compressed"]
+                assert facts["tool"] == call["function"]["name"]
+        assert compressed >= 4

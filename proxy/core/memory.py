@@ -394,6 +394,7 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
     for item in items:
+        calls.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
         if item.is_user_message:
             _user_message(builder, item.text())
         elif item.kind == "tool_output":

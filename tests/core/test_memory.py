@@ -246,6 +246,24 @@ def test_a_later_result_closes_a_pending_call() -> None:
     assert any(f.startswith("request_approval(") for f in later.facts)
 
 
+def test_a_reused_call_id_pairs_each_result_with_the_call_just_before_it() -> None:
+    """Some providers answer every call with the id "call_0" (the Chat API allows it):
+    each result was filed under the thread's last call with that id."""
+    state = extract(
+        [
+            user("Look up ORD-1."),
+            call("call_0", "lookup_order", {"order_id": "ORD-1"}),
+            result("call_0", {"status": "shipped"}),
+            user("Refund ORD-2."),
+            call("call_0", "issue_refund", {"order_id": "ORD-2", "amount": 12.5}),
+            result("call_0", {"refund_id": "RF-2"}),
+        ]
+    )
+    lookup, refund = state.facts
+    assert lookup.startswith("lookup_order(order_id=ORD-1) -> ") and "status=shipped" in lookup
+    assert refund.startswith("issue_refund(order_id=ORD-2, amount=12.5) -> ")
+
+
 def test_a_preference_replaced_twice_keeps_only_the_latest_change() -> None:
     state = extract(
         [

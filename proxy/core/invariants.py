@@ -89,9 +89,9 @@ def _check_causal_order(original: Sequence[Item], sent: Sequence[Item], prefix: 
 
     A compressed output stands at its original's position (the next output with its call
     id: clients may reuse an id in later turns); summary items are new and have no
-    position. An item of the prefix carried from an earlier
-    cut has none either: matched by content, an opening turn's "Noted." would take the
-    position of a later "Noted." in the window.
+    position. An item of the prefix carried from an earlier cut has none either: matched
+    by content, an opening turn's "Noted." would take the position of a later "Noted." in
+    the window.
     """
     by_digest: dict[str, list[int]] = defaultdict(list)
     output_positions: dict[str, list[int]] = defaultdict(list)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import ipaddress
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ class Settings:
     summary_retention_seconds: float = 30 * 86_400.0
     # When set, the thread inspector is served at /threadkeeper/ui/ (proxy/server/inspector.py).
     operator_token: str | None = None
+    # The inspector cookie's Secure flag: auto (the request came over https, directly or
+    # as a trusted proxy's X-Forwarded-Proto says), always, never.
+    inspector_cookie_secure: str = "auto"
+    # Reverse proxies (IPs or CIDR networks) whose X-Forwarded-For and X-Forwarded-Proto
+    # the inspector believes (client address of its sign-in throttle; the cookie's Secure).
+    trusted_proxies: tuple[str, ...] = ()
 
 
 # -- value parsers: each returns the typed value or raises ValueError(problem) -----------
@@ -184,6 +191,33 @@ def _log_level(value: Any) -> str:
     return level
 
 
+COOKIE_SECURE = ("auto", "always", "never")
+
+
+def _cookie_secure(value: Any) -> str:
+    choice = _text(value).lower()
+    if choice not in COOKIE_SECURE:
+        raise ValueError(f"expected one of {', '.join(COOKIE_SECURE)}, got {shown(value)}")
+    return choice
+
+
+def _networks(value: Any) -> tuple[str, ...]:
+    """IP addresses or CIDR networks, as a YAML list or one comma-separated string."""
+    entries = value.split(",") if isinstance(value, str) else value
+    if not isinstance(entries, list | tuple):
+        raise ValueError(f"expected a list of IP addresses or networks, got {shown(value)}")
+    networks = []
+    for entry in entries:
+        text = entry.strip() if isinstance(entry, str) else entry
+        if text == "":
+            continue
+        try:
+            networks.append(str(ipaddress.ip_network(str(text), strict=False)))
+        except ValueError:
+            raise ValueError(f"expected an IP address or network, got {shown(entry)}") from None
+    return tuple(networks)
+
+
 @dataclass(frozen=True)
 class _Field:
     """Where one setting can come from, and how its raw value is checked."""
@@ -260,6 +294,13 @@ FIELDS: tuple[_Field, ...] = (
         "THREADKEEPER_OPERATOR_TOKEN",
         "operator-token",
     ),
+    _Field(
+        "inspector_cookie_secure",
+        _cookie_secure,
+        "inspector_cookie_secure",
+        "THREADKEEPER_INSPECTOR_COOKIE_SECURE",
+    ),
+    _Field("trusted_proxies", _networks, "trusted_proxies", "THREADKEEPER_TRUSTED_PROXIES"),
 )
 FILE_KEYS = {field.file_key for field in FIELDS}
 

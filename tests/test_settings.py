@@ -288,3 +288,29 @@ def test_summary_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path: 
     assert load_settings({"config": str(config)}, {}).summary_retention_seconds == 60
     with pytest.raises(SettingsError, match="THREADKEEPER_SUMMARY_RETENTION_SECONDS: expected"):
         load_settings(NO_FLAGS, {"THREADKEEPER_SUMMARY_RETENTION_SECONDS": "0"})
+
+
+def test_inspector_cookie_secure_and_trusted_proxies_from_file_and_environment(
+    tmp_path: Path,
+) -> None:
+    assert (Settings().inspector_cookie_secure, Settings().trusted_proxies) == ("auto", ())
+    config = write_config(
+        tmp_path / "tk.yaml",
+        "inspector_cookie_secure: always\ntrusted_proxies: [10.0.0.0/8, '::1', 192.168.1.7/24]\n",
+    )
+    read = load_settings({"config": str(config)}, {})
+    assert read.inspector_cookie_secure == "always"
+    assert read.trusted_proxies == ("10.0.0.0/8", "::1/128", "192.168.1.0/24")
+    env = {
+        "THREADKEEPER_INSPECTOR_COOKIE_SECURE": "Never",
+        "THREADKEEPER_TRUSTED_PROXIES": "127.0.0.1, 172.16.0.0/12",
+    }
+    read = load_settings({"config": str(config)}, env)
+    assert read.inspector_cookie_secure == "never"
+    assert read.trusted_proxies == ("127.0.0.1/32", "172.16.0.0/12")
+    with pytest.raises(
+        SettingsError, match="THREADKEEPER_INSPECTOR_COOKIE_SECURE: expected one of"
+    ):
+        load_settings({}, {"THREADKEEPER_INSPECTOR_COOKIE_SECURE": "sometimes"})
+    with pytest.raises(SettingsError, match="THREADKEEPER_TRUSTED_PROXIES: expected an IP"):
+        load_settings({}, {"THREADKEEPER_TRUSTED_PROXIES": "10.0.0.1, nginx"})

@@ -225,6 +225,19 @@ class StoredSummary:
     created_at: str
 
 
+@dataclass(frozen=True)
+class InspectorSession:
+    """A signed-in inspector browser (proxy/server/inspector.py). The row is the session:
+    deleting it signs the browser out on every worker and replica sharing the store."""
+
+    id_hash: str  # sha256 of the id the cookie carries: the store alone signs nobody in
+    tenant: str | None  # None: the operator
+    key_hash: str | None  # the tenant key it signed in with (None for the operator)
+    signing_key: str  # names the operator token it was signed under (not the token)
+    created_at: str
+    expires_at: str
+
+
 MAX_SUMMARY_DIGESTS = 100  # digests one summaries_get reads at most
 SummaryKey = tuple[str, str, str, str]  # (tenant, model, api, digest)
 
@@ -506,3 +519,17 @@ class Store(Protocol):
     async def summaries_purge(self, before: str) -> int:
         """Deletes the summaries last used before `before`, and those whose threads are
         all deleted; how many went."""
+
+    # inspector sessions (proxy/server/inspector.py) -----------------------------------
+    async def inspector_session_create(self, session: InspectorSession) -> None:
+        """Stores a new session (ids are random: AlreadyExists only on a reused id)."""
+
+    async def inspector_session_get(self, id_hash: str) -> InspectorSession | None:
+        """The session with this id hash, expired or not (the caller checks the time)."""
+
+    async def inspector_session_revoke(self, id_hash: str) -> bool:
+        """Deletes the session (sign-out); True if it existed."""
+
+    async def inspector_sessions_purge(self, *, now: str, signing_key: str | None = None) -> int:
+        """Deletes the sessions expired at `now` and, given `signing_key`, those signed
+        under another key (the operator token was changed); how many went."""

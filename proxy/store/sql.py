@@ -18,6 +18,7 @@ from proxy.store.base import (
     ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
+    InspectorSession,
     JsonDict,
     LedgerEntry,
     NewItem,
@@ -406,6 +407,19 @@ WHERE tenant = $1 AND thread_id = $2 ORDER BY created_at DESC, request_id DESC L
 PURGE_EXPLAIN = "DELETE FROM explain_records WHERE created_at < $1"
 DELETE_THREAD_EXPLAIN = "DELETE FROM explain_records WHERE tenant = $1 AND thread_id = $2"
 
+# inspector sessions --------------------------------------------------------------------
+
+SESSION_COLUMNS = "id_hash, tenant, key_hash, signing_key, created_at, expires_at"
+INSERT_SESSION = (
+    f"INSERT INTO inspector_sessions ({SESSION_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)"
+)
+SELECT_SESSION = f"SELECT {SESSION_COLUMNS} FROM inspector_sessions WHERE id_hash = $1"
+DELETE_SESSION = "DELETE FROM inspector_sessions WHERE id_hash = $1"
+PURGE_SESSIONS = "DELETE FROM inspector_sessions WHERE expires_at <= $1"
+PURGE_SESSIONS_OF_OTHER_KEYS = (
+    "DELETE FROM inspector_sessions WHERE expires_at <= $1 OR signing_key <> $2"
+)
+
 # row -> dataclass ----------------------------------------------------------------------
 
 
@@ -595,3 +609,14 @@ def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
 
 def explain_from_row(row: Row) -> ExplainRecord:
     return ExplainRecord(row["tenant"], row["request_id"], row["created_at"], loads(row["record"]))
+
+
+def session_from_row(row: Row) -> InspectorSession:
+    return InspectorSession(
+        row["id_hash"],
+        row["tenant"],
+        row["key_hash"],
+        row["signing_key"],
+        row["created_at"],
+        row["expires_at"],
+    )

@@ -23,6 +23,7 @@ from proxy.store.base import (
     ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
+    InspectorSession,
     ItemPage,
     JsonDict,
     LedgerEntry,
@@ -431,6 +432,36 @@ class SqlStore:
     async def explain_purge(self, before: str) -> int:
         async with self.db.write() as conn:
             return await conn.execute(sql.PURGE_EXPLAIN, before)
+
+    # inspector sessions ---------------------------------------------------------------
+    async def inspector_session_create(self, session: InspectorSession) -> None:
+        async with self.db.write() as conn:
+            if await conn.fetchrow(sql.SELECT_SESSION, session.id_hash) is not None:
+                raise AlreadyExists(f"inspector session {session.id_hash[:12]}")
+            await conn.execute(
+                sql.INSERT_SESSION,
+                session.id_hash,
+                session.tenant,
+                session.key_hash,
+                session.signing_key,
+                session.created_at,
+                session.expires_at,
+            )
+
+    async def inspector_session_get(self, id_hash: str) -> InspectorSession | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_SESSION, id_hash)
+        return None if row is None else sql.session_from_row(row)
+
+    async def inspector_session_revoke(self, id_hash: str) -> bool:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.DELETE_SESSION, id_hash) > 0
+
+    async def inspector_sessions_purge(self, *, now: str, signing_key: str | None = None) -> int:
+        async with self.db.write() as conn:
+            if signing_key is None:
+                return await conn.execute(sql.PURGE_SESSIONS, now)
+            return await conn.execute(sql.PURGE_SESSIONS_OF_OTHER_KEYS, now, signing_key)
 
     # request idempotency --------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:

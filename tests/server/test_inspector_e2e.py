@@ -106,8 +106,10 @@ async def test_the_inspector_is_off_without_an_operator_token(
 
 
 async def test_no_or_wrong_token_is_401_with_no_page_content(
-    make_proxy: Callable[..., Awaitable[Proxy]],
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # 12 wrong tokens from one address: more than the throttle lets through (tested below)
+    monkeypatch.setattr(inspector_module, "LOGIN_FAILURES_PER_ADDRESS", 50)
     proxy = await inspector(make_proxy)
     seeded = await seed_thread(proxy)
     thread = f"{UI}/thread?tenant=acme&id={seeded.thread_id}"
@@ -406,3 +408,201 @@ async def test_a_long_thread_is_paged(
     assert 'id="earlier"' not in first and "from=5" in first
     start = int(re.search(r'id="cut" data-window-start="(\d+)"', middle)[1])  # type: ignore[index]
     assert 7 < start <= 11 and 'id="cut"' not in first and 'id="cut"' not in last
+
+
+# --- issue 20 item 7: every query parameter is checked --------------------------------------
+
+
+async def test_out_of_range_or_malformed_query_parameters_are_400_pages(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy, turns=2)
+    thread = {"tenant": "acme", "id": seeded.thread_id}
+    bad: list[tuple[str, dict[str, str] | str, str]] = [
+        (f"{UI}/thread", {**thread, "from": "9223372036854775808"}, "from must be an integer"),
+        (f"{UI}/thread", {**thread, "from": "²"}, "from must be an integer"),
+        (f"{UI}/thread", {**thread, "from": "-1"}, "from must be an integer"),
+        (f"{UI}/thread", {**thread, "from": "1e3"}, "from must be an integer"),
+        (f"{UI}/thread", {**thread, "from": "9" * 400}, "from must be an integer"),
+        (f"{UI}/thread", {"tenant": "acme\x07", "id": seeded.thread_id}, "tenant holds"),
+        (f"{UI}/thread", {"tenant": "acme", "id": "t" * 1025}, "id is longer than 1024"),
+        (f"{UI}/thread", {**thread, "page": "2"}, "Unknown query parameter"),
+        (f"{UI}/thread", f"tenant=acme&id={seeded.thread_id}&from=1&from=2", "more than once"),
+        (f"{UI}/", {"q": "x" * 2000}, "q is longer than 1024"),
+        (f"{UI}/", {"tenant": "ac\x1bme"}, "tenant holds"),
+        (f"{UI}/ledger", {"resolved": "k\x1fk"}, "resolved holds"),
+        (f"{UI}/requests/{seeded.request_id}", {"x": "1"}, "Unknown query parameter"),
+        (f"{UI}/requests/{'r' * 300}", {}, "request id is longer than 256"),
+        (f"{UI}/login", {"next": "/"}, "Unknown query parameter"),
+    ]
+    async with proxy.http() as http:
+        for path, params, problem in bad:
+            answer = await http.get(path, params=params, headers=bearer(OPERATOR))
+            assert answer.status_code == 400, (path, params, answer.status_code)
+            assert "text/html" in answer.headers["content-type"]
+            assert problem in html.unescape(answer.text), (path, params)
+        for first in ("9223372036854775807", "0", ""):  # the range's ends, and none
+            answer = await http.get(
+                f"{UI}/thread", params={**thread, "from": first}, headers=bearer(OPERATOR)
+            )
+            assert answer.status_code == 200, first
+        found = await http.get(f"{UI}/", params={"q": "", "tenant": ""}, headers=bearer(OPERATOR))
+        assert found.status_code == 200 and seeded.thread_id in found.text, "the empty form"
+
+
+# --- issue 20 item 8: the sign-in throttle, server-side sessions, Secure --------------------
+
+
+def from_address(address: str) -> dict[str, str]:
+    return {"X-Forwarded-For": address}
+
+
+async def test_failed_sign_ins_are_throttled_per_address_then_for_everyone(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    clock = ManualClock()
+    proxy = await make_proxy(  # the test talks through a "proxy" at 127.0.0.1
+        settings={"operator_token": OPERATOR, "trusted_proxies": ("127.0.0.1",)}, clock=clock
+    )
+    per_address = inspector_module.LOGIN_FAILURES_PER_ADDRESS
+    window = int(inspector_module.LOGIN_WINDOW_SECONDS)
+    async with proxy.http() as http:
+        statuses = []
+        for attempt in range(300):
+            answer = await http.post(
+                f"{UI}/login", data={"token": f"guess-{attempt}"}, headers=from_address("10.0.0.1")
+            )
+            statuses.append(answer.status_code)
+        assert statuses == [401] * per_address + [429] * (300 - per_address)
+        assert answer.headers["retry-after"] == str(window)
+        assert "set-cookie" not in answer.headers
+        right = await http.post(
+            f"{UI}/login", data={"token": OPERATOR}, headers=from_address("10.0.0.1")
+        )
+        assert right.status_code == 429, "a throttled address is refused before the check"
+        page = await http.get(f"{UI}/", headers={**bearer(OPERATOR), **from_address("10.0.0.1")})
+        assert page.status_code == 429, "bearer tokens go through the same throttle"
+        assert 'id="search"' not in page.text and "Too many failed sign-ins" in page.text
+        other = await http.post(
+            f"{UI}/login", data={"token": OPERATOR}, headers=from_address("10.0.0.2")
+        )
+        assert other.status_code == 303, "another address still signs in"
+        http.cookies.clear()
+
+        clock.advance(window)  # the failures leave the window
+        again = await http.post(
+            f"{UI}/login", data={"token": OPERATOR}, headers=from_address("10.0.0.1")
+        )
+        assert again.status_code == 303
+        http.cookies.clear()
+
+        overall = inspector_module.LOGIN_FAILURES_OVERALL
+        for attempt in range(overall):  # spread thinly over many addresses
+            answer = await http.get(
+                f"{UI}/",
+                headers={**bearer(f"guess-{attempt}"), **from_address(f"10.1.{attempt}.1")},
+            )
+            assert answer.status_code == 401, attempt
+        fresh = await http.post(
+            f"{UI}/login", data={"token": OPERATOR}, headers=from_address("10.2.0.1")
+        )
+        assert fresh.status_code == 429 and int(fresh.headers["retry-after"]) == window
+        clock.advance(window)
+        assert (
+            await http.post(
+                f"{UI}/login", data={"token": OPERATOR}, headers=from_address("10.2.0.1")
+            )
+        ).status_code == 303
+
+
+async def test_forwarded_for_from_an_untrusted_peer_does_not_dodge_the_throttle(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await make_proxy(settings={"operator_token": OPERATOR})  # no trusted proxies
+    per_address = inspector_module.LOGIN_FAILURES_PER_ADDRESS
+    async with proxy.http() as http:
+        statuses = [
+            (
+                await http.post(
+                    f"{UI}/login", data={"token": "guess"}, headers=from_address(f"10.9.{n}.1")
+                )
+            ).status_code
+            for n in range(per_address + 5)
+        ]
+    assert statuses == [401] * per_address + [429] * 5
+
+
+async def test_sessions_live_in_the_store_shared_by_replicas_and_sign_out_ends_them(
+    store_url: str,  # before make_proxy: a PostgreSQL schema outlives the proxy
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    first = await make_proxy(store_url=store_url, settings={"operator_token": OPERATOR})
+    second = await make_proxy(store_url=store_url, settings={"operator_token": OPERATOR})
+    async with first.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        cookie = http.cookies["threadkeeper_session"]
+        kept = (await http.get(f"{UI}/ledger")).text
+    async with second.http() as http:
+        http.cookies.set("threadkeeper_session", cookie)
+        assert (await http.get(f"{UI}/")).status_code == 200, "a session works on every replica"
+        out = await http.post(f"{UI}/logout", data={"csrf": csrf_of(kept)})
+        assert out.status_code == 303
+    for replica in (first, second):
+        async with replica.http() as http:
+            http.cookies.set("threadkeeper_session", cookie)  # a copy kept from before
+            answer = await http.get(f"{UI}/ledger")
+            assert answer.status_code == 401, "signed out everywhere, not just this browser"
+    store = first.app[STORE]  # type: ignore[index]
+    async with store.db.read() as conn:
+        rows = await conn.fetch("SELECT id_hash FROM inspector_sessions")
+    assert rows == [], "sign-out deleted the row"
+
+
+async def test_a_new_operator_token_revokes_the_old_tokens_sessions_in_the_store(
+    tmp_path: Any, make_proxy: Callable[..., Awaitable[Proxy]]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    before = await make_proxy(store_url=url, settings={"operator_token": OPERATOR})
+    async with before.http() as http:
+        assert (await http.post(f"{UI}/login", data={"token": OPERATOR})).status_code == 303
+        cookie = http.cookies["threadkeeper_session"]
+    await make_proxy(store_url=url, settings={"operator_token": OPERATOR + "-rotated"})
+    back = await make_proxy(store_url=url, settings={"operator_token": OPERATOR})
+    for proxy in (before, back):  # even with the old token back, the session is gone
+        async with proxy.http() as http:
+            http.cookies.set("threadkeeper_session", cookie)
+            assert (await http.get(f"{UI}/")).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("setting", "trusted", "forwarded", "secure"),
+    [
+        ("auto", (), None, False),  # plain http straight to the proxy
+        ("auto", (), "https", False),  # anyone can send the header: not believed
+        ("auto", ("127.0.0.0/8",), "https", True),  # TLS ended by a trusted proxy
+        ("auto", ("127.0.0.0/8",), "http", False),
+        ("always", (), None, True),
+        ("never", ("127.0.0.0/8",), "https", False),
+    ],
+)
+async def test_the_cookie_is_secure_behind_a_trusted_tls_proxy_or_when_configured(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    setting: str,
+    trusted: tuple[str, ...],
+    forwarded: str | None,
+    secure: bool,
+) -> None:
+    proxy = await make_proxy(
+        settings={
+            "operator_token": OPERATOR,
+            "inspector_cookie_secure": setting,
+            "trusted_proxies": trusted,
+        }
+    )
+    headers = {"X-Forwarded-Proto": forwarded} if forwarded else {}
+    async with proxy.http() as http:
+        signed = await http.post(f"{UI}/login", data={"token": OPERATOR}, headers=headers)
+    assert signed.status_code == 303
+    flags = [part.strip().lower() for part in signed.headers["set-cookie"].split(";")]
+    assert ("secure" in flags) is secure, flags

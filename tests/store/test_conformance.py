@@ -17,6 +17,7 @@ from proxy.store.base import (
     ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
+    InspectorSession,
     LedgerEntry,
     NewItem,
     NotFound,
@@ -1068,3 +1069,41 @@ async def test_summaries_keep_links_stored_summaries_to_a_live_thread(store: Sto
     with pytest.raises(ValueError, match="at most"):
         digests = [f"d{n}" for n in range(MAX_SUMMARY_DIGESTS + 1)]
         await store.summaries_keep("acme", "t1", "gpt-4o-mini", "chat", digests)
+
+
+# -- inspector sessions (migration 011) ----------------------------------------------------
+
+
+def inspector_session(id_hash: str, *, expires: str = T2, key: str = "k1") -> InspectorSession:
+    return InspectorSession(id_hash, None, None, key, T0, expires)
+
+
+async def test_an_inspector_session_round_trips_and_revoking_deletes_it(store: Store) -> None:
+    tenant_session = InspectorSession("h2", "acme", "keyhash", "k1", T0, T3)
+    await store.inspector_session_create(inspector_session("h1"))
+    await store.inspector_session_create(tenant_session)
+    with pytest.raises(AlreadyExists):
+        await store.inspector_session_create(inspector_session("h1", expires=T3))
+    assert await store.inspector_session_get("h1") == inspector_session("h1")
+    assert await store.inspector_session_get("h2") == tenant_session
+    assert await store.inspector_session_get("nope") is None
+    assert await store.inspector_session_revoke("h1") is True
+    assert await store.inspector_session_revoke("h1") is False
+    assert await store.inspector_session_get("h1") is None
+    assert await store.inspector_session_get("h2") == tenant_session
+
+
+async def test_inspector_sessions_purge_the_expired_and_those_of_another_key(
+    store: Store,
+) -> None:
+    await store.inspector_session_create(inspector_session("expired", expires=T1))
+    await store.inspector_session_create(inspector_session("live", expires=T3))
+    await store.inspector_session_create(inspector_session("old-token", expires=T3, key="k0"))
+    assert await store.inspector_sessions_purge(now=T1) == 1
+    assert await store.inspector_session_get("old-token") is not None
+    await store.inspector_session_create(inspector_session("expired", expires=T1))
+    assert await store.inspector_sessions_purge(now=T1, signing_key="k1") == 2
+    assert await store.inspector_session_get("live") is not None
+    assert await store.inspector_session_get("expired") is None
+    assert await store.inspector_session_get("old-token") is None
+    assert await store.inspector_sessions_purge(now=T1, signing_key="k1") == 0

@@ -35,6 +35,7 @@ from proxy.store.base import (
 
 EXPORT_OBJECT = "threadkeeper.thread"
 TEXT_PREVIEW = 72  # characters of an item's text in `threads show`
+STOOD_FOR_MAX_ITEMS = 10_000  # items stood_for_tokens reads at most (else: unknown)
 
 
 class AdminError(Exception):
@@ -329,6 +330,23 @@ async def explain_request(store: Store, request_id: str, tenant: str | None) -> 
     if found is None:
         raise AdminError(f"no explain record {request_id!r} (kept for explain_retention_seconds)")
     return found.record
+
+
+async def stood_for_tokens(
+    store: Store, tenant: str, thread_id: str, last_seq: int, pin_patterns: tuple[str, ...]
+) -> int | None:
+    """What the items a summary block of a stored thread stands for weigh: the thread's
+    non-pinned items up to `last_seq`, at the tokens stored with each (as `threads show`
+    lists them). A request on a thread with a stored cut reads only the window, so its
+    explain record has the summary's size there, not theirs. None when the thread is gone
+    or holds more than STOOD_FOR_MAX_ITEMS items up to there."""
+    if last_seq >= STOOD_FOR_MAX_ITEMS:
+        return None
+    if await store.get_thread(tenant, thread_id) is None:
+        return None
+    pins = compile_pins(pin_patterns)
+    items = await store.items_between(tenant, thread_id, 0, last_seq)
+    return sum(s.tokens for s in items if not is_pinned(_item_of(s), pins))
 
 
 def explain_text(record: JsonDict) -> str:

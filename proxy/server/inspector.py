@@ -453,8 +453,7 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
     first = values.get("from")
     if not tenant or not thread_id or not viewer.may_see(tenant):
         raise _not_found("No such thread.")
-    policy = request.app[POLICIES].get(tenant.partition(":")[0])
-    pins = tuple(policy.memory.pin_patterns) if policy is not None else ()
+    pins = _pin_patterns(request, tenant)
     try:
         shown = await admin.show_thread(
             request.app[STORE],
@@ -486,7 +485,37 @@ async def request_page(request: web.Request, viewer: Viewer) -> web.Response:
     found = await explain.find_record(request.app, viewer.tenant, request_id)
     if found is None:
         raise _not_found("No explain record with this id (they are kept for a while only).")
-    return _html(inspector_html.request_page(found.record, chrome=_chrome(request, viewer)))
+    return _html(
+        inspector_html.request_page(
+            found.record,
+            tenant=found.tenant,
+            stood_for=await _stood_for(request, found.tenant, found.record),
+            chrome=_chrome(request, viewer),
+        )
+    )
+
+
+def _pin_patterns(request: web.Request, namespace: str) -> tuple[str, ...]:
+    policy = request.app[POLICIES].get(namespace.partition(":")[0])
+    return tuple(policy.memory.pin_patterns) if policy is not None else ()
+
+
+async def _stood_for(
+    request: web.Request, tenant: str, record: Mapping[str, Any]
+) -> dict[int, int | None]:
+    """By block index, what each summary block of a thread's request stands for, read
+    from the thread's log (admin.stood_for_tokens)."""
+    thread_id = record.get("thread_id")
+    if not isinstance(thread_id, str):
+        return {}
+    pins = _pin_patterns(request, tenant)
+    return {
+        index: await admin.stood_for_tokens(
+            request.app[STORE], tenant, thread_id, int(block["last"]), pins
+        )
+        for index, block in enumerate(record["projection"]["blocks"])
+        if block["kind"] == "summary"
+    }
 
 
 async def ledger_page(request: web.Request, viewer: Viewer) -> web.Response:
@@ -568,7 +597,11 @@ async def logout(request: web.Request, viewer: Viewer) -> web.Response:
 
 def _chrome(request: web.Request, viewer: Viewer) -> inspector_html.Chrome:
     return inspector_html.Chrome(
-        who="operator (every tenant)" if viewer.tenant is None else f"tenant {viewer.tenant}",
+        who=(
+            "operator (every tenant)"
+            if viewer.tenant is None
+            else f"tenant {inspector_html.tenant_label(viewer.tenant)}"
+        ),
         csrf=csrf_token(request, viewer),
         signed_in=viewer.from_cookie,
     )

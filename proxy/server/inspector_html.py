@@ -48,10 +48,13 @@ SECURITY_HEADERS = {
 
 STYLE = """\
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#fafbfc}
-header{background:#1d2330;color:#fff;padding:.5em 1em;display:flex;gap:1.5em;align-items:center}
-header a{color:#fff}header .meta{color:#c8d0dc}header form{margin-left:auto}main{padding:1em 1.5em;max-width:1200px}
-table{border-collapse:collapse;margin:.5em 0}td,th{border-bottom:1px solid #dde;padding:.25em .6em;
-text-align:left;vertical-align:top}pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;
+header{background:#1d2330;color:#fff;padding:.5em 1em;display:flex;flex-wrap:wrap;gap:.3em 1.5em;
+align-items:center}header a{color:#fff}header .meta{color:#c8d0dc}header form{margin-left:auto}
+main{padding:1em 1.5em;max-width:1200px}h1,.meta,td,th,.badge{overflow-wrap:anywhere}
+table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}
+td,th{border-bottom:1px solid #dde;padding:.25em .6em;text-align:left;vertical-align:top}
+input{max-width:100%;box-sizing:border-box}
+@media (max-width:600px){main{padding:.6em}header{padding:.4em .6em;gap:.3em .8em}h1{font-size:1.4em}}pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;
 background:#f0f2f5;padding:.4em}ol.timeline{list-style:none;padding:0}
 .timeline li{border-left:3px solid #9ab;padding:.2em .6em;margin:.2em 0;background:#fff}
 .timeline li.cut-away{opacity:.6;border-left-color:#ccc}.timeline li.pinned{border-left-color:#d90}
@@ -75,6 +78,16 @@ def esc(value: object) -> str:
 
 def quoted(value: str) -> str:
     return quote(value, safe="")
+
+
+def tenant_label(namespace: str) -> str:
+    """How every page names the tenant a thread, request or ledger entry lives under (its
+    store namespace): the one place that naming is decided."""
+    return namespace
+
+
+def _tenant(namespace: str) -> str:
+    return f'<span class="tenant">{esc(tenant_label(namespace))}</span>'
 
 
 @dataclass(frozen=True)
@@ -186,7 +199,7 @@ def threads_page(
         '<button type="submit">Search</button></form>'
     )
     rows = (
-        f'<tr data-thread="{esc(t["id"])}"><td>{esc(t["tenant"])}</td>'
+        f'<tr data-thread="{esc(t["id"])}"><td>{_tenant(t["tenant"])}</td>'
         f'<td><a href="{esc(thread_url(t["tenant"], t["id"]))}">{esc(t["id"])}</a></td>'
         f"<td>{esc(t['kind'])}</td><td>{esc(t['items'])}</td>"
         f"<td>{esc('-' if t['window_start'] is None else t['window_start'])}</td>"
@@ -212,7 +225,7 @@ def thread_page(
     start = shown["window_start"]
     meta = (
         f'<p class="meta" id="thread-meta" data-tenant="{esc(shown["tenant"])}" '
-        f'data-window-start="{esc("" if start is None else start)}">tenant {esc(shown["tenant"])} · '
+        f'data-window-start="{esc("" if start is None else start)}">tenant {_tenant(shown["tenant"])} · '
         f"{esc(shown['kind'])} · {esc(shown['items'])} items · created {esc(shown['created_at'])}"
         f" · {'never cut' if start is None else f'the model sees items from seq {esc(start)} on'}</p>"
     )
@@ -346,16 +359,26 @@ def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
+def request_page(
+    record: Mapping[str, Any],
+    *,
+    tenant: str,
+    stood_for: Mapping[int, int | None],
+    chrome: Chrome,
+) -> str:
+    """`tenant` is the store namespace the record is kept under (the record's own
+    `tenant` field is the policy's, as in the log); `stood_for` the tokens of what each
+    summary block stands for, by block index (inspector.py reads them from the thread)."""
     projection = record["projection"]
-    thread_id, tenant = record.get("thread_id"), record.get("tenant", "")
+    thread_id = record.get("thread_id")
     thread = (
         f' · thread <a id="thread-link" href="{esc(thread_url(tenant, thread_id))}">{esc(thread_id)}</a>'
         if thread_id
         else ""
     )
     meta = (
-        f'<p class="meta">tenant {esc(tenant)}{thread} · {esc(record.get("method", ""))} '
+        f'<p class="meta" id="request-meta">tenant {_tenant(tenant)}{thread} · '
+        f"{esc(record.get('method', ''))} "
         f"{esc(record.get('path', ''))} · status {esc(record.get('status', ''))} · "
         f"{esc(record.get('latency_ms', ''))} ms · retries {esc(record.get('retries', '-'))} · "
         f"{esc(record.get('created_at', ''))}</p>"
@@ -373,13 +396,8 @@ def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
         f"output reserve {esc(projection['output'])} + margin {esc(projection['epsilon'])}</p>"
     )
     blocks = _table(
-        ("Block", "Items", "Tokens before", "Tokens after", "Decision"),
-        (
-            f'<tr class="block" data-action="{esc(b["action"])}"><td>{esc(b["kind"])}</td>'
-            f"<td>{esc(b['first'])}–{esc(b['last'])}</td><td>{esc(b['tokens_before'])}</td>"
-            f"<td>{esc(b['tokens_after'])}</td><td>{esc(b['action'])}</td></tr>"
-            for b in projection["blocks"]
-        ),
+        ("Block", "Items", "Original tokens", "Sent tokens", "Decision"),
+        (_block_row(b, stood_for.get(index)) for index, b in enumerate(projection["blocks"])),
         "blocks",
     )
     stand_ins = (
@@ -418,6 +436,19 @@ def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
         + ledger
     )
     return _layout(f"Request {record['id']}", body, chrome)
+
+
+def _block_row(block: Mapping[str, Any], stood_for: int | None) -> str:
+    """One block: what its items weigh (for a summary, the items it stands for, when the
+    thread still has them) and what was sent in their place."""
+    original = block["tokens_before"] if stood_for is None else stood_for
+    return (
+        f'<tr class="block" data-kind="{esc(block["kind"])}" data-action="{esc(block["action"])}" '
+        f'data-original="{esc(original)}" data-sent="{esc(block["tokens_after"])}">'
+        f"<td>{esc(block['kind'])}</td><td>{esc(block['first'])}–{esc(block['last'])}</td>"
+        f"<td>{esc(original)}</td><td>{esc(block['tokens_after'])}</td>"
+        f"<td>{esc(block['action'])}</td></tr>"
+    )
 
 
 # The sent segments of admin.token_bar (they add up to the prompt tokens); the rest of
@@ -473,7 +504,7 @@ def ledger_page(
     )
     rows = (
         f'<tr class="entry" data-key="{esc(e["key"])}" data-status="{esc(e["status"])}">'
-        f"<td>{esc(e['tenant'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
+        f"<td>{_tenant(e['tenant'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
         f"<td>{esc(e['tool'])}<pre>{esc(e['arguments'])}</pre></td>"
         f"<td>{_thread_cell(e)}</td><td>{esc(e['created_at'])}</td>"
         f"<td>{_resolve_form(e, chrome)}</td></tr>"

@@ -49,7 +49,8 @@ def _require_browser() -> None:
 
 
 @contextmanager
-def chromium(*, javascript: bool) -> Iterator[Any]:
+def chromium(*, javascript: bool, width: int | None = None) -> Iterator[Any]:
+    """`width`: the viewport emulated, in CSS pixels, as on a phone's screen."""
     from selenium import webdriver
 
     options = webdriver.ChromeOptions()
@@ -71,6 +72,9 @@ def chromium(*, javascript: bool) -> Iterator[Any]:
     service = webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
     driver = webdriver.Chrome(options=options, service=service)
     driver.set_page_load_timeout(WAIT_SECONDS)
+    if width is not None:
+        metrics = {"width": width, "height": 800, "deviceScaleFactor": 1, "mobile": False}
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
     try:
         yield driver
     finally:
@@ -259,3 +263,66 @@ async def test_inspector_pages_in_chromium(
     assert plain["summary"] == thread["summary"]
     assert plain["toggles_hidden"] == [True, True], "no script ran"
     assert plain["opened_natively"] and plain["full_text_visible"]
+
+
+NARROW = 400  # CSS pixels: a phone held upright
+LAYOUT = """
+const view = document.documentElement.clientWidth;
+const box = (element) => {
+  const r = element.getBoundingClientRect();
+  return {left: r.left, right: r.right, width: r.width, height: r.height};
+};
+const signOut = [...document.querySelectorAll("header button")]
+  .find((b) => b.textContent.trim() === "Sign out");
+return {
+  view: view,
+  page_width: document.documentElement.scrollWidth,
+  title: box(document.querySelector("main h1")),
+  sign_out: signOut ? box(signOut) : null,
+  request_ids: [...document.querySelectorAll("#requests a, main h1")]
+    .map((e) => box(e)),
+};
+"""
+
+
+def _narrow_layouts(base: str, thread_id: str, request_id: str) -> dict[str, Any]:
+    from urllib.parse import urlencode
+
+    thread = f"{UI}/thread?{urlencode({'tenant': 'acme', 'id': thread_id})}"
+    pages = {
+        "threads": f"{UI}/",
+        "thread": thread,
+        "request": f"{UI}/requests/{request_id}",
+        "ledger": f"{UI}/ledger",
+    }
+    found: dict[str, Any] = {}
+    with chromium(javascript=True, width=NARROW) as driver:
+        _sign_in(driver, base)
+        for name, path in pages.items():
+            driver.get(f"{base}{path}")
+            _wait_for(driver, "main h1")
+            found[name] = driver.execute_script(LAYOUT)
+    return found
+
+
+async def test_a_400_px_screen_shows_request_ids_and_sign_out_inside_the_viewport(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 20 item 17: the request id overflowed a 400 px screen and "Sign out" sat
+    off to its right."""
+    _require_browser()
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy, turns=4)
+    base = proxy.base_url.removesuffix("/v1")
+    layouts = await asyncio.to_thread(_narrow_layouts, base, seeded.thread_id, seeded.request_id)
+    for name, layout in layouts.items():
+        view = layout["view"]
+        assert NARROW - 20 <= view <= NARROW, (name, layout)  # less a vertical scrollbar
+        assert layout["page_width"] <= view, (name, "the page scrolls sideways", layout)
+        out = layout["sign_out"]
+        assert out is not None and out["width"] > 0, (name, "Sign out is shown")
+        assert 0 <= out["left"] and out["right"] <= view, (name, "Sign out is on screen", out)
+        for shown in [layout["title"], *layout["request_ids"]]:
+            assert 0 <= shown["left"] and shown["right"] <= view, (name, "overflows", shown)
+    assert layouts["thread"]["request_ids"][1:], "the thread page lists its requests"

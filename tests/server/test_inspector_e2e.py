@@ -606,3 +606,66 @@ async def test_the_cookie_is_secure_behind_a_trusted_tls_proxy_or_when_configure
     assert signed.status_code == 303
     flags = [part.strip().lower() for part in signed.headers["set-cookie"].split(";")]
     assert ("secure" in flags) is secure, flags
+
+
+# --- issue 20 item 17: one tenant label, the original size of a summarized block -----------
+
+LABEL = re.compile(r'<span class="tenant">(.*?)</span>')
+
+
+async def test_every_page_labels_a_tenant_the_same_way(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    await seed_thread(proxy, turns=1)
+    caller = proxy.client(api_key="sk-passthrough-caller-key")  # a key no policy lists
+    proxy.provider.script.append(Reply(text="Hello."))
+    raw = await caller.chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_headers={"X-Thread-Id": "t-pass"},
+    )
+    request_id = raw.headers["x-threadkeeper-request-id"]
+    await written(proxy)
+    (stored,) = await proxy.app[STORE].find_threads("t-pass")  # type: ignore[index]
+    label = html.escape(inspector_module.inspector_html.tenant_label(stored.tenant))
+    async with proxy.http() as http:
+        listed = (await http.get(f"{UI}/", headers=bearer(OPERATOR))).text
+        row = re.search(r'<tr data-thread="t-pass">.*?</tr>', listed, re.S)
+        assert row and LABEL.findall(row[0]) == [label]
+        link = html.unescape(re.search(r'href="([^"]+)"', row[0])[1])  # type: ignore[index]
+        thread = await http.get(link, headers=bearer(OPERATOR))
+        assert thread.status_code == 200 and LABEL.findall(thread.text) == [label]
+        request = await http.get(f"{UI}/requests/{request_id}", headers=bearer(OPERATOR))
+        assert request.status_code == 200 and LABEL.findall(request.text) == [label]
+        back = re.search(r'id="thread-link" href="([^"]+)"', request.text)
+        assert back, "the request page links its thread"
+        opened = await http.get(html.unescape(back[1]), headers=bearer(OPERATOR))
+        assert opened.status_code == 200 and 'data-seq="0"' in opened.text
+        ledger = (await http.get(f"{UI}/ledger", headers=bearer(OPERATOR))).text
+        acme = html.escape(inspector_module.inspector_html.tenant_label("acme"))
+        assert LABEL.findall(ledger) == [acme]
+        assert acme in LABEL.findall(listed)
+
+
+async def test_a_summarized_block_shows_the_size_of_what_it_stands_for(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+) -> None:
+    proxy = await inspector(make_proxy)
+    seeded = await seed_thread(proxy)  # the last request reads the thread's stored cut
+    store = proxy.app[STORE]  # type: ignore[index]
+    pins = tuple(proxy.app[POLICIES].get("acme").memory.pin_patterns)  # type: ignore[index, union-attr]
+    shown = await admin.show_thread(store, seeded.thread_id, "acme", pin_patterns=pins)
+    start = shown["window_start"]
+    stood_for = sum(e["tokens"] for e in shown["log"] if e["seq"] < start and not e["pinned"])
+    async with proxy.http() as http:
+        page = (await http.get(f"{UI}/requests/{seeded.request_id}", headers=bearer(OPERATOR))).text
+    rows = re.findall(
+        r'<tr class="block" data-kind="summary" data-action="summarized" '
+        r'data-original="(\d+)" data-sent="(\d+)">',
+        page,
+    )
+    assert len(rows) == 1, page
+    original, sent = (int(n) for n in rows[0])
+    assert original == stood_for > sent > 0, (original, sent, stood_for)
+    assert "<th>Original tokens</th><th>Sent tokens</th>" in page

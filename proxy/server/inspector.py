@@ -45,7 +45,7 @@ from proxy.policy import hash_key
 from proxy.server import explain, inspector_html
 from proxy.server.auth import bearer_token, is_utf8
 from proxy.server.state import CLOCK, POLICIES, SETTINGS, STORE
-from proxy.store.base import InspectorSession, Thread
+from proxy.store.base import InspectorSession, StoreUnavailable, Thread
 
 log = structlog.get_logger("threadkeeper.inspector")
 
@@ -620,11 +620,15 @@ REQUEST_ID = Param(longest=256)  # the request page's path part
 async def _revoke_other_tokens(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: at start, the sessions of another operator token (and the expired)
     leave the store, so a token changed and changed back does not revive them."""
-    purged = await app[STORE].inspector_sessions_purge(
-        now=app[CLOCK].iso(), signing_key=_signing_key(app)
-    )
-    if purged:
-        log.info("inspector_sessions_purged", count=purged)
+    try:
+        purged = await app[STORE].inspector_sessions_purge(
+            now=app[CLOCK].iso(), signing_key=_signing_key(app)
+        )
+    except StoreUnavailable as exc:  # they are refused anyway: their signing key differs
+        log.warning("inspector_sessions_purge_failed", error=str(exc))
+    else:
+        if purged:
+            log.info("inspector_sessions_purged", count=purged)
     yield
 
 

@@ -669,3 +669,45 @@ async def test_a_summarized_block_shows_the_size_of_what_it_stands_for(
     original, sent = (int(n) for n in rows[0])
     assert original == stood_for > sent > 0, (original, sent, stood_for)
     assert "<th>Original tokens</th><th>Sent tokens</th>" in page
+
+
+def test_the_throttle_holds_at_most_the_overall_limit_and_forgets_with_the_window() -> None:
+    throttle = inspector_module.LoginThrottle(per_address=3, overall=10, window=60)
+    refused = 0
+    for n in range(1000):  # 1000 addresses, one guess each
+        address = f"10.0.{n // 250}.{n % 250}"
+        if throttle.retry_after(address, now=float(n) / 100) is not None:
+            refused += 1
+            continue
+        throttle.failed(address, now=float(n) / 100)
+    assert refused == 990 and len(throttle._all) == 10, "refused guesses are not held"
+    assert throttle.retry_after("10.9.9.9", now=10.0) == 60 - 10 + 0
+    assert throttle.retry_after("10.9.9.9", now=60.1) is None, "the oldest failures aged out"
+    for _ in range(3):
+        throttle.failed("10.8.0.1", now=100.0)
+    assert throttle.retry_after("10.8.0.1", now=130.0) == 30
+    assert throttle.retry_after("10.8.0.2", now=130.0) is None
+    assert throttle.retry_after("10.8.0.1", now=160.0) is None
+    assert throttle._by_address == {} and not throttle._all, "addresses go with their failures"
+
+
+def test_an_ipv6_client_counts_by_its_64_and_forwarded_hops_only_from_trusted_peers() -> None:
+    import ipaddress
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    def address(peer: str, forwarded: str | None, trusted: tuple[str, ...]) -> str:
+        app = web.Application()
+        app[inspector_module.TRUSTED] = tuple(ipaddress.ip_network(t) for t in trusted)
+        headers = {"X-Forwarded-For": forwarded} if forwarded else {}
+        request = make_mocked_request("GET", "/", headers=headers, app=app)
+        request._transport_peername = (peer, 1234)  # type: ignore[attr-defined]
+        return inspector_module.client_address(request)
+
+    assert address("2001:db8:1:2:3:4:5:6", None, ()) == "2001:db8:1:2::/64"
+    assert address("::ffff:10.0.0.7", None, ()) == "10.0.0.7"
+    assert address("10.0.0.7", "1.2.3.4", ()) == "10.0.0.7", "an untrusted peer's header"
+    assert address("10.0.0.7", "1.2.3.4, 10.0.0.9", ("10.0.0.0/8",)) == "1.2.3.4"
+    assert address("10.0.0.7", "1.2.3.4, 5.6.7.8", ("10.0.0.0/8",)) == "5.6.7.8"
+    assert address("10.0.0.7", None, ("10.0.0.0/8",)) == "10.0.0.7"

@@ -242,8 +242,7 @@ class LoginThrottle:
 
 
 THROTTLE = web.AppKey("inspector_throttle", LoginThrottle)
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-TRUSTED = web.AppKey("inspector_trusted_proxies", tuple)
+TRUSTED = web.AppKey("inspector_trusted_proxies", tuple)  # of ip_network: trusted_proxies
 
 
 def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -54,7 +54,8 @@ main{padding:1em 1.5em;max-width:1200px}h1,.meta,td,th,.badge{overflow-wrap:anyw
 table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}
 td,th{border-bottom:1px solid #dde;padding:.25em .6em;text-align:left;vertical-align:top}
 input{max-width:100%;box-sizing:border-box}
-@media (max-width:600px){main{padding:.6em}header{padding:.4em .6em;gap:.3em .8em}h1{font-size:1.4em}}pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;
+@media (max-width:600px){main{padding:.6em}header{padding:.4em .6em;gap:.3em .8em}h1{font-size:1.4em}}
+pre{white-space:pre-wrap;word-break:break-word;margin:.3em 0;
 background:#f0f2f5;padding:.4em}ol.timeline{list-style:none;padding:0}
 .timeline li{border-left:3px solid #9ab;padding:.2em .6em;margin:.2em 0;background:#fff}
 .timeline li.cut-away{opacity:.6;border-left-color:#ccc}.timeline li.pinned{border-left-color:#d90}

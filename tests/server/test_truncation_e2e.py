@@ -205,3 +205,20 @@ async def test_a_bad_truncation_is_a_400_naming_it(small: Proxy, value: Any, cod
     assert isinstance(error, dict)
     assert (error["param"], error["code"]) == ("truncation", code)
     assert small.provider.model_requests == []
+
+
+async def test_disabled_still_expands_the_clients_compaction(small: Proxy) -> None:
+    """A compaction the client made is its own choice: with "disabled" it reaches the
+    provider as its summary text, as without."""
+    client = small.client()
+    compacted = await client.responses.with_raw_response.compact(model="gpt-4o", input=turns(4))
+    output = compacted.http_response.json()["output"]
+    assert output[-1]["type"] == "compaction"
+    answer = await client.responses.with_raw_response.create(
+        model="gpt-4o", input=[*output, question()], truncation="disabled", store=False
+    )
+    assert answer.headers["x-threadkeeper-trimmed"] == UNTRIMMED
+    sent = small.provider.model_requests[-1].json["input"]
+    assert not any(item.get("type") == "compaction" for item in sent)
+    assert any(SUMMARY_MARKER in text for text in texts(sent))
+    assert texts(sent)[-1] == question()["content"]

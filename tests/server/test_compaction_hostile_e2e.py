@@ -110,6 +110,11 @@ async def test_a_blob_with_trailing_garbage_is_a_400(hostile: Proxy, trailer: st
                 code="invalid_encrypted_content",
             )
             assert "base64" in error["message"]
+        opened = await send(
+            hostile, "/threadkeeper/v1/compactions/open", {"encrypted_content": spelled}
+        )
+        assert opened.status_code == 400, opened.text
+        assert opened.json()["error"]["param"] == "encrypted_content"
     accepted = await send(
         hostile, "/v1/responses", {"model": "gpt-4o", "input": with_blob(output, blob)}
     )

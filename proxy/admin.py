@@ -331,6 +331,15 @@ async def explain_request(store: Store, request_id: str, tenant: str | None) -> 
     return found.record
 
 
+def provider_error_lines(record: JsonDict) -> list[str]:
+    """The provider's error answer, when the request got one (explain.provider_error)."""
+    error = record.get("provider_error")
+    if not isinstance(error, dict):
+        return []
+    kind = error.get("code") or error.get("type") or "-"
+    return [f"provider answered {error.get('status')} ({kind}): {error.get('message')}"]
+
+
 def explain_text(record: JsonDict) -> str:
     projection = record["projection"]
     lines = [
@@ -344,6 +353,7 @@ def explain_text(record: JsonDict) -> str:
         f"{projection['epsilon']}",
         f"prompt tokens: estimated {projection['prompt_tokens']}, provider reported "
         f"{record.get('usage_input_tokens', '-')}; retries {record.get('retries', '-')}",
+        *provider_error_lines(record),
         "",
         table(
             Row(

@@ -349,6 +349,15 @@ async def stood_for_tokens(
     return sum(s.tokens for s in items if not is_pinned(_item_of(s), pins))
 
 
+def provider_error_lines(record: JsonDict) -> list[str]:
+    """The provider's error answer, when the request got one (explain.provider_error)."""
+    error = record.get("provider_error")
+    if not isinstance(error, dict):
+        return []
+    kind = error.get("code") or error.get("type") or "-"
+    return [f"provider answered {error.get('status')} ({kind}): {error.get('message')}"]
+
+
 def explain_text(record: JsonDict) -> str:
     projection = record["projection"]
     lines = [
@@ -362,6 +371,7 @@ def explain_text(record: JsonDict) -> str:
         f"{projection['epsilon']}",
         f"prompt tokens: estimated {projection['prompt_tokens']}, provider reported "
         f"{record.get('usage_input_tokens', '-')}; retries {record.get('retries', '-')}",
+        *provider_error_lines(record),
         "",
         table(
             Row(

@@ -354,6 +354,18 @@ class ThreadService:
         loaded = await self.load(tenant, thread_id)
         return loaded if loaded is not None else Loaded(tenant, thread_id, kind, None)
 
+    async def whole(self, loaded: Loaded) -> Loaded:
+        """`loaded` with the thread's whole log, not only its live window: what a request
+        with `truncation: "disabled"` sends (items a cut left behind included). The
+        thread's state, version and cut are unchanged: its next request may trim again."""
+        thread = loaded.thread
+        if thread is None or sql.window_start(thread.state) == 0:
+            return loaded  # a new thread or a branch, or a window that is the whole log
+        stored = await self.store.items_between(
+            loaded.tenant, loaded.thread_id, 0, loaded.next_seq - 1
+        )
+        return replace(loaded, stored=stored, items=tuple(map(stored_item_view, stored)))
+
     async def branch(self, tenant: str, source_id: str, through_seq: int) -> Loaded:
         """A new thread of the source's items up to `through_seq`, read now and written
         (forked) by the first commit; it starts with no cut and computes its own."""

@@ -88,10 +88,7 @@ class CompactionKey:
             )
         if len(blob) > MAX_BLOB_CHARS:
             raise CompactionError("encrypted_content is too long.")
-        try:
-            data = base64.urlsafe_b64decode(blob[len(BLOB_PREFIX) :].encode("ascii"))
-        except (binascii.Error, UnicodeEncodeError, ValueError):
-            raise CompactionError("encrypted_content is not valid base64.") from None
+        data = _strict_b64decode(blob[len(BLOB_PREFIX) :])
         nonce, sealed = data[:NONCE_BYTES], data[NONCE_BYTES:]
         try:
             plain = self._aead.decrypt(nonce, sealed, tenant.encode("utf-8", "surrogatepass"))
@@ -116,6 +113,21 @@ class CompactionKey:
             "type": "compaction",
             "encrypted_content": self.seal(tenant, summary),
         }
+
+
+def _strict_b64decode(text: str) -> bytes:
+    """The bytes `text` encodes, when it is exactly what `seal` writes for them: the
+    URL-safe alphabet, canonical padding and zero pad bits, nothing before or after.
+    Lenient decoding takes `blob + "===="`, spaces, newlines or "+/" for the same bytes,
+    so one summary would have many accepted spellings (issue 20, item 9)."""
+    try:
+        raw = text.encode("ascii")
+        data = base64.b64decode(raw, altchars=b"-_", validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        raise CompactionError("encrypted_content is not valid base64.") from None
+    if base64.urlsafe_b64encode(data) != raw:
+        raise CompactionError("encrypted_content is not valid base64.")
+    return data
 
 
 def _subkey(secret: bytes, purpose: bytes) -> bytes:

@@ -155,6 +155,9 @@ class ProjectionRequest:
     # Summaries already written for chunks, by chunk_digest (e.g. by an LLM summarizer
     # after an earlier request exposed the chunk in Projection.chunks).
     summaries: Mapping[str, Item] = field(default_factory=dict)
+    # Responses `truncation: "disabled"`: the items are sent as given, nothing compressed,
+    # summarized or dropped, and a history that does not fit is refused (`_verbatim`).
+    verbatim: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,10 +238,23 @@ class ContextLengthExceeded(Exception):
     """Pinned text + tools + current turn + output reserve alone exceed the window, or
     leave less than SUMMARY_MIN_TOKENS for the summary of a history that must be cut."""
 
-    def __init__(self, report: ProjectionReport, summary_min: int = 0) -> None:
+    def __init__(
+        self, report: ProjectionReport, summary_min: int = 0, *, verbatim: bool = False
+    ) -> None:
         self.report = report
         r = report
         needed = r.system + r.tools + r.current + r.output + r.epsilon
+        if verbatim:
+            needed += r.history_before
+            super().__init__(
+                f"This model's maximum context length is {r.window} tokens. However, your "
+                f"request resulted in {needed} tokens (history {r.history_before}, pinned "
+                f"{r.system}, tools {r.tools}, current turn {r.current}, output reserve "
+                f"{r.output}, margin {r.epsilon}), and truncation is 'disabled', so nothing "
+                "was dropped. Please reduce the length of the input, or set truncation to "
+                "'auto' to let the history be summarized."
+            )
+            return
         if summary_min:
             needed += summary_min
             removed = f"even with all earlier history replaced by a {summary_min}-token summary"
@@ -311,6 +327,8 @@ def project_context(
     summarizer: Summarizer = summarize_turns,
 ) -> Projection:
     """The context to send for `request`, under its budget, with the cut to keep."""
+    if request.verbatim:
+        return _verbatim(request, counter, policy)
     if not request.stateless or request.cut is not None:
         return _project(request, counter, policy, summarizer)
     whole = _prepared(request, counter, policy, summarizer)
@@ -324,6 +342,29 @@ def project_context(
     known = {id(chunk.summary): chunk for chunk in (*made, *projection.chunks)}
     sent = (known.get(id(item)) for item in projection.items if is_summary(item))
     return replace(projection, chunks=tuple(chunk for chunk in sent if chunk is not None))
+
+
+def _verbatim(
+    request: ProjectionRequest, counter: TokenCounter, policy: ProjectionPolicy
+) -> Projection:
+    """OpenAI's `truncation: "disabled"`: every item as given (no stored cut applies, no
+    result is compressed, nothing is summarized or dropped), or ContextLengthExceeded
+    when the whole history does not fit. No cut is kept: the thread's stays as it was."""
+    request = replace(request, cut=None, stateless=True, first_position=0)
+    blocks = segment(request.items, policy.pin_patterns, request.first_position)
+    state = _initial_state(request, policy, summarize_turns, blocks, counter)
+    fixed = _fixed_tokens(state)
+    budget = history_budget(
+        request.window,
+        fixed.system,
+        request.tools_tokens,
+        fixed.current,
+        request.output,
+        request.epsilon,
+    )
+    if _history(state) > budget:
+        raise ContextLengthExceeded(_overflow_report(state, fixed, budget), verbatim=True)
+    return _finish(state, fixed, budget, keep_cut=False)
 
 
 @dataclass

@@ -61,6 +61,8 @@ class BudgetInputs:
     tools: list[dict[str, Any]]
     requested_output: int | None
     instructions: str | None = None
+    # False for Responses `truncation: "disabled"`: nothing may be trimmed (SPEC 1).
+    truncate: bool = True
 
 
 class ApiShape(ABC):
@@ -310,7 +312,13 @@ class ResponsesApi(ApiShape):
         # Without `model` (a stored prompt names it): the policy's "*" limits.
         model = body.get("model") or ANY_MODEL
         tools = list(body.get("tools") or [])
-        return BudgetInputs(model, tools, body.get("max_output_tokens"), body.get("instructions"))
+        return BudgetInputs(
+            model,
+            tools,
+            body.get("max_output_tokens"),
+            body.get("instructions"),
+            truncate=body.get("truncation") != "disabled",
+        )
 
     def call_item(self, tool: str, call_id: str, arguments: str, kind: CallKind) -> Item:
         item_type = "custom_tool_call" if kind == "custom" else "function_call"

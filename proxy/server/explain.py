@@ -16,6 +16,7 @@ made the request, from the queue while it is not written yet. Records older than
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 
@@ -41,6 +42,11 @@ PURGE_INTERVAL_SECONDS = 600.0
 REPLACED_FIELDS = ("budget", "trimmed_blocks")
 
 PROJECTION = web.RequestKey("projection", Projection)  # set by rebuild_turn when observed
+# The provider's error, when it answered a model request with one (set by the relay).
+PROVIDER_ERROR: web.RequestKey[JsonDict] = web.RequestKey("provider_error", dict)
+# A provider's error body is read for its record up to this size (a message is cut).
+ERROR_BODY_MAX = 64 * 1024
+ERROR_MESSAGE_MAX = 4000
 
 
 class ExplainRecorder:
@@ -134,16 +140,43 @@ def explain_ctx() -> Callable[[web.Application], AsyncIterator[None]]:
     return ctx
 
 
+def provider_error(status: int, body: bytes) -> JsonDict:
+    """What a record keeps of a provider's error answer: its status and the four fields
+    of OpenAI's envelope; a body that is not one, as its first characters."""
+    error: object = None
+    if len(body) <= ERROR_BODY_MAX:
+        try:
+            error = json.loads(body).get("error")
+        except (ValueError, RecursionError, AttributeError):
+            error = None
+    if not isinstance(error, dict):
+        text = body[:ERROR_MESSAGE_MAX].decode("utf-8", "replace")
+        return {"status": status, "message": text, "type": None, "param": None, "code": None}
+    kept = {name: error.get(name) for name in ("message", "type", "param", "code")}
+    shown = {k: v if isinstance(v, str | int) or v is None else str(v) for k, v in kept.items()}
+    if isinstance(shown["message"], str):
+        shown["message"] = shown["message"][:ERROR_MESSAGE_MAX]
+    return {"status": status, **shown}
+
+
 def record_request(request: web.Request, status: int, latency_ms: float) -> None:
-    """Queues the record of a model request (one whose context was projected). A 4xx
-    leaves no record: bad input changes nothing in the store."""
+    """Queues the record of a model request (one whose context was projected) that
+    reached the provider, whatever it answered (its 4xx and 5xx too: `provider_error`),
+    or that failed in the proxy (5xx). A 4xx the proxy gave before calling the provider
+    leaves none: bad input changes nothing in the store."""
     recorder = request.app.get(EXPLAIN)
     projection = request.get(PROJECTION)
-    if recorder is None or projection is None or 400 <= status < 500:
+    if recorder is None or projection is None:
+        return
+    fields = request[LOG_FIELDS]
+    if 400 <= status < 500 and "upstream_status" not in fields:
         return
     clock: Clock = request.app[CLOCK]
     request_id = request[REQUEST_ID]
-    fields = {k: v for k, v in request[LOG_FIELDS].items() if k not in REPLACED_FIELDS}
+    fields = {k: v for k, v in fields.items() if k not in REPLACED_FIELDS}
+    error = request.get(PROVIDER_ERROR)
+    if error is not None:
+        fields["provider_error"] = error
     record: JsonDict = {
         "object": "threadkeeper.request",
         "id": request_id,

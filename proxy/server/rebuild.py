@@ -105,13 +105,15 @@ async def rebuild(
     stateless: bool = False,
     summaries: Mapping[str, Item] | None = None,
     background: bool = False,
+    verbatim: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
     replayed from its history (`stateless`) so its prefix repeats from one request to
     the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
     chunk digest. `background`: nobody waits for it (a prediction), so it runs in a worker
-    thread whatever its size, never taking the loop from the requests."""
+    thread whatever its size, never taking the loop from the requests. `verbatim`: the
+    request's `truncation` is "disabled" (nothing trimmed; too long is a 400)."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -137,6 +139,7 @@ async def rebuild(
             cut=cut,
             stateless=stateless,
             summaries=summaries if summaries is not None else {},
+            verbatim=verbatim,
         )
         return project_context(request, counter, projection_policy(policy))
 
@@ -183,6 +186,7 @@ async def rebuild_turn(
     observe: bool = True,
     small: bool = False,
     summaries: Mapping[str, Item] | None = None,
+    verbatim: bool = False,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
@@ -209,6 +213,7 @@ async def rebuild_turn(
             small=small and loaded is None,
             stateless=loaded is None or loaded.thread is None,
             summaries=summaries,
+            verbatim=verbatim,
         )
         set_attributes(span, budget_attributes(projection))
     if observe:

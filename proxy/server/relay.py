@@ -31,6 +31,7 @@ from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
 from proxy.server.api import CHAT, ApiShape
 from proxy.server.errors import ApiError
+from proxy.server.explain import PROVIDER_ERROR, provider_error
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
@@ -289,6 +290,8 @@ async def _relay_answer(
     if api is None and not upstream.closed:
         return await _relay_body(request, upstream, headers)
     body = await read_body(upstream)
+    if api is not None and upstream.status >= 400:
+        request[PROVIDER_ERROR] = provider_error(upstream.status, body)
     if api is not None and upstream.status < 400:
         answer = provider_answer(api, body)
         if on_answer is not None:

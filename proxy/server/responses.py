@@ -43,6 +43,7 @@ from proxy.server.validate import (
     read_json_object,
     required_role,
     required_string,
+    unsupported_value,
     wrong_type,
 )
 
@@ -71,7 +72,14 @@ def validate_responses(body: JsonDict) -> None:
     if conversation is not None and not isinstance(conversation, str | dict):
         raise wrong_type("conversation", "a string or an object", conversation)
     optional(body, "previous_response_id", str)
+    truncation = optional(body, "truncation", str)
+    if truncation is not None and truncation not in TRUNCATION:
+        raise unsupported_value(truncation, TRUNCATION, "truncation")
     compaction_threshold(body)
+
+
+# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; README).
+TRUNCATION = ("auto", "disabled")
 
 
 def validate_input_item(item: JsonDict, param: str) -> None:
@@ -162,16 +170,19 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     if is_stateful(body):
         loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
     turn = Turn(request, RESPONSES, body, b"", loaded, new=items)
+    if turn.verbatim and turn.loaded is not None:  # the whole thread would be sent
+        turn.loaded = await thread_service(request.app).whole(turn.loaded)
     if is_local(request):  # compaction items count as the summary the provider would get
         await Compactions(request, None).restore(turn)
-    if turn.loaded is not None:
+    if turn.loaded is not None and not turn.verbatim:
         # The provider does not know our conversations: count what would be sent.
         projection, _ = await project(turn)
         count = projection.report.prompt_tokens
     else:
         inputs = RESPONSES.budget_inputs(body)
         counter = TokenCounter.for_model(inputs.model)
+        sent = [*turn.known, *turn.new]
         count = await off_the_loop(
-            lambda: counter.responses_prompt(turn.new, inputs.instructions, inputs.tools), body
+            lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -38,7 +38,7 @@ from proxy.server.api import ApiShape
 from proxy.server.errors import invalid
 from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn, small_body
 from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
-from proxy.server.state import TENANT_POLICY, TRACING
+from proxy.server.state import TENANT_POLICY, TRACING, thread_service
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
 from proxy.tracing import genai_request, genai_response, set_attributes
@@ -67,6 +67,12 @@ class Turn:
     # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
     summaries: Mapping[str, Item] = field(default_factory=dict)
     rewritten: bool = False  # a hook changed what the provider gets: never the client's bytes
+
+    @property
+    def verbatim(self) -> bool:
+        """Responses `truncation: "disabled"`: the whole history is sent as it is, or the
+        request is refused (OpenAI's 400 context_length_exceeded); nothing is trimmed."""
+        return not self.api.budget_inputs(self.body).truncate
 
     @property
     def known(self) -> Sequence[Item]:
@@ -131,6 +137,8 @@ async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
     turn.history = turn.body.get(turn.api.history)
     for hook in hooks:
         await hook.load(turn)
+    if turn.verbatim and turn.loaded is not None:
+        turn.loaded = await thread_service(turn.request.app).whole(turn.loaded)
     history = turn.outputs = turn.history if turn.history is not None else []
     small = small_body(turn.raw)
     turn.new = await off_the_loop(lambda: turn.api.items(history), history, small=small)
@@ -166,6 +174,7 @@ async def project(
         observe=observe,
         small=small_body(turn.raw),
         summaries=turn.summaries,
+        verbatim=not inputs.truncate,
     )
 
 

@@ -93,6 +93,42 @@ def test_what_is_not_a_blob_is_a_compaction_error(blob: object) -> None:
         KEY.open("acme", blob)
 
 
+_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+
+
+def lenient_spellings(blob: str) -> dict[str, str]:
+    """Other spellings of `blob`'s bytes that a lenient base64 decoder reads the same."""
+    body = blob[len(BLOB_PREFIX) :]
+    data = body.rstrip("=")
+    spellings = {
+        "four '=' after": blob + "====",
+        "one '=' after": blob + "=",
+        "a newline after": blob + "\n",
+        "a space inside": BLOB_PREFIX + body[:8] + " " + body[8:],
+        "standard alphabet": BLOB_PREFIX + body.replace("-", "+").replace("_", "/"),
+        "a NUL after": blob + "\x00",
+    }
+    if data != body:
+        spellings["padding left off"] = BLOB_PREFIX + data
+        bumped = _ALPHABET[_ALPHABET.index(data[-1]) + 1]  # pad bits only: they are zero
+        spellings["pad bits set"] = BLOB_PREFIX + data[:-1] + bumped + body[len(data) :]
+    return spellings
+
+
+@pytest.mark.parametrize("pad", range(3))
+def test_only_the_canonical_spelling_of_a_blob_opens(pad: int) -> None:
+    """Issue 20, item 9: `encrypted_content + "===="` (and every other lenient spelling
+    of the same bytes) is refused; the blob as sealed opens."""
+    summary = {**SUMMARY, "state": {**SUMMARY["state"], "pad": "x" * pad}}
+    blob = KEY.seal("acme", summary)
+    variants = lenient_spellings(blob)
+    assert ("padding left off" in variants) == blob.endswith("=")
+    for spelled in variants.values():
+        with pytest.raises(CompactionError, match="not valid base64"):
+            KEY.open("acme", spelled)
+    assert KEY.open("acme", blob) == summary
+
+
 def test_a_sealed_non_summary_is_refused() -> None:
     with pytest.raises(CompactionError, match="no compaction summary"):
         KEY.open("acme", KEY.seal("acme", {"state": {}}))  # no format

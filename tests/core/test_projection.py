@@ -520,3 +520,25 @@ def test_a_cut_that_counted_the_chain_as_consolidated_consolidates_it(
     assert projection.cut is not None and projection.cut.chain != chain
     assert len(projection.cut.chain) == 1  # consolidated, now
     assert stands_for(projection.cut.chain) == projection.cut.start - 1
+
+
+def test_verbatim_sends_everything_or_refuses_naming_the_sizes(counter: TokenCounter) -> None:
+    """truncation "disabled" (issue 20, item 10): a history that trimming would compress
+    and summarize is either sent item for item (no stored cut applied, none kept) or
+    refused with the whole request's size."""
+    items = chat_history(12, rows=30)
+    whole = recount(counter, items, request(items, 16000))
+    trimmed = project_context(request(items, whole + 200), counter, POLICY)
+    assert trimmed.changed  # what "auto" does with this window
+    stored = CutPoint(5, (summary_item("chat", f"{SUMMARY_MARKER}\nearlier"),))
+    fits = request(items, whole + 600, cut=stored, verbatim=True)
+    sent = project_context(fits, counter, POLICY)
+    assert sent.items == tuple(items) and not sent.changed and sent.cut is None
+    assert (sent.report.dropped, sent.report.compressed, sent.report.summarized) == (0, 0, 0)
+    assert sent.report.prompt_tokens == whole
+    with pytest.raises(ContextLengthExceeded) as caught:
+        project_context(request(items, whole + 200, verbatim=True), counter, POLICY)
+    message = str(caught.value)
+    assert f"maximum context length is {whole + 200} tokens" in message
+    assert f"resulted in {whole + 600} tokens" in message  # the output reserve and margin
+    assert "truncation is 'disabled'" in message

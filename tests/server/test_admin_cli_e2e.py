@@ -14,7 +14,7 @@ import pytest
 from proxy.cli import main
 from proxy.fake_provider import FakeProvider, Reply
 
-from .conftest import Proxy
+from .conftest import TENANT_KEY, Proxy
 from .test_explain_e2e import written
 from .test_ledger_e2e import REFUND, ChatAgent, Shop, tools_policy
 
@@ -191,3 +191,27 @@ async def test_bad_store_url_missing_thread_and_bad_import_exit_2_with_one_line(
         assert code == 2 and problem in err, err
     code, out, _ = await cli(capsys, "threads", "list", "--json", *store)
     assert json.loads(out) == [], "a refused import leaves nothing behind"
+
+
+async def test_threads_explain_shows_the_providers_error(
+    store_url: str,
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    provider: FakeProvider,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 20, item 14: the request an operator most needs to explain, a provider's
+    refusal, has a record, and the CLI shows the provider's error."""
+    proxy = await make_proxy(store_url=store_url)
+    provider.script.append(Reply(status=400, text="Invalid 'temperature': 9 is above 2."))
+    async with proxy.http() as http:
+        refused = await http.post(
+            "/v1/responses",
+            json={"model": "gpt-4o", "input": "Hi", "temperature": 9},
+            headers={"Authorization": f"Bearer {TENANT_KEY}"},
+        )
+    assert refused.status_code == 400
+    await written(proxy)
+    request_id = refused.headers["x-threadkeeper-request-id"]
+    code, out, _ = await cli(capsys, "threads", "explain", request_id, "--store", store_url)
+    assert code == 0 and "status 400" in out.splitlines()[0]
+    assert "provider answered 400 (invalid_request_error): Invalid 'temperature'" in out

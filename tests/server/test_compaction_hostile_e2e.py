@@ -89,6 +89,38 @@ async def test_a_tampered_blob_is_a_400_wherever_the_byte_is(hostile: Proxy, at:
     )
 
 
+TRAILERS = {"four '='": "====", "one '='": "=", "a newline": "\n", "a space": " "}
+
+
+@pytest.mark.parametrize("trailer", TRAILERS.values(), ids=TRAILERS.keys())
+async def test_a_blob_with_trailing_garbage_is_a_400(hostile: Proxy, trailer: str) -> None:
+    """Issue 20, item 9: `encrypted_content + "===="` decoded leniently to the same
+    bytes and opened; only the blob exactly as the proxy wrote it opens."""
+    output = await compacted(hostile)
+    blob = output[-1]["encrypted_content"]
+    index = len(output) - 1
+    for spelled in (blob + trailer, blob.replace("-", "+").replace("_", "/") + trailer):
+        body = {"model": "gpt-4o", "input": with_blob(output, spelled)}
+        for path in ("/v1/responses", "/v1/responses/compact", "/v1/responses/input_tokens"):
+            error = await assert_refused(
+                hostile,
+                path,
+                body,
+                param=f"input[{index}].encrypted_content",
+                code="invalid_encrypted_content",
+            )
+            assert "base64" in error["message"]
+        opened = await send(
+            hostile, "/threadkeeper/v1/compactions/open", {"encrypted_content": spelled}
+        )
+        assert opened.status_code == 400, opened.text
+        assert opened.json()["error"]["param"] == "encrypted_content"
+    accepted = await send(
+        hostile, "/v1/responses", {"model": "gpt-4o", "input": with_blob(output, blob)}
+    )
+    assert accepted.status_code == 200, accepted.text
+
+
 async def test_another_tenants_blob_does_not_open(hostile: Proxy) -> None:
     theirs = await compacted(hostile, OTHER_AUTH)
     body = {"model": "gpt-4o", "input": [*theirs, USER], "store": False}

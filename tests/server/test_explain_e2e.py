@@ -10,6 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
+import openai
+import pytest
 from structlog.testing import capture_logs
 
 from proxy.clock import ManualClock
@@ -157,22 +159,57 @@ async def test_records_past_their_retention_are_purged(
     assert json.loads(gone.text)["error"]["code"] == "request_not_found"
 
 
-async def test_a_refused_request_leaves_no_record(
+async def test_a_provider_error_is_explained_and_the_proxys_own_refusal_is_not(
     make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
 ) -> None:
-    """Bad input changes nothing in the store: a provider's 400 about the request, relayed,
-    is not explained (5xx faults are)."""
-    proxy = await make_proxy()
+    """Issue 20, item 14: a provider's 4xx (and 5xx) answer keeps its record, with the
+    provider's status and error; a 4xx the proxy gives before calling the provider (bad
+    input) keeps none."""
+    proxy = await make_proxy(window=WINDOW)
+    client = proxy.client()
     provider.script.append(Reply(status=400, text="Invalid 'temperature': 9 is above 2."))
-    refused = await chat(proxy, [{"role": "user", "content": "Hi"}], temperature=9)
-    assert refused.status_code == 400
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.with_raw_response.create(
+            model="gpt-4o", input="Hi", temperature=9, store=False
+        )
+    refused_id = refused.value.response.headers["x-threadkeeper-request-id"]
+    provider.script.append(Reply(status=400, text="Invalid 'temperature': 9 is above 2."))
+    streamed = await chat(proxy, [{"role": "user", "content": "Hi"}], temperature=9, stream=True)
+    assert streamed.status_code == 400
     provider.script += [Reply(status=503)] * 3  # every attempt the retry policy allows
     failed = await chat(proxy, [{"role": "user", "content": "Hi"}])
     assert failed.status_code >= 500
+    with pytest.raises(openai.BadRequestError) as ours:  # the proxy's own: over the window
+        await client.responses.create(
+            model="gpt-4o", input="words " * 7000, truncation="disabled", store=False
+        )
+    assert ours.value.code == "context_length_exceeded"
+    invalid = await chat(proxy, [{"role": "user", "content": "Hi"}], max_tokens="many")
+    assert invalid.status_code == 400
     await written(proxy)
-    assert (await explain(proxy, refused.headers["x-threadkeeper-request-id"])).status_code == 404
+    for request_id in (refused_id, streamed.headers["x-threadkeeper-request-id"]):
+        kept = await explain(proxy, request_id)
+        assert kept.status_code == 200, kept.text
+        record = kept.json()
+        assert record["status"] == 400 and record["upstream_status"] == 400
+        assert record["provider_error"] == {
+            "status": 400,
+            "message": "Invalid 'temperature': 9 is above 2.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+        assert record["estimated_input_tokens"] > 0 and record["projection"]["blocks"]
+        assert "usage_input_tokens" not in record  # the provider counted nothing
     kept = await explain(proxy, failed.headers["x-threadkeeper-request-id"])
     assert kept.status_code == 200 and kept.json()["status"] == failed.status_code
+    assert kept.json()["provider_error"]["status"] == 503
+    for request_id in (
+        ours.value.response.headers["x-threadkeeper-request-id"],
+        invalid.headers["x-threadkeeper-request-id"],
+    ):
+        assert (await explain(proxy, request_id)).status_code == 404
+    assert len(provider.model_requests) == 5  # the two refusals and three 503s
 
 
 async def test_every_request_counts_the_history_it_did_not_send_verbatim(

@@ -98,6 +98,8 @@ class SummaryHook(TurnHook):
         """After the answer was relayed: start what later requests will want."""
         if self.answer is None or self.ready is None or turn.projection is None:
             return
+        if turn.verbatim:
+            return  # truncation "disabled": this client's requests are never cut
         try:
             self.target = self._target()
             self._keep_used(turn, turn.projection)

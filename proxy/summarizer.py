@@ -5,10 +5,21 @@ projection uses what it stored. A compaction (proxy/server/compaction.py) is the
 request that waits for it, at most `timeout_seconds`, through the same object. The call is the `openai` SDK's `AsyncOpenAI`
 pointed at the tenant's provider (its base URL and key, as a turn would use them), with
 the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
-`timeout_seconds`. What it answers passes proxy/core/llm_summary.py (parse into the
-memory state, render, guard); anything else (an error, a timeout, an unparseable or
-wrong-shaped answer) is None and the deterministic digest stands. Every call is logged
-and counted per tenant (calls by outcome, tokens in and out).
+`timeout_seconds`, which bounds reading the answer too (in a thread, off the loop).
+What it answers passes proxy/core/llm_summary.py (parse into the memory state, check
+it against the chunk, render, guard); anything else is None and the deterministic
+digest stands. Every call is logged and counted per tenant, by one outcome:
+
+- ok: used as written; guarded: used with must-keep strings the model left out put
+  back; unverified: used, with what the chunk does not bear out only in the
+  summarizer's notes (a model steered by text it summarized, or one that paraphrases);
+- error (the provider's, or a bug here), timeout (the call and the reading together);
+- invalid: the completion is not the shape OpenAI's API gives (no choices, a message
+  that is null or not an object, content not a string), or the answer is longer than
+  asked (`llm_summary.answer_fits`, it is not parsed); usage that is not token counts
+  is logged and counted as zero tokens, and the summary still used;
+- unparseable: no answer, or one that is not the state asked for (not JSON, nested past
+  the parser's depth, wrong types), or whose must-keep strings do not fit.
 
 >>> summarizer = LlmSummarizer(metrics)
 >>> written = await summarizer.write(policy, Target(base_url, key), items, counter, 1000)
@@ -28,7 +39,7 @@ import openai
 import structlog
 
 from proxy.core.items import Item
-from proxy.core.llm_summary import Written, summary_from_answer, summary_messages
+from proxy.core.llm_summary import Written, answer_fits, summary_from_answer, summary_messages
 from proxy.core.memory import MemoryState
 from proxy.core.models import is_reasoning_model
 from proxy.core.tokens import TokenCounter
@@ -38,9 +49,9 @@ from proxy.tracing import NO_TRACING, Tracing, set_attributes
 
 log = structlog.get_logger("threadkeeper.summarizer")
 
-Outcome = Literal["ok", "guarded", "error", "timeout", "unparseable"]
+Outcome = Literal["ok", "guarded", "unverified", "error", "timeout", "unparseable", "invalid"]
 # The model may spend this many times the summary's size on the JSON it answers with
-# (keys, quotes); the rendering is cut to max_tokens.
+# (keys, quotes): the call's token limit. The rendering is cut to max_tokens.
 ANSWER_ALLOWANCE = 2
 
 
@@ -99,7 +110,11 @@ class LlmSummarizer:
         }
         with self.tracing.span(f"summarize {model}", attributes, kind="client") as span:
             started = time.perf_counter()
-            call = await self._call(policy, target, items, counter, max_tokens, previous, base)
+            try:
+                call = await self._call(policy, target, items, counter, max_tokens, previous, base)
+            except Exception:  # a bug, not an answer: still one counted call
+                log.exception("summarizer_failed", tenant=policy.tenant)
+                call = Call("error", None)
             self._observe(policy, call, time.perf_counter() - started, len(items))
             set_attributes(
                 span,
@@ -131,32 +146,44 @@ class LlmSummarizer:
             timeout=settings.timeout_seconds,
         )
         messages: Any = summary_messages(items, settings.instructions, previous)
+        asked = settings.max_tokens * ANSWER_ALLOWANCE
+        # One deadline for the call and for reading its answer: a compaction waits for both.
+        deadline = asyncio.get_running_loop().time() + settings.timeout_seconds
         try:
-            async with asyncio.timeout(settings.timeout_seconds):
+            async with asyncio.timeout_at(deadline):
                 completion = await client.chat.completions.create(
                     model=settings.model,
                     messages=messages,
                     response_format={"type": "json_object"},
-                    **answer_limits(settings.model, settings.max_tokens * ANSWER_ALLOWANCE),
+                    **answer_limits(settings.model, asked),
                 )
         except (TimeoutError, openai.APITimeoutError):
             return Call("timeout", None)
-        except (openai.OpenAIError, httpx.HTTPError, ValueError) as exc:
+        except (openai.OpenAIError, httpx.HTTPError, ValueError, RecursionError) as exc:
             log.warning("summarizer_error", tenant=policy.tenant, error=_error(exc))
             return Call("error", None)
-        usage = completion.usage
-        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-        answer = completion.choices[0].message.content if completion.choices else None
-        written = None
-        if answer:
-            # Reading the chunk's must-keep strings walks every item: not on the loop.
-            limit = min(max_tokens, settings.max_tokens)
-            written = await asyncio.to_thread(
-                summary_from_answer, answer, items, counter, limit, previous, base
-            )
-        if written is None:
+        tokens = _usage(completion)
+        if tokens is None:
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="usage")
+            tokens = (0, 0)
+        answer = _answer(completion)
+        if answer is None:
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="message")
+            return Call("invalid", None, *tokens)
+        if not answer:
             return Call("unparseable", None, *tokens)
-        return Call("guarded" if written.appended else "ok", written, *tokens)
+        limit = min(max_tokens, settings.max_tokens)
+        try:
+            async with asyncio.timeout_at(deadline):
+                # Reading the chunk's must-keep strings walks every item: not on the loop.
+                outcome, written = await asyncio.to_thread(
+                    _read, answer, asked, items, counter, limit, previous, base
+                )
+        except TimeoutError:
+            return Call("timeout", None, *tokens)
+        if outcome == "invalid":
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="too long")
+        return Call(outcome, written, *tokens)
 
     def _observe(self, policy: Policy, call: Call, seconds: float, items: int) -> None:
         tenant = policy.tenant
@@ -178,6 +205,56 @@ class LlmSummarizer:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+def _read(
+    answer: str,
+    asked: int,
+    items: Sequence[Item],
+    counter: TokenCounter,
+    limit: int,
+    previous: Item | None,
+    base: MemoryState | None,
+) -> tuple[Outcome, Written | None]:
+    """What came of an answer: too long for what was asked (invalid, not parsed), not
+    the state asked for or without room for its must-keep strings (unparseable), or
+    the summary and how it was used."""
+    if not answer_fits(answer, counter, asked):
+        return "invalid", None
+    written = summary_from_answer(answer, items, counter, limit, previous, base)
+    if written is None:
+        return "unparseable", None
+    if written.unverified:
+        return "unverified", written
+    return ("guarded" if written.appended else "ok"), written
+
+
+def _answer(completion: Any) -> str | None:
+    """The answer's text ("" for none: content null), or None when the completion is not
+    the shape OpenAI's API gives (no choices, a message that is not one, content that
+    is neither a string nor null). The SDK does not check what a provider sent."""
+    choices = getattr(completion, "choices", None)
+    if not isinstance(choices, list) or not choices:
+        return None
+    message = getattr(choices[0], "message", None)
+    if message is None or isinstance(message, str | int | float | list | dict):
+        return None
+    content = getattr(message, "content", None)
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else None
+
+
+def _usage(completion: Any) -> tuple[int, int] | None:
+    """(prompt, completion) tokens the provider reported: (0, 0) without usage; None
+    when they are not non-negative integers."""
+    usage = getattr(completion, "usage", None)
+    if usage is None:
+        return (0, 0)
+    counts = (getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None))
+    if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 53 for n in counts):
+        return counts  # type: ignore[return-value]
+    return None
 
 
 def answer_limits(model: str, max_tokens: int) -> dict[str, Any]:

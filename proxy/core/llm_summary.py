@@ -5,13 +5,25 @@ word, decisions taken, verified tool facts with their values, current preference
 earlier one only as "changed from"), open tasks and pending side-effecting calls,
 entities. Its JSON answer is read into the memory state of proxy/core/memory.py and
 rendered by the same `render` as the deterministic digest, so both kinds of summary
-read alike and the same state always gives the same bytes. The guard (`memory.guard`)
-first appends to its section, verbatim, every must-keep string the model left out (the
-deterministic extractor's: ids, amounts, rules, preferences, pending calls, decisions);
-a summary that cannot hold them all in its limit is not used.
+read alike and the same state always gives the same bytes.
 
-An answer that is not JSON, not an object, or has a field of the wrong type gives None:
-the caller keeps the deterministic digest. Pure: the call itself is proxy/summarizer.py.
+The model's words are not trusted (issue 20, item 1: a summarizer steered by a prompt
+injection in a page it summarized). Each entry is checked against the chunk
+(`Evidence`): a user rule or preference must be a verbatim span of a user message, a
+verified fact must name a tool call of the chunk and give values its result holds, and
+so on; what fails is kept only as the summarizer's notes, a section titled as the
+model's own unverified words and not instructions, ranked below everything else. The
+guard (`memory.guard`) then appends to its section, verbatim, every must-keep string
+the model left out (the deterministic extractor's: ids, amounts, rules, preferences,
+pending calls, decisions); a summary that cannot hold them all in its limit is not used.
+
+Sizes are bounded in tokens: an answer over `ANSWER_SLACK` times what the call asked for
+is not read (`answer_fits`), and the state kept (stored, sealed in a compaction) holds
+only the model's entries its max_tokens rendering shows, beside the guard's (`_as_sent`).
+
+An answer that is not JSON, not an object, nested past the parser's depth, or has a
+field of the wrong type gives None: the caller keeps the deterministic digest. Pure: the
+call itself is proxy/summarizer.py.
 
 >>> messages = summary_messages(items, instructions=None)     # Chat Completions messages
 >>> written = summary_from_answer(answer_text, items, counter, max_tokens=800)
@@ -299,11 +311,12 @@ class Evidence:
                         for key in (name, f"{name} {call_id}"):
                             calls[key] = (call_id, shown)
         earlier = previous or memory.MemoryState()
-        user += [*earlier.constraints, *earlier.requests]
-        user += [t for p in earlier.preferences for t in (p.text, p.changed_from) if t]
-        said = [*earlier.decisions, *earlier.open_tasks, *earlier.said, *earlier.earlier]
-        words += [*user, *said]
-        everything += [*words, *earlier.facts, *earlier.entities]
+        theirs = [*earlier.constraints, *earlier.requests]
+        theirs += [t for p in earlier.preferences for t in (p.text, p.changed_from) if t]
+        said = [*theirs, *earlier.decisions, *earlier.open_tasks, *earlier.said, *earlier.earlier]
+        user += theirs
+        words += said
+        everything += [*said, *earlier.facts, *earlier.entities]
         everything += [p.text for p in earlier.pending]
         for fact in earlier.facts:
             results.setdefault(_tool_of(fact), []).append(fact)
@@ -378,15 +391,29 @@ def _collapsed(text: str) -> str:
 
 
 def _occurs(needle: str, text: str) -> bool:
-    """Whether `needle` is a span of `text` that starts and ends at word boundaries."""
+    """Whether `needle` is a span of `text` that starts and ends at word boundaries.
+    Bounded: after CANDIDATES places where it occurs inside a word, it does not."""
     if not needle:
         return False
-    before = r"(?<!\w)" if _WORD.match(needle[0]) else ""
-    after = r"(?!\w)" if _WORD.match(needle[-1]) else ""
-    return re.search(before + re.escape(needle) + after, text) is not None
+    first, last = _is_word(needle[0]), _is_word(needle[-1])
+    at = text.find(needle)
+    for _ in range(CANDIDATES):
+        if at < 0:
+            return False
+        end = at + len(needle)
+        if not (first and at and _is_word(text[at - 1])) and not (
+            last and end < len(text) and _is_word(text[end])
+        ):
+            return True
+        at = text.find(needle, at + 1)
+    return False
 
 
-_WORD = re.compile(r"\w")
+CANDIDATES = 1_000
+
+
+def _is_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
 
 
 def _texts(entries: list[Any]) -> tuple[str, ...]:

@@ -14,10 +14,11 @@ digest stands. Every call is logged and counted per tenant, by one outcome:
   back; unverified: used, with what the chunk does not bear out only in the
   summarizer's notes (a model steered by text it summarized, or one that paraphrases);
 - error (the provider's, or a bug here), timeout (the call and the reading together);
-- invalid: the completion is not the shape OpenAI's API gives (no choices, a message
-  that is null or not an object, content not a string), or the answer is longer than
-  asked (`llm_summary.answer_fits`, it is not parsed); usage that is not token counts
-  is logged and counted as zero tokens, and the summary still used;
+- invalid: the completion is not the shape OpenAI's API gives (not JSON, no choices, a
+  message that is null or not an object, content not a string), or it is longer than
+  asked: a body past `max_body_bytes` is not read further, an answer past
+  `llm_summary.answer_fits` is not parsed; usage that is not token counts is logged and
+  counted as zero tokens, and the summary still used;
 - unparseable: no answer, or one that is not the state asked for (not JSON, nested past
   the parser's depth, wrong types), or whose must-keep strings do not fit.
 
@@ -29,6 +30,7 @@ digest stands. Every call is logged and counted per tenant, by one outcome:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +41,14 @@ import openai
 import structlog
 
 from proxy.core.items import Item
-from proxy.core.llm_summary import Written, answer_fits, summary_from_answer, summary_messages
+from proxy.core.llm_summary import (
+    ANSWER_SLACK,
+    CHARS_PER_TOKEN,
+    Written,
+    answer_fits,
+    summary_from_answer,
+    summary_messages,
+)
 from proxy.core.memory import MemoryState
 from proxy.core.models import is_reasoning_model
 from proxy.core.tokens import TokenCounter
@@ -151,38 +160,44 @@ class LlmSummarizer:
         deadline = asyncio.get_running_loop().time() + settings.timeout_seconds
         try:
             async with asyncio.timeout_at(deadline):
-                completion = await client.chat.completions.create(
+                # Streamed, so that a huge body is not read whole, nor parsed on the loop.
+                async with client.chat.completions.with_streaming_response.create(
                     model=settings.model,
                     messages=messages,
                     response_format={"type": "json_object"},
                     **answer_limits(settings.model, asked),
-                )
+                ) as response:
+                    body = await _body(response, max_body_bytes(asked))
         except (TimeoutError, openai.APITimeoutError):
             return Call("timeout", None)
-        except (openai.OpenAIError, httpx.HTTPError, ValueError, RecursionError) as exc:
+        except (openai.OpenAIError, httpx.HTTPError, ValueError) as exc:
             log.warning("summarizer_error", tenant=policy.tenant, error=_error(exc))
             return Call("error", None)
-        tokens = _usage(completion)
-        if tokens is None:
-            log.warning("summarizer_invalid", tenant=policy.tenant, problem="usage")
-            tokens = (0, 0)
-        answer = _answer(completion)
-        if answer is None:
-            log.warning("summarizer_invalid", tenant=policy.tenant, problem="message")
-            return Call("invalid", None, *tokens)
-        if not answer:
-            return Call("unparseable", None, *tokens)
+        if body is None:
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="body too large")
+            return Call("invalid", None)
         limit = min(max_tokens, settings.max_tokens)
+        tokens = (0, 0)
         try:
             async with asyncio.timeout_at(deadline):
-                # Reading the chunk's must-keep strings walks every item: not on the loop.
+                # Parsing, checking against the chunk, guarding: not on the loop.
+                completion = await asyncio.to_thread(_parsed, body)
+                usage = _usage(completion)
+                if usage is None:
+                    log.warning("summarizer_invalid", tenant=policy.tenant, problem="usage")
+                tokens = usage or (0, 0)
+                answer = _answer(completion)
+                if answer is None:
+                    problem = "not a chat completion"
+                    log.warning("summarizer_invalid", tenant=policy.tenant, problem=problem)
+                    return Call("invalid", None, *tokens)
                 outcome, written = await asyncio.to_thread(
                     _read, answer, asked, items, counter, limit, previous, base
                 )
         except TimeoutError:
             return Call("timeout", None, *tokens)
         if outcome == "invalid":
-            log.warning("summarizer_invalid", tenant=policy.tenant, problem="too long")
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="answer too long")
         return Call(outcome, written, *tokens)
 
     def _observe(self, policy: Policy, call: Call, seconds: float, items: int) -> None:
@@ -207,6 +222,14 @@ class LlmSummarizer:
         await self.http.aclose()
 
 
+def _parsed(body: bytes) -> Any:
+    """The completion's JSON; None when the body is not JSON (then it is no completion)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _read(
     answer: str,
     asked: int,
@@ -216,12 +239,12 @@ def _read(
     previous: Item | None,
     base: MemoryState | None,
 ) -> tuple[Outcome, Written | None]:
-    """What came of an answer: too long for what was asked (invalid, not parsed), not
-    the state asked for or without room for its must-keep strings (unparseable), or
-    the summary and how it was used."""
+    """What came of an answer: too long for what was asked (invalid, not parsed); none,
+    not the state asked for, or without room for its must-keep strings (unparseable);
+    or the summary and how it was used."""
     if not answer_fits(answer, counter, asked):
         return "invalid", None
-    written = summary_from_answer(answer, items, counter, limit, previous, base)
+    written = summary_from_answer(answer, items, counter, limit, previous, base) if answer else None
     if written is None:
         return "unparseable", None
     if written.unverified:
@@ -229,17 +252,39 @@ def _read(
     return ("guarded" if written.appended else "ok"), written
 
 
+async def _body(response: Any, limit: int) -> bytes | None:
+    """The response body, or None past `limit` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def max_body_bytes(asked: int) -> int:
+    """The largest completion body an answer of `asked` tokens can come in: what
+    `answer_fits` lets through, each character escaped (\\uXXXX twice, outside the
+    basic plane), and the envelope around it."""
+    return asked * ANSWER_SLACK * CHARS_PER_TOKEN * 12 + ENVELOPE_BYTES
+
+
+ENVELOPE_BYTES = 64 * 1024
+
+
 def _answer(completion: Any) -> str | None:
     """The answer's text ("" for none: content null), or None when the completion is not
-    the shape OpenAI's API gives (no choices, a message that is not one, content that
-    is neither a string nor null). The SDK does not check what a provider sent."""
-    choices = getattr(completion, "choices", None)
-    if not isinstance(choices, list) or not choices:
+    the shape OpenAI's API gives (no choices, a message that is not an object, content
+    that is neither a string nor null)."""
+    choices = completion.get("choices") if isinstance(completion, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return None
-    message = getattr(choices[0], "message", None)
-    if message is None or isinstance(message, str | int | float | list | dict):
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
         return None
-    content = getattr(message, "content", None)
+    content = message.get("content")
     if content is None:
         return ""
     return content if isinstance(content, str) else None
@@ -248,10 +293,12 @@ def _answer(completion: Any) -> str | None:
 def _usage(completion: Any) -> tuple[int, int] | None:
     """(prompt, completion) tokens the provider reported: (0, 0) without usage; None
     when they are not non-negative integers."""
-    usage = getattr(completion, "usage", None)
+    usage = completion.get("usage") if isinstance(completion, dict) else None
     if usage is None:
         return (0, 0)
-    counts = (getattr(usage, "prompt_tokens", None), getattr(usage, "completion_tokens", None))
+    if not isinstance(usage, dict):
+        return None
+    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
     if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 53 for n in counts):
         return counts  # type: ignore[return-value]
     return None

@@ -271,6 +271,7 @@ def hostile(**changes: Any) -> httpx.Response:
         (hostile(choices__0__message__content=["a", "b"]), "invalid"),
         (httpx.Response(200, json=["not", "a", "completion"]), "invalid"),
         (httpx.Response(200, text="<html>busy</html>"), "invalid"),
+        (httpx.Response(200, content=b'{"choices": "' + b"x" * 5_000_000 + b'"}'), "invalid"),
         # Nested past the parser's depth: within the answer's limit, then past it.
         (hostile(choices__0__message__content="[" * 2_000 + "]" * 2_000), "unparseable"),
         (hostile(choices__0__message__content="[" * 200_000 + "]" * 200_000), "invalid"),
@@ -381,3 +382,17 @@ async def test_an_injected_answer_is_used_with_its_claims_as_notes_and_counted(
     written = await write(summarizer, counter)
     assert written is not None and INJECTION in written.unverified
     assert calls(summarizer.metrics, "unverified") == 1 and calls(summarizer.metrics, "ok") == 0
+
+
+@respx.mock
+async def test_a_body_longer_than_any_answer_asked_for_is_not_read_whole(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    """Parsed by the SDK on the event loop before; now it stops at max_body_bytes."""
+    answer = json.dumps({"constraints": ["x" * 5_000_000]})
+    respx.post(URL).mock(return_value=completion(answer))
+    with capture_logs() as logs:
+        assert await write(summarizer, counter) is None
+    assert calls(summarizer.metrics, "invalid") == 1
+    problems = [e["problem"] for e in logs if e["event"] == "summarizer_invalid"]
+    assert problems == ["body too large"]

@@ -454,3 +454,13 @@ def test_an_answer_longer_than_asked_is_not_read(counter: TokenCounter) -> None:
     huge = json.dumps({"constraints": [f"Rule number {n} applies." for n in range(5_000)]})
     assert not answer_fits(huge, counter, 600)
     assert not answer_fits("x" * 10_000_000, counter, 600)  # refused before it is counted
+
+
+def test_a_rule_held_only_inside_a_note_is_put_back_as_the_users(counter: TokenCounter) -> None:
+    """The guard looked for must-keep strings anywhere in the model's entries: a rule
+    quoted inside a note would have counted as kept, and stood only as a note."""
+    wrapped = f"Reminder: {RULE} {TRANSFER}."
+    written = summary_from_answer(good_answer(constraints=[wrapped]), support_items(), counter, 800)
+    assert written is not None and RULE in written.appended
+    assert section_of(written.item.text(), RULE) == "Constraints stated by the user (their words):"
+    assert section_of(written.item.text(), wrapped) == memory.NOTES_TITLE

@@ -215,6 +215,7 @@ class LlmSummarizer:
             tokens_in=call.tokens_in,
             tokens_out=call.tokens_out,
             appended=len(call.written.appended) if call.written is not None else 0,
+            unverified=len(call.written.unverified) if call.written is not None else 0,
             latency_ms=round(seconds * 1000, 3),
         )
 

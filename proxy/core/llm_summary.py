@@ -266,7 +266,8 @@ class Evidence:
     - a constraint or preference of the user: a span of a user message, or of an earlier
       summary's constraints, preferences or requests;
     - a decision or open task: a span of a message (anyone's words, a call's text
-      included), or of an earlier summary's entry;
+      included), or of an earlier summary's rules, requests, decisions, tasks or what
+      it said the assistant said;
     - a pending call: names a call of the chunk without a result in it (or one pending
       in the earlier summary), and its argument values occur in that call's arguments;
     - a verified fact: names a tool whose result is in the chunk (or an earlier verified

@@ -271,6 +271,7 @@ def hostile(**changes: Any) -> httpx.Response:
         (hostile(choices__0__message__content=["a", "b"]), "invalid"),
         (httpx.Response(200, json=["not", "a", "completion"]), "invalid"),
         (httpx.Response(200, text="<html>busy</html>"), "invalid"),
+        (httpx.Response(200, content=b"[" * 100_000), "invalid"),
         (httpx.Response(200, content=b'{"choices": "' + b"x" * 5_000_000 + b'"}'), "invalid"),
         # Nested past the parser's depth: within the answer's limit, then past it.
         (hostile(choices__0__message__content="[" * 2_000 + "]" * 2_000), "unparseable"),

@@ -83,8 +83,9 @@ class Metrics:
         self.summarizer_calls = Counter(
             "threadkeeper_summarizer_calls",
             "Summarizer model calls by tenant and outcome (ok: used as written; guarded: "
-            "used with must-keep lines appended; error, timeout, unparseable: the "
-            "deterministic digest stands).",
+            "used with must-keep lines appended; unverified: used, with what the chunk "
+            "does not bear out only as the summarizer's notes; error, timeout, invalid, "
+            "unparseable: the deterministic digest stands).",
             ("tenant", "outcome"),
             registry=self.registry,
         )

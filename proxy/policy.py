@@ -178,7 +178,7 @@ class SummarizerPolicy(_Frozen):
     model: str = Field(min_length=1)
     """The model that writes summaries, through this tenant's own upstream."""
     max_tokens: int = Field(default=800, gt=0)  # the rendered summary's size
-    """The largest rendered summary the model may write."""
+    """The largest rendered summary the model may write. The call asks for at most twice this (the JSON around it), and an answer counted over twice that is refused unread (outcome invalid). What is kept of the model's words, stored and sealed in a compaction, is what this many tokens render; only the deterministic entries the guard adds (bounded by the extractor) come on top."""
     timeout_seconds: float = Field(default=20.0, gt=0)  # one summary, retries included
     """The longest one summary call may take, retries included; past it the deterministic digest stands."""
     instructions: str | None = Field(default=None, min_length=1)  # added to the prompt

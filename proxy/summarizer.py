@@ -5,10 +5,22 @@ projection uses what it stored. A compaction (proxy/server/compaction.py) is the
 request that waits for it, at most `timeout_seconds`, through the same object. The call is the `openai` SDK's `AsyncOpenAI`
 pointed at the tenant's provider (its base URL and key, as a turn would use them), with
 the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
-`timeout_seconds`. What it answers passes proxy/core/llm_summary.py (parse into the
-memory state, render, guard); anything else (an error, a timeout, an unparseable or
-wrong-shaped answer) is None and the deterministic digest stands. Every call is logged
-and counted per tenant (calls by outcome, tokens in and out).
+`timeout_seconds`, which bounds reading the answer too (in a thread, off the loop).
+What it answers passes proxy/core/llm_summary.py (parse into the memory state, check
+it against the chunk, render, guard); anything else is None and the deterministic
+digest stands. Every call is logged and counted per tenant, by one outcome:
+
+- ok: used as written; guarded: used with must-keep strings the model left out put
+  back; unverified: used, with what the chunk does not bear out only in the
+  summarizer's notes (a model steered by text it summarized, or one that paraphrases);
+- error (the provider's, or a bug here), timeout (the call and the reading together);
+- invalid: the completion is not the shape OpenAI's API gives (not JSON, no choices, a
+  message that is null or not an object, content not a string), or it is longer than
+  asked: a body past `max_body_bytes` is not read further, an answer past
+  `llm_summary.answer_fits` is not parsed; usage that is not token counts is logged and
+  counted as zero tokens, and the summary still used;
+- unparseable: no answer, or one that is not the state asked for (not JSON, nested past
+  the parser's depth, wrong types), or whose must-keep strings do not fit.
 
 >>> summarizer = LlmSummarizer(metrics)
 >>> written = await summarizer.write(policy, Target(base_url, key), items, counter, 1000)
@@ -18,6 +30,7 @@ and counted per tenant (calls by outcome, tokens in and out).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +41,14 @@ import openai
 import structlog
 
 from proxy.core.items import Item
-from proxy.core.llm_summary import Written, summary_from_answer, summary_messages
+from proxy.core.llm_summary import (
+    ANSWER_SLACK,
+    CHARS_PER_TOKEN,
+    Written,
+    answer_fits,
+    summary_from_answer,
+    summary_messages,
+)
 from proxy.core.memory import MemoryState
 from proxy.core.models import is_reasoning_model
 from proxy.core.tokens import TokenCounter
@@ -38,9 +58,9 @@ from proxy.tracing import NO_TRACING, Tracing, set_attributes
 
 log = structlog.get_logger("threadkeeper.summarizer")
 
-Outcome = Literal["ok", "guarded", "error", "timeout", "unparseable"]
+Outcome = Literal["ok", "guarded", "unverified", "error", "timeout", "unparseable", "invalid"]
 # The model may spend this many times the summary's size on the JSON it answers with
-# (keys, quotes); the rendering is cut to max_tokens.
+# (keys, quotes): the call's token limit. The rendering is cut to max_tokens.
 ANSWER_ALLOWANCE = 2
 
 
@@ -99,7 +119,11 @@ class LlmSummarizer:
         }
         with self.tracing.span(f"summarize {model}", attributes, kind="client") as span:
             started = time.perf_counter()
-            call = await self._call(policy, target, items, counter, max_tokens, previous, base)
+            try:
+                call = await self._call(policy, target, items, counter, max_tokens, previous, base)
+            except Exception:  # a bug, not an answer: still one counted call
+                log.exception("summarizer_failed", tenant=policy.tenant)
+                call = Call("error", None)
             self._observe(policy, call, time.perf_counter() - started, len(items))
             set_attributes(
                 span,
@@ -131,32 +155,50 @@ class LlmSummarizer:
             timeout=settings.timeout_seconds,
         )
         messages: Any = summary_messages(items, settings.instructions, previous)
+        asked = settings.max_tokens * ANSWER_ALLOWANCE
+        # One deadline for the call and for reading its answer: a compaction waits for both.
+        deadline = asyncio.get_running_loop().time() + settings.timeout_seconds
         try:
-            async with asyncio.timeout(settings.timeout_seconds):
-                completion = await client.chat.completions.create(
+            async with asyncio.timeout_at(deadline):
+                # Streamed, so that a huge body is not read whole, nor parsed on the loop.
+                async with client.chat.completions.with_streaming_response.create(
                     model=settings.model,
                     messages=messages,
                     response_format={"type": "json_object"},
-                    **answer_limits(settings.model, settings.max_tokens * ANSWER_ALLOWANCE),
-                )
+                    **answer_limits(settings.model, asked),
+                ) as response:
+                    body = await _body(response, max_body_bytes(asked))
         except (TimeoutError, openai.APITimeoutError):
             return Call("timeout", None)
         except (openai.OpenAIError, httpx.HTTPError, ValueError) as exc:
             log.warning("summarizer_error", tenant=policy.tenant, error=_error(exc))
             return Call("error", None)
-        usage = completion.usage
-        tokens = (usage.prompt_tokens, usage.completion_tokens) if usage else (0, 0)
-        answer = completion.choices[0].message.content if completion.choices else None
-        written = None
-        if answer:
-            # Reading the chunk's must-keep strings walks every item: not on the loop.
-            limit = min(max_tokens, settings.max_tokens)
-            written = await asyncio.to_thread(
-                summary_from_answer, answer, items, counter, limit, previous, base
-            )
-        if written is None:
-            return Call("unparseable", None, *tokens)
-        return Call("guarded" if written.appended else "ok", written, *tokens)
+        if body is None:
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="body too large")
+            return Call("invalid", None)
+        limit = min(max_tokens, settings.max_tokens)
+        tokens = (0, 0)
+        try:
+            async with asyncio.timeout_at(deadline):
+                # Parsing, checking against the chunk, guarding: not on the loop.
+                completion = await asyncio.to_thread(_parsed, body)
+                usage = _usage(completion)
+                if usage is None:
+                    log.warning("summarizer_invalid", tenant=policy.tenant, problem="usage")
+                tokens = usage or (0, 0)
+                answer = _answer(completion)
+                if answer is None:
+                    problem = "not a chat completion"
+                    log.warning("summarizer_invalid", tenant=policy.tenant, problem=problem)
+                    return Call("invalid", None, *tokens)
+                outcome, written = await asyncio.to_thread(
+                    _read, answer, asked, items, counter, limit, previous, base
+                )
+        except TimeoutError:
+            return Call("timeout", None, *tokens)
+        if outcome == "invalid":
+            log.warning("summarizer_invalid", tenant=policy.tenant, problem="answer too long")
+        return Call(outcome, written, *tokens)
 
     def _observe(self, policy: Policy, call: Call, seconds: float, items: int) -> None:
         tenant = policy.tenant
@@ -173,11 +215,94 @@ class LlmSummarizer:
             tokens_in=call.tokens_in,
             tokens_out=call.tokens_out,
             appended=len(call.written.appended) if call.written is not None else 0,
+            unverified=len(call.written.unverified) if call.written is not None else 0,
             latency_ms=round(seconds * 1000, 3),
         )
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+def _parsed(body: bytes) -> Any:
+    """The completion's JSON; None when the body is not JSON (then it is no completion)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _read(
+    answer: str,
+    asked: int,
+    items: Sequence[Item],
+    counter: TokenCounter,
+    limit: int,
+    previous: Item | None,
+    base: MemoryState | None,
+) -> tuple[Outcome, Written | None]:
+    """What came of an answer: too long for what was asked (invalid, not parsed); none,
+    not the state asked for, or without room for its must-keep strings (unparseable);
+    or the summary and how it was used."""
+    if not answer_fits(answer, counter, asked):
+        return "invalid", None
+    written = summary_from_answer(answer, items, counter, limit, previous, base) if answer else None
+    if written is None:
+        return "unparseable", None
+    if written.unverified:
+        return "unverified", written
+    return ("guarded" if written.appended else "ok"), written
+
+
+async def _body(response: Any, limit: int) -> bytes | None:
+    """The response body, or None past `limit` bytes (the rest is not read)."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def max_body_bytes(asked: int) -> int:
+    """The largest completion body an answer of `asked` tokens can come in: what
+    `answer_fits` lets through, each character escaped (\\uXXXX twice, outside the
+    basic plane), and the envelope around it."""
+    return asked * ANSWER_SLACK * CHARS_PER_TOKEN * 12 + ENVELOPE_BYTES
+
+
+ENVELOPE_BYTES = 64 * 1024
+
+
+def _answer(completion: Any) -> str | None:
+    """The answer's text ("" for none: content null), or None when the completion is not
+    the shape OpenAI's API gives (no choices, a message that is not an object, content
+    that is neither a string nor null)."""
+    choices = completion.get("choices") if isinstance(completion, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        return None
+    content = message.get("content")
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else None
+
+
+def _usage(completion: Any) -> tuple[int, int] | None:
+    """(prompt, completion) tokens the provider reported: (0, 0) without usage; None
+    when they are not non-negative integers."""
+    usage = completion.get("usage") if isinstance(completion, dict) else None
+    if usage is None:
+        return (0, 0)
+    if not isinstance(usage, dict):
+        return None
+    counts = (usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 53 for n in counts):
+        return counts  # type: ignore[return-value]
+    return None
 
 
 def answer_limits(model: str, max_tokens: int) -> dict[str, Any]:

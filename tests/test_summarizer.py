@@ -166,20 +166,29 @@ def test_answer_limits_by_model_family(model: str, limits: dict[str, int]) -> No
 
 @respx.mock
 @pytest.mark.parametrize(
-    ("changes", "dropped"),
+    ("changes", "dropped", "outcome"),
     [
-        ({"entities": ["100 EUR"], "decisions": ["A refund was approved."], "facts": []}, REFUND),
-        ({"constraints": []}, RULE),
+        # The paraphrased decision is the model's own: only a note, counted as unverified.
+        (
+            {"entities": ["100 EUR"], "decisions": ["A refund was approved."], "facts": []},
+            REFUND,
+            "unverified",
+        ),
+        ({"constraints": []}, RULE, "guarded"),
     ],
 )
 async def test_an_answer_that_drops_must_keep_facts_is_guarded(
-    summarizer: LlmSummarizer, counter: TokenCounter, changes: dict[str, Any], dropped: str
+    summarizer: LlmSummarizer,
+    counter: TokenCounter,
+    changes: dict[str, Any],
+    dropped: str,
+    outcome: str,
 ) -> None:
     respx.post(URL).mock(return_value=completion(good_answer(**changes)))
     written = await write(summarizer, counter)
     assert written is not None and dropped in written.appended
     assert all(kept in written.item.text() for kept in memory.must_keep(support_items()))
-    assert calls(summarizer.metrics, "guarded") == 1
+    assert calls(summarizer.metrics, outcome) == 1
 
 
 @respx.mock
@@ -233,3 +242,158 @@ async def test_a_500_then_an_answer_is_retried(
     )
     assert await write(summarizer, counter) is not None
     assert route.call_count == 2 and calls(summarizer.metrics, "ok") == 1
+
+
+# --- hostile answers (issue 20, item 5): each a counted outcome, never a traceback ---------
+
+
+def hostile(**changes: Any) -> httpx.Response:
+    """A chat completion with some of its fields replaced."""
+    body = json.loads(completion(good_answer()).content)
+    for path, value in changes.items():
+        target = body
+        *parents, last = path.split("__")
+        for key in parents:
+            target = target[int(key)] if isinstance(target, list) else target[key]
+        target[last] = value
+    return httpx.Response(200, json=body)
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    ("response", "outcome"),
+    [
+        (hostile(choices__0__message=None), "invalid"),
+        (hostile(choices__0__message="the summary"), "invalid"),
+        (hostile(choices=[]), "invalid"),
+        (hostile(choices=None), "invalid"),
+        (hostile(choices__0__message__content={"constraints": []}), "invalid"),
+        (hostile(choices__0__message__content=["a", "b"]), "invalid"),
+        (httpx.Response(200, json=["not", "a", "completion"]), "invalid"),
+        (httpx.Response(200, text="<html>busy</html>"), "invalid"),
+        (httpx.Response(200, content=b"[" * 100_000), "invalid"),
+        (httpx.Response(200, content=b'{"choices": "' + b"x" * 5_000_000 + b'"}'), "invalid"),
+        # Nested past the parser's depth: within the answer's limit, then past it.
+        (hostile(choices__0__message__content="[" * 2_000 + "]" * 2_000), "unparseable"),
+        (hostile(choices__0__message__content="[" * 200_000 + "]" * 200_000), "invalid"),
+        (
+            hostile(
+                choices__0__message__content=json.dumps(
+                    {"constraints": [f"Never do thing {n}." for n in range(5_000)]}
+                )
+            ),
+            "invalid",
+        ),
+        (hostile(choices__0__message__content='{"constraints": "never"}'), "unparseable"),
+    ],
+)
+async def test_a_hostile_answer_is_a_counted_outcome(
+    summarizer: LlmSummarizer, counter: TokenCounter, response: httpx.Response, outcome: str
+) -> None:
+    respx.post(URL).mock(return_value=response)
+    with capture_logs() as logs:
+        assert await write(summarizer, counter) is None
+    assert calls(summarizer.metrics, outcome) == 1
+    assert sum(calls(summarizer.metrics, o) for o in OUTCOMES) == 1
+    assert not [e for e in logs if e.get("log_level") in ("error", "critical")], logs
+
+
+OUTCOMES = ("ok", "guarded", "unverified", "error", "timeout", "unparseable", "invalid")
+
+
+@respx.mock
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": "lots", "completion_tokens": 54, "total_tokens": 1},
+        {"prompt_tokens": -1, "completion_tokens": 54, "total_tokens": 1},
+        {"prompt_tokens": True, "completion_tokens": None, "total_tokens": 1},
+        "lots",
+    ],
+)
+async def test_usage_that_is_not_token_counts_keeps_the_summary(
+    summarizer: LlmSummarizer, counter: TokenCounter, usage: Any
+) -> None:
+    """The summary was written and then thrown away by a TypeError counting its tokens."""
+    respx.post(URL).mock(return_value=hostile(usage=usage))
+    with capture_logs() as logs:
+        written = await write(summarizer, counter)
+    assert written is not None
+    assert calls(summarizer.metrics, "ok") == 1
+    tokens = samples(summarizer.metrics)
+    key = ("threadkeeper_summarizer_tokens_total", (("direction", "in"), ("tenant", "acme")))
+    assert tokens.get(key, 0.0) == 0
+    assert [e["problem"] for e in logs if e["event"] == "summarizer_invalid"] == ["usage"]
+
+
+@respx.mock
+async def test_reading_the_answer_is_inside_the_timeout(
+    summarizer: LlmSummarizer, counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's work ran after the timeout, unbounded: a compaction waited for it."""
+    import threading
+
+    from proxy import summarizer as module
+
+    reading = threading.Event()
+    done = threading.Event()
+
+    def slow(*args: Any) -> Any:
+        reading.set()
+        done.wait(30)  # released below; bounded against a hang
+        return None
+
+    monkeypatch.setattr(module, "summary_from_answer", slow)
+    respx.post(URL).mock(return_value=completion(good_answer()))
+    try:
+        assert await write(summarizer, counter, timeout_seconds=0.5) is None
+        assert reading.is_set()
+        assert calls(summarizer.metrics, "timeout") == 1
+        tokens = samples(summarizer.metrics)
+        key = ("threadkeeper_summarizer_tokens_total", (("direction", "in"), ("tenant", "acme")))
+        assert tokens[key] == 321  # the call was made and paid for
+    finally:
+        done.set()
+
+
+@respx.mock
+async def test_an_unexpected_failure_is_still_one_counted_call(
+    summarizer: LlmSummarizer, counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy import summarizer as module
+
+    def broken(*args: Any) -> Any:
+        raise IndexError("a bug")
+
+    monkeypatch.setattr(module, "summary_from_answer", broken)
+    respx.post(URL).mock(return_value=completion(good_answer()))
+    with capture_logs() as logs:
+        assert await write(summarizer, counter) is None
+    assert calls(summarizer.metrics, "error") == 1
+    assert [e["event"] for e in logs if e.get("log_level") == "error"] == ["summarizer_failed"]
+
+
+@respx.mock
+async def test_an_injected_answer_is_used_with_its_claims_as_notes_and_counted(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    from tests.core.test_llm_summary import INJECTION, injected_answer
+
+    respx.post(URL).mock(return_value=completion(injected_answer()))
+    written = await write(summarizer, counter)
+    assert written is not None and INJECTION in written.unverified
+    assert calls(summarizer.metrics, "unverified") == 1 and calls(summarizer.metrics, "ok") == 0
+
+
+@respx.mock
+async def test_a_body_longer_than_any_answer_asked_for_is_not_read_whole(
+    summarizer: LlmSummarizer, counter: TokenCounter
+) -> None:
+    """Parsed by the SDK on the event loop before; now it stops at max_body_bytes."""
+    answer = json.dumps({"constraints": ["x" * 5_000_000]})
+    respx.post(URL).mock(return_value=completion(answer))
+    with capture_logs() as logs:
+        assert await write(summarizer, counter) is None
+    assert calls(summarizer.metrics, "invalid") == 1
+    problems = [e["problem"] for e in logs if e["event"] == "summarizer_invalid"]
+    assert problems == ["body too large"]

@@ -5,13 +5,25 @@ word, decisions taken, verified tool facts with their values, current preference
 earlier one only as "changed from"), open tasks and pending side-effecting calls,
 entities. Its JSON answer is read into the memory state of proxy/core/memory.py and
 rendered by the same `render` as the deterministic digest, so both kinds of summary
-read alike and the same state always gives the same bytes. The guard (`memory.guard`)
-first appends to its section, verbatim, every must-keep string the model left out (the
-deterministic extractor's: ids, amounts, rules, preferences, pending calls, decisions);
-a summary that cannot hold them all in its limit is not used.
+read alike and the same state always gives the same bytes.
 
-An answer that is not JSON, not an object, or has a field of the wrong type gives None:
-the caller keeps the deterministic digest. Pure: the call itself is proxy/summarizer.py.
+The model's words are not trusted (issue 20, item 1: a summarizer steered by a prompt
+injection in a page it summarized). Each entry is checked against the chunk
+(`Evidence`): a user rule or preference must be a verbatim span of a user message, a
+verified fact must name a tool call of the chunk and give values its result holds, and
+so on; what fails is kept only as the summarizer's notes, a section titled as the
+model's own unverified words and not instructions, ranked below everything else. The
+guard (`memory.guard`) then appends to its section, verbatim, every must-keep string
+the model left out (the deterministic extractor's: ids, amounts, rules, preferences,
+pending calls, decisions); a summary that cannot hold them all in its limit is not used.
+
+Sizes are bounded in tokens: an answer over `ANSWER_SLACK` times what the call asked for
+is not read (`answer_fits`), and the state kept (stored, sealed in a compaction) holds
+only the model's entries its max_tokens rendering shows, beside the guard's (`_as_sent`).
+
+An answer that is not JSON, not an object, nested past the parser's depth, or has a
+field of the wrong type gives None: the caller keeps the deterministic digest. Pure: the
+call itself is proxy/summarizer.py.
 
 >>> messages = summary_messages(items, instructions=None)     # Chat Completions messages
 >>> written = summary_from_answer(answer_text, items, counter, max_tokens=800)
@@ -21,12 +33,13 @@ the caller keeps the deterministic digest. Pure: the call itself is proxy/summar
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.core import memory
-from proxy.core.compress import head_and_tail, output_text, tool_name
+from proxy.core.compress import head_and_tail, json_container, output_text, tool_name
 from proxy.core.items import Item, JsonDict
 from proxy.core.tokens import TokenCounter
 
@@ -76,6 +89,7 @@ class Written:
     item: Item
     state: JsonDict  # memory.to_json of the state the model wrote, as an object
     appended: tuple[str, ...]  # must-keep strings the guard added (empty: none missing)
+    unverified: tuple[str, ...] = ()  # what the chunk does not bear out: notes only
 
 
 def summary_messages(
@@ -114,6 +128,11 @@ def _line(item: Item, calls: Mapping[str, Item]) -> str:
 
 def _calls(item: Item) -> list[tuple[str, str]]:
     """(name call_id, arguments) of each call an item makes, both APIs."""
+    return [(f"{name} {call_id}", arguments) for name, call_id, arguments in _each_call(item)]
+
+
+def _each_call(item: Item) -> list[tuple[str, str, str]]:
+    """(name, call id, arguments) of each call an item makes, both APIs."""
     raw = item.raw
     found = []
     for call in raw.get("tool_calls") or []:
@@ -121,10 +140,10 @@ def _calls(item: Item) -> list[tuple[str, str]]:
             function = call.get("function")
             if not isinstance(function, Mapping):
                 function = {}
-            found.append((f"{function.get('name', '?')} {call.get('id')}", _text(function)))
+            found.append((str(function.get("name", "?")), str(call.get("id")), _text(function)))
     if not found:
         name = item.name or item.type or "call"
-        found.append((f"{name} {','.join(item.call_ids)}", _text(raw)))
+        found.append((name, ",".join(item.call_ids), _text(raw)))
     return found
 
 
@@ -134,10 +153,11 @@ def _text(raw: Mapping[str, Any]) -> str:
 
 
 def parse_answer(text: str) -> JsonDict | None:
-    """The answer's fields when it is the JSON object asked for, else None."""
+    """The answer's fields when it is the JSON object asked for, else None (nested past
+    the parser's depth included)."""
     try:
         value = json.loads(_unfenced(text))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):
         return None
     if not isinstance(value, dict) or not any(name in value for name in FIELDS):
         return None
@@ -160,28 +180,241 @@ def _unfenced(text: str) -> str:
     return stripped
 
 
+def answer_fits(answer: str, counter: TokenCounter, max_tokens: int) -> bool:
+    """Whether an answer is at most max_tokens long: what the call asked the model for
+    (with room for a tokenizer other than the summarizer's). Longer, the provider did
+    not honour the limit, and the answer is not read; a cheap length check first keeps
+    a huge answer from being tokenized at all."""
+    allowed = max_tokens * ANSWER_SLACK
+    return len(answer) <= allowed * CHARS_PER_TOKEN and counter.text(answer) <= allowed
+
+
+# The counter may not be the summarizer model's tokenizer: an answer is refused only past
+# twice the tokens it was asked for. No tokenizer averages CHARS_PER_TOKEN characters a
+# token on JSON text, so a longer answer is over its limit without counting.
+ANSWER_SLACK = 2
+CHARS_PER_TOKEN = 16
+
+
 def state_from_answer(
-    fields: Mapping[str, list[Any]], count: int, previous: memory.MemoryState | None = None
+    fields: Mapping[str, list[Any]],
+    items: Sequence[Item],
+    previous: memory.MemoryState | None = None,
 ) -> memory.MemoryState | None:
-    """The memory state the model's fields describe (standing for `count` items); None
-    when an entry lacks what it must hold."""
+    """The memory state the model's fields describe of `items` (which follow `previous`),
+    each entry checked against them (`Evidence`): what they do not bear out goes to the
+    summarizer's notes, never to the user's words or the verified facts. None when an
+    entry lacks what it must hold."""
+    evidence = Evidence.of(items, previous)
+    notes: list[str] = []
+
+    def checked(entries: list[Any], holds: Callable[[str], bool]) -> tuple[str, ...]:
+        kept: list[str] = []
+        for text in _texts(entries):
+            (kept if holds(text) else notes).append(text)
+        return tuple(kept)
+
     try:
-        preferences = tuple(_preference(e) for e in fields["preferences"])
-        pending = tuple(memory.Pending(_call(e, "arguments")) for e in fields["pending_calls"])
-        facts = tuple(_call(e, "values", " -> ") for e in fields["facts"])
+        constraints = checked(fields["constraints"], evidence.from_user)
+        preferences = []
+        for entry in fields["preferences"]:
+            preference = _preference(entry)
+            if evidence.from_user(preference.text) and (
+                not preference.changed_from or evidence.from_user(preference.changed_from)
+            ):
+                preferences.append(preference)
+            else:
+                notes.append(preference.rendered())
+        decisions = checked(fields["decisions"], evidence.said)
+        open_tasks = checked(fields["open_tasks"], evidence.said)
+        pending = []
+        for entry in fields["pending_calls"]:
+            text = _call(entry, "arguments")
+            call_id = evidence.open_call(entry)
+            if call_id is None:
+                notes.append(text)
+            else:
+                pending.append(memory.Pending(text, call_id))
+        facts: list[str] = []
+        for entry in fields["facts"]:
+            text = _call(entry, "values", " -> ")
+            (facts if evidence.result_holds(entry) else notes).append(text)
+        entities = checked(fields["entities"], evidence.seen)
     except (KeyError, TypeError, ValueError):
         return None
     base = previous or memory.MemoryState()
     return memory.MemoryState(
-        count=base.count + count,
-        constraints=_texts(fields["constraints"]),
-        preferences=preferences,
-        decisions=_texts(fields["decisions"]),
-        open_tasks=_texts(fields["open_tasks"]),
-        pending=pending,
-        facts=facts,
-        entities=_texts(fields["entities"]),
+        count=base.count + len(items),
+        constraints=constraints,
+        preferences=tuple(preferences),
+        decisions=decisions,
+        open_tasks=open_tasks,
+        pending=tuple(dict.fromkeys(pending)),
+        facts=tuple(dict.fromkeys(facts)),
+        entities=entities,
+        notes=tuple(dict.fromkeys(" ".join(n.split()) for n in notes)),
     )
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a summary of a chunk may claim, read from the chunk as the model was shown it
+    (`transcript`: each item's head and tail) and from the summary it follows (its
+    entries, never its notes). White space is collapsed everywhere, and a claim must be
+    word-bounded ("9999" is not in "99990"):
+
+    - a constraint or preference of the user: a span of a user message, or of an earlier
+      summary's constraints, preferences or requests;
+    - a decision or open task: a span of a message (anyone's words, a call's text
+      included), or of an earlier summary's rules, requests, decisions, tasks or what
+      it said the assistant said;
+    - a pending call: names a call of the chunk without a result in it (or one pending
+      in the earlier summary), and its argument values occur in that call's arguments;
+    - a verified fact: names a tool whose result is in the chunk (or an earlier verified
+      fact of that tool), and every value occurs in that result; a key occurs there too
+      or is a short label (a word, no spaces);
+    - an entity: occurs anywhere in the chunk or in the earlier summary."""
+
+    user: str
+    words: str
+    everything: str
+    results: Mapping[str, str]  # tool name (and "name call_id") -> its results
+    calls: Mapping[str, tuple[str, str]]  # the same -> (call id, arguments) of open calls
+
+    @classmethod
+    def of(cls, items: Sequence[Item], previous: memory.MemoryState | None) -> Evidence:
+        user: list[str] = []
+        words: list[str] = []
+        everything: list[str] = []
+        results: dict[str, list[str]] = {}
+        calls: dict[str, tuple[str, str]] = {}
+        answered = {item.output_for for item in items if item.output_for is not None}
+        by_id: dict[str, Item] = {}
+        for item in items:
+            by_id.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
+            if item.kind == "tool_output":
+                name = tool_name(item, by_id.get(item.output_for or ""))
+                shown = _shown_result(item)
+                for key in (name, f"{name} {item.output_for}"):
+                    results.setdefault(key, []).append(shown)
+                everything.append(shown)
+                continue
+            text = _collapsed(head_and_tail(item.text(), ITEM_CHARS))
+            words.append(text)
+            everything.append(text)
+            if item.is_user_message:
+                user.append(text)
+            if item.kind == "tool_calls":
+                for name, call_id, arguments in _each_call(item):
+                    shown = _collapsed(head_and_tail(arguments, ITEM_CHARS))
+                    everything.append(shown)
+                    if call_id not in answered:
+                        for key in (name, f"{name} {call_id}"):
+                            calls[key] = (call_id, shown)
+        earlier = previous or memory.MemoryState()
+        theirs = [*earlier.constraints, *earlier.requests]
+        theirs += [t for p in earlier.preferences for t in (p.text, p.changed_from) if t]
+        said = [*theirs, *earlier.decisions, *earlier.open_tasks, *earlier.said, *earlier.earlier]
+        user += theirs
+        words += said
+        everything += [*said, *earlier.facts, *earlier.entities]
+        everything += [p.text for p in earlier.pending]
+        for fact in earlier.facts:
+            results.setdefault(_tool_of(fact), []).append(fact)
+        for call in earlier.pending:
+            if call.call_id not in answered:
+                calls.setdefault(_tool_of(call.text), (call.call_id, call.text))
+        return cls(
+            "\n".join(user),
+            "\n".join(words),
+            "\n".join(everything),
+            {name: "\n".join(shown) for name, shown in results.items()},
+            calls,
+        )
+
+    def from_user(self, text: str) -> bool:
+        return _occurs(text, self.user)
+
+    def said(self, text: str) -> bool:
+        return _occurs(text, self.words)
+
+    def seen(self, text: str) -> bool:
+        return _occurs(text, self.everything)
+
+    def result_holds(self, entry: Mapping[str, Any]) -> bool:
+        """Whether a fact names a tool whose result holds every value it gives."""
+        result = self.results.get(str(entry.get("tool", "")).strip())
+        return result is not None and _holds(entry.get("values"), result)
+
+    def open_call(self, entry: Mapping[str, Any]) -> str | None:
+        """The id of the open call a pending entry names (of one pending earlier: the id
+        it kept, if any), when its arguments hold what the entry gives; else None."""
+        found = self.calls.get(str(entry.get("tool", "")).strip())
+        if found is None or not _holds(entry.get("arguments"), found[1]):
+            return None
+        return found[0]
+
+
+def _shown_result(item: Item) -> str:
+    """A result as the transcript shows it, and, when it is a JSON text short enough to
+    be shown whole, its values unescaped (a model copies "café", not "caf\\u00e9")."""
+    text = output_text(item)
+    shown = _collapsed(head_and_tail(text, ITEM_CHARS))
+    if len(text) <= ITEM_CHARS and (parsed := json_container(text)) is not None:
+        shown += "\n" + _collapsed(json.dumps(parsed, ensure_ascii=False))
+    return shown
+
+
+def _holds(values: Any, text: str) -> bool:
+    """Whether every value (and key: a short label, or found too) occurs in `text`."""
+    if values is None:
+        return True
+    if not isinstance(values, Mapping):
+        return _occurs(_collapsed(_value(values)), text)
+    return all(
+        (LABEL.fullmatch(str(key)) is not None or _occurs(_collapsed(str(key)), text))
+        and _occurs(_collapsed(_value(value)), text)
+        for key, value in values.items()
+    )
+
+
+LABEL = re.compile(r"[A-Za-z_][\w.-]{0,31}")
+
+
+def _tool_of(text: str) -> str:
+    """The tool an earlier fact ("name(arguments) -> values", "name -> values") or
+    pending call ("name(arguments)") names."""
+    return re.split(r"\(| -> ", text, maxsplit=1)[0].strip()
+
+
+def _collapsed(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _occurs(needle: str, text: str) -> bool:
+    """Whether `needle` is a span of `text` that starts and ends at word boundaries.
+    Bounded: after CANDIDATES places where it occurs inside a word, it does not."""
+    if not needle:
+        return False
+    first, last = _is_word(needle[0]), _is_word(needle[-1])
+    at = text.find(needle)
+    for _ in range(CANDIDATES):
+        if at < 0:
+            return False
+        end = at + len(needle)
+        if not (first and at and _is_word(text[at - 1])) and not (
+            last and end < len(text) and _is_word(text[end])
+        ):
+            return True
+        at = text.find(needle, at + 1)
+    return False
+
+
+CANDIDATES = 1_000
+
+
+def _is_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
 
 
 def _texts(entries: list[Any]) -> tuple[str, ...]:
@@ -236,20 +469,43 @@ def summary_from_answer(
     if fields is None or not items:
         return None
     earlier = base if base is not None else memory.state_of(previous)
-    state = state_from_answer(fields, len(items), earlier)
+    state = state_from_answer(fields, items, earlier)
     if state is None:
         return None
     reference = memory.extract(items, earlier)
     keep = reference.must_keep()
-    appended = missing(memory.render(state, counter, WHOLE), keep)
+    appended = missing(memory.render(replace(state, notes=()), counter, WHOLE), keep)
     # The model's own entries rank with the must-keep ones when rendered; when they
     # crowd a must-keep string out of the limit, the ones that are not must-keep go.
     for candidate in (state, _only_kept(state, keep)):
         guarded = memory.guard(candidate, reference)
         item = memory.fit_summary(items[0].api, guarded, counter, max_tokens)
         if _tokens(item, counter) <= max_tokens and not missing(item.text(), keep):
-            return Written(item, json.loads(memory.to_json(guarded)), appended)
+            sent = _as_sent(candidate, guarded, item.text())
+            return Written(item, json.loads(memory.to_json(sent)), appended, state.notes)
     return None
+
+
+def _as_sent(
+    candidate: memory.MemoryState, guarded: memory.MemoryState, text: str
+) -> memory.MemoryState:
+    """`guarded` without the model's entries its rendering `text` left out: what is kept
+    (stored, sealed in a compaction) is at most the summary's max_tokens of the model's
+    words plus the deterministic entries the guard added (bounded by the extractor),
+    whatever the model answered. It renders to the same text: an entry left out of a
+    rendering takes no room from the others."""
+    lines = set(text.splitlines())
+    cut: dict[str, Any] = {}
+    for section in memory.SECTIONS:
+        written = len(getattr(candidate, section.name))
+        entries = getattr(guarded, section.name)
+        shown = section.entries(guarded)
+        cut[section.name] = tuple(
+            entry
+            for index, (entry, rendered) in enumerate(zip(entries, shown, strict=True))
+            if index >= written or f"- {rendered}" in lines
+        )
+    return replace(guarded, **cut)
 
 
 def _only_kept(state: memory.MemoryState, keep: Sequence[str]) -> memory.MemoryState:

@@ -224,14 +224,15 @@ async def compact_items(
 async def llm_summary(
     request: web.Request, plan: Plan, counter: TokenCounter, thread_id: str | None = None
 ) -> JsonDict | None:
-    """The state the tenant's summarizer model writes of `plan`, guarded
-    (proxy/core/llm_summary.py: every must-keep string the model left out is appended),
+    """The state the tenant's summarizer model writes of `plan`, checked and guarded
+    (proxy/core/llm_summary.py: what the plan's items do not bear out is only the
+    summarizer's notes, every must-keep string the model left out is appended),
     for `Plan.summary` to seal. The same plan (items, the state they
     follow, the model) is read back from the store, so it is paid for once and seals to
     the same bytes and id. None without a summarizer, or when it gives none (an error, a
     timeout, an unparseable answer, must-keep strings that do not fit, a plan that failed
-    lately): the deterministic summary stands. Waits at most the call's timeout_seconds
-    (the SDK's retries included), then the guard's work off the loop."""
+    lately): the deterministic summary stands. Waits at most the call's timeout_seconds,
+    the SDK's retries and reading the answer (off the loop) included."""
     policy = request[TENANT_POLICY]
     settings = policy.memory.summarizer
     background = request.app.get(SUMMARIES)

@@ -161,7 +161,8 @@ async def test_a_background_summary_is_a_span_of_the_request_that_started_it(
             break
     spans = exporter.get_finished_spans()
     [summary] = [s for s in spans if s.name == f"summarize {SUMMARIZER}"][:1]
-    assert summary.attributes["threadkeeper.summary.outcome"] in ("ok", "guarded")
+    # A summary used (the answer's paraphrased decision is only a note: unverified).
+    assert summary.attributes["threadkeeper.summary.outcome"] in ("ok", "guarded", "unverified")
     assert summary.attributes["gen_ai.usage.input_tokens"] > 0
     roots = {s.context.span_id: s for s in spans if s.name == "POST /v1/chat/completions"}
     assert summary.parent is not None and summary.parent.span_id in roots

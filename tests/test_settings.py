@@ -288,3 +288,13 @@ def test_summary_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path: 
     assert load_settings({"config": str(config)}, {}).summary_retention_seconds == 60
     with pytest.raises(SettingsError, match="THREADKEEPER_SUMMARY_RETENTION_SECONDS: expected"):
         load_settings(NO_FLAGS, {"THREADKEEPER_SUMMARY_RETENTION_SECONDS": "0"})
+
+
+def test_response_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path: Path) -> None:
+    assert load_settings(NO_FLAGS, {}).response_retention_seconds == 30 * 86_400
+    env = {"THREADKEEPER_RESPONSE_RETENTION_SECONDS": "3600"}
+    assert load_settings(NO_FLAGS, env).response_retention_seconds == 3600
+    config = write_config(tmp_path / "c.yaml", "response_retention_seconds: 60\n")
+    assert load_settings({"config": str(config)}, {}).response_retention_seconds == 60
+    with pytest.raises(SettingsError, match="THREADKEEPER_RESPONSE_RETENTION_SECONDS: expected"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_RESPONSE_RETENTION_SECONDS": "-1"})

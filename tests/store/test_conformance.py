@@ -1141,6 +1141,9 @@ async def test_erase_removes_every_trace_of_the_thread_and_only_it(store: Store)
     assert kept["threads"] == 2 and kept["ledger"] == 4
     assert await store.get_response("other", "resp_t1") is not None
     assert await store.erase_thread("acme", "t1") == dict.fromkeys(erased, 0)
+    # The side effect is forgotten: its tenant-scoped key can be issued again.
+    again = replace(ledger_entry(f"refund:{MARK}:tenant", call_id="call_new"), thread_id="t9")
+    assert (await store.ledger_issue(again))[1] is True
 
 
 async def test_erase_removes_what_deleting_the_thread_left(store: Store) -> None:

@@ -386,3 +386,41 @@ async def test_stored_responses_are_purged_after_the_retention(
             model="gpt-4o-mini", input="again", previous_response_id=later.id
         )
     assert await tables_holding(store, f"chain {MARK}") == {}
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_a_chat_thread_erased_during_its_turn_is_not_written_again(
+    proxy: Proxy, streamed: bool
+) -> None:
+    """The erase wins: the turn keeps nothing (the thread is not created again with it),
+    and the client hears why (a 409; a stream ends with its store_error event)."""
+    client = proxy.client()
+    headers = {**AUTH, "X-Thread-Id": "t-chat"}
+    await client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": f"first {MARK}"}],
+        extra_headers={"X-Thread-Id": "t-chat"},
+    )
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="lost", release=release))
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"then {MARK}"}]}
+    if streamed:
+        body["stream"] = True
+    async with httpx.AsyncClient(base_url=proxy.base_url, timeout=30) as http:
+        turn = asyncio.create_task(http.post("/chat/completions", headers=headers, json=body))
+        await provider_called(proxy, 2)
+        assert (await operator_erase(proxy, "t-chat")).status_code == 200
+        release.set()
+        answer = await turn
+    if streamed:
+        assert '"code":"store_error"' in answer.text.replace(" ", "")
+    else:
+        assert answer.status_code == 409, answer.text
+        assert answer.json()["error"] == {
+            "message": "Thread 't-chat' was deleted while this request ran; its answer was "
+            "not kept.",
+            "type": "invalid_request_error",
+            "param": "X-Thread-Id",
+            "code": "thread_deleted",
+        }
+    assert await tables_holding(proxy.app[STORE], MARK) == {}  # type: ignore[index]

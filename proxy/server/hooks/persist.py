@@ -9,7 +9,9 @@ A cut-off answer adds nothing.
   finished `incomplete` when the turn ends without being kept.
 
 Each is the turn's keeper (relay.Keeper): `rewrite` is the answer as the client sees it,
-`keep` commits it.
+`keep` commits it. A turn whose thread was deleted (or erased) while the provider
+answered keeps nothing, its response row included: a non-streamed client gets a 4xx
+naming what went, a stream ends with the relay's `store_error` event.
 """
 
 from __future__ import annotations
@@ -138,7 +140,18 @@ class ChatThread(StoredTurn):
         if reply is None:
             return
         items = await self.turn_items(turn, reply)
-        await self.commit(turn, items)
+        try:
+            await self.commit(turn, items)
+        except NotFound:
+            if turn.body.get("stream"):
+                raise  # the headers are sent: the stream ends with its store_error event
+            raise ApiError(
+                409,
+                f"Thread '{self.thread_id}' was deleted while this request ran; its answer "
+                "was not kept.",
+                param=THREAD_HEADER,
+                code="thread_deleted",
+            ) from None
 
 
 @dataclass(frozen=True)

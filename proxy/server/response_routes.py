@@ -27,7 +27,7 @@ from proxy.store.base import Store, StoredItem, StoredResponse
 log = structlog.get_logger("threadkeeper.responses")
 
 PURGE_INTERVAL_SECONDS = 600.0
-PURGE_BATCH = 1000  # responses one purge transaction deletes at most
+PURGE_BATCH = 200  # responses one purge transaction deletes (and holds the writer for) at most
 PURGE_BATCHES = 100  # transactions one purge step runs at most (the rest: the next step)
 
 

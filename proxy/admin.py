@@ -220,6 +220,39 @@ async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> Jso
     return {"object": f"{EXPORT_OBJECT}.deleted", "tenant": thread.tenant, "id": thread.id}
 
 
+async def erase_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
+    """The thread and everything derived from it (Store.erase_thread). A thread already
+    deleted (DELETE of its conversation) is erased by id with --tenant: what it left."""
+    if tenant is None:
+        if not await store.find_threads(thread_id):
+            raise AdminError(
+                f"no thread {thread_id!r} in any tenant (to erase what a deleted one left, "
+                "pass --tenant)"
+            )
+        tenant = (await resolve_thread(store, thread_id, None)).tenant
+    erased = await store.erase_thread(tenant, thread_id)
+    if not any(erased.values()):
+        raise AdminError(f"nothing of thread {thread_id!r} is stored for tenant {tenant!r}")
+    return {"object": f"{EXPORT_OBJECT}.erased", "tenant": tenant, "id": thread_id, **erased}
+
+
+def erased_text(erased: JsonDict) -> str:
+    counts = ", ".join(f"{erased[name]} {name}" for name in ERASED_ROWS if erased.get(name))
+    return f"erased thread {erased['id']} of tenant {erased['tenant']}: {counts}"
+
+
+# What Store.erase_thread reports, in the order the CLI prints it.
+ERASED_ROWS = (
+    "threads",
+    "items",
+    "responses",
+    "idempotency",
+    "ledger",
+    "explain_records",
+    "summaries",
+)
+
+
 async def fork_thread(
     store: Store, thread_id: str, tenant: str | None, at_item: str | None
 ) -> JsonDict:

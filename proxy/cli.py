@@ -36,6 +36,13 @@ def _operator_commands(sub: Any) -> None:
         command.add_argument("--tenant", help="needed only when the id exists in two tenants")
         if name == "fork":
             command.add_argument("--at", metavar="ITEM", help="last item id to copy")
+        if name == "delete":
+            command.add_argument(
+                "--erase",
+                action="store_true",
+                help="also its responses, idempotency records, ledger entries, explain "
+                "records and summaries (works on a deleted thread's id with --tenant)",
+            )
         if name == "export":
             command.add_argument("--format", choices=("jsonl", "openai"), default="jsonl")
     explaining = verbs.add_parser("explain", help="what one model request sent, and why")
@@ -276,6 +283,9 @@ async def _threads(store: Any, args: argparse.Namespace) -> str:
     if args.verb == "show":
         shown = await admin.show_thread(store, args.id, args.tenant)
         return _shown(args, shown, lambda: admin.show_text(shown))
+    if args.verb == "delete" and args.erase:
+        erased = await admin.erase_thread(store, args.id, args.tenant)
+        return _shown(args, erased, lambda: admin.erased_text(erased))
     if args.verb == "delete":
         deleted = await admin.delete_thread(store, args.id, args.tenant)
         return _shown(args, deleted, lambda: f"deleted thread {deleted['id']}")

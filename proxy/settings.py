@@ -67,6 +67,9 @@ class Settings:
     explain_retention_seconds: float = 7 * 86_400.0
     # LLM summaries unused for this long are purged (proxy/server/summaries.py).
     summary_retention_seconds: float = 30 * 86_400.0
+    # Stored responses are purged this long after they were created, as OpenAI's 30 days
+    # (proxy/server/response_routes.py).
+    response_retention_seconds: float = 30 * 86_400.0
     # When set, the thread inspector is served at /threadkeeper/ui/ (proxy/server/inspector.py).
     operator_token: str | None = None
     # The inspector cookie's Secure flag: auto (the request came over https, directly or
@@ -286,6 +289,12 @@ FIELDS: tuple[_Field, ...] = (
         _positive_number,
         "summary_retention_seconds",
         "THREADKEEPER_SUMMARY_RETENTION_SECONDS",
+    ),
+    _Field(
+        "response_retention_seconds",
+        _positive_number,
+        "response_retention_seconds",
+        "THREADKEEPER_RESPONSE_RETENTION_SECONDS",
     ),
     _Field(
         "operator_token",

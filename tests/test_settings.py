@@ -314,3 +314,13 @@ def test_inspector_cookie_secure_and_trusted_proxies_from_file_and_environment(
         load_settings({}, {"THREADKEEPER_INSPECTOR_COOKIE_SECURE": "sometimes"})
     with pytest.raises(SettingsError, match="THREADKEEPER_TRUSTED_PROXIES: expected an IP"):
         load_settings({}, {"THREADKEEPER_TRUSTED_PROXIES": "10.0.0.1, nginx"})
+
+
+def test_response_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path: Path) -> None:
+    assert load_settings(NO_FLAGS, {}).response_retention_seconds == 30 * 86_400
+    env = {"THREADKEEPER_RESPONSE_RETENTION_SECONDS": "3600"}
+    assert load_settings(NO_FLAGS, env).response_retention_seconds == 3600
+    config = write_config(tmp_path / "c.yaml", "response_retention_seconds: 60\n")
+    assert load_settings({"config": str(config)}, {}).response_retention_seconds == 60
+    with pytest.raises(SettingsError, match="THREADKEEPER_RESPONSE_RETENTION_SECONDS: expected"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_RESPONSE_RETENTION_SECONDS": "-1"})

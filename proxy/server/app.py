@@ -35,6 +35,7 @@ from proxy.server import (
     chat,
     compaction,
     conversations,
+    erase,
     explain,
     inspector,
     ledger_routes,
@@ -200,6 +201,7 @@ def create_app(
     app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
+    app.cleanup_ctx.append(response_routes.purge_ctx())
     app.cleanup_ctx.append(explain.explain_ctx())
     app.on_response_prepare.append(mark_not_replayed)
     app.cleanup_ctx.append(_policy_watch_ctx)
@@ -215,6 +217,7 @@ def create_app(
     compaction.add_routes(app)
     response_routes.add_routes(app)
     conversations.add_routes(app)
+    erase.add_routes(app)
     ledger_routes.add_routes(app)
     explain.add_routes(app)
     inspector.add_routes(app)

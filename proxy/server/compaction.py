@@ -406,6 +406,7 @@ async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | N
             param="previous_response_id",
             code="previous_response_not_found",
         )
+    request[LOG_FIELDS]["thread_id"] = stored.thread_id  # its answer is the thread's data
     rows = await store.items_between(tenant, stored.thread_id, 0, stored.output_last_seq)
     return stored.thread_id, [RESPONSES.item(row.raw) for row in rows if row.api == "responses"]
 

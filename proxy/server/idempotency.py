@@ -31,6 +31,8 @@ is the edge that reads the request, talks to the store and records the response.
 - **Not replayed headers:** hop-by-hop ones, `Date`, `Server`, and the proxy's own
   per-request `x-threadkeeper-request-id` (a replay gets a fresh one). The provider's
   headers (its `x-request-id` too) describe the stored answer and are replayed.
+- **Thread.** A record names the thread its request ran on, and erasing that thread
+  (`threadkeeper threads delete --erase`) deletes it; deleting a conversation does not.
 - **Retention** is the tenant policy's `idempotency.retention_seconds` (default 24 h),
   counted from the first request. An expired record is ignored and replaced in place when
   its key comes back; a background task deletes the rest every 60 s.
@@ -158,10 +160,23 @@ async def run_and_record(
     else:
         status, headers, body = stored
         finish = store.idempotency_finish(
-            record.tenant, record.key, status=status, headers=headers, body=body
+            record.tenant,
+            record.key,
+            status=status,
+            headers=headers,
+            body=body,
+            thread_id=thread_of(request),
         )
         await _shielded(finish)
     return response
+
+
+def thread_of(request: web.Request) -> str | None:
+    """The thread the request ran on (a conversation, a chat thread, a response chain),
+    as the handler logged it: erasing that thread deletes the record too."""
+    fields = request[LOG_FIELDS]
+    thread_id = fields.get("thread_id") or fields.get("conversation_id")
+    return thread_id if isinstance(thread_id, str) else None
 
 
 def replayable_answer(

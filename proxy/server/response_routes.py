@@ -1,20 +1,34 @@
 """GET/DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items, from the store.
 
 Served locally and tenant-scoped: a response of another tenant is a 404 (SPEC 1).
+
+Stored responses are kept `response_retention_seconds` (30 days by default, as OpenAI
+keeps them) from their creation, whatever became of their conversation, and then purged
+in the background (`purge_ctx`), with the response chains left without a response.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta
 
+import structlog
 from aiohttp import web
 
+from proxy.clock import Clock, utc_iso
 from proxy.core.items import JsonDict
+from proxy.periodic import every, running
 from proxy.server.conversations import item_object
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
-from proxy.server.state import NAMESPACE, STORE
-from proxy.store.base import StoredItem, StoredResponse
+from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE
+from proxy.store.base import Store, StoredItem, StoredResponse
+
+log = structlog.get_logger("threadkeeper.responses")
+
+PURGE_INTERVAL_SECONDS = 600.0
+PURGE_BATCH = 200  # responses one purge transaction deletes (and holds the writer for) at most
+PURGE_BATCHES = 100  # transactions one purge step runs at most (the rest: the next step)
 
 
 def add_routes(app: web.Application) -> None:
@@ -96,3 +110,34 @@ async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[St
         return ()
     items = await request.app[STORE].items_between(stored.tenant, stored.thread_id, first, last)
     return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
+
+
+async def purge_expired(store: Store, clock: Clock, retention: timedelta) -> int:
+    """Deletes the responses created more than `retention` ago, in bounded batches; how
+    many went."""
+    before = utc_iso(clock.now() - retention)
+    purged = 0
+    for _ in range(PURGE_BATCHES):
+        batch = await store.responses_purge(before, limit=PURGE_BATCH)
+        purged += batch
+        if batch < PURGE_BATCH:
+            break
+    return purged
+
+
+def purge_ctx() -> Callable[[web.Application], AsyncIterator[None]]:
+    """cleanup_ctx: the retention purge at start and then every PURGE_INTERVAL_SECONDS."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        store, clock = app[STORE], app[CLOCK]
+        retention = timedelta(seconds=app[SETTINGS].response_retention_seconds)
+
+        async def purge() -> None:
+            if purged := await purge_expired(store, clock, retention):
+                log.info("responses_purged", count=purged)
+
+        loop = every("responses_purge", PURGE_INTERVAL_SECONDS, purge, clock, first_now=True)
+        async with running(loop):
+            yield
+
+    return ctx

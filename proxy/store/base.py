@@ -291,7 +291,25 @@ class Store(Protocol):
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         """Delete the thread and its items (an explicit DELETE is the only data removal),
         its explain records, and the LLM summaries kept for it that no other thread of the
-        tenant keeps."""
+        tenant keeps. Its stored responses, idempotency records and ledger entries stay
+        (as OpenAI keeps a deleted conversation's responses): their retentions, or
+        erase_thread, remove them."""
+
+    async def erase_thread(self, tenant: str, thread_id: str) -> dict[str, int]:
+        """Delete the thread and everything derived from it, in one transaction: its
+        items, the LLM summaries no other thread keeps, its explain records, the responses
+        and idempotency records of requests on it, and its ledger entries (either scope:
+        a side effect it issued is forgotten, so a tenant-scoped key can be issued
+        again). Works on a thread delete_thread already removed (what that left). How
+        many rows went, per table ("threads": 0 when the thread row was gone already)."""
+        ...
+
+    async def responses_purge(self, before: str, *, limit: int = 1000) -> int:
+        """Delete at most `limit` of the oldest finished responses created before
+        `before` (one transaction; the caller repeats while it gets `limit`), and the
+        response chains (threads of kind "responses") left without a response, which no
+        request can reach any more, as delete_thread deletes them. How many responses."""
+        ...
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
@@ -481,7 +499,10 @@ class Store(Protocol):
         status: int,
         headers: Sequence[tuple[str, str]],
         body: bytes,
-    ) -> None: ...
+        thread_id: str | None = None,
+    ) -> None:
+        """Store the answer to replay; `thread_id` is the thread the request ran on,
+        whose erase_thread deletes the record."""
 
     async def idempotency_abort(self, tenant: str, key: str) -> None:
         """Forget a running record (its response is not stored, e.g. a provider 5xx)."""

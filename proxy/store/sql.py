@@ -292,7 +292,8 @@ SELECT_IDEMPOTENCY = f"SELECT {IDEMPOTENCY_COLUMNS} FROM idempotency WHERE tenan
 
 FINISH_IDEMPOTENCY = """
 UPDATE idempotency
-SET status = 'done', response_status = $3, response_headers = $4, response_body = $5
+SET status = 'done', response_status = $3, response_headers = $4, response_body = $5,
+    thread_id = $6
 WHERE tenant = $1 AND key = $2
 """
 
@@ -419,6 +420,36 @@ PURGE_SESSIONS = "DELETE FROM inspector_sessions WHERE expires_at <= $1"
 PURGE_SESSIONS_OF_OTHER_KEYS = (
     "DELETE FROM inspector_sessions WHERE expires_at <= $1 OR signing_key <> $2"
 )
+
+
+# erasing a thread and the responses retention (migration 012) --------------------------
+
+# Everything derived from thread $2 of tenant $1, each table by its own column (indexed).
+ERASE_THREAD = {
+    "responses": "DELETE FROM responses WHERE tenant = $1 AND thread_id = $2",
+    "idempotency": "DELETE FROM idempotency WHERE tenant = $1 AND thread_id = $2",
+    "ledger": (
+        "DELETE FROM ledger WHERE tenant = $1 AND (thread_id = $2 OR scope = 'thread:' || $2)"
+    ),
+    "explain_records": DELETE_THREAD_EXPLAIN,
+}
+
+# The oldest finished responses created before $1, at most $2 of them (one bounded
+# transaction); the threads they were on come back for the chains they leave empty.
+PURGE_RESPONSES = """
+DELETE FROM responses WHERE (tenant, id) IN (
+    SELECT tenant, id FROM responses
+    WHERE created_at < $1 AND status <> 'in_progress' ORDER BY created_at LIMIT $2
+)
+RETURNING tenant, thread_id
+"""
+
+# A response chain (kind "responses") is reached only through its responses: with none
+# left it can never be continued, and it goes with the last of them.
+EMPTY_CHAIN = """
+SELECT 1 AS found FROM threads WHERE tenant = $1 AND id = $2 AND kind = 'responses'
+AND NOT EXISTS (SELECT 1 FROM responses WHERE tenant = $1 AND thread_id = $2)
+"""
 
 # row -> dataclass ----------------------------------------------------------------------
 

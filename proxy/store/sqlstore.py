@@ -146,12 +146,26 @@ class SqlStore:
 
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         async with self.db.write() as conn:
-            await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
-            deleted = await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
-            await _forget_thread_summaries(conn, tenant, thread_id)
-            # Explain records quote the thread's summaries and compressed tool results.
-            await conn.execute(sql.DELETE_THREAD_EXPLAIN, tenant, thread_id)
-        return deleted
+            return await _delete_thread(conn, tenant, thread_id)
+
+    async def erase_thread(self, tenant: str, thread_id: str) -> dict[str, int]:
+        async with self.db.write() as conn:
+            erased = {"items": await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)}
+            erased["threads"] = await conn.execute(sql.DELETE_THREAD, tenant, thread_id)
+            erased["summaries"] = await _forget_thread_summaries(conn, tenant, thread_id)
+            for table, statement in sql.ERASE_THREAD.items():
+                erased[table] = await conn.execute(statement, tenant, thread_id)
+        return erased
+
+    async def responses_purge(self, before: str, *, limit: int = 1000) -> int:
+        async with self.db.write() as conn:
+            rows = await conn.fetch(sql.PURGE_RESPONSES, before, limit)
+            for tenant, thread_id in sorted({(r["tenant"], r["thread_id"]) for r in rows}):
+                if thread_id is not None and await conn.fetchrow(
+                    sql.EMPTY_CHAIN, tenant, thread_id
+                ):
+                    await _delete_thread(conn, tenant, thread_id)
+        return len(rows)
 
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
@@ -487,8 +501,9 @@ class SqlStore:
         status: int,
         headers: Sequence[tuple[str, str]],
         body: bytes,
+        thread_id: str | None = None,
     ) -> None:
-        args = (tenant, key, status, sql.headers_text(headers), body)
+        args = (tenant, key, status, sql.headers_text(headers), body, thread_id)
         async with self.db.write() as conn:
             await conn.execute(sql.FINISH_IDEMPOTENCY, *args)
 
@@ -557,10 +572,21 @@ async def _keep_summaries(
     await conn.execute(sql.own_summaries(len(digests)), tenant, model, api, *digests)
 
 
-async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> None:
-    """The summaries only this thread kept are deleted; the others stop naming it."""
-    await conn.execute(sql.DELETE_THREAD_SUMMARIES, tenant, thread_id)
+async def _delete_thread(conn: Conn, tenant: str, thread_id: str) -> bool:
+    await conn.execute(sql.DELETE_THREAD_ITEMS, tenant, thread_id)
+    deleted = await conn.execute(sql.DELETE_THREAD, tenant, thread_id) > 0
+    await _forget_thread_summaries(conn, tenant, thread_id)
+    # Explain records quote the thread's summaries and compressed tool results.
+    await conn.execute(sql.DELETE_THREAD_EXPLAIN, tenant, thread_id)
+    return deleted
+
+
+async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> int:
+    """The summaries only this thread kept are deleted (how many), the others stop
+    naming it."""
+    deleted = await conn.execute(sql.DELETE_THREAD_SUMMARIES, tenant, thread_id)
     await conn.execute(sql.DELETE_THREAD_LINKS, tenant, thread_id)
+    return deleted
 
 
 async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:

@@ -1107,3 +1107,141 @@ async def test_inspector_sessions_purge_the_expired_and_those_of_another_key(
     assert await store.inspector_session_get("expired") is None
     assert await store.inspector_session_get("old-token") is None
     assert await store.inspector_sessions_purge(now=T1, signing_key="k1") == 0
+
+
+# -- erasing a thread and the responses retention (migration 012) ---------------------------
+
+MARK = "MARK-7f3a"  # the erased thread's words
+KEEP = "KEEP-91bc"  # another thread's
+
+
+async def thread_everywhere(store: Store, tid: str, word: str, *, tenant: str = "acme") -> None:
+    """A thread whose `word` is in every table that derives from it."""
+    raw = message(f"my card is {word}")
+    await store.create_thread(
+        tenant, tid, kind="conversation", items=[NewItem(f"m_{tid}", raw, "responses")], now=T0
+    )
+    thread = await store.get_thread(tenant, tid)
+    assert thread is not None
+    rid = f"resp_{tid}"
+    await store.begin_response(replace(response(rid, tenant=tenant, thread_id=tid)))
+    await store.commit_turn(
+        tenant,
+        tid,
+        expected_version=thread.version,
+        items=[NewItem(f"o_{tid}", message(f"noted {word}", "assistant"), "responses")],
+        state={"summary": word},
+        now=T1,
+        response_id=rid,
+        response={"id": rid, "output_text": f"noted {word}"},
+    )
+    for scope in ("tenant", f"thread:{tid}"):
+        entry = replace(
+            ledger_entry(f"refund:{word}:{scope}", call_id=f"call_{tid}", tenant=tenant),
+            scope=scope,
+            thread_id=tid,
+            response_id=rid,
+            arguments=f'{{"card": "{word}"}}',
+        )
+        await store.ledger_issue(entry)
+    await store.idempotency_begin(idem(f"key_{tid}", tenant=tenant, expires=T3))
+    body = f'{{"output_text": "noted {word}"}}'.encode()
+    await store.idempotency_finish(
+        tenant, f"key_{tid}", status=200, headers=[], body=body, thread_id=tid
+    )
+    await store.explain_put(
+        [ExplainRecord(tenant, f"req_{tid}", T1, {"thread_id": tid, "w": word})]
+    )
+    await store.summary_put(summary(f"d_{tid}", word, tenant=tenant), thread_id=tid)
+
+
+async def test_erase_removes_every_trace_of_the_thread_and_only_it(store: Store) -> None:
+    from tests.store.dump import tables_holding
+
+    await thread_everywhere(store, "t1", MARK)
+    await thread_everywhere(store, "t2", KEEP)
+    await thread_everywhere(store, "t1", KEEP, tenant="other")  # the same id, another tenant
+    derived = {"items", "threads", "responses", "ledger", "idempotency", "explain_records"}
+    assert derived | {"summaries"} <= set(await tables_holding(store, MARK))
+
+    erased = await store.erase_thread("acme", "t1")
+    assert erased == {
+        "items": 2,
+        "threads": 1,
+        "summaries": 1,
+        "responses": 1,
+        "idempotency": 1,
+        "ledger": 2,
+        "explain_records": 1,
+    }
+    assert await tables_holding(store, MARK) == {}
+    kept = await tables_holding(store, KEEP)
+    assert derived | {"summaries"} <= set(kept)
+    assert kept["threads"] == 2 and kept["ledger"] == 4
+    assert await store.get_response("other", "resp_t1") is not None
+    assert await store.erase_thread("acme", "t1") == dict.fromkeys(erased, 0)
+    # The side effect is forgotten: its tenant-scoped key can be issued again.
+    again = replace(ledger_entry(f"refund:{MARK}:tenant", call_id="call_new"), thread_id="t9")
+    assert (await store.ledger_issue(again))[1] is True
+
+
+async def test_erase_removes_what_deleting_the_thread_left(store: Store) -> None:
+    """DELETE of a conversation keeps its responses, idempotency records and ledger
+    entries (as OpenAI keeps responses); the erase of the deleted id removes them."""
+    from tests.store.dump import tables_holding
+
+    await thread_everywhere(store, "t1", MARK)
+    assert await store.delete_thread("acme", "t1")
+    assert set(await tables_holding(store, MARK)) == {"responses", "ledger", "idempotency"}
+    erased = await store.erase_thread("acme", "t1")
+    assert (erased["threads"], erased["responses"], erased["ledger"]) == (0, 1, 2)
+    assert await tables_holding(store, MARK) == {}
+
+
+async def test_responses_purge_deletes_old_finished_responses_and_their_empty_chains(
+    store: Store,
+) -> None:
+    async def respond(rid: str, tid: str, kind: str, created: str, *, finish: bool) -> None:
+        if await store.get_thread("acme", tid) is None:
+            await store.create_thread("acme", tid, kind=kind, now=T0)  # type: ignore[arg-type]
+        await store.begin_response(replace(response(rid, thread_id=tid), created_at=created))
+        if finish:
+            thread = await store.get_thread("acme", tid)
+            assert thread is not None
+            await store.commit_turn(
+                "acme",
+                tid,
+                expected_version=thread.version,
+                items=[new_item(f"i_{rid}")],
+                state={},
+                now=created,
+                response_id=rid,
+                response={"id": rid},
+            )
+
+    await respond("r_old", "chain_old", "responses", T0, finish=True)
+    await respond("r_old2", "chain_mixed", "responses", T0, finish=True)
+    await respond("r_new", "chain_mixed", "responses", T2, finish=True)
+    await respond("r_conv", "conv", "conversation", T0, finish=True)
+    await respond("r_running", "chain_running", "responses", T0, finish=False)
+    await store.summary_put(summary("d1"), thread_id="chain_old")
+
+    assert await store.responses_purge(T1, limit=2) == 2  # the oldest two, by created_at
+    assert await store.responses_purge(T1, limit=2) == 1
+    assert await store.responses_purge(T1, limit=2) == 0
+    left = [r for r in ("r_old", "r_old2", "r_new", "r_conv", "r_running")]
+    assert [await status_of(store, "acme", r) for r in left] == [
+        None,
+        None,
+        "completed",
+        None,
+        "in_progress",  # never purged while it runs
+    ]
+    # A chain without responses is unreachable: it goes, with its summaries; a
+    # conversation stays (its items are the conversation's), and so does a chain still
+    # holding a response.
+    assert await store.get_thread("acme", "chain_old") is None
+    assert await store.items_between("acme", "chain_old", 0, 10) == ()
+    assert await digests_stored(store) == []
+    for kept in ("chain_mixed", "conv", "chain_running"):
+        assert await store.get_thread("acme", kept) is not None

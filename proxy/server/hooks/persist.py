@@ -9,7 +9,9 @@ A cut-off answer adds nothing.
   finished `incomplete` when the turn ends without being kept.
 
 Each is the turn's keeper (relay.Keeper): `rewrite` is the answer as the client sees it,
-`keep` commits it.
+`keep` commits it. A turn whose thread was deleted (or erased) while the provider
+answered keeps nothing, its response row included: a non-streamed client gets a 4xx
+naming what went, a stream ends with the relay's `store_error` event.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from proxy.server.rebuild import off_the_loop
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, thread_service
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict, duplicate_item, missing
-from proxy.store.base import NewItem, StoredResponse
+from proxy.store.base import NewItem, NotFound, StoredResponse
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
 from proxy.upstream import UpstreamResponse
 
@@ -138,7 +140,18 @@ class ChatThread(StoredTurn):
         if reply is None:
             return
         items = await self.turn_items(turn, reply)
-        await self.commit(turn, items)
+        try:
+            await self.commit(turn, items)
+        except NotFound:
+            if turn.body.get("stream"):
+                raise  # the headers are sent: the stream ends with its store_error event
+            raise ApiError(
+                409,
+                f"Thread '{self.thread_id}' was deleted while this request ran; its answer "
+                "was not kept.",
+                param=THREAD_HEADER,
+                code="thread_deleted",
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -160,15 +173,26 @@ def conversation_id(body: JsonDict) -> str | None:
     return value
 
 
+def conversation_not_found(conversation: str) -> ApiError:
+    return ApiError(404, f"Conversation with id '{conversation}' not found.", param="conversation")
+
+
+def previous_not_found(previous: str) -> ApiError:
+    return ApiError(
+        400,
+        f"Previous response with id '{previous}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
 async def resolve_chain(request: web.Request, threads: ThreadService, body: JsonDict) -> Chain:
     tenant = request[NAMESPACE]
     conversation = conversation_id(body)
     if conversation is not None:
         loaded = await threads.load(tenant, conversation)
         if loaded is None or loaded.kind != "conversation":
-            raise ApiError(
-                404, f"Conversation with id '{conversation}' not found.", param="conversation"
-            )
+            raise conversation_not_found(conversation)
         return Chain(loaded, conversation=conversation)
     previous = body.get("previous_response_id")
     if previous is None:
@@ -184,12 +208,7 @@ async def _continued(threads: ThreadService, tenant: str, previous: str) -> Load
     if stored is not None and stored.status == "completed" and stored.thread_id is not None:
         thread = await threads.load(tenant, stored.thread_id)
     if stored is None or thread is None or thread.thread is None:
-        raise ApiError(
-            400,
-            f"Previous response with id '{previous}' not found.",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
+        raise previous_not_found(previous)
     if thread.kind == "responses" and thread.thread.head_response_id == previous:
         return thread
     through = stored.output_last_seq if stored.output_last_seq is not None else -1
@@ -283,8 +302,34 @@ class ResponseChain(StoredTurn):
             return
         logged = log if log is not None else turn.api.reply(result) or ()
         items = await self.turn_items(turn, logged, self.id)
-        await self.commit(turn, items, self.id, result)
+        try:
+            await self.commit(turn, items, self.id, result)
+        except NotFound:
+            lost = await self._lost()
+            if lost is None:
+                raise
+            raise lost from None
         self.kept = True
+
+    async def _lost(self) -> ApiError | None:
+        """The turn's thread (a conversation deleted meanwhile) or its own response row
+        went while the provider answered: nothing of the turn is kept, its response row
+        included (no `incomplete` orphan), and the client hears what went, as a request
+        sent a moment later would. A stream has sent its headers: it ends with the
+        relay's `store_error` event instead (None: the NotFound goes on)."""
+        assert self.chain is not None
+        store, thread_id = self.threads.store, self.chain.loaded.thread_id
+        await asyncio.shield(store.delete_response(self.tenant, self.id))
+        self.kept = True
+        if self.body.get("stream"):
+            return None
+        if await store.get_thread(self.tenant, thread_id) is not None:
+            return ApiError(404, f"Response with id '{self.id}' not found.")
+        if self.chain.conversation is not None:
+            return conversation_not_found(self.chain.conversation)
+        if self.chain.previous_response_id is not None:
+            return previous_not_found(self.chain.previous_response_id)
+        return ApiError(404, f"Response with id '{self.id}' not found.")
 
     def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
         self.refused = upstream.status in BAD_INPUT

@@ -41,10 +41,18 @@ def _operator_commands(sub: Any) -> None:
     explaining = verbs.add_parser("explain", help="what one model request sent, and why")
     explaining.add_argument("request_id", help="the x-threadkeeper-request-id header")
     explaining.add_argument("--tenant")
-    importing = verbs.add_parser("import", help="a new thread from an exported jsonl file")
-    importing.add_argument("file", type=Path)
-    importing.add_argument("--tenant", help="instead of the file's tenant")
+    importing = verbs.add_parser(
+        "import", help="a new thread from what `threads export` printed (jsonl or openai)"
+    )
+    importing.add_argument("file", help="the export file, or - for stdin")
+    importing.add_argument("--tenant", help="a configured tenant, instead of the file's")
+    importing.add_argument(
+        "--namespace",
+        help="import into this store namespace even though no policy names it "
+        "(a passthrough caller's)",
+    )
     importing.add_argument("--id", help="instead of the file's thread id")
+    importing.add_argument("--policies", help="the policies directory naming the tenants")
     for command in verbs.choices.values():
         _store_options(command)
 
@@ -290,14 +298,45 @@ async def _threads(store: Any, args: argparse.Namespace) -> str:
         if args.format == "openai":
             return json.dumps(lines, ensure_ascii=False, indent=2)
         return "\n".join(json.dumps(line, ensure_ascii=False) for line in lines)
-    try:
-        text = args.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise admin.AdminError(f"cannot read {args.file}: {exc}") from None
-    imported = await admin.import_thread(store, text.splitlines(), args.tenant, args.id)
+    imported = await admin.import_thread(
+        store,
+        read_input(args.file),
+        tenants=[] if args.namespace is not None else _configured_tenants(args),
+        tenant=args.tenant,
+        namespace=args.namespace,
+        thread_id=args.id,
+    )
     return _shown(
         args, imported, lambda: f"imported thread {imported['id']} ({imported['items']} items)"
     )
+
+
+def _configured_tenants(args: argparse.Namespace) -> list[str]:
+    """The tenants the policies directory `serve` reads defines (its bad files aside)."""
+    from proxy.admin import AdminError
+    from proxy.policy import PolicyError, check_directory
+    from proxy.settings import load_settings
+
+    cli = {"store": args.store, "config": args.config, "policies": args.policies}
+    directory = load_settings(cli, os.environ).policies_dir
+    try:
+        tenants, _ = check_directory(directory)
+    except PolicyError as exc:
+        raise AdminError(f"{exc}: pass --policies DIR, or --namespace NS") from None
+    return tenants
+
+
+def read_input(name: str) -> str:
+    """The text of file `name`, or of stdin for "-"; unreadable: one AdminError line."""
+    from proxy.admin import AdminError
+
+    try:
+        if name == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        shown = "stdin" if name == "-" else name
+        raise AdminError(f"cannot read {shown}: {exc}") from None
 
 
 async def _ledger(store: Any, args: argparse.Namespace) -> str:

@@ -80,24 +80,39 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
-class _NotStandardJson(ValueError):
-    pass
+class NotJson(ValueError):
+    """Why a text is not standard JSON; `too_deep`: nested beyond what the parser's stack
+    takes."""
+
+    def __init__(self, reason: str, *, too_deep: bool = False) -> None:
+        super().__init__(reason)
+        self.too_deep = too_deep
 
 
 def _refuse_constant(name: str) -> Any:
-    raise _NotStandardJson(f"{name} is not a valid JSON value")
+    raise NotJson(f"{name} is not a valid JSON value")
 
 
-def parse_json(raw: bytes) -> Any:
-    """`json.loads`, refusing what Python accepts but JSON does not, as a 400."""
+def load_json(raw: bytes | str) -> Any:
+    """`json.loads`, refusing what Python accepts but JSON does not (NotJson)."""
     try:
         return json.loads(raw, parse_constant=_refuse_constant)
     except RecursionError:
-        raise too_deep() from None
-    except (json.JSONDecodeError, UnicodeDecodeError, _NotStandardJson) as exc:
-        raise unparsable(str(exc)) from None
+        raise NotJson(f"nested more than {MAX_JSON_DEPTH} levels deep", too_deep=True) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise NotJson(str(exc)) from None
+    except NotJson:
+        raise
     except ValueError:  # int(): more than sys.get_int_max_str_digits() digits
-        raise unparsable("an integer literal is too long (the limit is 4300 digits)") from None
+        raise NotJson("an integer literal is too long (the limit is 4300 digits)") from None
+
+
+def parse_json(raw: bytes | str) -> Any:
+    """`load_json`, its refusal as a 400."""
+    try:
+        return load_json(raw)
+    except NotJson as exc:
+        raise too_deep() if exc.too_deep else unparsable(str(exc)) from None
 
 
 def unparsable(reason: str) -> ApiError:

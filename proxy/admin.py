@@ -10,6 +10,7 @@ CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +44,7 @@ from proxy.store.base import (
     NotFound,
     Store,
     StoredItem,
+    StoredResponse,
     Thread,
     ThreadKind,
 )
@@ -230,6 +232,58 @@ def show_text(shown: JsonDict) -> str:
     return "\n".join(lines).rstrip()
 
 
+async def find_thread(store: Store, some_id: str, tenant: str | None) -> JsonDict:
+    """The thread behind a response id (resp_...) or a request id (the
+    x-threadkeeper-request-id header): where to point `threads show`."""
+    found = await _owners(store, some_id, tenant)
+    if not found:
+        where = f"for tenant {tenant!r}" if tenant is not None else "in any tenant"
+        raise AdminError(f"no response or request {some_id!r} {where}")
+    if len(found) > 1:
+        tenants = ", ".join(owner for owner, _, _ in found)
+        raise AdminError(f"{some_id!r} exists for tenants {tenants}: pass --tenant")
+    owner, kind, thread_id = found[0]
+    thread = None if thread_id is None else await store.get_thread(owner, thread_id)
+    return {
+        "object": f"{EXPORT_OBJECT}.found",
+        "id": some_id,
+        "kind": kind,
+        "tenant": owner,
+        "thread_id": thread_id,
+        "thread": None if thread is None else thread_json(thread),
+    }
+
+
+async def _owners(
+    store: Store, some_id: str, tenant: str | None
+) -> list[tuple[str, str, str | None]]:
+    """(tenant, "response" or "request", thread id) of each record with this id."""
+    if tenant is not None:
+        stored = await store.get_response(tenant, some_id)
+        responses: tuple[StoredResponse, ...] = (stored,) if stored is not None else ()
+    else:
+        responses = await store.find_responses(some_id)
+    found = [(r.tenant, "response", r.thread_id) for r in responses]
+    if not found:
+        record = await store.explain_get(tenant, some_id)
+        if record is not None:
+            found.append((record.tenant, "request", record.thread_id))
+    return found
+
+
+def find_text(found: JsonDict) -> str:
+    head = f"{found['kind']} {found['id']}  tenant {found['tenant']}"
+    thread = found["thread"]
+    if thread is not None:
+        return (
+            f"{head}  thread {thread['id']} ({thread['kind']}, {thread['items']} items)\n"
+            f"threadkeeper threads show {thread['id']} --tenant {thread['tenant']}"
+        )
+    if found["thread_id"] is not None:
+        return f"{head}  thread {found['thread_id']}, since deleted"
+    return f"{head}  on no thread (a stateless request, or store: false)"
+
+
 async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
     thread = await resolve_thread(store, thread_id, tenant)
     await store.delete_thread(thread.tenant, thread.id)
@@ -239,14 +293,21 @@ async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> Jso
 async def fork_thread(
     store: Store, thread_id: str, tenant: str | None, at_item: str | None
 ) -> JsonDict:
-    """A copy of the thread's items up to and including `at_item` (all when None)."""
+    """A copy of the thread's items up to and including `at_item` (all when None): an
+    item id, or the sequence number `threads show` prints."""
     thread = await resolve_thread(store, thread_id, tenant)
     through = thread.next_seq - 1
     if at_item is not None:
         stored = await store.get_item(thread.tenant, thread.id, at_item)
-        if stored is None:
-            raise AdminError(f"no item {at_item!r} in thread {thread.id!r}")
-        through = stored.seq
+        if stored is not None:
+            through = stored.seq
+        elif re.fullmatch("[0-9]+", at_item) and int(at_item) < thread.next_seq:
+            through = int(at_item)
+        else:
+            raise AdminError(
+                f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
+                f"seq from 0 to {thread.next_seq - 1})"
+            )
     fork_id = new_id("conv" if thread.kind == "conversation" else "thread")
     try:
         fork = await store.fork_thread(

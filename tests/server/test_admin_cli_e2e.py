@@ -13,6 +13,7 @@ import pytest
 
 from proxy.cli import main
 from proxy.fake_provider import FakeProvider, Reply
+from proxy.store import open_store
 
 from .conftest import Proxy
 from .test_explain_e2e import written
@@ -166,12 +167,25 @@ async def test_bad_store_url_missing_thread_and_bad_import_exit_2_with_one_line(
 
     code, out, err = await cli(capsys, "threads", "list", "--store", "sqlite:////nowhere/x.db")
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.strip() == (
-        "threadkeeper: cannot open the store 'sqlite:////nowhere/x.db': "
-        "the directory of '/nowhere/x.db' does not exist"
+    assert err.startswith("threadkeeper: there is no store at /nowhere/x.db (sqlite:////nowhere")
+    (tmp_path / "t.jsonl").write_text('{"object": "threadkeeper.thread"}\n')
+    code, out, err = await cli(
+        capsys, "threads", "import", str(tmp_path / "t.jsonl"), "--store", "sqlite:////nowhere/x.db"
+    )
+    assert (
+        code == 2
+        and out == ""
+        and err.strip()
+        == (
+            "threadkeeper: cannot open the store 'sqlite:////nowhere/x.db': "
+            "the directory of '/nowhere/x.db' does not exist"
+        )
     )
 
     store = ("--store", f"sqlite:///{tmp_path / 'empty.db'}")
+    empty = await open_store(store[1])
+    await empty.migrate()
+    await empty.close()
     code, _, err = await cli(capsys, "threads", "show", "nope", *store)
     assert (code, err.strip()) == (2, "threadkeeper: no thread 'nope' in any tenant")
     code, _, err = await cli(capsys, "threads", "list", "--limit", "0", *store)
@@ -338,3 +352,52 @@ async def test_export_openai_imports_back_as_a_conversation_that_takes_a_turn(
     assert answer.output_text == "It arrives Friday."
     sent = proxy.provider.requests[-1].json or {}
     assert sent["input"][:4] == replay
+
+
+async def test_threads_find_names_the_thread_of_a_response_and_fork_takes_a_seq(
+    store_url: str,
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 20 item 13: no way to find the thread behind a resp_... id; `threads show`
+    prints seqs but `fork --at` took only item ids."""
+    proxy = await make_proxy(store_url=store_url)
+    store = ("--store", store_url)
+    client = proxy.client()
+    proxy.provider.script += [Reply(text="First."), Reply(text="Second.")]
+    first = await client.responses.create(model="gpt-4o", input="one")
+    raw = await client.responses.with_raw_response.create(
+        model="gpt-4o", input="two", previous_response_id=first.id
+    )
+    second = raw.parse()
+
+    code, out, err = await cli(capsys, "threads", "find", second.id, "--json", *store)
+    assert code == 0, err
+    found = json.loads(out)
+    assert (found["kind"], found["tenant"]) == ("response", "acme")
+    thread = found["thread"]
+    assert thread["kind"] == "responses" and thread["items"] == 4
+    code, out, _ = await cli(capsys, "threads", "find", first.id, *store)
+    assert out.splitlines() == [
+        f"response {first.id}  tenant acme  thread {thread['id']} (responses, 4 items)",
+        f"threadkeeper threads show {thread['id']} --tenant acme",
+    ]
+    request_id = raw.headers["x-threadkeeper-request-id"]
+    await written(proxy)
+    code, out, _ = await cli(capsys, "threads", "find", request_id, "--json", *store)
+    assert (code, json.loads(out)["thread_id"]) == (0, thread["id"])
+    code, _, err = await cli(capsys, "threads", "find", "resp_nope", *store)
+    assert (code, err.strip()) == (
+        2,
+        "threadkeeper: no response or request 'resp_nope' in any tenant",
+    )
+
+    code, out, _ = await cli(capsys, "threads", "show", thread["id"], "--json", *store)
+    log = json.loads(out)["log"]
+    by_seq = json.loads((await cli(capsys, "threads", "fork", thread["id"], "--at", "1",
+                                   "--json", *store))[1])  # fmt: skip
+    by_id = json.loads((await cli(capsys, "threads", "fork", thread["id"], "--at", log[1]["id"],
+                                  "--json", *store))[1])  # fmt: skip
+    assert by_seq["items"] == by_id["items"] == 2
+    code, _, err = await cli(capsys, "threads", "fork", thread["id"], "--at", "4", *store)
+    assert code == 2 and "--at takes an item id or a seq from 0 to 3" in err

@@ -187,6 +187,7 @@ def test_demo_serve_keeps_the_inspector_running_on_a_printed_url_and_token(
                     token = line.rsplit(" ", 1)[1].strip()
                 if line.strip().startswith("threadkeeper threads explain "):
                     explain = line.split()
+                if line.startswith("(the demo thread is "):  # its last line before it waits
                     break
             assert url is not None and token is not None and explain is not None
             page = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)

@@ -301,7 +301,7 @@ async def fork_thread(
         stored = await store.get_item(thread.tenant, thread.id, at_item)
         if stored is not None:
             through = stored.seq
-        elif re.fullmatch("[0-9]+", at_item) and int(at_item) < thread.next_seq:
+        elif re.fullmatch("[0-9]{1,18}", at_item) and int(at_item) < thread.next_seq:
             through = int(at_item)
         else:
             raise AdminError(

@@ -10,9 +10,11 @@ CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar
 
 from proxy.clock import utc_now
 from proxy.core.blocks import compile_pins, is_pinned
@@ -21,6 +23,18 @@ from proxy.core.compress import COMPRESSED_KEY
 from proxy.core.items import Item, JsonDict, chat_item, content_digest, message_text, responses_item
 from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
+from proxy.core.validate import (
+    ApiError,
+    NotJson,
+    check_json_tree,
+    duplicate_item,
+    list_of_objects,
+    load_json,
+    metadata_param,
+    store_key,
+    validate_chat_message,
+    validate_stored_item,
+)
 from proxy.ids import item_id_for, new_id
 from proxy.store.base import (
     AlreadyExists,
@@ -30,12 +44,17 @@ from proxy.store.base import (
     NotFound,
     Store,
     StoredItem,
+    StoredResponse,
     Thread,
+    ThreadKind,
 )
+from proxy.threads import first_orphan
 
 EXPORT_OBJECT = "threadkeeper.thread"
 TEXT_PREVIEW = 72  # characters of an item's text in `threads show`
 STOOD_FOR_MAX_ITEMS = 10_000  # items stood_for_tokens reads at most (else: unknown)
+_T = TypeVar("_T")
+THREAD_KINDS: tuple[ThreadKind, ...] = ("conversation", "chat", "responses")
 
 
 class AdminError(Exception):
@@ -214,6 +233,58 @@ def show_text(shown: JsonDict) -> str:
     return "\n".join(lines).rstrip()
 
 
+async def find_thread(store: Store, some_id: str, tenant: str | None) -> JsonDict:
+    """The thread behind a response id (resp_...) or a request id (the
+    x-threadkeeper-request-id header): where to point `threads show`."""
+    found = await _owners(store, some_id, tenant)
+    if not found:
+        where = f"for tenant {tenant!r}" if tenant is not None else "in any tenant"
+        raise AdminError(f"no response or request {some_id!r} {where}")
+    if len(found) > 1:
+        tenants = ", ".join(owner for owner, _, _ in found)
+        raise AdminError(f"{some_id!r} exists for tenants {tenants}: pass --tenant")
+    owner, kind, thread_id = found[0]
+    thread = None if thread_id is None else await store.get_thread(owner, thread_id)
+    return {
+        "object": f"{EXPORT_OBJECT}.found",
+        "id": some_id,
+        "kind": kind,
+        "tenant": owner,
+        "thread_id": thread_id,
+        "thread": None if thread is None else thread_json(thread),
+    }
+
+
+async def _owners(
+    store: Store, some_id: str, tenant: str | None
+) -> list[tuple[str, str, str | None]]:
+    """(tenant, "response" or "request", thread id) of each record with this id."""
+    if tenant is not None:
+        stored = await store.get_response(tenant, some_id)
+        responses: tuple[StoredResponse, ...] = (stored,) if stored is not None else ()
+    else:
+        responses = await store.find_responses(some_id)
+    found = [(r.tenant, "response", r.thread_id) for r in responses]
+    if not found:
+        record = await store.explain_get(tenant, some_id)
+        if record is not None:
+            found.append((record.tenant, "request", record.thread_id))
+    return found
+
+
+def find_text(found: JsonDict) -> str:
+    head = f"{found['kind']} {found['id']}  tenant {found['tenant']}"
+    thread = found["thread"]
+    if thread is not None:
+        return (
+            f"{head}  thread {thread['id']} ({thread['kind']}, {thread['items']} items)\n"
+            f"threadkeeper threads show {thread['id']} --tenant {thread['tenant']}"
+        )
+    if found["thread_id"] is not None:
+        return f"{head}  thread {found['thread_id']}, since deleted"
+    return f"{head}  on no thread (a stateless request, or store: false)"
+
+
 async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
     thread = await resolve_thread(store, thread_id, tenant)
     await store.delete_thread(thread.tenant, thread.id)
@@ -256,14 +327,21 @@ ERASED_ROWS = (
 async def fork_thread(
     store: Store, thread_id: str, tenant: str | None, at_item: str | None
 ) -> JsonDict:
-    """A copy of the thread's items up to and including `at_item` (all when None)."""
+    """A copy of the thread's items up to and including `at_item` (all when None): an
+    item id, or the sequence number `threads show` prints."""
     thread = await resolve_thread(store, thread_id, tenant)
     through = thread.next_seq - 1
     if at_item is not None:
         stored = await store.get_item(thread.tenant, thread.id, at_item)
-        if stored is None:
-            raise AdminError(f"no item {at_item!r} in thread {thread.id!r}")
-        through = stored.seq
+        if stored is not None:
+            through = stored.seq
+        elif re.fullmatch("[0-9]{1,18}", at_item) and int(at_item) < thread.next_seq:
+            through = int(at_item)
+        else:
+            raise AdminError(
+                f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
+                f"seq from 0 to {thread.next_seq - 1})"
+            )
     fork_id = new_id("conv" if thread.kind == "conversation" else "thread")
     try:
         fork = await store.fork_thread(
@@ -294,32 +372,72 @@ async def export_thread(
 
 
 async def import_thread(
-    store: Store, lines: Iterable[str], tenant: str | None, thread_id: str | None
+    store: Store,
+    text: str,
+    *,
+    tenants: Collection[str],
+    tenant: str | None = None,
+    namespace: str | None = None,
+    thread_id: str | None = None,
 ) -> JsonDict:
-    """A new thread from a `threads export --format jsonl` file (tenant and id from the
-    file unless given)."""
-    header, entries = _parse_export(lines)
-    tenant = tenant or _required_str(header, "tenant", 1)
-    thread_id = thread_id or _required_str(header, "id", 1)
-    kind = header.get("kind")
-    if kind not in ("conversation", "chat", "responses"):
-        raise AdminError(f"line 1: 'kind' must be conversation, chat or responses, not {kind!r}")
-    metadata = header.get("metadata") or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise AdminError("line 1: 'metadata' must map strings to strings")
+    """A new thread from what `threads export` prints: jsonl (tenant, id and kind from its
+    header line unless given) or openai (a list of Responses input items: a new
+    conversation, for `--tenant`).
+
+    Every line and item goes through the HTTP API's checks (proxy/core/validate.py), the
+    items must be of the thread's API and hold no repeated id and no output before its
+    call: what the proxy would refuse from a client, it refuses from a file. The thread
+    goes to a configured tenant (`tenants`), or to `namespace` (any store namespace, a
+    passthrough caller's included) when the operator names it."""
+    header, entries = read_export(text)
+    kind = _import_kind(header)
+    if thread_id is not None:
+        _checked(partial(store_key, thread_id, "--id"), "")
+    else:
+        thread_id = _required_str(header, "id", 1) if header else new_id("conv")
+    metadata = _checked(lambda: metadata_param(header.get("metadata")), "line 1") if header else {}
     counter = TokenCounter.for_model("*")
-    new_items = [_new_item(entry, number, counter) for number, entry in entries]
+    items = [_new_item(where, param, entry, kind, counter) for where, param, entry in entries]
+    _refuse_repeated_ids(items, [where for where, _, _ in entries])
+    _refuse_orphans(items, [where for where, _, _ in entries])
+    target = _import_namespace(header, tenants, tenant, namespace)
     try:
         thread = await store.create_thread(
-            tenant, thread_id, kind=kind, metadata=metadata, items=new_items, now=utc_now()
+            target, thread_id, kind=kind, metadata=metadata, items=items, now=utc_now()
         )
     except AlreadyExists:
         raise AdminError(
-            f"thread {thread_id!r} already exists for tenant {tenant!r}: pass --id NEW_ID"
+            f"thread {thread_id!r} already exists for tenant {target!r}: pass --id NEW_ID"
         ) from None
     return thread_json(thread)
+
+
+def read_export(text: str) -> tuple[JsonDict | None, list[tuple[str, str, JsonDict]]]:
+    """The header (None for the openai format) and the item entries of an export file,
+    each with where it is (for messages) and its parameter name; every line has passed
+    the checks of the HTTP API's JSON door."""
+    if text.lstrip().startswith("["):
+        try:
+            replay = load_json(text)
+        except NotJson as exc:
+            raise AdminError(f"not JSON ({exc})") from None
+        body = {"input": replay}
+        _checked(lambda: check_json_tree(body), "")
+        items = _checked(lambda: list_of_objects(replay, "input"), "")
+        return None, [
+            (f"item {index}", f"input[{index}]", {"api": "responses", "raw": item})
+            for index, item in enumerate(items)
+        ]
+    parsed: list[tuple[str, JsonDict]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            parsed.append((f"line {number}", _json_line(line, f"line {number}")))
+    if not parsed or parsed[0][1].get("object") != EXPORT_OBJECT:
+        raise AdminError(
+            f"line 1: expected the header of `threads export --format jsonl` "
+            f"(object {EXPORT_OBJECT!r}) or the JSON array of `--format openai`"
+        )
+    return parsed[0][1], [(where, "raw", entry) for where, entry in parsed[1:]]
 
 
 def responses_input(items: Iterable[Item]) -> list[JsonDict]:
@@ -619,24 +737,54 @@ def _without_output_ids(raw: Mapping[str, Any]) -> JsonDict:
     return {k: v for k, v in raw.items() if k not in ("id", "status")}
 
 
-def _parse_export(lines: Iterable[str]) -> tuple[JsonDict, list[tuple[int, JsonDict]]]:
-    parsed: list[tuple[int, JsonDict]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except ValueError as exc:
-            raise AdminError(f"line {number}: not JSON ({exc})") from None
-        if not isinstance(value, dict):
-            raise AdminError(f"line {number}: expected a JSON object")
-        parsed.append((number, value))
-    if not parsed or parsed[0][1].get("object") != EXPORT_OBJECT:
+def _checked(check: Callable[[], _T], where: str) -> _T:
+    """The check's value; its ApiError (the HTTP API's 400) as one AdminError line."""
+    try:
+        return check()
+    except ApiError as exc:
+        raise AdminError(f"{where}: {exc.message}" if where else exc.message) from None
+
+
+def _json_line(line: str, where: str) -> JsonDict:
+    try:
+        value = load_json(line)
+    except NotJson as exc:
+        raise AdminError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise AdminError(f"{where}: expected a JSON object")
+    _checked(lambda: check_json_tree(value), where)
+    return value
+
+
+def _import_namespace(
+    header: JsonDict | None, tenants: Collection[str], tenant: str | None, namespace: str | None
+) -> str:
+    """Where an import goes: `namespace` as given, else a configured tenant (--tenant or
+    the file's): a namespace no policy names (a passthrough caller's, a typo) only when
+    the operator says so."""
+    if tenant is not None and namespace is not None:
+        raise AdminError("pass --tenant or --namespace, not both")
+    if namespace is not None:
+        return _checked(partial(store_key, namespace, "--namespace"), "")
+    if tenant is None:
+        if header is None:
+            raise AdminError("an openai-format file names no tenant: pass --tenant")
+        tenant = _required_str(header, "tenant", 1)
+    if tenant not in tenants:
+        configured = ", ".join(sorted(tenants)) or "none"
         raise AdminError(
-            f"line 1: expected the header of `threads export --format jsonl` "
-            f"(object {EXPORT_OBJECT!r})"
+            f"{tenant!r} is not a configured tenant (the policies define: {configured}); "
+            f"pass --namespace {tenant} to import into that namespace anyway"
         )
-    return parsed[0][1], parsed[1:]
+    return tenant
+
+
+def _import_kind(header: JsonDict | None) -> ThreadKind:
+    kind = header.get("kind") if header is not None else "conversation"
+    for known in THREAD_KINDS:
+        if kind == known:
+            return known
+    raise AdminError(f"line 1: 'kind' must be conversation, chat or responses, not {kind!r}")
 
 
 def _required_str(entry: Mapping[str, Any], name: str, number: int) -> str:
@@ -646,14 +794,23 @@ def _required_str(entry: Mapping[str, Any], name: str, number: int) -> str:
     return value
 
 
-def _new_item(entry: Mapping[str, Any], number: int, counter: TokenCounter) -> NewItem:
+def _new_item(
+    where: str, param: str, entry: Mapping[str, Any], kind: ThreadKind, counter: TokenCounter
+) -> NewItem:
+    """One entry as the item to store, once it passes the HTTP API's checks for its API;
+    a thread holds items of one API (the projection cannot mix them)."""
     api = entry.get("api")
     raw = entry.get("raw")
     role = entry.get("role", "input")
     if api not in ("chat", "responses") or not isinstance(raw, dict):
-        raise AdminError(f"line {number}: expected 'api' chat|responses and an object 'raw'")
+        raise AdminError(f"{where}: expected 'api' chat|responses and an object 'raw'")
+    wanted = "chat" if kind == "chat" else "responses"
+    if api != wanted:
+        raise AdminError(f"{where}: a {kind} thread holds {wanted} items, not {api} items")
     if role not in ("input", "output"):
-        raise AdminError(f"line {number}: 'role' must be input or output")
+        raise AdminError(f"{where}: 'role' must be input or output")
+    validate = validate_chat_message if api == "chat" else validate_stored_item
+    _checked(lambda: validate(raw, param), where)
     item = chat_item(raw) if api == "chat" else responses_item(raw)
     item_id = entry.get("id")
     return NewItem(
@@ -665,3 +822,26 @@ def _new_item(entry: Mapping[str, Any], number: int, counter: TokenCounter) -> N
         role=role,
         digest=content_digest(raw),
     )
+
+
+def _refuse_repeated_ids(items: Sequence[NewItem], places: Sequence[str]) -> None:
+    first: dict[str, str] = {}
+    for item, where in zip(items, places, strict=True):
+        if item.item_id in first:
+            message = duplicate_item("id", item.item_id).message
+            raise AdminError(f"{where}: {message} ({first[item.item_id]} has it too)")
+        first[item.item_id] = where
+
+
+def _refuse_orphans(items: Sequence[NewItem], places: Sequence[str]) -> None:
+    """SPEC 6, as a turn applies it: an output answers a call earlier in the log."""
+    views = [chat_item(i.raw) if i.api == "chat" else responses_item(i.raw) for i in items]
+    orphan = first_orphan((), views)
+    if orphan is None:
+        return
+    where = next(
+        place
+        for view, place in zip(views, places, strict=True)
+        if view.kind == "tool_output" and view.output_for == orphan
+    )
+    raise AdminError(f"{where}: no tool call before this output has the call id {orphan!r}")

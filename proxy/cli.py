@@ -20,7 +20,9 @@ def _store_options(command: argparse.ArgumentParser) -> None:
 
 
 def _operator_commands(sub: Any) -> None:
-    threads = sub.add_parser("threads", help="list, show, fork, export, import, delete threads")
+    threads = sub.add_parser(
+        "threads", help="list, show, find, fork, export, import, delete threads"
+    )
     verbs = threads.add_subparsers(dest="verb", required=True)
     listing = verbs.add_parser("list", help="threads, newest first")
     listing.add_argument("--tenant")
@@ -35,7 +37,9 @@ def _operator_commands(sub: Any) -> None:
         command.add_argument("id")
         command.add_argument("--tenant", help="needed only when the id exists in two tenants")
         if name == "fork":
-            command.add_argument("--at", metavar="ITEM", help="last item id to copy")
+            command.add_argument(
+                "--at", metavar="ITEM", help="the last item to copy: its id or its seq"
+            )
         if name == "delete":
             command.add_argument(
                 "--erase",
@@ -48,10 +52,23 @@ def _operator_commands(sub: Any) -> None:
     explaining = verbs.add_parser("explain", help="what one model request sent, and why")
     explaining.add_argument("request_id", help="the x-threadkeeper-request-id header")
     explaining.add_argument("--tenant")
-    importing = verbs.add_parser("import", help="a new thread from an exported jsonl file")
-    importing.add_argument("file", type=Path)
-    importing.add_argument("--tenant", help="instead of the file's tenant")
+    finding = verbs.add_parser(
+        "find", help="the thread behind a response id (resp_...) or a request id (req_...)"
+    )
+    finding.add_argument("id", help="a response id, or an x-threadkeeper-request-id")
+    finding.add_argument("--tenant", help="needed only when the id exists in two tenants")
+    importing = verbs.add_parser(
+        "import", help="a new thread from what `threads export` printed (jsonl or openai)"
+    )
+    importing.add_argument("file", help="the export file, or - for stdin")
+    importing.add_argument("--tenant", help="a configured tenant, instead of the file's")
+    importing.add_argument(
+        "--namespace",
+        help="import into this store namespace even though no policy names it "
+        "(a passthrough caller's)",
+    )
     importing.add_argument("--id", help="instead of the file's thread id")
+    importing.add_argument("--policies", help="the policies directory naming the tenants")
     for command in verbs.choices.values():
         _store_options(command)
 
@@ -126,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     policy = sub.add_parser("policy", help="validate policy files or print their JSON Schema")
     policy_sub = policy.add_subparsers(dest="policy_command", required=True)
     check = policy_sub.add_parser(
-        "check", help="validate a policy directory; exit 1 listing file, field and problem"
+        "check", help="validate a policy directory; exit 2 listing each file, field and problem"
     )
     check.add_argument("directory", type=Path)
     schema = policy_sub.add_parser("schema", help="print the policy JSON Schema (editors, CI)")
@@ -142,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         command = sub.add_parser(name, help=text)
         command.add_argument(
-            "file", help="JSON file: a Chat/Responses request or a list of messages"
+            "file", help="JSON file (- for stdin): a Chat/Responses request or a list of messages"
         )
         command.add_argument("--model", default=None)
         if name == "project":
@@ -155,6 +172,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at exit
+    except BrokenPipeError:
+        # Not a failure of the command: stop writing, quietly, as a program killed by
+        # SIGPIPE would (Python ignores the signal and raises this instead).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -166,7 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _policy(args)
     if args.command in ("threads", "ledger", "compaction"):
         return _operator(args)
-    request = _load_request(Path(args.file), args.model)
+    from proxy.admin import AdminError
+
+    try:
+        request = _load_request(args.file, args.model)
+    except AdminError as exc:
+        print(f"threadkeeper: {exc}", file=sys.stderr)
+        return 2
     if args.command == "count":
         return _count(request)
     return _project(request, args)
@@ -217,7 +252,7 @@ def _policy(args: argparse.Namespace) -> int:
     for error in errors:
         print(error, file=sys.stderr)
     if errors:
-        return 1
+        return 2
     print(f"ok: {len(tenants)} tenant policies ({', '.join(tenants)})")
     return 0
 
@@ -245,7 +280,7 @@ async def _run_operator(args: argparse.Namespace) -> str:
         raise admin.AdminError("--limit must be at least 1")
     if args.command == "compaction":
         return await _compaction(args)
-    store = await _open_store(args)
+    store = await _open_store(args, create=args.command == "threads" and args.verb == "import")
     try:
         if args.command == "ledger":
             return await _ledger(store, args)
@@ -254,7 +289,10 @@ async def _run_operator(args: argparse.Namespace) -> str:
         await store.close()
 
 
-async def _open_store(args: argparse.Namespace) -> Any:
+async def _open_store(args: argparse.Namespace, *, create: bool = False) -> Any:
+    """The store `serve` would open. Only a command that writes a thread (`create`) makes
+    a SQLite file that is not there: the others would read an empty store and answer as
+    if it held nothing, leaving a stray file behind."""
     import sqlite3
 
     from proxy.admin import AdminError
@@ -262,6 +300,8 @@ async def _open_store(args: argparse.Namespace) -> Any:
     from proxy.store import open_store
 
     settings = load_settings({"store": args.store, "config": args.config}, os.environ)
+    if not create:
+        _refuse_a_missing_sqlite_file(settings.store_url)
     try:
         store = await open_store(
             settings.store_url,
@@ -272,6 +312,21 @@ async def _open_store(args: argparse.Namespace) -> Any:
         raise AdminError(f"cannot open the store {settings.store_url!r}: {exc}") from None
     await store.migrate()
     return store
+
+
+def _refuse_a_missing_sqlite_file(url: str) -> None:
+    from proxy.admin import AdminError
+    from proxy.store.sqlite import MEMORY, sqlite_path
+
+    try:
+        path = sqlite_path(url)
+    except ValueError:  # not a SQLite URL, or a bad one: open_store says what is wrong
+        return
+    if path != MEMORY and not Path(path).exists():
+        raise AdminError(
+            f"there is no store at {path} ({url}): pass --store, or set THREADKEEPER_STORE "
+            "or the config file's store:, as for serve"
+        )
 
 
 async def _threads(store: Any, args: argparse.Namespace) -> str:
@@ -295,19 +350,53 @@ async def _threads(store: Any, args: argparse.Namespace) -> str:
     if args.verb == "explain":
         record = await admin.explain_request(store, args.request_id, args.tenant)
         return _shown(args, record, lambda: admin.explain_text(record))
+    if args.verb == "find":
+        found = await admin.find_thread(store, args.id, args.tenant)
+        return _shown(args, found, lambda: admin.find_text(found))
     if args.verb == "export":
         lines = await admin.export_thread(store, args.id, args.tenant, args.format)
         if args.format == "openai":
             return json.dumps(lines, ensure_ascii=False, indent=2)
         return "\n".join(json.dumps(line, ensure_ascii=False) for line in lines)
-    try:
-        text = args.file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise admin.AdminError(f"cannot read {args.file}: {exc}") from None
-    imported = await admin.import_thread(store, text.splitlines(), args.tenant, args.id)
+    imported = await admin.import_thread(
+        store,
+        read_input(args.file),
+        tenants=[] if args.namespace is not None else _configured_tenants(args),
+        tenant=args.tenant,
+        namespace=args.namespace,
+        thread_id=args.id,
+    )
     return _shown(
         args, imported, lambda: f"imported thread {imported['id']} ({imported['items']} items)"
     )
+
+
+def _configured_tenants(args: argparse.Namespace) -> list[str]:
+    """The tenants the policies directory `serve` reads defines (its bad files aside)."""
+    from proxy.admin import AdminError
+    from proxy.policy import PolicyError, check_directory
+    from proxy.settings import load_settings
+
+    cli = {"store": args.store, "config": args.config, "policies": args.policies}
+    directory = load_settings(cli, os.environ).policies_dir
+    try:
+        tenants, _ = check_directory(directory)
+    except PolicyError as exc:
+        raise AdminError(f"{exc}: pass --policies DIR, or --namespace NS") from None
+    return tenants
+
+
+def read_input(name: str) -> str:
+    """The text of file `name`, or of stdin for "-"; unreadable: one AdminError line."""
+    from proxy.admin import AdminError
+
+    try:
+        if name == "-":
+            return sys.stdin.buffer.read().decode("utf-8")
+        return Path(name).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        shown = "stdin" if name == "-" else name
+        raise AdminError(f"cannot read {shown}: {exc}") from None
 
 
 async def _ledger(store: Any, args: argparse.Namespace) -> str:
@@ -390,11 +479,47 @@ def _shown(args: argparse.Namespace, data: Any, human: Any) -> str:
     return json.dumps(data, ensure_ascii=False, indent=2) if args.json else str(human())
 
 
-def _load_request(path: Path, model: str | None) -> dict[str, Any]:
-    data = json.loads(path.read_text())
+def _load_request(name: str, model: str | None) -> dict[str, Any]:
+    """The request in file `name` (- for stdin), through the HTTP API's checks of what
+    the count reads: a problem is one AdminError line."""
+    from proxy.admin import AdminError
+    from proxy.core.validate import (
+        ApiError,
+        NotJson,
+        check_json_tree,
+        json_type,
+        list_of_objects,
+        load_json,
+        optional,
+        validate_chat_message,
+        validate_input_item,
+    )
+
+    shown = "stdin" if name == "-" else name
+    try:
+        data = load_json(read_input(name))
+    except NotJson as exc:
+        raise AdminError(f"{shown}: not JSON ({exc})") from None
     if isinstance(data, list):
         data = {"messages": data}
-    data["model"] = model or data.get("model") or "gpt-4o"
+    if not isinstance(data, dict):
+        raise AdminError(
+            f"{shown}: expected a Chat or Responses request (an object) or a list of "
+            f"messages, got {json_type(data)}"
+        )
+    try:
+        check_json_tree(data)
+        if "messages" in data:
+            for index, message in enumerate(list_of_objects(data["messages"], "messages")):
+                validate_chat_message(message, f"messages[{index}]")
+        elif not isinstance(data.get("input"), str | None):
+            for index, item in enumerate(list_of_objects(data["input"], "input")):
+                validate_input_item(item, f"input[{index}]")
+        list_of_objects(optional(data, "tools", list) or [], "tools")
+        optional(data, "instructions", str)
+        data["model"] = model or optional(data, "model", str) or "gpt-4o"
+    except ApiError as exc:
+        raise AdminError(f"{shown}: {exc.message}") from None
     return data
 
 

@@ -93,6 +93,9 @@ async def _drive(policies: Path, turns: int, window: int, serve: bool) -> None:
         if serve:
             print(f"\nThe inspector is at {base_url}/threadkeeper/ui/")
             print(f"Sign in with the operator token {settings.operator_token}")
+            # The store is temporary: the command works only while the demo runs.
+            print("While the demo runs, the same from a shell:")
+            print(f"  threadkeeper threads explain {last_request} --store {settings.store_url}")
             print(f"(the demo thread is {DEMO_THREAD}; Ctrl-C stops the demo)", flush=True)
             await asyncio.Event().wait()
     finally:
@@ -155,7 +158,7 @@ async def _what_the_model_saw(base_url: str, request_id: str) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(url, headers={"Authorization": f"Bearer {DEMO_KEY}"}) as response:
             record = await response.json()
-    print(f"\nWhat the model saw on the last turn (threadkeeper threads explain {request_id}):")
+    print("\nWhat the model saw on the last turn:")
     print(token_bar_text(record["projection"]))
     for stand_in in record["stand_ins"]:
         if stand_in["kind"] == "summary":

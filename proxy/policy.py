@@ -376,37 +376,62 @@ def _read_text(path: Path) -> str:
 
 
 def policy_from_text(path: Path, text: str) -> Policy:
+    """The policy in `text`; its first problem raises PolicyError."""
+    policy, problems = policy_problems(path, text)
+    if policy is None:
+        raise problems[0]
+    return policy
+
+
+def policy_problems(path: Path, text: str) -> tuple[Policy | None, list[PolicyError]]:
+    """The policy in `text`, or every problem with it, one per field (the tenant's first,
+    then misspelt fields: they say what to fix)."""
     try:
         data = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise PolicyError(path, "(yaml)", f"invalid YAML: {_one_line(str(exc))}") from None
+        return None, [PolicyError(path, "(yaml)", f"invalid YAML: {_one_line(str(exc))}")]
     if not isinstance(data, dict):
         got = "an empty file" if data is None else type(data).__name__
-        raise PolicyError(path, "(top level)", f"expected a mapping with tenant:, got {got}")
+        return None, [
+            PolicyError(path, "(top level)", f"expected a mapping with tenant:, got {got}")
+        ]
+    problems = []
     if "tenant" not in data:
-        raise PolicyError(path, "tenant", f"required field is missing (tenant: {path.stem})")
-    if data["tenant"] != path.stem:
-        raise PolicyError(
-            path, "tenant", f"must equal the file name {path.stem!r}, got {shown(data['tenant'])}"
+        problems.append(
+            PolicyError(path, "tenant", f"required field is missing (tenant: {path.stem})")
+        )
+    elif data["tenant"] != path.stem:
+        problems.append(
+            PolicyError(
+                path,
+                "tenant",
+                f"must equal the file name {path.stem!r}, got {shown(data['tenant'])}",
+            )
         )
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
-        raise _first_error(path, exc) from None
+        problems += _field_errors(path, exc)
+    if problems:
+        one_per_field: dict[str, PolicyError] = {}
+        for problem in problems:
+            one_per_field.setdefault(problem.field, problem)
+        return None, list(one_per_field.values())
     policy._source = str(path)
-    return policy
+    return policy, []
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _first_error(path: Path, exc: ValidationError) -> PolicyError:
+def _field_errors(path: Path, exc: ValidationError) -> list[PolicyError]:
     errors = exc.errors(include_url=False)
-    # A misspelt field is also a missing one: name the misspelling, it says what to fix.
-    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc = error["loc"]
-    return PolicyError(path, _dotted(loc) or "(top level)", _problem(error, loc))
+    # A misspelt field is also a missing one: name the misspelling first, it says what to fix.
+    errors.sort(key=lambda e: e["type"] != "extra_forbidden")
+    return [
+        PolicyError(path, _dotted(e["loc"]) or "(top level)", _problem(e, e["loc"])) for e in errors
+    ]
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -578,10 +603,23 @@ class PolicyRegistry:
 
 
 def check_directory(directory: Path) -> tuple[list[str], list[PolicyError]]:
-    """The tenants a directory defines and every problem in it, not just the first (what
-    `threadkeeper policy check` reports, so CI shows all bad files at once)."""
-    snapshot, errors = _load_directory(directory)
-    return sorted(snapshot.by_tenant), errors
+    """The tenants a directory defines and every problem in it: every field of every file
+    (what `threadkeeper policy check` reports, so CI shows them all at once)."""
+    files: dict[Path, _Loaded] = {}
+    errors: list[PolicyError] = []
+    for path in _policy_paths(directory):
+        try:
+            raw = _read_text(path)
+        except PolicyError as exc:
+            errors.append(exc)
+            continue
+        policy, problems = policy_problems(path, raw)
+        errors += problems
+        if policy is not None:
+            digest = hashlib.sha256(raw.encode("utf-8")).hexdigest()
+            files[path] = _restamped(policy, path.stat(), digest)
+    snapshot, conflicts = _snapshot_of(files, {})
+    return sorted(snapshot.by_tenant), errors + conflicts
 
 
 def _load_directory(directory: Path) -> tuple[_Snapshot, list[PolicyError]]:

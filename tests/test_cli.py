@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import pytest
 import yaml
 
 from proxy.cli import main
@@ -82,6 +83,8 @@ def test_demo_runs_offline_and_checks_what_it_sent() -> None:
     assert sent + sizes["output reserve"] + sizes["margin"] + sizes["free"] == 3000
     summary = result.stdout.split("The summary that stands for the dropped turns:\n")[1]
     assert summary.startswith("[threadkeeper summary of earlier conversation]")
+    # Its store was temporary: no command that reads it is suggested (issue 20 item 12).
+    assert "threadkeeper threads" not in result.stdout
 
 
 def test_serve_passes_the_metrics_token_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -143,7 +146,7 @@ def test_policy_check_lists_every_bad_file_with_field_and_problem(tmp_path: Path
             "twin.yaml": f"tenant: twin\napi_keys: [{key}]\n",
         },
     )
-    assert main(["policy", "check", str(directory)]) == 1
+    assert main(["policy", "check", str(directory)]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 3, lines
     assert lines[0].startswith(f"{directory / 'acme.yaml'}: budget.target_fill: ")
@@ -167,24 +170,142 @@ def test_policy_schema_validates_what_the_loader_accepts(tmp_path: Path, capsys)
     assert list(validator.iter_errors({"tenant": "acme", "memmory": {}}))
 
 
-def test_demo_serve_keeps_the_inspector_running_on_a_printed_url_and_token() -> None:
+def test_demo_serve_keeps_the_inspector_running_on_a_printed_url_and_token(
+    tmp_path: Path,
+) -> None:
     command = [sys.executable, "-m", "proxy", "demo", "--serve", "--turns", "3", "--window", "3000"]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     ) as process:
         try:
-            url = token = None
+            url = token = explain = None
             assert process.stdout is not None
             for line in process.stdout:  # bounded: the demo prints a few dozen lines
                 if line.startswith("The inspector is at "):
                     url = line.split(" at ", 1)[1].strip()
                 if line.startswith("Sign in with the operator token "):
                     token = line.rsplit(" ", 1)[1].strip()
+                if line.strip().startswith("threadkeeper threads explain "):
+                    explain = line.split()
+                if line.startswith("(the demo thread is "):  # its last line before it waits
                     break
-            assert url is not None and token is not None
+            assert url is not None and token is not None and explain is not None
             page = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
             assert page.status_code == 200 and "demo-thread" in page.text
             assert httpx.get(url, timeout=30).status_code == 401
+            # The command it suggests works as printed, from any directory (issue 20 item 12).
+            shell = subprocess.run(
+                [sys.executable, "-m", "proxy", *explain[1:]],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=tmp_path,
+            )
+            assert shell.returncode == 0, shell.stderr
+            assert shell.stdout.startswith(f"request {explain[3]}  tenant default")
+            assert list(tmp_path.iterdir()) == [], "no store was made in the directory"
         finally:
             process.send_signal(signal.SIGINT)
             assert process.wait(timeout=30) == 0
+
+
+READ_ONLY = [
+    ["threads", "list"],
+    ["threads", "show", "t1"],
+    ["threads", "explain", "req_1"],
+    ["threads", "export", "t1"],
+    ["threads", "find", "resp_1"],
+    ["ledger", "list"],
+    ["ledger", "show", "tenant", "k", "--tenant", "acme"],
+    ["compaction", "show", "tkc1.x", "--tenant", "acme"],
+]
+
+
+@pytest.mark.parametrize("argv", READ_ONLY, ids=lambda argv: " ".join(argv[:2]))
+def test_read_only_commands_say_there_is_no_store_and_make_none(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20 item 12: they made ./threadkeeper.db and answered as from an empty store."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("THREADKEEPER_STORE", "THREADKEEPER_CONFIG", "THREADKEEPER_COMPACTION_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("threadkeeper: there is no store at ./threadkeeper.db") and (
+        err.count("\n") == 1
+    ), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_policy_check_lists_every_problem_of_every_field(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Issue 20 item 13: it showed the first problem of each file, one per run."""
+    directory = _policy_dir(
+        tmp_path,
+        {
+            "acme.yaml": "tenant: acme\nbudget: {target_fill: 1.5, reserve_output_tokens: -3}\n"
+            "memory: {keep_recent_turn: 2, keep_recent_turns: many}\n",
+            "beta.yaml": "tenant: gamma\nmemmory: {}\n",
+        },
+    )
+    assert main(["policy", "check", str(directory)]) == 2
+    fields = [line.split(": ")[1] for line in capsys.readouterr().err.splitlines()]
+    assert sorted(fields[:4]) == [
+        "budget.reserve_output_tokens",
+        "budget.target_fill",
+        "memory.keep_recent_turn",
+        "memory.keep_recent_turns",
+    ]
+    assert fields[4:] == ["tenant", "memmory"]
+
+
+def run_cli(*argv: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_count_and_project_read_stdin_and_say_what_is_wrong_in_one_line(tmp_path: Path) -> None:
+    """Issue 20 item 13: tracebacks on a missing file or bad JSON, and no `-`."""
+    result = run_cli("count", "-", "--model", "gpt-4o", stdin=json.dumps(COOKBOOK_MESSAGES))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["prompt_tokens"] == 124
+    result = run_cli("project", "-", "--window", "5000", stdin=json.dumps(COOKBOOK_MESSAGES))
+    assert result.returncode == 0 and json.loads(result.stdout)["window"] == 5000
+
+    missing = tmp_path / "nowhere.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}')
+    for argv, stdin, problem in (
+        (["count", str(missing)], "", f"cannot read {missing}"),
+        (["count", str(bad)], "", f"{bad}: not JSON"),
+        (["project", "-", "--window", "900"], "[1, 2]", "stdin: Invalid type for 'messages[0]'"),
+        (
+            ["count", "-"],
+            '{"messages": [{"role": "user", "content": {}}]}',
+            "'messages[0].content'",
+        ),
+        (["count", "-"], "[" * 100_000, "stdin: not JSON (nested more than 128 levels deep)"),
+    ):
+        result = run_cli(*argv, stdin=stdin)
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        assert result.stderr.startswith("threadkeeper: ") and problem in result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """Issue 20 item 13: `policy schema | head` ended in a BrokenPipeError traceback."""
+    for argv in (["policy", "schema"], ["policy", "schema", "--markdown"]):
+        with subprocess.Popen(
+            [sys.executable, "-m", "proxy", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        ) as process:
+            assert process.stdout is not None and process.stderr is not None
+            process.stdout.close()  # the reader is gone before anything is written
+            err = process.stderr.read()
+            assert process.wait(timeout=60) == 141
+        assert err == b""

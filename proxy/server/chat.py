@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.core.validate import validate_chat_message
 from proxy.policy import Policy
 from proxy.server.api import CHAT
 from proxy.server.errors import invalid
@@ -27,14 +28,11 @@ from proxy.server.validate import (
     optional,
     optional_positive_int,
     read_json_object,
-    required_role,
     required_string,
     store_key,
-    wrong_type,
 )
 
 MAX_THREAD_ID = 256
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 def validate_chat(body: JsonDict) -> None:
@@ -61,29 +59,6 @@ def validate_chat(body: JsonDict) -> None:
     functions = optional(body, "functions", list)
     if functions is not None:
         list_of_objects(functions, "functions")
-
-
-def validate_chat_message(message: JsonDict, param: str) -> None:
-    role = required_role(message, param)
-    if role not in CHAT_ROLES:
-        raise invalid(
-            f"Invalid value: '{role}'. Supported values are: 'system', 'assistant', 'user', "
-            "'function', 'tool', and 'developer'.",
-            param=f"{param}.role",
-            code="invalid_value",
-        )
-    content = message.get("content")
-    if content is not None and not isinstance(content, str | list):
-        raise wrong_type(f"{param}.content", "a string or an array", content)
-    if isinstance(content, list):
-        list_of_objects(content, f"{param}.content")
-    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-        raise missing(f"{param}.tool_call_id")
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None:
-        for index, call in enumerate(list_of_objects(tool_calls, f"{param}.tool_calls")):
-            if not isinstance(call.get("id"), str):
-                raise missing(f"{param}.tool_calls[{index}].id")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -28,12 +28,12 @@ from aiohttp import web
 
 from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
+from proxy.core.validate import metadata_param, validate_stored_item
 from proxy.ids import item_id_for, new_id
 from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.explain import EXPLAIN
 from proxy.server.pagination import page_params
-from proxy.server.responses import validate_input_item
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, SUMMARIES, thread_service
 from proxy.server.validate import (
     JsonDict,
@@ -41,7 +41,6 @@ from proxy.server.validate import (
     list_of_objects,
     missing,
     read_json_object,
-    too_long,
     unsupported_value,
     wrong_type,
 )
@@ -49,48 +48,9 @@ from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Threa
 from proxy.threads import Loaded, stored_item_view
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 # Items are counted once at write time with this model's encoding, so rebuilds never
 # re-tokenize (SPEC section 4); a request for another encoding recounts what it needs.
 COUNTING_MODEL = "gpt-4o"
-MESSAGE_ROLES = ("assistant", "system", "developer", "user")
-# The item types OpenAI's InputItem union names (openapi: InputItem, Item). A conversation
-# keeps its items for later turns, so an unknown type is refused here rather than by the
-# provider on some later turn.
-ITEM_TYPES = (
-    "message",
-    "function_call",
-    "function_call_output",
-    "custom_tool_call",
-    "custom_tool_call_output",
-    "reasoning",
-    "compaction",
-    "compaction_trigger",
-    "file_search_call",
-    "web_search_call",
-    "computer_call",
-    "computer_call_output",
-    "image_generation_call",
-    "code_interpreter_call",
-    "local_shell_call",
-    "local_shell_call_output",
-    "shell_call",
-    "shell_call_output",
-    "apply_patch_call",
-    "apply_patch_call_output",
-    "mcp_list_tools",
-    "mcp_approval_request",
-    "mcp_approval_response",
-    "mcp_call",
-    "tool_search_call",
-    "tool_search_output",
-    "additional_tools",
-    "program",
-    "program_output",
-    "item_reference",
-)
 
 
 def add_routes(app: web.Application) -> None:
@@ -296,30 +256,6 @@ async def optional_json_object(request: web.Request) -> JsonDict:
 # --- input checks -----------------------------------------------------------------------
 
 
-def metadata_param(value: Any) -> dict[str, str]:
-    """OpenAI's Metadata: up to 16 string pairs, keys <= 64 chars, values <= 512 chars."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise wrong_type("metadata", "an object", value)
-    if len(value) > MAX_METADATA_PAIRS:
-        raise invalid(
-            f"Invalid 'metadata': too many properties. Expected an object with at most "
-            f"{MAX_METADATA_PAIRS} properties, but got an object with {len(value)} properties "
-            "instead.",
-            param="metadata",
-            code="object_above_max_properties",
-        )
-    for key, entry in value.items():
-        if len(key) > MAX_METADATA_KEY:
-            raise too_long("metadata", MAX_METADATA_KEY, len(key))
-        if not isinstance(entry, str):
-            raise wrong_type(f"metadata.{key}", "a string", entry)
-        if len(entry) > MAX_METADATA_VALUE:
-            raise too_long(f"metadata.{key}", MAX_METADATA_VALUE, len(entry))
-    return dict(value)
-
-
 def items_param(value: Any, *, required: bool) -> list[JsonDict]:
     if value is None and not required:
         return []
@@ -343,52 +279,6 @@ def items_param(value: Any, *, required: bool) -> list[JsonDict]:
     for index, raw in enumerate(raws):
         validate_stored_item(raw, f"items[{index}]")
     return raws
-
-
-def validate_stored_item(raw: JsonDict, param: str) -> None:
-    """The Responses input checks, plus what an item kept for later turns must carry."""
-    validate_input_item(raw, param)
-    item_type = raw.get("type")
-    if item_type is not None and item_type not in ITEM_TYPES:
-        raise unsupported_value(item_type, ITEM_TYPES, f"{param}.type")
-    if item_type in (None, "message"):
-        validate_message(raw, param)
-    elif item_type == "item_reference":
-        # A reference resolves against OpenAI's storage; a stored copy would dangle.
-        raise invalid(
-            f"Invalid '{param}': item references cannot be added to a conversation; send "
-            "the item itself.",
-            param=f"{param}.type",
-            code="invalid_value",
-        )
-    elif item_type == "function_call":
-        for key in ("name", "arguments"):
-            required_item_string(raw, key, param)
-    elif item_type == "function_call_output" and not isinstance(raw.get("output"), str | list):
-        raise missing(f"{param}.output")
-    given_id = raw.get("id")
-    if given_id is not None and not (isinstance(given_id, str) and given_id):
-        raise wrong_type(f"{param}.id", "a non-empty string", given_id)
-
-
-def validate_message(raw: JsonDict, param: str) -> None:
-    role = raw["role"]
-    if role not in MESSAGE_ROLES:
-        raise unsupported_value(role, MESSAGE_ROLES, f"{param}.role")
-    content = raw["content"]
-    if isinstance(content, list):
-        for index, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise wrong_type(f"{param}.content[{index}]", "an object", part)
-            if not isinstance(part.get("type"), str):
-                raise missing(f"{param}.content[{index}].type")
-
-
-def required_item_string(raw: JsonDict, key: str, param: str) -> None:
-    if key not in raw or raw[key] is None:
-        raise missing(f"{param}.{key}")
-    if not isinstance(raw[key], str):
-        raise wrong_type(f"{param}.{key}", "a string", raw[key])
 
 
 def call_ids_in(items: Iterable[Item]) -> frozenset[str]:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import structlog
 from aiohttp import web
 
+# OpenAI's error as a value is pure (the CLI raises it too); handlers import it from here.
+from proxy.core.validate import ApiError as ApiError
+from proxy.core.validate import error_body as error_body
+from proxy.core.validate import invalid as invalid
 from proxy.server.state import REQUEST_ID
 from proxy.store.base import StoreUnavailable
 
@@ -24,37 +27,6 @@ log = structlog.get_logger("threadkeeper.http")
 STORE_RETRY_AFTER_SECONDS = 1
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class ApiError(Exception):
-    """An error the client should see, already in OpenAI's terms."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def error_response(error: ApiError, request_id: str | None = None) -> web.Response:
@@ -67,10 +39,6 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
         content_type="application/json",
         headers=headers,
     )
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 _HTTP_ERRORS: dict[int, tuple[str, str | None]] = {

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.core import fastjson
 from proxy.core.tokens import TokenCounter
+from proxy.core.validate import validate_input_item
 from proxy.server.api import RESPONSES
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
@@ -41,7 +42,6 @@ from proxy.server.validate import (
     optional,
     optional_positive_int,
     read_json_object,
-    required_role,
     required_string,
     unsupported_value,
     wrong_type,
@@ -80,26 +80,6 @@ def validate_responses(body: JsonDict) -> None:
 
 # OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; README).
 TRUNCATION = ("auto", "disabled")
-
-
-def validate_input_item(item: JsonDict, param: str) -> None:
-    item_type = item.get("type")
-    if item_type is not None and not isinstance(item_type, str):
-        raise wrong_type(f"{param}.type", "a string", item_type)
-    if item_type in (None, "message"):
-        required_role(item, param)
-        content = item.get("content")
-        if not isinstance(content, str | list):
-            raise wrong_type(f"{param}.content", "a string or an array", content)
-    if item_type in ("function_call", "function_call_output", "custom_tool_call_output"):
-        if not isinstance(item.get("call_id"), str):
-            raise missing(f"{param}.call_id")
-    if item_type == "compaction":
-        content = item.get("encrypted_content")
-        if content is None:
-            raise missing(f"{param}.encrypted_content")
-        if not isinstance(content, str):
-            raise wrong_type(f"{param}.encrypted_content", "a string", content)
 
 
 def is_stateful(body: JsonDict) -> bool:

@@ -401,6 +401,12 @@ class Store(Protocol):
 
     async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None: ...
 
+    async def find_responses(
+        self, response_id: str, *, limit: int = 10
+    ) -> tuple[StoredResponse, ...]:
+        """The responses with this id in any tenant (operators only: ids are per tenant)."""
+        ...
+
     async def delete_response(self, tenant: str, response_id: str) -> bool: ...
 
     # process owners (replica-safe recovery, SPEC sections 7 and 8) -----------------------

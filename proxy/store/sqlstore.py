@@ -322,6 +322,13 @@ class SqlStore:
             row = await conn.fetchrow(sql.SELECT_RESPONSE, tenant, response_id)
         return None if row is None else sql.response_from_row(row)
 
+    async def find_responses(
+        self, response_id: str, *, limit: int = 10
+    ) -> tuple[StoredResponse, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.FIND_RESPONSES, response_id, limit)
+        return tuple(map(sql.response_from_row, rows))
+
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         async with self.db.write() as conn:
             return await conn.execute(sql.DELETE_RESPONSE, tenant, response_id) > 0

@@ -19,6 +19,7 @@ from proxy.core.compaction import BLOB_PREFIX
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import FakeProvider
 from proxy.server.state import SETTINGS
+from proxy.store import open_store
 
 from .conftest import TENANT_KEY, Proxy
 
@@ -310,6 +311,11 @@ async def test_operators_read_a_compaction_by_endpoint_and_cli(
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "could not be verified" in error[0]
     empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    assert await asyncio.to_thread(main, [*cli[:4], "--store", empty, blob]) == 2
+    assert "there is no store at" in capsys.readouterr().err  # and none is made
+    store_without_key = await open_store(empty)
+    await store_without_key.migrate()
+    await store_without_key.close()
     assert await asyncio.to_thread(main, [*cli[:4], "--store", empty, blob]) == 2
     assert "compaction key" in capsys.readouterr().err
 

@@ -543,6 +543,16 @@ async def test_response_lifecycle(store: Store) -> None:
         await store.finish_response("acme", "resp_1", status="failed", response=None)
 
 
+async def test_find_responses_looks_in_every_tenant(store: Store) -> None:
+    await store.begin_response(response("resp_1", tenant="beta"))
+    await store.begin_response(response("resp_1", tenant="acme", thread_id=None))
+    await store.begin_response(response("resp_2"))
+    found = await store.find_responses("resp_1")
+    assert [(r.tenant, r.thread_id) for r in found] == [("acme", None), ("beta", "t1")]
+    assert [r.tenant for r in await store.find_responses("resp_1", limit=1)] == ["acme"]
+    assert await store.find_responses("resp_9") == ()
+
+
 async def test_abandon_dead_spares_live_owners(store: Store) -> None:
     await store.heartbeat("live", T2)
     await store.heartbeat("stale", T0)

@@ -22,6 +22,7 @@ from proxy.core.items import Item, JsonDict, chat_item, content_digest, message_
 from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
+from proxy.namespaces import SEPARATOR, Scope, fields
 from proxy.store.base import (
     AlreadyExists,
     LedgerEntry,
@@ -64,18 +65,24 @@ def table(data: Row) -> str:
 
 
 async def resolve_thread(store: Store, thread_id: str, tenant: str | None) -> Thread:
-    """The thread with this id; without --tenant the id must exist in exactly one tenant."""
+    """The thread with this id; without --tenant the id must exist in exactly one
+    namespace. `tenant` is a namespace (`default:<hash>`), or a tenant, which includes its
+    passthrough callers' namespaces (proxy/namespaces.py)."""
     if tenant is not None:
         thread = await store.get_thread(tenant, thread_id)
-        if thread is None:
-            raise AdminError(f"no thread {thread_id!r} for tenant {tenant!r}")
-        return thread
-    found = await store.find_threads(thread_id)
+        if thread is not None:
+            return thread
+        if SEPARATOR in tenant:
+            raise AdminError(f"no thread {thread_id!r} in namespace {tenant!r}")
+    scope = Scope(tenant=tenant)
+    found = [t for t in await store.find_threads(thread_id) if scope.matches(t.tenant)]
     if not found:
-        raise AdminError(f"no thread {thread_id!r} in any tenant")
+        raise AdminError(f"no thread {thread_id!r} in {scope.describe()}")
     if len(found) > 1:
-        tenants = ", ".join(t.tenant for t in found)
-        raise AdminError(f"thread id {thread_id!r} exists for tenants {tenants}: pass --tenant")
+        namespaces = ", ".join(t.tenant for t in found)
+        raise AdminError(
+            f"thread id {thread_id!r} exists in namespaces {namespaces}: pass --tenant NAMESPACE"
+        )
     return found[0]
 
 
@@ -83,7 +90,7 @@ def thread_json(thread: Thread) -> JsonDict:
     cut = state_to_cut(thread.state)
     return {
         "object": EXPORT_OBJECT,
-        "tenant": thread.tenant,
+        **fields(thread.tenant),
         "id": thread.id,
         "kind": thread.kind,
         "metadata": dict(thread.metadata),
@@ -93,16 +100,22 @@ def thread_json(thread: Thread) -> JsonDict:
     }
 
 
-async def list_threads(store: Store, tenant: str | None, limit: int) -> list[JsonDict]:
-    return [thread_json(t) for t in await store.list_threads(tenant, limit=limit)]
+async def list_threads(store: Store, scope: Scope, limit: int) -> list[JsonDict]:
+    """Newest first, in the scope: one namespace, or a tenant with its passthrough callers."""
+    if scope.namespace is not None:
+        found = await store.list_threads(scope.namespace, limit=limit)
+    else:
+        found = await store.list_threads(scope.tenant, limit=limit, callers=True)
+    return [thread_json(t) for t in found]
 
 
 def threads_table(threads: Sequence[JsonDict]) -> Row:
     return Row(
-        ("TENANT", "ID", "KIND", "ITEMS", "WINDOW FROM", "CREATED"),
+        ("TENANT", "NAMESPACE", "ID", "KIND", "ITEMS", "WINDOW FROM", "CREATED"),
         tuple(
             (
                 t["tenant"],
+                t["namespace"],
                 t["id"],
                 t["kind"],
                 str(t["items"]),
@@ -186,7 +199,7 @@ async def show_thread(
 
 def show_text(shown: JsonDict) -> str:
     lines = [
-        f"thread {shown['id']}  tenant {shown['tenant']}  kind {shown['kind']}  "
+        f"thread {shown['id']}  namespace {shown['namespace']}  kind {shown['kind']}  "
         f"items {shown['items']}  created {shown['created_at']}",
         "",
     ]
@@ -216,7 +229,7 @@ def show_text(shown: JsonDict) -> str:
 async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
     thread = await resolve_thread(store, thread_id, tenant)
     await store.delete_thread(thread.tenant, thread.id)
-    return {"object": f"{EXPORT_OBJECT}.deleted", "tenant": thread.tenant, "id": thread.id}
+    return {"object": f"{EXPORT_OBJECT}.deleted", **fields(thread.tenant), "id": thread.id}
 
 
 async def fork_thread(
@@ -265,7 +278,8 @@ async def import_thread(
     """A new thread from a `threads export --format jsonl` file (tenant and id from the
     file unless given)."""
     header, entries = _parse_export(lines)
-    tenant = tenant or _required_str(header, "tenant", 1)
+    # Where the thread was: "namespace" (a passthrough caller's), else "tenant" (older files)
+    tenant = tenant or _required_str(header, "namespace" if "namespace" in header else "tenant", 1)
     thread_id = thread_id or _required_str(header, "id", 1)
     kind = header.get("kind")
     if kind not in ("conversation", "chat", "responses"):
@@ -417,7 +431,7 @@ def token_bar_text(projection: Mapping[str, Any], width: int = 72) -> str:
 
 def ledger_json(entry: LedgerEntry) -> JsonDict:
     return {
-        "tenant": entry.tenant,
+        **fields(entry.tenant),
         "scope": entry.scope,
         "key": entry.key,
         "tool": entry.tool,
@@ -434,10 +448,11 @@ def ledger_json(entry: LedgerEntry) -> JsonDict:
 
 def ledger_table(entries: Sequence[JsonDict]) -> Row:
     return Row(
-        ("TENANT", "SCOPE", "KEY", "TOOL", "STATUS", "ATTEMPTS", "CREATED"),
+        ("TENANT", "NAMESPACE", "SCOPE", "KEY", "TOOL", "STATUS", "ATTEMPTS", "CREATED"),
         tuple(
             (
                 e["tenant"],
+                e["namespace"],
                 e["scope"],
                 e["key"],
                 e["tool"],

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from proxy import admin
+from proxy.namespaces import label
 
 PREFIX = "/threadkeeper/ui"
 FULL_TEXT_MAX = 20_000  # characters of one item's text on the timeline
@@ -118,8 +119,13 @@ def _table(columns: Sequence[str], rows: Iterable[str], table_id: str) -> str:
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
-def thread_url(tenant: str, thread_id: str) -> str:
-    return f"{PREFIX}/thread?{urlencode({'tenant': tenant, 'id': thread_id})}"
+def thread_url(namespace: str, thread_id: str) -> str:
+    return f"{PREFIX}/thread?{urlencode({'namespace': namespace, 'id': thread_id})}"
+
+
+def namespace_url(namespace: str) -> str:
+    """The threads list filtered to one namespace (one passthrough caller's, say)."""
+    return f"{PREFIX}/?{urlencode({'namespace': namespace})}"
 
 
 def request_url(request_id: str) -> str:
@@ -172,13 +178,16 @@ def threads_page(
     tenant: str | None,
     tenants: Sequence[str],
     chrome: Chrome,
+    namespace: str | None = None,
 ) -> str:
     tenant_field = ""
     if tenants:  # operators filter by tenant; a tenant's key sees its own only
+        # a tenant matches its passthrough callers too; a namespace one caller (namespaces.py)
         options = "".join(f'<option value="{esc(t)}">' for t in tenants)
         tenant_field = (
             f'<label>tenant <input name="tenant" list="tenants" value="{esc(tenant or "")}">'
             f'</label><datalist id="tenants">{options}</datalist> '
+            f'<label>namespace <input name="namespace" value="{esc(namespace or "")}"></label> '
         )
     search = (
         f'<form method="get" action="{PREFIX}/" id="search">'
@@ -186,15 +195,21 @@ def threads_page(
         '<button type="submit">Search</button></form>'
     )
     rows = (
-        f'<tr data-thread="{esc(t["id"])}"><td>{esc(t["tenant"])}</td>'
-        f'<td><a href="{esc(thread_url(t["tenant"], t["id"]))}">{esc(t["id"])}</a></td>'
+        f'<tr data-thread="{esc(t["id"])}" data-namespace="{esc(t["namespace"])}">'
+        f"<td>{esc(t['tenant'])}</td>"
+        f'<td><a href="{esc(namespace_url(t["namespace"]))}">{esc(t["namespace"])}</a></td>'
+        f'<td><a href="{esc(thread_url(t["namespace"], t["id"]))}">{esc(t["id"])}</a></td>'
         f"<td>{esc(t['kind'])}</td><td>{esc(t['items'])}</td>"
         f"<td>{esc('-' if t['window_start'] is None else t['window_start'])}</td>"
         f"<td>{esc(t['created_at'])}</td></tr>"
         for t in threads
     )
     body = search + (
-        _table(("Tenant", "Thread", "Kind", "Items", "Window from", "Created"), rows, "threads")
+        _table(
+            ("Tenant", "Namespace", "Thread", "Kind", "Items", "Window from", "Created"),
+            rows,
+            "threads",
+        )
         if threads
         else '<p id="no-threads">No threads found.</p>'
     )
@@ -212,7 +227,8 @@ def thread_page(
     start = shown["window_start"]
     meta = (
         f'<p class="meta" id="thread-meta" data-tenant="{esc(shown["tenant"])}" '
-        f'data-window-start="{esc("" if start is None else start)}">tenant {esc(shown["tenant"])} · '
+        f'data-namespace="{esc(shown["namespace"])}" '
+        f'data-window-start="{esc("" if start is None else start)}">{esc(label(shown["namespace"]))} · '
         f"{esc(shown['kind'])} · {esc(shown['items'])} items · created {esc(shown['created_at'])}"
         f" · {'never cut' if start is None else f'the model sees items from seq {esc(start)} on'}</p>"
     )
@@ -252,7 +268,7 @@ def _pages(shown: Mapping[str, Any], page_items: int) -> str:
     if not log:
         return ""
     first, last = log[0]["seq"], log[-1]["seq"]
-    url = thread_url(shown["tenant"], shown["id"])
+    url = thread_url(shown["namespace"], shown["id"])
     links = []
     if first > 0:
         links.append(
@@ -348,14 +364,15 @@ def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
 
 def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
     projection = record["projection"]
-    thread_id, tenant = record.get("thread_id"), record.get("tenant", "")
+    # an explain record's "tenant" is the store's namespace (namespaces.py)
+    thread_id, namespace = record.get("thread_id"), record.get("tenant", "")
     thread = (
-        f' · thread <a id="thread-link" href="{esc(thread_url(tenant, thread_id))}">{esc(thread_id)}</a>'
+        f' · thread <a id="thread-link" href="{esc(thread_url(namespace, thread_id))}">{esc(thread_id)}</a>'
         if thread_id
         else ""
     )
     meta = (
-        f'<p class="meta">tenant {esc(tenant)}{thread} · {esc(record.get("method", ""))} '
+        f'<p class="meta">{esc(label(namespace))}{thread} · {esc(record.get("method", ""))} '
         f"{esc(record.get('path', ''))} · status {esc(record.get('status', ''))} · "
         f"{esc(record.get('latency_ms', ''))} ms · retries {esc(record.get('retries', '-'))} · "
         f"{esc(record.get('created_at', ''))}</p>"
@@ -473,14 +490,14 @@ def ledger_page(
     )
     rows = (
         f'<tr class="entry" data-key="{esc(e["key"])}" data-status="{esc(e["status"])}">'
-        f"<td>{esc(e['tenant'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
+        f"<td>{esc(e['namespace'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
         f"<td>{esc(e['tool'])}<pre>{esc(e['arguments'])}</pre></td>"
         f"<td>{_thread_cell(e)}</td><td>{esc(e['created_at'])}</td>"
         f"<td>{_resolve_form(e, chrome)}</td></tr>"
         for e in entries
     )
     table = (
-        _table(("Tenant", "Scope", "Key", "Tool", "Thread", "Issued", "Resolve"), rows, "ledger")
+        _table(("Namespace", "Scope", "Key", "Tool", "Thread", "Issued", "Resolve"), rows, "ledger")
         if entries
         else '<p id="no-entries">No entries with an unknown outcome.</p>'
     )
@@ -490,13 +507,13 @@ def ledger_page(
 def _thread_cell(entry: Mapping[str, Any]) -> str:
     if not entry.get("thread_id"):
         return "-"
-    return f'<a href="{esc(thread_url(entry["tenant"], entry["thread_id"]))}">{esc(entry["thread_id"])}</a>'
+    return f'<a href="{esc(thread_url(entry["namespace"], entry["thread_id"]))}">{esc(entry["thread_id"])}</a>'
 
 
 def _resolve_form(entry: Mapping[str, Any], chrome: Chrome) -> str:
     return (
         f'<form method="post" action="{PREFIX}/ledger/resolve" class="resolve">{_csrf(chrome)}'
-        f'<input type="hidden" name="tenant" value="{esc(entry["tenant"])}">'
+        f'<input type="hidden" name="namespace" value="{esc(entry["namespace"])}">'
         f'<input type="hidden" name="scope" value="{esc(entry["scope"])}">'
         f'<input type="hidden" name="key" value="{esc(entry["key"])}">'
         '<label><input type="radio" name="status" value="completed" required> completed</label> '

@@ -263,8 +263,11 @@ class Store(Protocol):
 
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None: ...
 
-    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
-        """Newest first; every tenant's when `tenant` is None (operators only)."""
+    async def list_threads(
+        self, tenant: str | None, *, limit: int, callers: bool = False
+    ) -> tuple[Thread, ...]:
+        """Newest first; every tenant's when `tenant` is None (operators only). With
+        `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
         ...
 
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:

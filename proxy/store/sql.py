@@ -68,6 +68,11 @@ LIST_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads ORDER BY created_at DESC, 
 LIST_TENANT_THREADS = f"""
 SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2
 """
+# substr, not LIKE: a tenant id may hold "_", LIKE's wildcard.
+LIST_CALLER_THREADS = f"""
+SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY created_at DESC, tenant, id LIMIT $4
+"""
 FIND_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads WHERE id = $1 ORDER BY tenant LIMIT $2"
 
 UPDATE_METADATA = f"""

@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
 from proxy.core.checkpoint import without_cut
+from proxy.namespaces import caller_prefix
 from proxy.store import sql
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
@@ -121,10 +122,15 @@ class SqlStore:
         async with self.db.read() as conn:
             return await _thread(conn, tenant, thread_id)
 
-    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+    async def list_threads(
+        self, tenant: str | None, *, limit: int, callers: bool = False
+    ) -> tuple[Thread, ...]:
         async with self.db.read() as conn:
             if tenant is None:
                 rows = await conn.fetch(sql.LIST_THREADS, limit)
+            elif callers:
+                prefix = caller_prefix(tenant)
+                rows = await conn.fetch(sql.LIST_CALLER_THREADS, tenant, len(prefix), prefix, limit)
             else:
                 rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
         return tuple(map(sql.thread_from_row, rows))

@@ -73,7 +73,7 @@ async def test_threads_list_show_export_import_fork_delete(
 
     code, out, _ = await cli(capsys, "threads", "list", *store)
     assert code == 0 and out.splitlines()[0].split() == [
-        "TENANT", "ID", "KIND", "ITEMS", "WINDOW", "FROM", "CREATED",
+        "TENANT", "NAMESPACE", "ID", "KIND", "ITEMS", "WINDOW", "FROM", "CREATED",
     ]  # fmt: skip
 
     code, out, _ = await cli(capsys, "threads", "show", "t-orders", "--json", *store)

@@ -22,7 +22,7 @@ from proxy.core.items import Item, JsonDict, chat_item, content_digest, message_
 from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
-from proxy.namespaces import SEPARATOR, Scope, fields
+from proxy.namespaces import SEPARATOR, Scope, fields, label
 from proxy.store.base import (
     AlreadyExists,
     LedgerEntry,
@@ -199,7 +199,7 @@ async def show_thread(
 
 def show_text(shown: JsonDict) -> str:
     lines = [
-        f"thread {shown['id']}  namespace {shown['namespace']}  kind {shown['kind']}  "
+        f"thread {shown['id']}  {label(shown['namespace'])}  kind {shown['kind']}  "
         f"items {shown['items']}  created {shown['created_at']}",
         "",
     ]
@@ -348,7 +348,7 @@ async def explain_request(store: Store, request_id: str, tenant: str | None) -> 
 def explain_text(record: JsonDict) -> str:
     projection = record["projection"]
     lines = [
-        f"request {record['id']}  tenant {record.get('tenant', '-')}  "
+        f"request {record['id']}  {label(record.get('namespace') or record.get('tenant', '-'))}  "
         f"thread {record.get('thread_id', '-')}  status {record['status']}  "
         f"{record['latency_ms']} ms",
         f"window {projection['window']} = pinned {projection['system']} + tools "

@@ -364,8 +364,9 @@ def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
 
 def request_page(record: Mapping[str, Any], *, chrome: Chrome) -> str:
     projection = record["projection"]
-    # an explain record's "tenant" is the store's namespace (namespaces.py)
-    thread_id, namespace = record.get("thread_id"), record.get("tenant", "")
+    # records written before namespaces were logged carry the tenant only
+    thread_id = record.get("thread_id")
+    namespace = record.get("namespace") or record.get("tenant", "")
     thread = (
         f' · thread <a id="thread-link" href="{esc(thread_url(namespace, thread_id))}">{esc(thread_id)}</a>'
         if thread_id

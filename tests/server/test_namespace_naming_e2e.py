@@ -7,7 +7,6 @@ tenant; a namespace filter one caller's."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -16,13 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from proxy.cli import main
-from proxy.logs import configure_logging
 from proxy.server.state import SETTINGS
 
 from .conftest import TENANT_KEY, Proxy
 from .test_compaction_e2e import history
+from .test_explain_e2e import written
 
 ALICE = "sk-alice-own-openai-key-0001"
 BOB = "sk-bob-own-openai-key-00002"
@@ -39,10 +39,8 @@ async def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str,
 async def conversations(proxy: Proxy) -> tuple[dict[str, str], dict[str, str]]:
     """A conversation each for Alice, Bob (passthrough callers) and acme (a keyed tenant):
     {who: conversation id} and {who: the `namespace` of its request log line}."""
-    stream = io.StringIO()
-    configure_logging("info", stream)
     ids = {}
-    try:
+    with capture_logs() as lines:
         async with proxy.http() as http:
             for who, key in (("alice", ALICE), ("bob", BOB), ("acme", TENANT_KEY)):
                 created = await http.post(
@@ -50,9 +48,6 @@ async def conversations(proxy: Proxy) -> tuple[dict[str, str], dict[str, str]]:
                 )
                 assert created.status_code == 200, created.text
                 ids[who] = created.json()["id"]
-    finally:
-        configure_logging("info")
-    lines = [json.loads(x) for x in stream.getvalue().splitlines() if x.startswith("{")]
     logged = {
         line["conversation_id"]: line
         for line in lines
@@ -123,6 +118,21 @@ async def test_the_inspector_filters_by_tenant_and_by_namespace(
         assert link is not None
         thread = await http.get(unescape(link.group(1)), headers=operator)
         assert thread.status_code == 200 and namespaces["alice"] in thread.text
+
+        # A caller's request page names its namespace and links to its thread.
+        raw = await proxy.client(api_key=ALICE).chat.completions.with_raw_response.create(
+            model="gpt-4o",
+            messages=[{"role": "user", "content": "hello"}],
+            extra_headers={"X-Thread-Id": "t-alice"},
+        )
+        await written(proxy)
+        request_id = raw.headers["x-threadkeeper-request-id"]
+        record = await http.get(f"/threadkeeper/ui/requests/{request_id}", headers=operator)
+        assert record.status_code == 200 and namespaces["alice"] in record.text
+        link = re.search(r'id="thread-link" href="([^"]+)"', record.text)
+        assert link is not None
+        thread = await http.get(unescape(link.group(1)), headers=operator)
+        assert thread.status_code == 200 and "t-alice" in thread.text
 
         # A tenant's key sees its own namespace whatever it asks for.
         acme = {"Authorization": f"Bearer {TENANT_KEY}"}

@@ -466,9 +466,14 @@ def ledger_table(entries: Sequence[JsonDict]) -> Row:
 
 
 async def ledger_list(
-    store: Store, tenant: str | None, status: LedgerStatus | None, limit: int
+    store: Store, scope: Scope, status: LedgerStatus | None, limit: int
 ) -> list[JsonDict]:
-    return [ledger_json(e) for e in await store.ledger_list(tenant, status=status, limit=limit)]
+    """Oldest first, in the scope: one namespace, or a tenant with its passthrough callers."""
+    if scope.namespace is not None:
+        found = await store.ledger_list(scope.namespace, status=status, limit=limit)
+    else:
+        found = await store.ledger_list(scope.tenant, status=status, limit=limit, callers=True)
+    return [ledger_json(e) for e in found]
 
 
 async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -> list[JsonDict]:

@@ -51,7 +51,7 @@ def _operator_commands(sub: Any) -> None:
     ledger = sub.add_parser("ledger", help="side-effecting calls: list, show, resolve")
     ledger_verbs = ledger.add_subparsers(dest="verb", required=True)
     listing = ledger_verbs.add_parser("list", help="entries, oldest first")
-    listing.add_argument("--tenant")
+    _scope_options(listing, "the entries'")
     listing.add_argument("--status", choices=("issued", "completed", "failed"))
     listing.add_argument("--limit", type=int, default=50)
     for name, text in (
@@ -324,7 +324,7 @@ async def _ledger(store: Any, args: argparse.Namespace) -> str:
     from proxy import admin
 
     if args.verb == "list":
-        entries = await admin.ledger_list(store, args.tenant, args.status, args.limit)
+        entries = await admin.ledger_list(store, _scope(args), args.status, args.limit)
         return _shown(args, entries, lambda: admin.table(admin.ledger_table(entries)))
     if args.verb == "show":
         entry = await admin.ledger_show(store, args.tenant, args.scope, args.key)

@@ -297,7 +297,9 @@ async def request_page(request: web.Request, viewer: Viewer) -> web.Response:
 
 async def ledger_page(request: web.Request, viewer: Viewer) -> web.Response:
     """Tool calls whose outcome nobody reported (status issued), each with a resolve form."""
-    entries = await admin.ledger_list(request.app[STORE], viewer.tenant, "issued", LEDGER_LIMIT)
+    entries = await admin.ledger_list(
+        request.app[STORE], viewer.scope(None, None), "issued", LEDGER_LIMIT
+    )
     return _html(
         inspector_html.ledger_page(
             entries, resolved=request.query.get("resolved"), chrome=_chrome(request, viewer)

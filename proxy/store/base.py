@@ -429,9 +429,15 @@ class Store(Protocol):
         one, the result is cleared, attempts + 1. True if this call won (SPEC 6)."""
 
     async def ledger_list(
-        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+        self,
+        tenant: str | None,
+        *,
+        status: LedgerStatus | None = None,
+        limit: int = 100,
+        callers: bool = False,
     ) -> tuple[LedgerEntry, ...]:
-        """Oldest first; every tenant's when `tenant` is None (operators only)."""
+        """Oldest first; every tenant's when `tenant` is None (operators only). With
+        `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
         ...
 
     # explain records ----------------------------------------------------------------------

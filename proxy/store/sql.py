@@ -268,6 +268,17 @@ LIST_ALL_LEDGER_BY_STATUS = f"""
 SELECT {LEDGER_COLUMNS} FROM ledger WHERE status = $1 ORDER BY created_at, tenant, scope, key LIMIT $2
 """
 
+LIST_CALLER_LEDGER = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY created_at, tenant, scope, key LIMIT $4
+"""
+
+LIST_CALLER_LEDGER_BY_STATUS = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger
+WHERE (tenant = $1 OR substr(tenant, 1, $2) = $3) AND status = $4
+ORDER BY created_at, tenant, scope, key LIMIT $5
+"""
+
 LIST_LEDGER_BY_STATUS = f"""
 SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 AND status = $2 ORDER BY created_at, scope, key LIMIT $3
 """

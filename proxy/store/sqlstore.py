@@ -383,10 +383,25 @@ class SqlStore:
             return await conn.execute(sql.REARM_LEDGER, tenant, scope, key, call_id, now) > 0
 
     async def ledger_list(
-        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+        self,
+        tenant: str | None,
+        *,
+        status: LedgerStatus | None = None,
+        limit: int = 100,
+        callers: bool = False,
     ) -> tuple[LedgerEntry, ...]:
         async with self.db.read() as conn:
-            if tenant is None and status is None:
+            if tenant is not None and callers:
+                prefix = caller_prefix(tenant)
+                if status is None:
+                    rows = await conn.fetch(
+                        sql.LIST_CALLER_LEDGER, tenant, len(prefix), prefix, limit
+                    )
+                else:
+                    rows = await conn.fetch(
+                        sql.LIST_CALLER_LEDGER_BY_STATUS, tenant, len(prefix), prefix, status, limit
+                    )
+            elif tenant is None and status is None:
                 rows = await conn.fetch(sql.LIST_ALL_LEDGER, limit)
             elif tenant is None:
                 rows = await conn.fetch(sql.LIST_ALL_LEDGER_BY_STATUS, status, limit)

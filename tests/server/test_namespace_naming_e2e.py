@@ -18,11 +18,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from proxy.cli import main
-from proxy.server.state import SETTINGS
+from proxy.fake_provider import FakeProvider, Reply
+from proxy.server.state import POLICIES, SETTINGS
 
 from .conftest import TENANT_KEY, Proxy
 from .test_compaction_e2e import history
 from .test_explain_e2e import written
+from .test_ledger_e2e import CHAT_TOOLS, REFUND, tools_policy
 
 ALICE = "sk-alice-own-openai-key-0001"
 BOB = "sk-bob-own-openai-key-00002"
@@ -176,3 +178,38 @@ async def test_compaction_show_opens_a_passthrough_callers_item_by_its_tenant(
         capsys, "compaction", "show", blob, "--tenant", "acme", "--store", store
     )
     assert code == 2 and "tenant 'acme'" in err
+
+
+async def test_ledger_list_takes_the_same_filters(
+    proxy: Proxy, provider: FakeProvider, capsys: pytest.CaptureFixture[str]
+) -> None:
+    default = proxy.policies_dir / "default.yaml"
+    default.write_text(default.read_text() + tools_policy())
+    assert not proxy.app[POLICIES].reload()  # type: ignore[index]
+    body = {
+        "model": "gpt-4o-mini",
+        "messages": [{"role": "user", "content": "Refund ORD-1"}],
+        "tools": CHAT_TOOLS,
+    }
+    async with proxy.http() as http:
+        for key in (ALICE, BOB):
+            provider.script.append(Reply(tool_calls=[REFUND]))
+            got = await http.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert got.json()["choices"][0]["message"]["tool_calls"]  # an entry issued each
+    store = ("--store", f"sqlite:///{proxy.app[SETTINGS].store_url.removeprefix('sqlite:///')}")  # type: ignore[index]
+    code, out, _ = await cli(capsys, "ledger", "list", "--tenant", "default", "--json", *store)
+    assert code == 0
+    entries = json.loads(out)
+    assert [e["tenant"] for e in entries] == ["default", "default"]
+    namespaces = {e["namespace"] for e in entries}
+    assert len(namespaces) == 2 and all(n.startswith("default:") for n in namespaces)
+    one = sorted(namespaces)[0]
+    code, out, _ = await cli(capsys, "ledger", "list", "--namespace", one, "--json", *store)
+    assert code == 0 and [e["namespace"] for e in json.loads(out)] == [one]
+    # the namespace a listing names is the one `ledger show` takes
+    code, out, _ = await cli(
+        capsys, "ledger", "show", "tenant", "refund:ORD-1", "--tenant", one, *store
+    )
+    assert code == 0 and f"namespace: {one}" in out

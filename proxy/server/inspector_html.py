@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from proxy import admin
-from proxy.namespaces import label
+from proxy.namespaces import is_caller, label
 
 PREFIX = "/threadkeeper/ui"
 FULL_TEXT_MAX = 20_000  # characters of one item's text on the timeline
@@ -197,7 +197,7 @@ def threads_page(
     rows = (
         f'<tr data-thread="{esc(t["id"])}" data-namespace="{esc(t["namespace"])}">'
         f"<td>{esc(t['tenant'])}</td>"
-        f'<td><a href="{esc(namespace_url(t["namespace"]))}">{esc(t["namespace"])}</a></td>'
+        f"<td>{_namespace_cell(t['namespace'])}</td>"
         f'<td><a href="{esc(thread_url(t["namespace"], t["id"]))}">{esc(t["id"])}</a></td>'
         f"<td>{esc(t['kind'])}</td><td>{esc(t['items'])}</td>"
         f"<td>{esc('-' if t['window_start'] is None else t['window_start'])}</td>"
@@ -214,6 +214,13 @@ def threads_page(
         else '<p id="no-threads">No threads found.</p>'
     )
     return _layout("Threads", body, chrome)
+
+
+def _namespace_cell(namespace: str) -> str:
+    """A passthrough caller's namespace links to the list of that caller's threads."""
+    if not is_caller(namespace):
+        return esc(namespace)
+    return f'<a class="namespace" href="{esc(namespace_url(namespace))}">{esc(namespace)}</a>'
 
 
 def thread_page(

@@ -377,17 +377,17 @@ async def _compaction(args: argparse.Namespace) -> str:
     return _shown(args, data, lambda: "\n".join(map(_compaction_text, entries)))
 
 
-CALLER_NAMESPACES_TRIED = 10_000  # compaction show --tenant: callers' namespaces it tries
+CALLER_NAMESPACES_TRIED = 100_000  # compaction show --tenant: at most this many namespaces
 
 
 async def compaction_namespaces(store: Any, scope: Any) -> list[str]:
     """The namespaces a compaction item may be sealed for: the one asked, or the tenant's
-    own, then its passthrough callers' that hold a thread (a caller's item is sealed for
-    its namespace, so `--tenant default` finds it)."""
+    own, then its passthrough callers' that hold a thread or a response (a caller's item
+    is sealed for its namespace, so `--tenant default` finds it)."""
     if scope.namespace is not None:
         return [scope.namespace]
-    threads = await store.list_threads(scope.tenant, limit=CALLER_NAMESPACES_TRIED, callers=True)
-    return list(dict.fromkeys([scope.tenant, *(t.tenant for t in threads)]))
+    known = await store.namespaces(scope.tenant, limit=CALLER_NAMESPACES_TRIED)
+    return list(dict.fromkeys([scope.tenant, *known]))
 
 
 def _compaction_text(entry: dict[str, Any]) -> str:

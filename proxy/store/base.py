@@ -270,6 +270,11 @@ class Store(Protocol):
         `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
         ...
 
+    async def namespaces(self, tenant: str, *, limit: int) -> tuple[str, ...]:
+        """The tenant's own namespace and its passthrough callers' (`<tenant>:<hash>`) that
+        hold a thread or a stored response (operators only)."""
+        ...
+
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
         """The threads with this id in any tenant (operators only: ids are per tenant)."""
         ...

@@ -73,6 +73,13 @@ LIST_CALLER_THREADS = f"""
 SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
 ORDER BY created_at DESC, tenant, id LIMIT $4
 """
+# The namespaces of a tenant and its passthrough callers that hold a thread or a response.
+TENANT_NAMESPACES = """
+SELECT tenant FROM threads WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+UNION
+SELECT tenant FROM responses WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY tenant LIMIT $4
+"""
 FIND_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads WHERE id = $1 ORDER BY tenant LIMIT $2"
 
 UPDATE_METADATA = f"""

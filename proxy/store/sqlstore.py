@@ -135,6 +135,12 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
         return tuple(map(sql.thread_from_row, rows))
 
+    async def namespaces(self, tenant: str, *, limit: int) -> tuple[str, ...]:
+        prefix = caller_prefix(tenant)
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.TENANT_NAMESPACES, tenant, len(prefix), prefix, limit)
+        return tuple(str(row["tenant"]) for row in rows)
+
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.FIND_THREADS, thread_id, limit)

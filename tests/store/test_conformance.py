@@ -806,6 +806,9 @@ async def test_listings_take_in_a_tenants_passthrough_callers(store: Store) -> N
     issued = await store.ledger_list("de_ault", status="issued", callers=True)
     assert {e.tenant for e in issued} == {"de_ault", "de_ault:c1"}
     assert [e.tenant for e in await store.ledger_list("de_ault")] == ["de_ault"]
+    await store.begin_response(response("resp_1", tenant="de_ault:c9", thread_id=None))
+    assert await store.namespaces("de_ault", limit=10) == (*sorted(wanted), "de_ault:c9")
+    assert await store.namespaces("de_ault", limit=2) == ("de_ault", "de_ault:c1")
 
 
 # explain records ---------------------------------------------------------------------

@@ -36,6 +36,7 @@ from proxy.core.validate import (
     validate_stored_item,
 )
 from proxy.ids import item_id_for, new_id
+from proxy.namespaces import SEPARATOR, Scope, fields, label
 from proxy.store.base import (
     AlreadyExists,
     LedgerEntry,
@@ -84,18 +85,24 @@ def table(data: Row) -> str:
 
 
 async def resolve_thread(store: Store, thread_id: str, tenant: str | None) -> Thread:
-    """The thread with this id; without --tenant the id must exist in exactly one tenant."""
+    """The thread with this id; without --tenant the id must exist in exactly one
+    namespace. `tenant` is a namespace (`default:<hash>`), or a tenant, which includes its
+    passthrough callers' namespaces (proxy/namespaces.py)."""
     if tenant is not None:
         thread = await store.get_thread(tenant, thread_id)
-        if thread is None:
-            raise AdminError(f"no thread {thread_id!r} for tenant {tenant!r}")
-        return thread
-    found = await store.find_threads(thread_id)
+        if thread is not None:
+            return thread
+        if SEPARATOR in tenant:
+            raise AdminError(f"no thread {thread_id!r} in namespace {tenant!r}")
+    scope = Scope(tenant=tenant)
+    found = [t for t in await store.find_threads(thread_id) if scope.matches(t.tenant)]
     if not found:
-        raise AdminError(f"no thread {thread_id!r} in any tenant")
+        raise AdminError(f"no thread {thread_id!r} in {scope.describe()}")
     if len(found) > 1:
-        tenants = ", ".join(t.tenant for t in found)
-        raise AdminError(f"thread id {thread_id!r} exists for tenants {tenants}: pass --tenant")
+        namespaces = ", ".join(t.tenant for t in found)
+        raise AdminError(
+            f"thread id {thread_id!r} exists in namespaces {namespaces}: pass --tenant NAMESPACE"
+        )
     return found[0]
 
 
@@ -103,7 +110,7 @@ def thread_json(thread: Thread) -> JsonDict:
     cut = state_to_cut(thread.state)
     return {
         "object": EXPORT_OBJECT,
-        "tenant": thread.tenant,
+        **fields(thread.tenant),
         "id": thread.id,
         "kind": thread.kind,
         "metadata": dict(thread.metadata),
@@ -113,16 +120,22 @@ def thread_json(thread: Thread) -> JsonDict:
     }
 
 
-async def list_threads(store: Store, tenant: str | None, limit: int) -> list[JsonDict]:
-    return [thread_json(t) for t in await store.list_threads(tenant, limit=limit)]
+async def list_threads(store: Store, scope: Scope, limit: int) -> list[JsonDict]:
+    """Newest first, in the scope: one namespace, or a tenant with its passthrough callers."""
+    if scope.namespace is not None:
+        found = await store.list_threads(scope.namespace, limit=limit)
+    else:
+        found = await store.list_threads(scope.tenant, limit=limit, callers=True)
+    return [thread_json(t) for t in found]
 
 
 def threads_table(threads: Sequence[JsonDict]) -> Row:
     return Row(
-        ("TENANT", "ID", "KIND", "ITEMS", "WINDOW FROM", "CREATED"),
+        ("TENANT", "NAMESPACE", "ID", "KIND", "ITEMS", "WINDOW FROM", "CREATED"),
         tuple(
             (
                 t["tenant"],
+                t["namespace"],
                 t["id"],
                 t["kind"],
                 str(t["items"]),
@@ -206,7 +219,7 @@ async def show_thread(
 
 def show_text(shown: JsonDict) -> str:
     lines = [
-        f"thread {shown['id']}  tenant {shown['tenant']}  kind {shown['kind']}  "
+        f"thread {shown['id']}  {label(shown['namespace'])}  kind {shown['kind']}  "
         f"items {shown['items']}  created {shown['created_at']}",
         "",
     ]
@@ -288,7 +301,7 @@ def find_text(found: JsonDict) -> str:
 async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
     thread = await resolve_thread(store, thread_id, tenant)
     await store.delete_thread(thread.tenant, thread.id)
-    return {"object": f"{EXPORT_OBJECT}.deleted", "tenant": thread.tenant, "id": thread.id}
+    return {"object": f"{EXPORT_OBJECT}.deleted", **fields(thread.tenant), "id": thread.id}
 
 
 async def erase_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
@@ -512,7 +525,7 @@ def provider_error_lines(record: JsonDict) -> list[str]:
 def explain_text(record: JsonDict) -> str:
     projection = record["projection"]
     lines = [
-        f"request {record['id']}  tenant {record.get('tenant', '-')}  "
+        f"request {record['id']}  {label(record.get('namespace') or record.get('tenant', '-'))}  "
         f"thread {record.get('thread_id', '-')}  status {record['status']}  "
         f"{record['latency_ms']} ms",
         f"window {projection['window']} = pinned {projection['system']} + tools "
@@ -596,7 +609,7 @@ def token_bar_text(projection: Mapping[str, Any], width: int = 72) -> str:
 
 def ledger_json(entry: LedgerEntry) -> JsonDict:
     return {
-        "tenant": entry.tenant,
+        **fields(entry.tenant),
         "scope": entry.scope,
         "key": entry.key,
         "tool": entry.tool,
@@ -613,10 +626,11 @@ def ledger_json(entry: LedgerEntry) -> JsonDict:
 
 def ledger_table(entries: Sequence[JsonDict]) -> Row:
     return Row(
-        ("TENANT", "SCOPE", "KEY", "TOOL", "STATUS", "ATTEMPTS", "CREATED"),
+        ("TENANT", "NAMESPACE", "SCOPE", "KEY", "TOOL", "STATUS", "ATTEMPTS", "CREATED"),
         tuple(
             (
                 e["tenant"],
+                e["namespace"],
                 e["scope"],
                 e["key"],
                 e["tool"],
@@ -630,9 +644,14 @@ def ledger_table(entries: Sequence[JsonDict]) -> Row:
 
 
 async def ledger_list(
-    store: Store, tenant: str | None, status: LedgerStatus | None, limit: int
+    store: Store, scope: Scope, status: LedgerStatus | None, limit: int
 ) -> list[JsonDict]:
-    return [ledger_json(e) for e in await store.ledger_list(tenant, status=status, limit=limit)]
+    """Oldest first, in the scope: one namespace, or a tenant with its passthrough callers."""
+    if scope.namespace is not None:
+        found = await store.ledger_list(scope.namespace, status=status, limit=limit)
+    else:
+        found = await store.ledger_list(scope.tenant, status=status, limit=limit, callers=True)
+    return [ledger_json(e) for e in found]
 
 
 async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -> list[JsonDict]:
@@ -769,7 +788,9 @@ def _import_namespace(
     if tenant is None:
         if header is None:
             raise AdminError("an openai-format file names no tenant: pass --tenant")
-        tenant = _required_str(header, "tenant", 1)
+        # Where the thread was: its "namespace" (a passthrough caller's), else "tenant"
+        # (files written before namespaces were exported)
+        tenant = _required_str(header, "namespace" if "namespace" in header else "tenant", 1)
     if tenant not in tenants:
         configured = ", ".join(sorted(tenants)) or "none"
         raise AdminError(

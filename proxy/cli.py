@@ -25,7 +25,7 @@ def _operator_commands(sub: Any) -> None:
     )
     verbs = threads.add_subparsers(dest="verb", required=True)
     listing = verbs.add_parser("list", help="threads, newest first")
-    listing.add_argument("--tenant")
+    _scope_options(listing, "threads")
     listing.add_argument("--limit", type=int, default=50)
     for name, text in (
         ("show", "the log, the cut point, the summaries and compressed results"),
@@ -75,7 +75,7 @@ def _operator_commands(sub: Any) -> None:
     ledger = sub.add_parser("ledger", help="side-effecting calls: list, show, resolve")
     ledger_verbs = ledger.add_subparsers(dest="verb", required=True)
     listing = ledger_verbs.add_parser("list", help="entries, oldest first")
-    listing.add_argument("--tenant")
+    _scope_options(listing, "the entries'")
     listing.add_argument("--status", choices=("issued", "completed", "failed"))
     listing.add_argument("--limit", type=int, default=50)
     for name, text in (
@@ -102,8 +102,28 @@ def _operator_commands(sub: Any) -> None:
         help="an encrypted_content (tkc1....), or a file holding one, a compaction item, "
         "or an answer holding compaction items",
     )
-    show.add_argument("--tenant", required=True)
+    _scope_options(show, "the item's")
     _store_options(show)  # the key: THREADKEEPER_COMPACTION_KEY, else the store's
+
+
+def _scope_options(command: argparse.ArgumentParser, what: str) -> None:
+    """A tenant (its passthrough callers included) or one namespace (proxy/namespaces.py)."""
+    command.add_argument(
+        "--tenant", help=f"{what} tenant; `default` includes every passthrough caller"
+    )
+    command.add_argument(
+        "--namespace", help="one namespace, e.g. a passthrough caller's default:<hash>"
+    )
+
+
+def _scope(args: argparse.Namespace) -> Any:
+    from proxy.admin import AdminError
+    from proxy.namespaces import Scope
+
+    try:
+        return Scope(tenant=args.tenant, namespace=args.namespace)
+    except ValueError as exc:
+        raise AdminError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -333,7 +353,7 @@ async def _threads(store: Any, args: argparse.Namespace) -> str:
     from proxy import admin
 
     if args.verb == "list":
-        threads = await admin.list_threads(store, args.tenant, args.limit)
+        threads = await admin.list_threads(store, _scope(args), args.limit)
         return _shown(args, threads, lambda: admin.table(admin.threads_table(threads)))
     if args.verb == "show":
         shown = await admin.show_thread(store, args.id, args.tenant)
@@ -403,7 +423,7 @@ async def _ledger(store: Any, args: argparse.Namespace) -> str:
     from proxy import admin
 
     if args.verb == "list":
-        entries = await admin.ledger_list(store, args.tenant, args.status, args.limit)
+        entries = await admin.ledger_list(store, _scope(args), args.status, args.limit)
         return _shown(args, entries, lambda: admin.table(admin.ledger_table(entries)))
     if args.verb == "show":
         entry = await admin.ledger_show(store, args.tenant, args.scope, args.key)
@@ -423,27 +443,56 @@ async def _compaction(args: argparse.Namespace) -> str:
     from proxy.settings import load_settings
 
     blobs = compaction_blobs(args.source)
+    scope = _scope(args)
+    if scope.tenant is None and scope.namespace is None:
+        raise AdminError("compaction show: pass --tenant or --namespace")
     settings = load_settings({"store": args.store, "config": args.config}, os.environ)
-    if settings.compaction_key is not None:
-        key = CompactionKey(settings.compaction_key)
-    else:
+    if settings.compaction_key is not None and scope.namespace is not None:
+        key, namespaces = CompactionKey(settings.compaction_key), [scope.namespace]
+    else:  # the store holds the key, or the namespaces of the tenant's callers
         store = await _open_store(args)
         try:
-            key = await stored_key(store, SYSTEM_CLOCK, create=False)
+            if settings.compaction_key is not None:
+                key = CompactionKey(settings.compaction_key)
+            else:
+                key = await stored_key(store, SYSTEM_CLOCK, create=False)
+            namespaces = await compaction_namespaces(store, scope)
         except LookupError as exc:
             raise AdminError(str(exc)) from None
         finally:
             await store.close()
-    try:
-        entries = [shown(key, args.tenant, key.open(args.tenant, blob)) for blob in blobs]
-    except CompactionError as exc:
-        raise AdminError(f"compaction show: {exc}") from None
+    entries = []
+    for blob in blobs:
+        problem = None
+        for namespace in namespaces:
+            try:
+                entries.append(shown(key, namespace, key.open(namespace, blob)))
+                break
+            except CompactionError as exc:
+                problem = problem or exc
+        else:
+            raise AdminError(f"compaction show ({scope.describe()}): {problem}")
     data = entries if len(entries) > 1 else entries[0]
     return _shown(args, data, lambda: "\n".join(map(_compaction_text, entries)))
 
 
+CALLER_NAMESPACES_TRIED = 100_000  # compaction show --tenant: at most this many namespaces
+
+
+async def compaction_namespaces(store: Any, scope: Any) -> list[str]:
+    """The namespaces a compaction item may be sealed for: the one asked, or the tenant's
+    own, then its passthrough callers' that hold a thread or a response (a caller's item
+    is sealed for its namespace, so `--tenant default` finds it)."""
+    if scope.namespace is not None:
+        return [scope.namespace]
+    known = await store.namespaces(scope.tenant, limit=CALLER_NAMESPACES_TRIED)
+    return list(dict.fromkeys([scope.tenant, *known]))
+
+
 def _compaction_text(entry: dict[str, Any]) -> str:
-    head = f"compaction {entry['id']}  tenant {entry['tenant']}  covers {entry['covers']} items"
+    from proxy.namespaces import label
+
+    head = f"compaction {entry['id']}  {label(entry['namespace'])}  covers {entry['covers']} items"
     return f"{head}\n{entry['text']}"
 
 

@@ -70,6 +70,11 @@ def hash_key(token: str) -> str:
 
 
 def _key_hash(value: str) -> str:
+    if value.startswith("<") and value.endswith(">"):
+        raise ValueError(
+            f"{value} is a placeholder: replace it with the sha256 hex of a proxy key"
+            " (policies/acme.yaml.example says how to make one)"
+        )
     if not re.fullmatch(r"[0-9a-f]{64}", value):
         raise ValueError(
             "expected the sha256 hex (64 characters 0-9a-f) of a proxy key, not the key itself"

@@ -1,5 +1,6 @@
 """The operator docs name what the code really has: every registered metric is listed in
-docs/metrics.md, and the Grafana dashboard queries only metrics that exist."""
+docs/metrics.md, the Grafana dashboard queries only metrics that exist, and every policy
+snippet loads. (The Python snippets run against a proxy: tests/server/test_docs_snippets_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -7,10 +8,40 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from proxy.metrics import Metrics
+from proxy.policy import PolicyError, hash_key, load_policy_file
 from proxy.policydoc import policy_reference
 
 DOCS = Path(__file__).parent.parent / "docs"
+PLACEHOLDER_HASH = re.compile(r"<sha256 hex[^>]*>")
+
+
+def yaml_snippets() -> list[tuple[str, str]]:
+    found = []
+    for path in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = path.read_text()
+        for match in re.finditer(r"^```yaml\n(.*?)^```", text, re.M | re.S):
+            line = text.count("\n", 0, match.start()) + 1
+            found.append((f"{path.name}:{line}", match.group(1)))
+    return found
+
+
+@pytest.mark.parametrize(("where", "snippet"), yaml_snippets(), ids=lambda v: str(v)[:24])
+def test_every_policy_snippet_loads_once_its_key_hash_is_filled_in(
+    where: str, snippet: str, tmp_path: Path
+) -> None:
+    tenant = re.search(r"^tenant: (\S+)", snippet, re.M)
+    assert tenant, f"{where}: a policy snippet names its tenant"
+    path = tmp_path / f"{tenant.group(1)}.yaml"
+    path.write_text(snippet)
+    if PLACEHOLDER_HASH.search(snippet):  # as pasted, the placeholder is refused by name
+        with pytest.raises(PolicyError, match="placeholder"):
+            load_policy_file(path)
+    path.write_text(PLACEHOLDER_HASH.sub(hash_key(f"sk-tk-{where}"), snippet))
+    policy = load_policy_file(path)
+    assert policy.tenant == tenant.group(1)
 
 
 def _exposed_names() -> set[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 from pathlib import Path
 
@@ -55,12 +56,21 @@ def test_minimal_file_gets_spec_defaults(tmp_path: Path) -> None:
 def test_shipped_policy_files_are_valid(tmp_path: Path) -> None:
     default = load_policy_file(REPO / "policies" / "default.yaml")
     assert default.allow_unknown_keys and default.upstream.api_key_env is None
-    example = shutil.copy(REPO / "policies" / "acme.yaml.example", tmp_path / "acme.yaml")
-    acme = load_policy_file(Path(example))
+    example = Path(shutil.copy(REPO / "policies" / "acme.yaml.example", tmp_path / "acme.yaml"))
+    # The example ships a placeholder, not a hash of a published key: copied as it is, the
+    # file is refused, naming the field (issue 20 item 16).
+    with pytest.raises(PolicyError) as refused:
+        load_policy_file(example)
+    assert refused.value.field == "api_keys[0]" and "placeholder" in str(refused.value)
+    text = example.read_text()
+    assert text.count('"<sha256 hex of your proxy key>"') == 1
+    assert not re.search(r"\b[0-9a-f]{64}\b", text), "no working key hash is shipped"
+    example.write_text(text.replace("<sha256 hex of your proxy key>", hash_key("sk-tk-mine-1")))
+    acme = load_policy_file(example)
     assert acme.tools["refund_order"].side_effect
     assert acme.tools["refund_order"].idempotency_key == "refund:{order_id}"
     assert acme.upstream.api_key_env == "ACME_OPENAI_KEY"
-    assert acme.api_keys == [hash_key("sk-tk-acme-example-key-change-me")]
+    assert acme.api_keys == [hash_key("sk-tk-mine-1")]
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.recovery import keep_alive
+from proxy.server.startup import serving_fields
 from proxy.server.state import (
     CLOCK,
     ENV,
@@ -343,7 +344,10 @@ def run(settings: Settings) -> None:
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         runner = await start(settings)
-        log.info("listening", host=settings.host, port=bound_port(runner), pid=os.getpid())
+        port = bound_port(runner)
+        log.info("listening", host=settings.host, port=port, pid=os.getpid())
+        if settings.workers == 1:  # with several, the supervisor says it (workers.py)
+            log.info("serving", **serving_fields(settings, runner.app[POLICIES], port))
         try:
             await stop.wait()
         finally:

@@ -5,25 +5,19 @@ Every store call of a request reads and writes under `request[NAMESPACE]`, set h
 nowhere else: a keyed tenant's id, or, for a key no policy lists (passthrough mode,
 `allow_unknown_keys: true`), a namespace of that key alone, so callers of unknown keys
 never see each other's conversations, responses, threads, ledger entries or
-Idempotency-Key records. Metrics and the log's `tenant` keep the policy's tenant (low
-cardinality); the log's `caller` names the key's short hash.
+Idempotency-Key records. The naming is proxy/namespaces.py's: the log line carries
+`tenant` and `namespace`, metrics the tenant only (low cardinality).
 """
 
 from __future__ import annotations
 
-import hashlib
-
 from aiohttp import web
 
 from proxy.logs import register_secret
+from proxy.namespaces import caller_namespace, fields
 from proxy.policy import Policy, hash_key
 from proxy.server.errors import ApiError, Handler
 from proxy.server.state import LOG_FIELDS, NAMESPACE, POLICIES, TENANT_POLICY, TRACING
-
-# ":" cannot appear in a tenant id (policy.Tenant), so no keyed tenant shares a caller's
-# namespace. Domain-separated so the stored value is not the hash a policy file lists.
-CALLER_SEPARATOR = ":"
-CALLER_HASH_PREFIX = b"threadkeeper-caller-namespace\x00"
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -42,19 +36,13 @@ def is_utf8(value: str) -> bool:
     return True
 
 
-def caller_hash(token: str | None) -> str:
-    """128 bits of a domain-separated sha256 of the caller's key ("" when it sent none)."""
-    data = CALLER_HASH_PREFIX + (token or "").encode("utf-8", "surrogateescape")
-    return hashlib.sha256(data).hexdigest()[:32]
-
-
 def store_namespace(policy: Policy, token: str | None) -> str:
     """The tenant id this caller's local state lives under: the policy's tenant when the
     key is one the policy lists, else `<tenant>:<caller hash>` (as if the key were a
     tenant of its own)."""
     if token is not None and hash_key(token) in policy.api_keys:
         return policy.tenant
-    return f"{policy.tenant}{CALLER_SEPARATOR}{caller_hash(token)}"
+    return caller_namespace(policy.tenant, token)
 
 
 @web.middleware
@@ -89,6 +77,4 @@ def authenticate(request: web.Request) -> None:
     request[TENANT_POLICY] = policy
     namespace = store_namespace(policy, token)
     request[NAMESPACE] = namespace
-    request[LOG_FIELDS]["tenant"] = policy.tenant
-    if namespace != policy.tenant:
-        request[LOG_FIELDS]["caller"] = namespace.rpartition(CALLER_SEPARATOR)[2][:12]
+    request[LOG_FIELDS].update(fields(namespace))  # metrics read its "tenant" only

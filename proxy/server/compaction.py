@@ -56,6 +56,7 @@ from proxy.core.compaction import (
 from proxy.core.items import Item, JsonDict
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.ids import new_id
+from proxy.namespaces import fields
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
@@ -600,7 +601,7 @@ def shown(key: CompactionKey, tenant: str, summary: JsonDict) -> JsonDict:
     return {
         "object": "threadkeeper.compaction",
         "id": key.item_id(tenant, summary),
-        "tenant": tenant,
+        **fields(tenant),
         "covers": covers(summary),
         "summary": summary,
         "text": render_summary(summary, counter, SHOWN_TOKENS),

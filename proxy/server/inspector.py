@@ -41,6 +41,7 @@ from aiohttp import web
 from proxy import admin
 from proxy.clock import utc_iso
 from proxy.logs import register_secret
+from proxy.namespaces import Scope
 from proxy.policy import hash_key
 from proxy.server import explain, inspector_html
 from proxy.server.auth import bearer_token, is_utf8
@@ -75,12 +76,18 @@ class Viewer:
     session_id: str  # what the CSRF token is bound to
     from_cookie: bool
 
-    def may_see(self, tenant: str) -> bool:
-        return self.tenant is None or self.tenant == tenant
+    def may_see(self, namespace: str) -> bool:
+        return self.tenant is None or self.tenant == namespace
 
-    def scope(self, asked: str | None) -> str | None:
-        """The tenant filter a listing uses: a tenant viewer's own, whatever was asked."""
-        return self.tenant if self.tenant is not None else asked
+    def scope(self, tenant: str | None, namespace: str | None) -> Scope:
+        """The filter a listing uses: a tenant viewer's own namespace (never its tenant's
+        passthrough callers'), whatever was asked; an operator's as asked."""
+        if self.tenant is not None:
+            return Scope(namespace=self.tenant)
+        try:
+            return Scope(tenant=tenant, namespace=namespace)
+        except ValueError as exc:
+            raise _page(400, inspector_html.message_page("Bad request", str(exc))) from None
 
 
 # --- sessions and tokens ------------------------------------------------------------------
@@ -417,38 +424,43 @@ def _redirect(location: str) -> web.Response:
 
 
 async def threads_page(request: web.Request, viewer: Viewer) -> web.Response:
-    """Threads, newest first; `q` finds a thread by id, `tenant` filters (operators)."""
+    """Threads, newest first; `q` finds a thread by id; operators filter by `tenant` (its
+    passthrough callers included) or `namespace` (one caller's)."""
     store = request.app[STORE]
     values = query_values(request, THREADS_PARAMS)
     query = _text(values, "q")
-    tenant = viewer.scope(_text(values, "tenant") or None)
+    scope = viewer.scope(_text(values, "tenant") or None, _text(values, "namespace") or None)
     if query:
-        found = await _find(request, viewer, query, tenant)
+        found = await _find(request, query, scope)
         threads = [admin.thread_json(t) for t in found]
     else:
-        threads = await admin.list_threads(store, tenant, THREADS_LIMIT)
+        threads = await admin.list_threads(store, scope, THREADS_LIMIT)
     tenants = request.app[POLICIES].tenants() if viewer.tenant is None else []
     return _html(
         inspector_html.threads_page(
-            threads, query=query, tenant=tenant, tenants=tenants, chrome=_chrome(request, viewer)
+            threads,
+            query=query,
+            tenant=scope.tenant,
+            namespace=scope.namespace if viewer.tenant is None else None,
+            tenants=tenants,
+            chrome=_chrome(request, viewer),
         )
     )
 
 
-async def _find(
-    request: web.Request, viewer: Viewer, thread_id: str, tenant: str | None
-) -> list[Thread]:
+async def _find(request: web.Request, thread_id: str, scope: Scope) -> list[Thread]:
     store = request.app[STORE]
-    if tenant is not None:
-        thread = await store.get_thread(tenant, thread_id)
+    if scope.namespace is not None:
+        thread = await store.get_thread(scope.namespace, thread_id)
         return [thread] if thread is not None else []
-    return list(await store.find_threads(thread_id))
+    return [t for t in await store.find_threads(thread_id) if scope.matches(t.tenant)]
 
 
 async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
-    """The timeline of one thread: ?tenant=T&id=ID."""
+    """The timeline of one thread: ?namespace=N&id=ID (`tenant=N` in older links)."""
     values = query_values(request, THREAD_PARAMS)
-    tenant, thread_id = _text(values, "tenant"), _text(values, "id")
+    tenant = _text(values, "namespace") or _text(values, "tenant")
+    thread_id = _text(values, "id")
     first = values.get("from")
     if not tenant or not thread_id or not viewer.may_see(tenant):
         raise _not_found("No such thread.")
@@ -520,7 +532,9 @@ async def _stood_for(
 async def ledger_page(request: web.Request, viewer: Viewer) -> web.Response:
     """Tool calls whose outcome nobody reported (status issued), each with a resolve form."""
     values = query_values(request, LEDGER_PARAMS)
-    entries = await admin.ledger_list(request.app[STORE], viewer.tenant, "issued", LEDGER_LIMIT)
+    entries = await admin.ledger_list(
+        request.app[STORE], viewer.scope(None, None), "issued", LEDGER_LIMIT
+    )
     return _html(
         inspector_html.ledger_page(
             entries, resolved=_text(values, "resolved") or None, chrome=_chrome(request, viewer)
@@ -532,7 +546,8 @@ async def resolve_entry(request: web.Request, viewer: Viewer) -> web.Response:
     """POST: settles an `issued` entry as completed (with its result) or failed."""
     form = await request.post()
     _check_csrf(request, viewer, form)
-    tenant, scope, key = (str(form.get(name, "")) for name in ("tenant", "scope", "key"))
+    scope, key = (str(form.get(name, "")) for name in ("scope", "key"))
+    tenant = str(form.get("namespace") or form.get("tenant", ""))  # `tenant`: older pages
     status = str(form.get("status", ""))
     result = str(form.get("result", "")) or None
     if not viewer.may_see(tenant):
@@ -610,8 +625,13 @@ async def _to_index(request: web.Request) -> web.Response:
     return _redirect(f"{PREFIX}/")
 
 
-THREADS_PARAMS = {"q": Param(), "tenant": Param()}
-THREAD_PARAMS = {"tenant": Param(), "id": Param(), "from": Param("int")}
+THREADS_PARAMS = {"q": Param(), "tenant": Param(), "namespace": Param()}
+THREAD_PARAMS = {
+    "namespace": Param(),
+    "tenant": Param(),
+    "id": Param(),
+    "from": Param("int"),
+}
 LEDGER_PARAMS = {"resolved": Param()}
 REQUEST_ID = Param(longest=256)  # the request page's path part
 

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from proxy import admin
+from proxy.namespaces import is_caller, label
 
 PREFIX = "/threadkeeper/ui"
 FULL_TEXT_MAX = 20_000  # characters of one item's text on the timeline
@@ -83,8 +84,9 @@ def quoted(value: str) -> str:
 
 def tenant_label(namespace: str) -> str:
     """How every page names the tenant a thread, request or ledger entry lives under (its
-    store namespace): the one place that naming is decided."""
-    return namespace
+    store namespace): the one place a page decides it, by the naming rule of
+    proxy/namespaces.py."""
+    return label(namespace)
 
 
 def _tenant(namespace: str) -> str:
@@ -132,8 +134,13 @@ def _table(columns: Sequence[str], rows: Iterable[str], table_id: str) -> str:
     return f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
-def thread_url(tenant: str, thread_id: str) -> str:
-    return f"{PREFIX}/thread?{urlencode({'tenant': tenant, 'id': thread_id})}"
+def thread_url(namespace: str, thread_id: str) -> str:
+    return f"{PREFIX}/thread?{urlencode({'namespace': namespace, 'id': thread_id})}"
+
+
+def namespace_url(namespace: str) -> str:
+    """The threads list filtered to one namespace (one passthrough caller's, say)."""
+    return f"{PREFIX}/?{urlencode({'namespace': namespace})}"
 
 
 def request_url(request_id: str) -> str:
@@ -186,13 +193,16 @@ def threads_page(
     tenant: str | None,
     tenants: Sequence[str],
     chrome: Chrome,
+    namespace: str | None = None,
 ) -> str:
     tenant_field = ""
     if tenants:  # operators filter by tenant; a tenant's key sees its own only
+        # a tenant matches its passthrough callers too; a namespace one caller (namespaces.py)
         options = "".join(f'<option value="{esc(t)}">' for t in tenants)
         tenant_field = (
             f'<label>tenant <input name="tenant" list="tenants" value="{esc(tenant or "")}">'
             f'</label><datalist id="tenants">{options}</datalist> '
+            f'<label>namespace <input name="namespace" value="{esc(namespace or "")}"></label> '
         )
     search = (
         f'<form method="get" action="{PREFIX}/" id="search">'
@@ -200,19 +210,32 @@ def threads_page(
         '<button type="submit">Search</button></form>'
     )
     rows = (
-        f'<tr data-thread="{esc(t["id"])}"><td>{_tenant(t["tenant"])}</td>'
-        f'<td><a href="{esc(thread_url(t["tenant"], t["id"]))}">{esc(t["id"])}</a></td>'
+        f'<tr data-thread="{esc(t["id"])}" data-namespace="{esc(t["namespace"])}">'
+        f"<td>{_tenant(t['namespace'])}</td>"
+        f"<td>{_namespace_cell(t['namespace'])}</td>"
+        f'<td><a href="{esc(thread_url(t["namespace"], t["id"]))}">{esc(t["id"])}</a></td>'
         f"<td>{esc(t['kind'])}</td><td>{esc(t['items'])}</td>"
         f"<td>{esc('-' if t['window_start'] is None else t['window_start'])}</td>"
         f"<td>{esc(t['created_at'])}</td></tr>"
         for t in threads
     )
     body = search + (
-        _table(("Tenant", "Thread", "Kind", "Items", "Window from", "Created"), rows, "threads")
+        _table(
+            ("Tenant", "Namespace", "Thread", "Kind", "Items", "Window from", "Created"),
+            rows,
+            "threads",
+        )
         if threads
         else '<p id="no-threads">No threads found.</p>'
     )
     return _layout("Threads", body, chrome)
+
+
+def _namespace_cell(namespace: str) -> str:
+    """A passthrough caller's namespace links to the list of that caller's threads."""
+    if not is_caller(namespace):
+        return esc(namespace)
+    return f'<a class="namespace" href="{esc(namespace_url(namespace))}">{esc(namespace)}</a>'
 
 
 def thread_page(
@@ -226,7 +249,8 @@ def thread_page(
     start = shown["window_start"]
     meta = (
         f'<p class="meta" id="thread-meta" data-tenant="{esc(shown["tenant"])}" '
-        f'data-window-start="{esc("" if start is None else start)}">tenant {_tenant(shown["tenant"])} · '
+        f'data-namespace="{esc(shown["namespace"])}" '
+        f'data-window-start="{esc("" if start is None else start)}">{_tenant(shown["namespace"])} · '
         f"{esc(shown['kind'])} · {esc(shown['items'])} items · created {esc(shown['created_at'])}"
         f" · {'never cut' if start is None else f'the model sees items from seq {esc(start)} on'}</p>"
     )
@@ -266,7 +290,7 @@ def _pages(shown: Mapping[str, Any], page_items: int) -> str:
     if not log:
         return ""
     first, last = log[0]["seq"], log[-1]["seq"]
-    url = thread_url(shown["tenant"], shown["id"])
+    url = thread_url(shown["namespace"], shown["id"])
     links = []
     if first > 0:
         links.append(
@@ -372,13 +396,14 @@ def request_page(
     summary block stands for, by block index (inspector.py reads them from the thread)."""
     projection = record["projection"]
     thread_id = record.get("thread_id")
+    namespace = tenant
     thread = (
-        f' · thread <a id="thread-link" href="{esc(thread_url(tenant, thread_id))}">{esc(thread_id)}</a>'
+        f' · thread <a id="thread-link" href="{esc(thread_url(namespace, thread_id))}">{esc(thread_id)}</a>'
         if thread_id
         else ""
     )
     meta = (
-        f'<p class="meta" id="request-meta">tenant {_tenant(tenant)}{thread} · '
+        f'<p class="meta" id="request-meta">{_tenant(namespace)}{thread} · '
         f"{esc(record.get('method', ''))} "
         f"{esc(record.get('path', ''))} · status {esc(record.get('status', ''))} · "
         f"{esc(record.get('latency_ms', ''))} ms · retries {esc(record.get('retries', '-'))} · "
@@ -505,14 +530,14 @@ def ledger_page(
     )
     rows = (
         f'<tr class="entry" data-key="{esc(e["key"])}" data-status="{esc(e["status"])}">'
-        f"<td>{_tenant(e['tenant'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
+        f"<td>{_tenant(e['namespace'])}</td><td>{esc(e['scope'])}</td><td>{esc(e['key'])}</td>"
         f"<td>{esc(e['tool'])}<pre>{esc(e['arguments'])}</pre></td>"
         f"<td>{_thread_cell(e)}</td><td>{esc(e['created_at'])}</td>"
         f"<td>{_resolve_form(e, chrome)}</td></tr>"
         for e in entries
     )
     table = (
-        _table(("Tenant", "Scope", "Key", "Tool", "Thread", "Issued", "Resolve"), rows, "ledger")
+        _table(("Namespace", "Scope", "Key", "Tool", "Thread", "Issued", "Resolve"), rows, "ledger")
         if entries
         else '<p id="no-entries">No entries with an unknown outcome.</p>'
     )
@@ -522,13 +547,13 @@ def ledger_page(
 def _thread_cell(entry: Mapping[str, Any]) -> str:
     if not entry.get("thread_id"):
         return "-"
-    return f'<a href="{esc(thread_url(entry["tenant"], entry["thread_id"]))}">{esc(entry["thread_id"])}</a>'
+    return f'<a href="{esc(thread_url(entry["namespace"], entry["thread_id"]))}">{esc(entry["thread_id"])}</a>'
 
 
 def _resolve_form(entry: Mapping[str, Any], chrome: Chrome) -> str:
     return (
         f'<form method="post" action="{PREFIX}/ledger/resolve" class="resolve">{_csrf(chrome)}'
-        f'<input type="hidden" name="tenant" value="{esc(entry["tenant"])}">'
+        f'<input type="hidden" name="namespace" value="{esc(entry["namespace"])}">'
         f'<input type="hidden" name="scope" value="{esc(entry["scope"])}">'
         f'<input type="hidden" name="key" value="{esc(entry["key"])}">'
         '<label><input type="radio" name="status" value="completed" required> completed</label> '

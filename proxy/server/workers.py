@@ -45,6 +45,7 @@ import structlog
 
 from proxy.policy import PolicyRegistry
 from proxy.server import app as app_module
+from proxy.server.startup import serving_fields
 from proxy.settings import Settings, SettingsError
 
 log = structlog.get_logger("threadkeeper.workers")
@@ -65,10 +66,11 @@ def serve(settings: Settings) -> int:
         raise SettingsError("--workers: more than one worker needs fork and SO_REUSEPORT (Linux)")
     if settings.store_url.endswith(":memory:"):
         raise SettingsError("--workers: an in-memory SQLite store cannot be shared by workers")
-    PolicyRegistry.load(settings.policies_dir)  # a bad policy stops the start: exit 2
+    policies = PolicyRegistry.load(settings.policies_dir)  # a bad policy stops the start: exit 2
     asyncio.run(_migrate(settings))
     with _reserved_port(settings) as port:
         settings = replace(settings, port=port)
+        log.info("serving", **serving_fields(settings, policies, port))
         context = multiprocessing.get_context("fork")
 
         def start_worker() -> BaseProcess:

@@ -276,8 +276,16 @@ class Store(Protocol):
 
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None: ...
 
-    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
-        """Newest first; every tenant's when `tenant` is None (operators only)."""
+    async def list_threads(
+        self, tenant: str | None, *, limit: int, callers: bool = False
+    ) -> tuple[Thread, ...]:
+        """Newest first; every tenant's when `tenant` is None (operators only). With
+        `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
+        ...
+
+    async def namespaces(self, tenant: str, *, limit: int) -> tuple[str, ...]:
+        """The tenant's own namespace and its passthrough callers' (`<tenant>:<hash>`) that
+        hold a thread or a stored response (operators only)."""
         ...
 
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
@@ -463,9 +471,15 @@ class Store(Protocol):
         one, the result is cleared, attempts + 1. True if this call won (SPEC 6)."""
 
     async def ledger_list(
-        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+        self,
+        tenant: str | None,
+        *,
+        status: LedgerStatus | None = None,
+        limit: int = 100,
+        callers: bool = False,
     ) -> tuple[LedgerEntry, ...]:
-        """Oldest first; every tenant's when `tenant` is None (operators only)."""
+        """Oldest first; every tenant's when `tenant` is None (operators only). With
+        `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
         ...
 
     # explain records ----------------------------------------------------------------------

@@ -69,6 +69,18 @@ LIST_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads ORDER BY created_at DESC, 
 LIST_TENANT_THREADS = f"""
 SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 ORDER BY created_at DESC, id LIMIT $2
 """
+# substr, not LIKE: a tenant id may hold "_", LIKE's wildcard.
+LIST_CALLER_THREADS = f"""
+SELECT {THREAD_COLUMNS} FROM threads WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY created_at DESC, tenant, id LIMIT $4
+"""
+# The namespaces of a tenant and its passthrough callers that hold a thread or a response.
+TENANT_NAMESPACES = """
+SELECT tenant FROM threads WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+UNION
+SELECT tenant FROM responses WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY tenant LIMIT $4
+"""
 FIND_THREADS = f"SELECT {THREAD_COLUMNS} FROM threads WHERE id = $1 ORDER BY tenant LIMIT $2"
 
 UPDATE_METADATA = f"""
@@ -263,6 +275,17 @@ LIST_ALL_LEDGER = (
 
 LIST_ALL_LEDGER_BY_STATUS = f"""
 SELECT {LEDGER_COLUMNS} FROM ledger WHERE status = $1 ORDER BY created_at, tenant, scope, key LIMIT $2
+"""
+
+LIST_CALLER_LEDGER = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger WHERE tenant = $1 OR substr(tenant, 1, $2) = $3
+ORDER BY created_at, tenant, scope, key LIMIT $4
+"""
+
+LIST_CALLER_LEDGER_BY_STATUS = f"""
+SELECT {LEDGER_COLUMNS} FROM ledger
+WHERE (tenant = $1 OR substr(tenant, 1, $2) = $3) AND status = $4
+ORDER BY created_at, tenant, scope, key LIMIT $5
 """
 
 LIST_LEDGER_BY_STATUS = f"""

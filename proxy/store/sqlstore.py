@@ -16,6 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, Protocol
 
 from proxy.core.checkpoint import without_cut
+from proxy.namespaces import caller_prefix
 from proxy.store import sql
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
@@ -122,13 +123,24 @@ class SqlStore:
         async with self.db.read() as conn:
             return await _thread(conn, tenant, thread_id)
 
-    async def list_threads(self, tenant: str | None, *, limit: int) -> tuple[Thread, ...]:
+    async def list_threads(
+        self, tenant: str | None, *, limit: int, callers: bool = False
+    ) -> tuple[Thread, ...]:
         async with self.db.read() as conn:
             if tenant is None:
                 rows = await conn.fetch(sql.LIST_THREADS, limit)
+            elif callers:
+                prefix = caller_prefix(tenant)
+                rows = await conn.fetch(sql.LIST_CALLER_THREADS, tenant, len(prefix), prefix, limit)
             else:
                 rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
         return tuple(map(sql.thread_from_row, rows))
+
+    async def namespaces(self, tenant: str, *, limit: int) -> tuple[str, ...]:
+        prefix = caller_prefix(tenant)
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.TENANT_NAMESPACES, tenant, len(prefix), prefix, limit)
+        return tuple(str(row["tenant"]) for row in rows)
 
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
         async with self.db.read() as conn:
@@ -399,10 +411,25 @@ class SqlStore:
             return await conn.execute(sql.REARM_LEDGER, tenant, scope, key, call_id, now) > 0
 
     async def ledger_list(
-        self, tenant: str | None, *, status: LedgerStatus | None = None, limit: int = 100
+        self,
+        tenant: str | None,
+        *,
+        status: LedgerStatus | None = None,
+        limit: int = 100,
+        callers: bool = False,
     ) -> tuple[LedgerEntry, ...]:
         async with self.db.read() as conn:
-            if tenant is None and status is None:
+            if tenant is not None and callers:
+                prefix = caller_prefix(tenant)
+                if status is None:
+                    rows = await conn.fetch(
+                        sql.LIST_CALLER_LEDGER, tenant, len(prefix), prefix, limit
+                    )
+                else:
+                    rows = await conn.fetch(
+                        sql.LIST_CALLER_LEDGER_BY_STATUS, tenant, len(prefix), prefix, status, limit
+                    )
+            elif tenant is None and status is None:
                 rows = await conn.fetch(sql.LIST_ALL_LEDGER, limit)
             elif tenant is None:
                 rows = await conn.fetch(sql.LIST_ALL_LEDGER_BY_STATUS, status, limit)

@@ -74,7 +74,7 @@ async def test_threads_list_show_export_import_fork_delete(
 
     code, out, _ = await cli(capsys, "threads", "list", *store)
     assert code == 0 and out.splitlines()[0].split() == [
-        "TENANT", "ID", "KIND", "ITEMS", "WINDOW", "FROM", "CREATED",
+        "TENANT", "NAMESPACE", "ID", "KIND", "ITEMS", "WINDOW", "FROM", "CREATED",
     ]  # fmt: skip
 
     code, out, _ = await cli(capsys, "threads", "show", "t-orders", "--json", *store)
@@ -305,7 +305,7 @@ async def test_import_refuses_what_the_api_refuses_with_one_line_and_writes_noth
     code, out, _ = await cli(
         capsys, "threads", "import", str(path), "--namespace", "default:0123abcd", "--json", *store
     )
-    assert code == 0 and json.loads(out)["tenant"] == "default:0123abcd"
+    assert code == 0 and json.loads(out)["namespace"] == "default:0123abcd"
 
     # What passes the checks takes a turn through the socket.
     path = export_file(tmp_path / "good.jsonl", chat_line(user, "msg_1"))

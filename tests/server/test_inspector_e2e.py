@@ -631,7 +631,7 @@ async def test_every_page_labels_a_tenant_the_same_way(
     label = html.escape(inspector_module.inspector_html.tenant_label(stored.tenant))
     async with proxy.http() as http:
         listed = (await http.get(f"{UI}/", headers=bearer(OPERATOR))).text
-        row = re.search(r'<tr data-thread="t-pass">.*?</tr>', listed, re.S)
+        row = re.search(r'<tr data-thread="t-pass"[^>]*>.*?</tr>', listed, re.S)
         assert row and LABEL.findall(row[0]) == [label]
         link = html.unescape(re.search(r'href="([^"]+)"', row[0])[1])  # type: ignore[index]
         thread = await http.get(link, headers=bearer(OPERATOR))

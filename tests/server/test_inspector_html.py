@@ -47,11 +47,11 @@ def test_an_overflowing_window_is_drawn_against_the_sum() -> None:
 def test_every_value_is_escaped() -> None:
     hostile = '"><script>alert(1)</script>'
     thread = {
-        "tenant": hostile, "id": hostile, "kind": "chat", "items": 1,
+        "tenant": hostile, "namespace": hostile, "id": hostile, "kind": "chat", "items": 1,
         "window_start": None, "created_at": hostile,
     }  # fmt: skip
     page = threads_page(
-        [thread], query=hostile, tenant=hostile, tenants=[hostile],
+        [thread], query=hostile, tenant=hostile, tenants=[hostile], namespace=hostile,
         chrome=Chrome(who=hostile, csrf=hostile, signed_in=True),
     )  # fmt: skip
     assert "<script>alert" not in page and page.count("<script>") == 1

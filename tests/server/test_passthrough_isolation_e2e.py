@@ -194,7 +194,10 @@ async def test_keyed_tenants_keep_their_namespace_and_logs_stay_low_cardinality(
     lines = [json.loads(x) for x in stream.getvalue().splitlines() if x.startswith("{")]
     requests = [x for x in lines if x.get("event") == "request"]
     assert [x["tenant"] for x in requests] == ["acme", "default"]
-    assert "caller" not in requests[0] and len(requests[1]["caller"]) == 12
+    # the log names where the state lives as the CLI and the inspector do (namespaces.py)
+    stored = await store.find_threads(alice.json()["id"])
+    assert [x["namespace"] for x in requests] == ["acme", stored[0].tenant]
+    assert stored[0].tenant.startswith("default:")
     async with httpx.AsyncClient(base_url=str(http.base_url)) as raw:
         metrics = (await raw.get("/metrics")).text
     assert 'tenant="default"' in metrics and "caller" not in metrics

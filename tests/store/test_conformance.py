@@ -799,6 +799,29 @@ async def test_ledger_list_filters_by_status(store: Store) -> None:
     assert len(await store.ledger_list("acme", limit=1)) == 1
 
 
+# Namespaces a tenant filter takes in with callers=True (proxy/namespaces.py): the tenant's
+# own and `<tenant>:<hash>`, not a tenant whose id merely starts alike ("_" is no wildcard).
+NAMESPACES = ("de_ault", "de_ault:c1", "de_ault:c2", "default:c3", "de_ault2", "de_aultx:c4")
+
+
+async def test_listings_take_in_a_tenants_passthrough_callers(store: Store) -> None:
+    for n, tenant in enumerate(NAMESPACES):
+        await thread_with(store, f"i{n}", tenant=tenant, tid=f"t{n}")
+        await store.ledger_issue(ledger_entry(f"k{n}", call_id=f"c{n}", tenant=tenant))
+    await store.ledger_resolve("de_ault:c2", "tenant", "k2", status="completed", result="r", now=T1)
+    wanted = {"de_ault", "de_ault:c1", "de_ault:c2"}
+    threads = await store.list_threads("de_ault", limit=10, callers=True)
+    assert {t.tenant for t in threads} == wanted
+    assert [t.tenant for t in await store.list_threads("de_ault", limit=10)] == ["de_ault"]
+    assert {e.tenant for e in await store.ledger_list("de_ault", callers=True)} == wanted
+    issued = await store.ledger_list("de_ault", status="issued", callers=True)
+    assert {e.tenant for e in issued} == {"de_ault", "de_ault:c1"}
+    assert [e.tenant for e in await store.ledger_list("de_ault")] == ["de_ault"]
+    await store.begin_response(response("resp_1", tenant="de_ault:c9", thread_id=None))
+    assert await store.namespaces("de_ault", limit=10) == (*sorted(wanted), "de_ault:c9")
+    assert await store.namespaces("de_ault", limit=2) == ("de_ault", "de_ault:c1")
+
+
 # explain records ---------------------------------------------------------------------
 
 

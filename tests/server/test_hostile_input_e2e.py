@@ -453,6 +453,27 @@ async def test_duplicate_ids_inside_one_input_are_a_400(hostile) -> None:
     assert "msg_a" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/responses", {"store": False}),
+        ("/v1/responses", {"store": False, "stream": True}),
+        ("/v1/responses/compact", {}),
+        ("/v1/responses/input_tokens", {}),
+    ],
+)
+async def test_duplicate_ids_in_a_request_that_stores_nothing_are_a_400(
+    hostile, path: str, extra: dict[str, Any]
+) -> None:
+    """Issue 20 item 18: `store: false` (and compact) never reached the thread's check, so
+    the two items were forwarded and answered 200. The body alone decides, on every
+    backend, before the provider is called."""
+    twice = {"id": "msg_twice", "type": "message", "role": "user", "content": "again"}
+    body = {"model": "gpt-4o", "input": [twice, {**USER, "id": "msg_other"}, twice], **extra}
+    error = await assert_refused(hostile, path, body, param="input[2].id", code="duplicate_item")
+    assert "msg_twice" in error["message"]
+
+
 async def test_an_id_the_conversation_holds_is_a_400(hostile) -> None:
     conv = await new_conversation(hostile, [{**USER, "id": "msg_old"}, {**USER, "id": "msg_x"}])
     # push msg_old out of any window: it is still in the log, so still taken

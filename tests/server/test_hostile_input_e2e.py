@@ -2,8 +2,8 @@
 
 Each refused request must be a 4xx in OpenAI's shape naming the problem, with the store
 unchanged (no thread, item, response, ledger or idempotency row written) and the provider
-never called. The store-sensitive cases run on SQLite and on PostgreSQL (set
-THREADKEEPER_TEST_PG_DSN), whose TEXT columns refuse NUL.
+never called. Every case runs on SQLite and on PostgreSQL (set THREADKEEPER_TEST_PG_DSN),
+whose TEXT columns refuse NUL.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ AUTH = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/js
 TABLES = ("threads", "items", "responses", "ledger", "idempotency")
 USER = {"role": "user", "content": "hi"}
 LONG_ID = "msg_" + "".join(f"{i:04x}" for i in range(2_000))  # 8 kB, hardly compressible
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ class Settings:
     policy_reload_interval: float = 2.0
     log_level: str = "info"
     metrics_token: str | None = None  # when set, GET /metrics needs it as a bearer token
-    store_connect_timeout: float = 5.0  # seconds to open a store connection
+    store_connect_timeout: float = 5.0  # seconds to get a store connection (SQLite: its turn)
     store_command_timeout: float = 10.0  # seconds one store statement may take
     # Hot threads' windows kept in memory per process (bytes of item JSON; 0: none).
     thread_cache_bytes: int = 16 * 1024 * 1024

@@ -212,6 +212,21 @@ def duplicate_item(param: str, item_id: str) -> ApiError:
     )
 
 
+def no_repeated_ids(items: Sequence[JsonDict], param: str) -> None:
+    """An item id given twice in one request is a 400 `duplicate_item` whatever the store
+    holds or the request's `store` says: decided from the body alone, before the store is
+    read or the provider called. An `item_reference` names an item on purpose: skipped.
+    (Ids the thread already holds are the turn's check, proxy/threads.py first_taken_id.)"""
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        own = item.get("id")
+        if item.get("type") == "item_reference" or not isinstance(own, str) or not own:
+            continue
+        if own in seen:
+            raise duplicate_item(f"{param}[{index}].id", own)
+        seen.add(own)
+
+
 def store_key(value: str, param: str) -> str:
     """A string from the URL or a header that the store will use as a key: no NUL and no
     undecodable bytes (aiohttp hands them over as lone surrogates)."""

@@ -76,6 +76,7 @@ from proxy.server.turn import Turn, TurnHook
 from proxy.server.validate import (
     list_of_objects,
     missing,
+    no_repeated_ids,
     optional,
     read_json_object,
     required_string,
@@ -330,8 +331,10 @@ def validate_compact(body: JsonDict) -> None:
     required_string(body, "model")
     value = body.get("input")
     if value is not None and not isinstance(value, str):
-        for index, item in enumerate(list_of_objects(value, "input")):
+        items = list_of_objects(value, "input")
+        for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
+        no_repeated_ids(items, "input")
     optional(body, "previous_response_id", str)
     optional(body, "instructions", str)
     key = optional(body, "prompt_cache_key", str)

@@ -40,6 +40,7 @@ from proxy.server.validate import (
     duplicate_item,
     list_of_objects,
     missing,
+    no_repeated_ids,
     read_json_object,
     unsupported_value,
     wrong_type,
@@ -278,6 +279,7 @@ def items_param(value: Any, *, required: bool) -> list[JsonDict]:
         )
     for index, raw in enumerate(raws):
         validate_stored_item(raw, f"items[{index}]")
+    no_repeated_ids(raws, "items")
     return raws
 
 

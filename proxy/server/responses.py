@@ -39,6 +39,7 @@ from proxy.server.validate import (
     JsonDict,
     list_of_objects,
     missing,
+    no_repeated_ids,
     optional,
     optional_positive_int,
     read_json_object,
@@ -53,8 +54,10 @@ def validate_responses(body: JsonDict) -> None:
         required_string(body, "model")
     value = body.get("input")
     if value is not None and not isinstance(value, str):
-        for index, item in enumerate(list_of_objects(value, "input")):
+        items = list_of_objects(value, "input")
+        for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
+        no_repeated_ids(items, "input")
     optional(body, "instructions", str)
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)

@@ -40,12 +40,15 @@ async def open_store(
     `?schema=NAME`, or `schema=`, to use a PostgreSQL schema other than the default).
 
     The timeouts bound every wait (settings store_connect_timeout, store_command_timeout;
-    on SQLite the command timeout is the busy timeout)."""
+    on SQLite the connect timeout bounds the wait for this process's connection, the
+    command timeout is the busy timeout)."""
     scheme = urlsplit(url).scheme
     if scheme == "sqlite":
         if schema is not None:
             raise ValueError("schema= applies to PostgreSQL stores only")
-        return await open_sqlite_store(url, busy_timeout=command_timeout)
+        return await open_sqlite_store(
+            url, busy_timeout=command_timeout, lock_timeout=connect_timeout
+        )
     if scheme in POSTGRES_SCHEMES:
         return await open_postgres_store(
             url,

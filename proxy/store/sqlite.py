@@ -6,9 +6,17 @@ asyncio.Lock and run as `BEGIN IMMEDIATE ... COMMIT`, so coroutines never meet
 the reader take consistent snapshots while a write is under way. An in-memory database
 cannot be shared between connections, so there the writer also reads.
 
+Waits are bounded (SPEC section 1, store timeouts): a coroutine waits at most
+`lock_timeout` (store_connect_timeout, as a PostgreSQL pool's wait for a free connection)
+for its turn on a connection, then each statement at most `busy_timeout`
+(store_command_timeout) for another process's lock. So when another process holds the
+database, every queued waiter gets StoreUnavailable within about their sum, not one
+busy timeout after another.
+
 Store failures that are the database's state, not a bug (disk full, I/O error, locked
-longer than `busy_timeout`, read-only or unopenable file) raise StoreUnavailable; the next
-statement tries again, so the store recovers when the cause goes away.
+longer than `busy_timeout`, queued longer than `lock_timeout`, read-only or unopenable
+file) raise StoreUnavailable; the next statement tries again, so the store recovers when
+the cause goes away.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from proxy.store.sqlstore import SqlStore
 
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 10.0  # seconds; the store_command_timeout setting
+DEFAULT_LOCK_TIMEOUT = 5.0  # seconds; the store_connect_timeout setting
 _UNIQUE_ERRORS = {"SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
 # Primary result codes (extended code & 0xff) meaning "the database cannot serve now".
 SQLITE_FULL = 13
@@ -101,26 +110,50 @@ async def _unique_as_exists() -> AsyncIterator[None]:
 class SqliteDatabase:
     dialect = "sqlite"
 
-    def __init__(self, writer: aiosqlite.Connection, reader: aiosqlite.Connection | None):
+    def __init__(
+        self,
+        writer: aiosqlite.Connection,
+        reader: aiosqlite.Connection | None,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ):
         self._writer = SqliteConn(writer)
         self._reader = SqliteConn(reader) if reader is not None else self._writer
         self._connections = [c for c in (writer, reader) if c is not None]
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock() if reader is not None else self._write_lock
+        self._lock_timeout = lock_timeout
         self.full_at: float | None = None
 
     @asynccontextmanager
     async def write(self, *, bounded: bool = True) -> AsyncIterator[SqliteConn]:
-        # `bounded` changes nothing here: the busy timeout is the only wait SQLite has.
-        async with self._unavailable_raised(), self._write_lock:
+        """`bounded=False` (migrations at start) waits for the queue without a limit; the
+        busy timeout still bounds each statement."""
+        timeout = self._lock_timeout if bounded else None
+        async with self._unavailable_raised(), self._turn(self._write_lock, timeout):
             async with _transaction(self._writer, "BEGIN IMMEDIATE"):
                 yield self._writer
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[SqliteConn]:
-        async with self._unavailable_raised(), self._read_lock:
+        async with self._unavailable_raised(), self._turn(self._read_lock, self._lock_timeout):
             async with _transaction(self._reader, "BEGIN"):
                 yield self._reader
+
+    @asynccontextmanager
+    async def _turn(self, lock: asyncio.Lock, limit: float | None) -> AsyncIterator[None]:
+        """This coroutine's turn on a connection, waited for at most `limit` seconds."""
+        try:
+            async with asyncio.timeout(limit):
+                await lock.acquire()
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"SQLite is busy: no connection was free within {limit:g}s (store_connect_timeout)"
+            ) from None
+        try:
+            yield
+        finally:
+            lock.release()
 
     @asynccontextmanager
     async def _unavailable_raised(self) -> AsyncIterator[None]:
@@ -177,12 +210,18 @@ async def _connect(path: str, busy_timeout: float) -> aiosqlite.Connection:
     return conn
 
 
-async def open_sqlite_store(url: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> SqlStore:
-    """`busy_timeout`: how long a statement waits for another process's lock."""
+async def open_sqlite_store(
+    url: str,
+    *,
+    busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> SqlStore:
+    """`busy_timeout`: how long a statement waits for another process's lock;
+    `lock_timeout`: how long a transaction waits for this process's connection."""
     path = sqlite_path(url)
     if path != MEMORY and not Path(path).parent.is_dir():
         # Checked here: a failed aiosqlite connect leaves its thread behind.
         raise ValueError(f"the directory of {path!r} does not exist")
     writer = await _connect(path, busy_timeout)
     reader = None if path == MEMORY else await _connect(path, busy_timeout)
-    return SqlStore(SqliteDatabase(writer, reader))
+    return SqlStore(SqliteDatabase(writer, reader, lock_timeout=lock_timeout))

@@ -91,8 +91,12 @@ ProxyFactory = Callable[..., "AsyncIterator[Proxy]"]
 
 
 @asynccontextmanager
-async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
-    """make_proxy outside pytest's fixtures (tests/reliability runs it on its own loop)."""
+async def proxy_factory(  # type: ignore[no-untyped-def]
+    tmp_path: Path, provider: FakeProvider, default_store_url: str | None = None
+):
+    """make_proxy outside pytest's fixtures (tests/reliability runs it on its own loop).
+    `default_store_url`: the store of a proxy started without one (None: a SQLite file of
+    its own)."""
     runners = []
     proxies: list[Proxy] = []
 
@@ -127,7 +131,9 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
             upstream_url=upstream_url or provider.base_url,
             policy_reload_interval=reload_interval,
             max_body_bytes=max_body_bytes,
-            store_url=store_url or f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
+            store_url=store_url
+            or default_store_url
+            or f"sqlite:///{tmp_path / f'store{len(proxies)}.db'}",
         )
         config = replace(config, **(settings or {}))
         app = create_app(
@@ -153,8 +159,17 @@ async def proxy_factory(tmp_path: Path, provider: FakeProvider):  # type: ignore
 
 
 @pytest.fixture
-async def make_proxy(tmp_path: Path, provider: FakeProvider):  # type: ignore[no-untyped-def]
-    async with proxy_factory(tmp_path, provider) as factory:
+def default_store_url() -> str | None:
+    """The store of a proxy whose test names none: None, a SQLite file per proxy. A module
+    whose tests must hold on every backend overrides it to return `store_url`."""
+    return None
+
+
+@pytest.fixture
+async def make_proxy(  # type: ignore[no-untyped-def]
+    tmp_path: Path, provider: FakeProvider, default_store_url: str | None
+):
+    async with proxy_factory(tmp_path, provider, default_store_url) as factory:
         yield factory
 
 

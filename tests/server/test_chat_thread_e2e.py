@@ -17,6 +17,12 @@ from .conftest import TENANT_KEY, Proxy
 SYSTEM = {"role": "system", "content": "You track orders."}
 
 
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 def store_of(proxy: Proxy) -> Store:
     return proxy.app[STORE]  # type: ignore[index]
 

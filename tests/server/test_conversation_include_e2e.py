@@ -36,6 +36,12 @@ ALL = ["reasoning.encrypted_content", "message.output_text.logprobs"]
 ALL.append("message.input_image.image_url")
 
 
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 async def listed(proxy: Proxy, conversation_id: str, include: list[str] | None) -> list[Any]:
     client = proxy.client()
     page = await client.conversations.items.list(

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
-from contextlib import closing
 from typing import Any
 
 import openai
 import pytest
 
 from proxy.fake_provider import Reply
-from proxy.server.state import SETTINGS, STORE
-from proxy.store.sqlite import sqlite_path
+from proxy.server.state import STORE
 from tests.server.conftest import Proxy
 
 JsonDict = dict[str, Any]
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 def user(text: str) -> JsonDict:
@@ -49,11 +52,10 @@ async def listed(proxy: Proxy, conversation_id: str, **kwargs: Any) -> list[Json
     return [item.model_dump(exclude_unset=True) async for item in pages]
 
 
-def thread_total(proxy: Proxy) -> int:
-    """Threads in the proxy's SQLite file, read beside the store (the contract lists none)."""
-    path = sqlite_path(proxy.app[SETTINGS].store_url)  # type: ignore[index]
-    with closing(sqlite3.connect(path)) as db:
-        return int(db.execute("SELECT count(*) FROM threads").fetchone()[0])
+async def thread_total(proxy: Proxy) -> int:
+    """Threads in the proxy's store, counted beside the contract (which lists none)."""
+    async with proxy.app[STORE].db.read() as conn:  # type: ignore[attr-defined,index]
+        return int((await conn.fetchrow("SELECT count(*) FROM threads"))[0])
 
 
 async def test_create_with_items_and_metadata(proxy: Proxy) -> None:
@@ -238,7 +240,7 @@ async def test_failed_create_leaves_no_conversation_behind(proxy: Proxy) -> None
     for body in bad_creates:
         with pytest.raises(openai.BadRequestError):
             await client.conversations.create(**body)
-    assert thread_total(proxy) == 1
+    assert await thread_total(proxy) == 1
 
 
 async def test_orphan_output_is_400_and_stores_nothing(proxy: Proxy) -> None:

@@ -2,8 +2,8 @@
 
 Each refused request must be a 4xx in OpenAI's shape naming the problem, with the store
 unchanged (no thread, item, response, ledger or idempotency row written) and the provider
-never called. The store-sensitive cases run on SQLite and on PostgreSQL (set
-THREADKEEPER_TEST_PG_DSN), whose TEXT columns refuse NUL.
+never called. Every case runs on SQLite and on PostgreSQL (set THREADKEEPER_TEST_PG_DSN),
+whose TEXT columns refuse NUL.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ AUTH = {"Authorization": f"Bearer {TENANT_KEY}", "Content-Type": "application/js
 TABLES = ("threads", "items", "responses", "ledger", "idempotency")
 USER = {"role": "user", "content": "hi"}
 LONG_ID = "msg_" + "".join(f"{i:04x}" for i in range(2_000))  # 8 kB, hardly compressible
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 @pytest.fixture
@@ -451,6 +457,27 @@ async def test_duplicate_ids_inside_one_input_are_a_400(hostile) -> None:
         hostile, "/v1/responses", body, param="input[2].id", code="duplicate_item"
     )
     assert "msg_a" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/responses", {"store": False}),
+        ("/v1/responses", {"store": False, "stream": True}),
+        ("/v1/responses/compact", {}),
+        ("/v1/responses/input_tokens", {}),
+    ],
+)
+async def test_duplicate_ids_in_a_request_that_stores_nothing_are_a_400(
+    hostile, path: str, extra: dict[str, Any]
+) -> None:
+    """Issue 20 item 18: `store: false` (and compact) never reached the thread's check, so
+    the two items were forwarded and answered 200. The body alone decides, on every
+    backend, before the provider is called."""
+    twice = {"id": "msg_twice", "type": "message", "role": "user", "content": "again"}
+    body = {"model": "gpt-4o", "input": [twice, {**USER, "id": "msg_other"}, twice], **extra}
+    error = await assert_refused(hostile, path, body, param="input[2].id", code="duplicate_item")
+    assert "msg_twice" in error["message"]
 
 
 async def test_an_id_the_conversation_holds_is_a_400(hostile) -> None:

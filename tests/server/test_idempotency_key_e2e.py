@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import pytest
 
 from proxy.clock import ManualClock, utc_iso
 from proxy.core.idempotency import fingerprint
@@ -22,6 +23,12 @@ from tests.server.conftest import TENANT_KEY, Proxy
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Refund order 7."}]}
 RESPONSES = {"model": "gpt-4o-mini", "input": "Refund order 7."}
 OTHER_TENANT_KEY = "sk-someone-else-entirely"
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 def keyed(key: str, api_key: str = TENANT_KEY) -> dict[str, str]:

@@ -16,6 +16,12 @@ from .conftest import Proxy
 MODEL = "gpt-4o-mini"
 
 
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 async def stored_answer(proxy: Proxy, provider: FakeProvider) -> tuple[str, str]:
     """A conversation holding one turn; returns (conversation id, the answer's item id)."""
     client = proxy.client()

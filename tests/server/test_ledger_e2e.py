@@ -15,12 +15,17 @@ import pytest
 from proxy.fake_provider import FakeProvider, Reply
 
 from .conftest import TENANT_KEY, Proxy
-from .pg import pg_store_url  # noqa: F401
 
 MODEL = "gpt-4o-mini"
 PG_DSN_ENV = "THREADKEEPER_TEST_PG_DSN"
 REFUND = ("refund_order", '{"order_id": "ORD-1"}')
 REFUND_2 = ("refund_order", '{"order_id": "ORD-2"}')
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 def tools_policy(on_duplicate: str = "replay", max_replays: int = 3) -> str:
@@ -396,17 +401,14 @@ async def test_unknown_call_output_is_still_a_400(guarded: Proxy, provider: Fake
         )
 
 
-# -- two replicas on one PostgreSQL --------------------------------------------------------------
+# -- two replicas on one store ---------------------------------------------------------------------
 
 
 @pytest.fixture
-async def replicas(
-    pg_store_url: str,  # noqa: F811
-    make_proxy: Callable[..., Awaitable[Proxy]],
-) -> list[Proxy]:
-    """Two app instances on one PostgreSQL schema, as replicas behind a load balancer.
-    The schema is requested first so it is dropped only after the replicas stopped."""
-    return [await make_proxy(acme_extra=tools_policy(), store_url=pg_store_url) for _ in range(2)]
+async def replicas(make_proxy: Callable[..., Awaitable[Proxy]]) -> list[Proxy]:
+    """Two app instances on one store (a PostgreSQL schema, or a SQLite file as `serve
+    --workers 2` shares), as replicas behind a load balancer."""
+    return [await make_proxy(acme_extra=tools_policy()) for _ in range(2)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

@@ -21,6 +21,12 @@ ENTRY = "/threadkeeper/v1/ledger/tenant/" + quote("refund:ORD-1", safe="")
 
 
 @pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
+@pytest.fixture
 async def guarded(make_proxy: Callable[..., Awaitable[Proxy]]) -> Proxy:
     # No passthrough tenant: a request without a known key is a 401 here.
     return await make_proxy(acme_extra=tools_policy(), allow_unknown=False)

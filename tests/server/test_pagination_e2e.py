@@ -13,6 +13,12 @@ AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
 NOW = "2025-01-01T00:00:00+00:00"
 
 
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 def store_of(proxy: Proxy) -> Store:
     return proxy.app[STORE]  # type: ignore[index]
 

@@ -1,5 +1,5 @@
 """Stateful Responses through the proxy (conversation, previous_response_id, stored
-responses) with the openai SDK, a fake provider and the SQLite store."""
+responses) with the openai SDK and a fake provider, on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ from proxy.store.base import Store
 from .conftest import Proxy
 
 TENANT = "acme"
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
 
 
 def store_of(proxy: Proxy) -> Store:

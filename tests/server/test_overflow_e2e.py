@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from proxy.fake_provider import ContextWindow, FakeProvider, Reply
+from tests.reliability.storecheck import diff, snapshot
 
 from .conftest import TENANT_KEY, Proxy
 from .test_ledger_e2e import CHAT_TOOLS, REFUND, ledger_entries, tools_policy
@@ -350,3 +352,21 @@ async def test_an_openai_shaped_provider_error_is_relayed_byte_for_byte(
         "param": None,
         "code": "not_found",
     }
+
+
+async def test_a_stored_response_that_cannot_fit_leaves_the_store_as_it_was(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider, tmp_path: Path
+) -> None:
+    store = tmp_path / "overflow.db"
+    proxy = await make_proxy(store_url=f"sqlite:///{store}")
+    client = proxy.client()
+    first = await client.responses.create(model=MODEL, input="Hello")
+    before = snapshot(store)
+    vllm_window(provider)
+    huge = " ".join(f"line {i} of the pasted log" for i in range(500))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(model=MODEL, input=huge, previous_response_id=first.id)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "context_length_exceeded"
+    after = snapshot(store)
+    assert after == before, diff(before, after)

@@ -9,7 +9,9 @@ answer passes its API's shape check first (proxy/core/answers.py): a malformed o
 away cancels the handler (handler_cancellation) and with it the upstream request.
 Passthrough bodies are relayed as they arrive too, so nothing but a model answer is
 buffered (and that only up to max_provider_body_bytes, proxy/upstream.py). A stream the
-proxy cannot finish ends with one error event (`stream_failure`).
+proxy cannot finish ends with one error event (`stream_failure`). A model endpoint's
+error body reaches the client in OpenAI's envelope (`in_envelope`); a passthrough
+endpoint's, byte for byte.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
                                       hooks: projected
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream; hooks: upstream_response
+    forward                           relay.send_upstream; a context-length refusal is
+                                      projected again and sent once more (overflow.py)
+                                      hooks: upstream_response
     relay (+ commit)                  relay.relay_answer with the hooks' transformer
     always, at the end                hooks: finished
 

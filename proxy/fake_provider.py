@@ -61,7 +61,8 @@ class Reply:
     """One scripted answer to a model request (POST /v1/chat/completions or /v1/responses).
 
     `text` and `tool_calls` shape a normal answer; `body` replaces it with exact JSON;
-    `status >= 400` gives OpenAI's error envelope (message = `text` when set). For
+    `status >= 400` gives OpenAI's error envelope (message = `text` when set; `raw` and
+    a `content-type` in `headers` give any other error body). For
     misbehaving providers: `raw` is the exact body bytes (sent as JSON; with
     `disconnect_after`, the connection drops after that many bytes of a longer declared
     Content-Length), `frames` the exact bytes of an event stream, one write each, then EOF.
@@ -79,6 +80,18 @@ class Reply:
     raw: bytes | None = None
     frames: list[bytes] | None = None
     release: asyncio.Event | None = None  # the answer waits until the test sets it
+
+
+@dataclass
+class ContextWindow:
+    """A window the fake enforces on model requests, as vLLM does: a prompt (counted
+    `inflation` times the o200k count, a heavier vocabulary) plus the requested output
+    above `tokens` is refused with vLLM's flat error body, before any scripted reply is
+    taken. `refusals` counts them."""
+
+    tokens: int
+    inflation: float = 1.0
+    refusals: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ class FakeProvider:
         # calls then never take a turn's reply, whatever order they arrive in).
         self.scripts: dict[str, list[Reply]] = {}
         self.base_url: str | None = None
+        self.window: ContextWindow | None = None
         self._app = self._build_app()
         self._runner: web.AppRunner | None = None
 
@@ -186,13 +200,16 @@ class FakeProvider:
             return error_response(
                 400, unpaired, param="messages" if "messages" in body else "input"
             )
+        refused = self._over_window(body)
+        if refused is not None:
+            return refused
         reply = self._next_reply(body)
         if reply.delay:
             await asyncio.sleep(reply.delay)
         if reply.release is not None:
             await reply.release.wait()
         headers = reply_headers(reply)
-        if reply.status >= 400:
+        if reply.status >= 400 and reply.raw is None:
             return error_response(reply.status, reply.text, headers, reply.body)
         if reply.body is not None:
             return web.json_response(reply.body, status=reply.status, headers=headers)
@@ -204,6 +221,32 @@ class FakeProvider:
         if not body.get("stream"):
             return web.json_response(result, status=reply.status, headers=headers)
         return await self._stream(request, reply, headers, frames(body, result))
+
+    def _over_window(self, body: JsonDict) -> web.Response | None:
+        window = self.window
+        if window is None:
+            return None
+        counted = chat_prompt_tokens(body) if "messages" in body else responses_prompt_tokens(body)
+        prompt = int(counted * window.inflation)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        asked = asked or body.get("max_output_tokens") or 0
+        completion = asked if isinstance(asked, int) else 0
+        if prompt + completion <= window.tokens:
+            return None
+        window.refusals += 1
+        message = (  # vLLM's words (vllm/entrypoints/openai/serving_engine.py, <= 0.5)
+            f"This model's maximum context length is {window.tokens} tokens. However, you "
+            f"requested {prompt + completion} tokens ({prompt} in the messages, {completion} "
+            "in the completion). Please reduce the length of the messages or completion."
+        )
+        flat = {
+            "object": "error",
+            "message": message,
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+        return web.json_response(flat, status=400)
 
     async def _stream(
         self, request: web.Request, reply: Reply, headers: dict[str, str], frames: list[bytes]

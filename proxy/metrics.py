@@ -58,6 +58,14 @@ class Metrics:
             ("route",),
             registry=self.registry,
         )
+        self.overflow_retries = Counter(
+            "threadkeeper_overflow_retries",
+            "Context-length refusals of the provider, by route and what followed "
+            "(retried: sent again under the budget it stated; refused: the turn cannot fit; "
+            "not_retried: truncation disabled or the retry was refused too).",
+            ("route", "outcome"),
+            registry=self.registry,
+        )
         self.rebuild_seconds = Histogram(
             "threadkeeper_rebuild_seconds",
             "Time to project one request's context under its budget: counting its "

@@ -48,11 +48,13 @@ from proxy.server import (
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
+from proxy.server.learned import LearnedLimits
 from proxy.server.recovery import keep_alive
 from proxy.server.startup import serving_fields
 from proxy.server.state import (
     CLOCK,
     ENV,
+    LEARNED,
     LOG_FIELDS,
     METRICS,
     OWNER,
@@ -192,6 +194,7 @@ def create_app(
     app[SETTINGS] = settings
     app[POLICIES] = policies if policies is not None else PolicyRegistry.load(settings.policies_dir)
     app[METRICS] = Metrics()
+    app[LEARNED] = LearnedLimits()
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from proxy.core.budget import output_reserve
+from proxy.core.budget import Learned, corrected_window, output_reserve
 from proxy.core.items import Item
 from proxy.core.projection import (
     ContextLengthExceeded,
@@ -29,7 +29,9 @@ from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.state import LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
+from proxy.server.learned import Key
+from proxy.server.relay import upstream_base
+from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
 from proxy.tracing import set_attributes
 
@@ -106,6 +108,8 @@ async def rebuild(
     summaries: Mapping[str, Item] | None = None,
     background: bool = False,
     verbatim: bool = False,
+    learned: Learned | None = None,
+    window_cap: int | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
@@ -113,7 +117,9 @@ async def rebuild(
     the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
     chunk digest. `background`: nobody waits for it (a prediction), so it runs in a worker
     thread whatever its size, never taking the loop from the requests. `verbatim`: the
-    request's `truncation` is "disabled" (nothing trimmed; too long is a 400)."""
+    request's `truncation` is "disabled" (nothing trimmed; too long is a 400). `learned`:
+    what the provider taught about the model (a smaller window, a heavier count), applied
+    to W; `window_cap`: a W the projection must stay under (the retry after a refusal)."""
     # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
     # loaded, a thread hop would only add latency.
     if vocabulary_loaded(model):
@@ -122,16 +128,21 @@ async def rebuild(
         counter = await asyncio.to_thread(TokenCounter.for_model, model)
     limits = policy.limits_for(model)
 
+    output = output_reserve(
+        requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
+    )
+    window = corrected_window(limits.context_window, output, learned)
+    if window_cap is not None:
+        window = min(window, window_cap)
+
     def run() -> Projection:
         instructions_tokens = 0
         if instructions:
             instructions_tokens = counter.text(instructions) + 3
         request = ProjectionRequest(
             items=items,
-            window=limits.context_window,
-            output=output_reserve(
-                requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
-            ),
+            window=window,
+            output=output,
             epsilon=policy.budget.safety_margin_tokens,
             tools_tokens=counter.tools(tools),
             instructions_tokens=instructions_tokens,
@@ -187,6 +198,7 @@ async def rebuild_turn(
     small: bool = False,
     summaries: Mapping[str, Item] | None = None,
     verbatim: bool = False,
+    window_cap: int | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
@@ -214,12 +226,25 @@ async def rebuild_turn(
             stateless=loaded is None or loaded.thread is None,
             summaries=summaries,
             verbatim=verbatim,
+            learned=learned_for(request, model),
+            window_cap=window_cap,
         )
         set_attributes(span, budget_attributes(projection))
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection
     return projection, counter
+
+
+def learned_key(request: web.Request, model: str) -> Key:
+    """Where what the provider taught about `model` is kept: per tenant and upstream."""
+    policy = request[TENANT_POLICY]
+    return (policy.tenant, upstream_base(request, policy), model)
+
+
+def learned_for(request: web.Request, model: str) -> Learned | None:
+    limits = request.app.get(LEARNED)
+    return limits.get(learned_key(request, model)) if limits is not None else None
 
 
 def context_headers(projection: Projection) -> dict[str, str]:

@@ -9,7 +9,9 @@ answer passes its API's shape check first (proxy/core/answers.py): a malformed o
 away cancels the handler (handler_cancellation) and with it the upstream request.
 Passthrough bodies are relayed as they arrive too, so nothing but a model answer is
 buffered (and that only up to max_provider_body_bytes, proxy/upstream.py). A stream the
-proxy cannot finish ends with one error event (`stream_failure`).
+proxy cannot finish ends with one error event (`stream_failure`). A model endpoint's
+error body reaches the client in OpenAI's envelope (`in_envelope`); a passthrough
+endpoint's, byte for byte.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from multidict import CIMultiDict
 
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
+from proxy.core.provider_errors import read_provider_error
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
 from proxy.server.api import CHAT, ApiShape
@@ -233,6 +236,7 @@ def upstream_error(exc: UpstreamUnavailable) -> ApiError:
 
 
 BAD_ANSWER = "bad_upstream_answer"
+ERROR_LOG_BYTES = 4096  # of a provider's error body, on the log line that rewrote it
 
 
 def provider_answer(api: ApiShape, body: bytes) -> dict[str, Any]:
@@ -292,6 +296,7 @@ async def _relay_answer(
     body = await read_body(upstream)
     if api is not None and upstream.status >= 400:
         request[PROVIDER_ERROR] = provider_error(upstream.status, body)
+        body = in_envelope(upstream, body, headers)
     if api is not None and upstream.status < 400:
         answer = provider_answer(api, body)
         if on_answer is not None:
@@ -300,6 +305,27 @@ async def _relay_answer(
         if final is not answer:
             body = fastjson.dumps(final)
     return web.Response(status=upstream.status, body=body, headers=headers)
+
+
+def in_envelope(upstream: UpstreamResponse, body: bytes, headers: CIMultiDict[str]) -> bytes:
+    """A model endpoint's error as OpenAI's envelope (SPEC round 3): vLLM's flat body,
+    `{"error": "<text>"}`, plain text or a gateway's HTML become `{"error": {message, type,
+    param, code}}` with the provider's status and message and a mapped code; an envelope
+    is relayed as it came, unless it is a context-length refusal without OpenAI's code.
+    The raw body goes to the log (already scrubbed of the tenant's key, and of key-shaped
+    strings by the log's own filter)."""
+    content_type = upstream.provider_headers.get("content-type", "")
+    error = read_provider_error(upstream.status, content_type, body)
+    if not error.rewrite:
+        return body
+    log.warning(
+        "provider_error_enveloped",
+        status=upstream.status,
+        content_type=content_type,
+        body=body[:ERROR_LOG_BYTES].decode("utf-8", "replace"),
+    )
+    headers["Content-Type"] = "application/json"
+    return fastjson.dumps(error.envelope)
 
 
 async def _relay_body(

@@ -9,6 +9,7 @@ from aiohttp import web
 from proxy.clock import Clock
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
+from proxy.server.learned import LearnedLimits
 from proxy.server.summaries import BackgroundSummaries
 from proxy.settings import Settings
 from proxy.store.base import Store
@@ -24,6 +25,8 @@ STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
+# What the providers taught about their models (proxy/server/learned.py)
+LEARNED = web.AppKey("learned", LearnedLimits)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
 SUMMARIES = web.AppKey("summaries", BackgroundSummaries)

@@ -8,7 +8,9 @@
                                       hooks: projected
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream; hooks: upstream_response
+    forward                           relay.send_upstream; a context-length refusal is
+                                      projected again and sent once more (overflow.py)
+                                      hooks: upstream_response
     relay (+ commit)                  relay.relay_answer with the hooks' transformer
     always, at the end                hooks: finished
 
@@ -35,10 +37,26 @@ from proxy.core.items import Item
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import ApiShape
-from proxy.server.errors import invalid
-from proxy.server.rebuild import context_headers, off_the_loop, rebuild_turn, small_body
+from proxy.server.errors import ApiError, invalid
+from proxy.server.explain import PROJECTION
+from proxy.server.overflow import (
+    Refusal,
+    cannot_fit,
+    context_refusal,
+    learn,
+    observe,
+    refused_again,
+    retry_window,
+)
+from proxy.server.rebuild import (
+    budget_log_fields,
+    context_headers,
+    off_the_loop,
+    rebuild_turn,
+    small_body,
+)
 from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
-from proxy.server.state import TENANT_POLICY, TRACING, thread_service
+from proxy.server.state import LOG_FIELDS, TENANT_POLICY, TRACING, thread_service
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
 from proxy.tracing import genai_request, genai_response, set_attributes
@@ -156,10 +174,15 @@ async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
 
 
 async def project(
-    turn: Turn, loaded: Loaded | None = None, *, observe: bool = True
+    turn: Turn,
+    loaded: Loaded | None = None,
+    *,
+    observe: bool = True,
+    window_cap: int | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """The projection of the window plus the new items (SPEC 3-5); `loaded` replaces the
-    turn's window (a restate after a lost race, which is not observed)."""
+    turn's window (a restate after a lost race, which is not observed); `window_cap`: the
+    smaller W of a retry after a context-length refusal."""
     inputs = turn.api.budget_inputs(turn.body)
     return await rebuild_turn(
         turn.request,
@@ -175,6 +198,7 @@ async def project(
         small=small_body(turn.raw),
         summaries=turn.summaries,
         verbatim=not inputs.truncate,
+        window_cap=window_cap,
     )
 
 
@@ -204,14 +228,10 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
     name = f"chat {sent.get('model')}"
     with tracing.span(name, kind="client") as span:  # the model call, retries included
         set_attributes(span, attributes)
-        upstream = await send_upstream(
-            request,
-            request[TENANT_POLICY],
-            path=api.path,
-            body=raw,
-            stream=bool(sent.get("stream")),
-            route=api.route,
-        )
+        upstream = await _send(turn, raw)
+        refusal = await context_refusal(upstream)
+        if refusal is not None:
+            upstream = await _retry_smaller(turn, hooks, upstream, refusal)
         for hook in hooks:
             upstream = hook.upstream_response(turn, upstream)
         transformer: Transformer = (
@@ -231,3 +251,69 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
             return await relay_answer(
                 request, upstream, api, transformer, extra_headers=extra, on_answer=answered
             )
+
+
+async def _send(turn: Turn, raw: bytes) -> UpstreamResponse:
+    assert turn.sent is not None
+    return await send_upstream(
+        turn.request,
+        turn.request[TENANT_POLICY],
+        path=turn.api.path,
+        body=raw,
+        stream=bool(turn.sent.get("stream")),
+        route=turn.api.route,
+    )
+
+
+async def _retry_smaller(
+    turn: Turn, hooks: Sequence[TurnHook], refused: UpstreamResponse, refusal: Refusal
+) -> UpstreamResponse:
+    """The provider refused the request for its length (SPEC round 3): what it states is
+    learnt, and the turn is projected again under it and sent once more, before any byte
+    reached the client. Hooks' before_forward is not run again: the client's tool outputs
+    are recorded once, a Responses row begun once. A turn that cannot fit the stated
+    window is a 400 with the breakdown; so is a retry refused in turn (never a third
+    call); `truncation: "disabled"` is never trimmed: its refusal is relayed."""
+    assert turn.projection is not None
+    request, route = turn.request, turn.api.route
+    model = turn.api.budget_inputs(turn.body).model
+    first = turn.projection.report
+    learned = learn(request, model, refusal.overflow, first)
+    facts = {"refusal": refusal.shown, "refused_estimate": first.prompt_tokens}
+    if turn.verbatim:
+        observe(request, route, "not_retried", **facts, reason="truncation_disabled")
+        return refused
+    window = retry_window(request, model, learned, refusal.overflow, first)
+    try:
+        turn.projection, turn.counter = await project(turn, observe=False, window_cap=window)
+    except ApiError as exc:
+        observe(request, route, "refused", **facts, window=window)
+        raise await _refused(turn, hooks, refused, cannot_fit(refusal.error, exc)) from None
+    request[PROJECTION] = turn.projection
+    request[LOG_FIELDS].update(budget_log_fields(turn.projection))
+    await refused.aclose()
+    turn.sent, raw = sent_body(turn, hooks)
+    observe(
+        request, route, "retried", **facts, retried_estimate=turn.projection.report.prompt_tokens
+    )
+    retried = await _send(turn, raw)
+    again = await context_refusal(retried)
+    if again is None:
+        return retried
+    learn(request, model, again.overflow, turn.projection.report)
+    observe(request, route, "not_retried", **facts, reason="refused_again", again=again.shown)
+    param = turn.api.history
+    raise await _refused(
+        turn, hooks, retried, refused_again(again.error, turn.projection.report, param)
+    )
+
+
+async def _refused(
+    turn: Turn, hooks: Sequence[TurnHook], upstream: UpstreamResponse, error: ApiError
+) -> ApiError:
+    """The provider's refusal, shown to the hooks (a refused Responses turn leaves no row),
+    then released; `error` is what the client gets."""
+    for hook in hooks:
+        upstream = hook.upstream_response(turn, upstream)
+    await upstream.aclose()
+    return error

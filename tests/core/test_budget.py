@@ -1,4 +1,10 @@
-from proxy.core.budget import history_budget, output_reserve
+from proxy.core.budget import (
+    Learned,
+    corrected_window,
+    history_budget,
+    learned_from_refusal,
+    output_reserve,
+)
 
 
 def test_history_budget_matches_the_seed_worked_example() -> None:
@@ -22,3 +28,47 @@ def test_output_reserve_is_capped_by_the_model() -> None:
     assert output_reserve(50000, 2000, 16384) == 16384
     assert output_reserve(None, 20000, 16384) == 16384
     assert output_reserve(100, 2000, 16384) == 100
+
+
+def test_nothing_learnt_leaves_the_policy_window() -> None:
+    assert corrected_window(16000, 1000, None) == 16000
+    assert corrected_window(16000, 1000, Learned()) == 16000
+
+
+def test_a_smaller_provider_window_and_a_heavier_count_shrink_w() -> None:
+    # The provider's 3000 less the 1000 reserved is 2000 of its tokens: 1538 of ours at 1.3.
+    assert corrected_window(16000, 1000, Learned(window=3000, ratio=1.3)) == 1000 + 1538
+
+
+def test_a_learnt_window_never_raises_the_policys() -> None:
+    assert corrected_window(4000, 500, Learned(window=128000, ratio=1.0)) == 4000
+
+
+def test_the_providers_larger_output_reserve_is_taken() -> None:
+    # The client asked 3000 output tokens; the policy caps O at 1000 for its own formula.
+    assert corrected_window(16000, 1000, Learned(window=8000), provider_output=3000) == 6000
+
+
+def test_a_refusal_teaches_the_window_and_the_ratio() -> None:
+    learned = learned_from_refusal(
+        None, window=8192, provider_prompt=9100, completion=0, estimate=7000, output=1000
+    )
+    assert learned == Learned(window=8192, ratio=1.3)
+
+
+def test_a_count_that_runs_high_keeps_the_ratio_at_one() -> None:
+    learned = learned_from_refusal(
+        None, window=8192, provider_prompt=6000, completion=0, estimate=7000, output=1000
+    )
+    assert learned.ratio == 1.0
+
+
+def test_a_refusal_without_figures_takes_a_window_below_what_was_refused() -> None:
+    learned = learned_from_refusal(
+        None, window=None, provider_prompt=None, completion=None, estimate=9000, output=1000
+    )
+    assert learned.window == 8000  # 80% of the 10000 asked
+    again = learned_from_refusal(
+        learned, window=None, provider_prompt=None, completion=None, estimate=5000, output=1000
+    )
+    assert again.window == 4800  # each refusal lowers it, never raises it

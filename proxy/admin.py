@@ -600,7 +600,7 @@ def _new_item(entry: Mapping[str, Any], number: int, counter: TokenCounter) -> N
         raw=raw,
         api=api,
         tokens=counter.item(item),
-        encoding=counter.encoding.name,
+        encoding=counter.tokenizer_id,
         role=role,
         digest=content_digest(raw),
     )

@@ -24,7 +24,8 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter, vocabulary_loaded
+from proxy.core.tokens import TokenCounter
+from proxy.counting import counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
@@ -112,18 +113,10 @@ async def rebuild(
     the next. `summaries`: LLM summaries ready for chunks the projection may cut, by
     chunk digest. `background`: nobody waits for it (a prediction), so it runs in a worker
     thread whatever its size, never taking the loop from the requests."""
-    # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
-    # loaded, a thread hop would only add latency.
-    if vocabulary_loaded(model):
-        counter = TokenCounter.for_model(model)
-    else:
-        counter = await asyncio.to_thread(TokenCounter.for_model, model)
+    counter = await counter_for(policy, model)
     limits = policy.limits_for(model)
 
     def run() -> Projection:
-        instructions_tokens = 0
-        if instructions:
-            instructions_tokens = counter.text(instructions) + 3
         request = ProjectionRequest(
             items=items,
             window=limits.context_window,
@@ -132,7 +125,8 @@ async def rebuild(
             ),
             epsilon=policy.budget.safety_margin_tokens,
             tools_tokens=counter.tools(tools),
-            instructions_tokens=instructions_tokens,
+            instructions_tokens=counter.instructions(instructions),
+            reply_tokens=counter.reply_tokens,
             first_position=first_position,
             cut=cut,
             stateless=stateless,

@@ -28,6 +28,7 @@ from proxy.core.tokens import (
     REPLY_PRIMING,
     TOKENS_PER_MESSAGE,
     ImageCost,
+    TiktokenVocabulary,
     TokenCounter,
     VocabularyError,
     checked_ranks,
@@ -731,20 +732,20 @@ class SpyEncoding:
 
 def test_an_item_is_encoded_once() -> None:
     spy = SpyEncoding(get_encoding("o200k_base"))
-    counter = TokenCounter("gpt-4o", spy)  # type: ignore[arg-type]
+    counter = TokenCounter("gpt-4o", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     item = chat_item({"role": "user", "content": f"unique text {uuid.uuid4()}"})
     first = counter.item(item)
     calls = spy.calls
     assert calls > 0
     assert counter.item(chat_item(dict(item.raw))) == first
-    other = TokenCounter("gpt-4o-mini", spy)  # type: ignore[arg-type]
+    other = TokenCounter("gpt-4o-mini", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     assert other.item(item) == first
     assert spy.calls == calls
 
 
 def test_cache_keeps_apis_apart() -> None:
     spy = SpyEncoding(get_encoding("o200k_base"))
-    counter = TokenCounter("gpt-4o", spy)  # type: ignore[arg-type]
+    counter = TokenCounter("gpt-4o", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     raw = {"role": "user", "content": f"same raw {uuid.uuid4()}"}
     counter.item(chat_item(raw))
     calls = spy.calls

@@ -366,9 +366,9 @@ class Tokenizer(Protocol):
     item is keyed by it, so two tokenizers never share a count. `message_tokens` is the
     cost of one message or item beyond its encoded values; `reply_tokens` is paid once per
     prompt (reply priming, a template's fixed preamble); `tools_tokens` once per request
-    that carries tools. `cookbook_tools`: tool definitions count by OpenAI's cookbook
-    (tiktoken models); otherwise each tool counts as its JSON text, as chat templates
-    render them (`{{ tool | tojson }}`).
+    that carries tools. `openai_format`: OpenAI's prompt format, counted by the cookbook
+    (tiktoken models); otherwise a chat template's: each tool counts as its JSON text, as
+    templates render them (`{{ tool | tojson }}`), and instructions as a system message.
     """
 
     @property
@@ -380,7 +380,7 @@ class Tokenizer(Protocol):
     @property
     def tools_tokens(self) -> int: ...
     @property
-    def cookbook_tools(self) -> bool: ...
+    def openai_format(self) -> bool: ...
 
     def count(self, text: str) -> int: ...
 
@@ -393,7 +393,7 @@ class TiktokenVocabulary:
     message_tokens: int = TOKENS_PER_MESSAGE
     reply_tokens: int = REPLY_PRIMING
     tools_tokens: int = 12  # the cookbook's func_end
-    cookbook_tools: bool = True
+    openai_format: bool = True
 
     @property
     def name(self) -> str:
@@ -426,7 +426,7 @@ class NativeTokenizer:
     name: str
     encode_count: Callable[[str], int] = field(repr=False, compare=False)
     cost: TemplateCost = DEFAULT_TEMPLATE_COST
-    cookbook_tools: bool = False
+    openai_format: bool = False
 
     @property
     def message_tokens(self) -> int:
@@ -528,8 +528,12 @@ class TokenCounter:
         return self.tokenizer.count(value)
 
     def instructions(self, text: str | None) -> int:
-        """Responses `instructions`: one more message (nothing when absent)."""
-        return self.message_tokens + self.text(text) if text else 0
+        """Responses `instructions`: one more message (nothing when absent); a chat template
+        renders it as a system message, role included."""
+        if not text:
+            return 0
+        role = 0 if self.tokenizer.openai_format else self.text("system")
+        return self.message_tokens + role + self.text(text)
 
     def item(self, item: Item) -> int:
         """Tokens one history item costs in the prompt, overhead included: the count stored
@@ -621,7 +625,7 @@ class TokenCounter:
     def tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
         """Cookbook `num_tokens_for_tools`, for the Chat ({"function": {...}}) and the flat
         Responses shape. Built-in and custom tools count their JSON definition as text, and
-        so does every tool of a tokenizer outside the cookbook (`Tokenizer.cookbook_tools`)."""
+        so does every tool of a tokenizer outside the cookbook (`Tokenizer.openai_format`)."""
         if not tools:
             return 0
         try:
@@ -637,7 +641,7 @@ class TokenCounter:
         return cached
 
     def _tool(self, tool: Mapping[str, Any]) -> int:
-        if not self.tokenizer.cookbook_tools:
+        if not self.tokenizer.openai_format:
             return self.text(json.dumps(tool, ensure_ascii=False))  # jinja's tojson
         func_init = 7 if self.is_gpt4o_family else 10
         nested = tool.get("function")

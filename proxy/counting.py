@@ -25,7 +25,7 @@ async def counter_for(policy: Policy | None, model: str) -> TokenCounter:
     """The model's counter under `policy` (None: no tenant, the default rule). The first
     use of a bundled tiktoken vocabulary loads it (a third of a second): not on the loop."""
     named = policy.tokenizer_for(model) if policy is not None else None
-    if named is not None and not isinstance(named, str):
+    if named is not None:
         return TokenCounter(model, named)
     if vocabulary_loaded(model):
         return estimate_counter(model)

@@ -123,7 +123,12 @@ def _tokenizer_spec(value: str) -> str:
     _load_tokenizers, once the policy validated."""
     kind, colon, rest = value.partition(":")
     if value == PROVIDER_TOKENIZER:
-        return value
+        # SPEC round 3 names it; counting through the provider's /tokenize is not built
+        # yet, and a value that changed nothing would be a silent lie.
+        raise ValueError(
+            "provider counting is not available yet: name the model's tokenizer (hf:<model"
+            " directory>, mistral:<version>) or leave tokenizer out"
+        )
     if kind == "tiktoken" and colon:
         if rest not in EXPECTED_SHA256:
             known = ", ".join(EXPECTED_SHA256)
@@ -161,7 +166,7 @@ class ModelLimits(_Frozen):
     max_output_tokens: int | None = Field(default=None, gt=0)
     """The model's output cap; the output reserve never exceeds it."""
     tokenizer: Annotated[str, AfterValidator(_tokenizer_spec)] | None = None
-    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file>, mistral:<version> or provider; absent, tiktoken for OpenAI model names, else the o200k_base estimate (docs/policy.md)."""
+    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file> or mistral:<version> (see "Token counting" above); absent, tiktoken for OpenAI model names, else the o200k_base estimate."""
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -352,16 +357,11 @@ class Policy(_Frozen):
         key = self._entry_for(model)
         return self.models[key] if key is not None else BUILTIN_LIMITS
 
-    def tokenizer_for(self, model: str) -> Tokenizer | str | None:
-        """The tokenizer the model's entry names (the entry limits_for picks): a loaded
-        one, PROVIDER_TOKENIZER, or None when the entry names none."""
+    def tokenizer_for(self, model: str) -> Tokenizer | None:
+        """The tokenizer the model's entry names (the entry limits_for picks), loaded with
+        the policy; None when the entry names none."""
         key = self._entry_for(model)
-        if key is None:
-            return None
-        loaded = self._tokenizers.get(key)
-        if loaded is not None:
-            return loaded
-        return PROVIDER_TOKENIZER if self.models[key].tokenizer == PROVIDER_TOKENIZER else None
+        return self._tokenizers.get(key) if key is not None else None
 
     def _entry_for(self, model: str) -> str | None:
         for name in _model_names(model):
@@ -449,7 +449,7 @@ def _load_tokenizers(path: Path, policy: Policy) -> dict[str, Tokenizer]:
     loaded: dict[str, Tokenizer] = {}
     for key, limits in policy.models.items():
         spec = limits.tokenizer
-        if spec is None or spec == PROVIDER_TOKENIZER:
+        if spec is None:
             continue
         try:
             if spec.startswith("tiktoken:"):

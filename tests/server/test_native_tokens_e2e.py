@@ -8,6 +8,8 @@ from pathlib import Path
 import httpx
 
 from proxy.fake_provider import Reply
+from proxy.native_tokenizers import load_native
+from proxy.server.state import STORE
 from tests.server.conftest import TENANT_KEY, Proxy
 from tests.tokenizer_files import template_count, word_level
 
@@ -64,6 +66,12 @@ async def test_a_chat_thread_is_budgeted_with_the_models_tokenizer(
             budgeted = int(answer.headers["x-threadkeeper-context-tokens"])
             assert budgeted == template_count(directory, sent)
     assert len(sent) == 5  # the whole thread was sent: 3 questions, 2 answers
+    # Stored counts carry the tokenizer's identity, so no other tokenizer ever reuses them.
+    window = await proxy.app[STORE].load_window("acme", "paris")  # type: ignore[index]
+    assert window is not None and len(window.items) == 6
+    name = load_native(f"hf:{directory}", Path("/")).name
+    assert {item.encoding for item in window.items} == {name}
+    assert all(item.tokens > 0 for item in window.items)
 
 
 async def test_the_window_is_enforced_in_the_models_tokens(make_proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 from tokenizers import Tokenizer
 
 from proxy.core.items import chat_item
-from proxy.core.tokens import DEFAULT_TEMPLATE_COST, TiktokenVocabulary, TokenCounter
+from proxy.core.tokens import DEFAULT_TEMPLATE_COST, TokenCounter
 from proxy.native_tokenizers import MISTRAL_VERSIONS, TokenizerError, load_native
 from proxy.policy import PolicyError, load_policy_file
 from tests.tokenizer_files import byte_bpe, template_count, word_level
@@ -122,9 +122,7 @@ def test_missing_or_broken_hf_files_are_errors(tmp_path: Path) -> None:
 
 def test_counts_never_cross_tokenizers(tmp_path: Path) -> None:
     hf = hf_counter(byte_bpe(tmp_path / "model"))
-    o200k = TokenCounter(
-        "gpt-4o", TiktokenVocabulary(TokenCounter.for_model("gpt-4o").tokenizer.encoding)
-    )  # type: ignore[attr-defined]
+    o200k = TokenCounter.for_model("gpt-4o")
     raw = {"role": "user", "content": f"Please summarise order {uuid.uuid4()} today."}
     o200k_count = o200k.item(chat_item(raw))
     assert hf.item(chat_item(raw)) == hf.chat_message(raw) != o200k_count

@@ -136,7 +136,7 @@ async def seed(store: Store, case: Case, counter: TokenCounter) -> None:
                 raw=item.raw,
                 api="responses",
                 tokens=counter.item(item),
-                encoding=counter.encoding.name,
+                encoding=counter.tokenizer_id,
             )
             for item in items[first : first + BATCH]
         ]

@@ -839,7 +839,7 @@ def _new_item(
         raw=raw,
         api=api,
         tokens=counter.item(item),
-        encoding=counter.encoding.name,
+        encoding=counter.tokenizer_id,
         role=role,
         digest=content_digest(raw),
     )

@@ -594,7 +594,7 @@ def _count(request: dict[str, Any]) -> int:
         json.dumps(
             {
                 "model": request["model"],
-                "encoding": counter.encoding.name,
+                "encoding": counter.tokenizer_id,
                 "items": len(items),
                 "tools_tokens": counter.tools(tools),
                 "prompt_tokens": total,
@@ -623,7 +623,8 @@ def _project(request: dict[str, Any], args: argparse.Namespace) -> int:
         output=args.output,
         epsilon=args.margin,
         tools_tokens=counter.tools(request.get("tools") or []),
-        instructions_tokens=counter.text(instructions) + 3 if instructions else 0,
+        instructions_tokens=counter.instructions(instructions),
+        reply_tokens=counter.reply_tokens,
         stateless=True,  # one request on its own, as a stateless client's is projected
     )
     policy = ProjectionPolicy(

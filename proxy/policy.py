@@ -40,6 +40,8 @@ from pydantic import (
 )
 
 from proxy.clock import SYSTEM_CLOCK, Clock
+from proxy.core.tokens import EXPECTED_SHA256, TiktokenVocabulary, Tokenizer, get_encoding
+from proxy.native_tokenizers import MISTRAL_VERSIONS, TokenizerError, load_native
 from proxy.periodic import every
 from proxy.yamlsafe import load_yaml, shown
 
@@ -47,6 +49,7 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_TENANT = "default"
 POLICY_SUFFIXES = (".yaml", ".yml")
+PROVIDER_TOKENIZER = "provider"
 BUILTIN_CONTEXT_WINDOW = 128_000
 BUILTIN_MAX_OUTPUT_TOKENS = 16_384
 
@@ -120,6 +123,34 @@ def _key_template(value: str) -> str:
     return value
 
 
+def _tokenizer_spec(value: str) -> str:
+    """The form of `tokenizer:`; hf: files are read (and a missing one refused) by
+    _load_tokenizers, once the policy validated."""
+    kind, colon, rest = value.partition(":")
+    if value == PROVIDER_TOKENIZER:
+        # SPEC round 3 names it; counting through the provider's /tokenize is not built
+        # yet, and a value that changed nothing would be a silent lie.
+        raise ValueError(
+            "provider counting is not available yet: name the model's tokenizer (hf:<model"
+            " directory>, mistral:<version>) or leave tokenizer out"
+        )
+    if kind == "tiktoken" and colon:
+        if rest not in EXPECTED_SHA256:
+            known = ", ".join(EXPECTED_SHA256)
+            raise ValueError(f"unknown tiktoken encoding {shown(rest)} (bundled: {known})")
+        return value
+    if kind == "mistral" and colon:
+        if rest not in MISTRAL_VERSIONS:
+            known = ", ".join(MISTRAL_VERSIONS)
+            raise ValueError(f"unknown mistral version {shown(rest)} (shipped: {known})")
+        return value
+    if kind == "hf" and colon and rest.strip():
+        return value
+    raise ValueError(
+        f"expected tiktoken:<encoding>, hf:<path>, mistral:<version> or provider, got {shown(value)}"
+    )
+
+
 KeyHash = Annotated[str, BeforeValidator(_lowercase), AfterValidator(_key_hash)]
 Regex = Annotated[str, AfterValidator(_regex)]
 Tenant = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -139,6 +170,8 @@ class ModelLimits(_Frozen):
     """The model's context window W in tokens: the budget every request is rebuilt under."""
     max_output_tokens: int | None = Field(default=None, gt=0)
     """The model's output cap; the output reserve never exceeds it."""
+    tokenizer: Annotated[str, AfterValidator(_tokenizer_spec)] | None = None
+    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file> or mistral:<version> (see "Token counting" above); absent, tiktoken for OpenAI model names, else the o200k_base estimate."""
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -302,6 +335,8 @@ class Policy(_Frozen):
     """Idempotency-Key records and tool-result replays."""
 
     _source: str = PrivateAttr(default="")
+    # models key -> its loaded tokenizer (tiktoken:, hf:, mistral:), by _load_tokenizers
+    _tokenizers: dict[str, Tokenizer] = PrivateAttr(default_factory=dict)
 
     @field_validator("allow_unknown_keys")
     @classmethod
@@ -324,13 +359,23 @@ class Policy(_Frozen):
         A fine-tuned model ("ft:gpt-4o-mini:org::id") or one with a provider prefix
         ("openai/gpt-4o") falls back to the entry of the plain model name.
         """
+        key = self._entry_for(model)
+        return self.models[key] if key is not None else BUILTIN_LIMITS
+
+    def tokenizer_for(self, model: str) -> Tokenizer | None:
+        """The tokenizer the model's entry names (the entry limits_for picks), loaded with
+        the policy; None when the entry names none."""
+        key = self._entry_for(model)
+        return self._tokenizers.get(key) if key is not None else None
+
+    def _entry_for(self, model: str) -> str | None:
         for name in _model_names(model):
             if name in self.models:
-                return self.models[name]
+                return name
             prefixes = [key for key in self.models if key != "*" and name.startswith(key)]
             if prefixes:
-                return self.models[max(prefixes, key=len)]
-        return self.models.get("*", BUILTIN_LIMITS)
+                return max(prefixes, key=len)
+        return "*" if "*" in self.models else None
 
     def upstream_key(self, env: Mapping[str, str]) -> str | None:
         """The provider key from the configured env var; None = forward the client's own."""
@@ -423,7 +468,29 @@ def policy_problems(path: Path, text: str) -> tuple[Policy | None, list[PolicyEr
             one_per_field.setdefault(problem.field, problem)
         return None, list(one_per_field.values())
     policy._source = str(path)
+    try:
+        policy._tokenizers = _load_tokenizers(path, policy)
+    except PolicyError as exc:
+        return None, [exc]
     return policy, []
+
+
+def _load_tokenizers(path: Path, policy: Policy) -> dict[str, Tokenizer]:
+    """Every tokenizer the file names, read now (policy load runs at start and in a worker
+    thread on reload), so a request never reads a tokenizer file."""
+    loaded: dict[str, Tokenizer] = {}
+    for key, limits in policy.models.items():
+        spec = limits.tokenizer
+        if spec is None:
+            continue
+        try:
+            if spec.startswith("tiktoken:"):
+                loaded[key] = TiktokenVocabulary(get_encoding(spec.removeprefix("tiktoken:")))
+            else:
+                loaded[key] = load_native(spec, path.parent)
+        except (TokenizerError, RuntimeError) as exc:  # RuntimeError: VocabularyError
+            raise PolicyError(path, f"models.{key}.tokenizer", str(exc)) from None
+    return loaded
 
 
 def _one_line(text: str) -> str:

@@ -23,6 +23,20 @@ schema` prints the JSON Schema, for editors that validate YAML as you type: with
 language server, put `# yaml-language-server: $schema=policy.schema.json` at the top of a
 policy file.
 
+**Token counting** (`models.<name>.tokenizer`). OpenAI model names count exactly with
+their tiktoken encoding; any other name counts with `o200k_base`, an estimate that can be
+10-40% off for Llama, Qwen or Mistral models once their vocabulary and chat template are
+counted. Name the model's own tokenizer to count what its provider counts:
+`hf:<dir>` reads `tokenizer.json` from a model directory on disk (what vLLM and SGLang
+serve from; a relative path is relative to the policy file) and measures its chat
+template's cost per message, per prompt and for tools by rendering it (jinja2, sandboxed;
+`chat_template.jinja`, else `tokenizer_config.json`). Without a template, or with one
+that cannot render a plain conversation, the cost is 5 tokens per message, 5 per prompt
+and 10 for a request's tools. `mistral:<version>` (v1, v2, v3, v3-tekken, v7) uses the
+tokenizers `mistral-common` ships. `tiktoken:<encoding>` (o200k_base, cl100k_base) names
+an OpenAI encoding for any model name. Nothing is downloaded: a missing path or an
+unknown version refuses the file at load. `provider` is not available yet.
+
 This page is generated from that schema (`threadkeeper policy schema --markdown`).
 `<name>` stands for a key you choose (a model name, a tool name); `[]` for the items of a
 list.

@@ -185,7 +185,7 @@ def new_items(
             raw=item.raw,
             api=item.api,
             tokens=counter.item(item),
-            encoding=counter.encoding.name,
+            encoding=counter.tokenizer_id,
             response_id=response_id,
             role=role,
             digest=item.digest,

@@ -155,7 +155,7 @@ def compress_tool_output(
         item.digest,
         call.digest if call is not None else "",
         max_tokens,
-        counter.encoding.name,
+        counter.tokenizer_id,
         referenced,
     )
     cached = _compressed.get(key)

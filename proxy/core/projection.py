@@ -147,6 +147,8 @@ class ProjectionRequest:
     epsilon: int
     tools_tokens: int = 0
     instructions_tokens: int = 0
+    # Once per prompt (reply priming, or a chat template's fixed part): TokenCounter.reply_tokens.
+    reply_tokens: int = REPLY_PRIMING
     first_position: int = 0
     cut: CutPoint | None = None
     # No stored cut comes back (a stateless client, or a thread's first cut): the cut is
@@ -487,7 +489,7 @@ def _capacity(request: ProjectionRequest) -> int:
         - request.output
         - request.epsilon
         - request.instructions_tokens
-        - REPLY_PRIMING
+        - request.reply_tokens
     )
 
 
@@ -681,8 +683,9 @@ def _replay_keys(
         request.epsilon,
         request.tools_tokens,
         request.instructions_tokens,
+        request.reply_tokens,
         request.first_position,
-        counter.encoding.name,
+        counter.tokenizer_id,
         policy,
         summarizer,
     )
@@ -808,7 +811,7 @@ def _fixed_tokens(state: _State) -> _Fixed:
     """S (pinned, carried, instructions, reply priming) and U (the current turn)."""
     pinned = sum(state.original_tokens(b) for b in state.blocks if b.kind == "pinned")
     pinned += state.counter.items(state.carried)
-    system = pinned + state.request.instructions_tokens + REPLY_PRIMING
+    system = pinned + state.request.instructions_tokens + state.request.reply_tokens
     current = sum(state.original_tokens(b) for b in state.blocks if b.kind == "current")
     return _Fixed(system, current, pinned)
 
@@ -1075,7 +1078,7 @@ def _summarize(
         if counter.item(made) <= room and is_summary(made):
             return made
     api = items[0].api if items else previous.api if previous is not None else "chat"
-    key = (digest, counter.encoding.name, api)  # a Chat and a Responses history may match
+    key = (digest, counter.tokenizer_id, api)  # a Chat and a Responses history may match
     cached = _made.get(key)
     if cached is None:
         cached = summarize_turns(items, counter, room, previous)
@@ -1193,7 +1196,7 @@ def _report(
     sent_tokens = state.counter.items(outcome.prefix) + sum(
         state.tokens(p) for p in range(outcome.start, request.first_position + len(request.items))
     )
-    prompt = sent_tokens + request.instructions_tokens + request.tools_tokens + REPLY_PRIMING
+    prompt = sent_tokens + request.instructions_tokens + request.tools_tokens + request.reply_tokens
     # Every item of the history not sent verbatim counts, whether it was cut now or on an
     # earlier request: the stored log before the given window, less its pinned items
     # (sent verbatim from the cut), plus the given items cut now.

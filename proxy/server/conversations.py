@@ -329,7 +329,7 @@ def items_to_add(raws: Sequence[JsonDict]) -> list[NewItem]:
             raw=view.raw,
             api="responses",
             tokens=counter.item(view),
-            encoding=counter.encoding.name,
+            encoding=counter.tokenizer_id,
             digest=view.digest,
         )
         for view in views

@@ -24,7 +24,8 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter, vocabulary_loaded
+from proxy.core.tokens import TokenCounter
+from proxy.counting import counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.errors import ApiError
@@ -120,12 +121,7 @@ async def rebuild(
     request's `truncation` is "disabled" (nothing trimmed; too long is a 400). `learned`:
     what the provider taught about the model (a smaller window, a heavier count), applied
     to W; `window_cap`: a W the projection must stay under (the retry after a refusal)."""
-    # The first use of a vocabulary loads it (a third of a second): not on the loop. Once
-    # loaded, a thread hop would only add latency.
-    if vocabulary_loaded(model):
-        counter = TokenCounter.for_model(model)
-    else:
-        counter = await asyncio.to_thread(TokenCounter.for_model, model)
+    counter = await counter_for(policy, model)
     limits = policy.limits_for(model)
 
     output = output_reserve(
@@ -136,16 +132,14 @@ async def rebuild(
         window = min(window, window_cap)
 
     def run() -> Projection:
-        instructions_tokens = 0
-        if instructions:
-            instructions_tokens = counter.text(instructions) + 3
         request = ProjectionRequest(
             items=items,
             window=window,
             output=output,
             epsilon=policy.budget.safety_margin_tokens,
             tools_tokens=counter.tools(tools),
-            instructions_tokens=instructions_tokens,
+            instructions_tokens=counter.instructions(instructions),
+            reply_tokens=counter.reply_tokens,
             first_position=first_position,
             cut=cut,
             stateless=stateless,

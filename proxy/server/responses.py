@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from proxy.core import fastjson
-from proxy.core.tokens import TokenCounter
 from proxy.core.validate import validate_input_item
+from proxy.counting import counter_for
 from proxy.server.api import RESPONSES
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
@@ -33,7 +33,7 @@ from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, thread_service
+from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
     JsonDict,
@@ -163,7 +163,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         count = projection.report.prompt_tokens
     else:
         inputs = RESPONSES.budget_inputs(body)
-        counter = TokenCounter.for_model(inputs.model)
+        counter = await counter_for(request[TENANT_POLICY], inputs.model)
         sent = [*turn.known, *turn.new]
         count = await off_the_loop(
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import json
 import logging
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from proxy.core.tokens import (
     REPLY_PRIMING,
     TOKENS_PER_MESSAGE,
     ImageCost,
+    TiktokenVocabulary,
     TokenCounter,
     VocabularyError,
     checked_ranks,
@@ -731,20 +733,20 @@ class SpyEncoding:
 
 def test_an_item_is_encoded_once() -> None:
     spy = SpyEncoding(get_encoding("o200k_base"))
-    counter = TokenCounter("gpt-4o", spy)  # type: ignore[arg-type]
+    counter = TokenCounter("gpt-4o", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     item = chat_item({"role": "user", "content": f"unique text {uuid.uuid4()}"})
     first = counter.item(item)
     calls = spy.calls
     assert calls > 0
     assert counter.item(chat_item(dict(item.raw))) == first
-    other = TokenCounter("gpt-4o-mini", spy)  # type: ignore[arg-type]
+    other = TokenCounter("gpt-4o-mini", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     assert other.item(item) == first
     assert spy.calls == calls
 
 
 def test_cache_keeps_apis_apart() -> None:
     spy = SpyEncoding(get_encoding("o200k_base"))
-    counter = TokenCounter("gpt-4o", spy)  # type: ignore[arg-type]
+    counter = TokenCounter("gpt-4o", TiktokenVocabulary(spy))  # type: ignore[arg-type]
     raw = {"role": "user", "content": f"same raw {uuid.uuid4()}"}
     counter.item(chat_item(raw))
     calls = spy.calls
@@ -806,4 +808,25 @@ def test_tool_definitions_are_counted_once_per_content(monkeypatch: pytest.Monke
     assert len(encoded) > calls
     assert TokenCounter.for_model("gpt-4").tools(WEATHER_TOOLS) == 105 - 3 - sum(
         TokenCounter.for_model("gpt-4").chat_message(m) for m in WEATHER_MESSAGES
+    )
+
+
+# --- chat template costs (issue 21) -------------------------------------------------------
+
+
+def test_measure_template_takes_a_templates_costs_from_differences() -> None:
+    from proxy.core.tokens import TemplateCost, measure_template
+
+    def count(text: str) -> int:
+        return len(text.split())
+
+    def render_count(messages: Any, generation: bool, tools: Any) -> int:
+        # A preamble of 7, two markers around each message's role and text, three tokens
+        # of generation prompt, and a tools block of 10 around the tools' JSON.
+        total = 7 + sum(2 + count(m["role"]) + count(m["content"]) for m in messages)
+        total += 3 if generation else 0
+        return total + sum(10 + count(json.dumps(t)) for t in tools)
+
+    assert measure_template(render_count, count) == TemplateCost(
+        message_tokens=2, reply_tokens=10, tools_tokens=10
     )

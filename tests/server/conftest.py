@@ -36,7 +36,7 @@ tenant: acme
 api_keys: ["{key_hash}"]
 upstream: {{api_key_env: ACME_OPENAI_KEY}}
 models:
-  "*": {{context_window: {window}, max_output_tokens: 4096}}
+  "*": {{context_window: {window}, max_output_tokens: 4096}}{models_extra}
 budget: {{reserve_output_tokens: 1000, safety_margin_tokens: 200}}
 memory: {{keep_recent_turns: 2, tool_result_max_tokens: 300, pin_patterns: ["(?i)all prices in"]{memory_extra}}}
 retry: {{max_attempts: 3, max_seconds: 10, initial_backoff: 0.01, max_backoff: 0.05}}
@@ -50,12 +50,16 @@ def write_policies(
     window: int = 16000,
     acme_extra: str = "",
     memory_extra: str = "",
+    models_extra: str = "",
 ) -> None:
-    """`memory_extra`: more fields of acme's memory mapping (", summarizer: {...}")."""
+    """`memory_extra`: more fields of acme's memory mapping (", summarizer: {...}");
+    `models_extra`: more entries of acme's models mapping ("\n  qwen: {...}")."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "default.yaml").write_text(DEFAULT_POLICY.format(allow=str(allow_unknown).lower()))
     key_hash = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
-    acme = ACME_POLICY.format(key_hash=key_hash, window=window, memory_extra=memory_extra)
+    acme = ACME_POLICY.format(
+        key_hash=key_hash, window=window, memory_extra=memory_extra, models_extra=models_extra
+    )
     acme += acme_extra
     (directory / "acme.yaml").write_text(acme)
 
@@ -109,6 +113,7 @@ async def proxy_factory(  # type: ignore[no-untyped-def]
         max_body_bytes: int = 1024 * 1024,
         acme_extra: str = "",
         memory_extra: str = "",
+        models_extra: str = "",
         store_url: str | None = None,
         settings: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
@@ -124,6 +129,7 @@ async def proxy_factory(  # type: ignore[no-untyped-def]
             window=window,
             acme_extra=acme_extra,
             memory_extra=memory_extra,
+            models_extra=models_extra,
         )
         config = Settings(
             port=0,

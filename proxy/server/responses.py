@@ -91,6 +91,12 @@ def is_stateful(body: JsonDict) -> bool:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
+    return await respond(request, body, raw)
+
+
+async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
+    """One Responses turn of a parsed body, HTTP's or a WebSocket's `response.create`
+    (proxy/server/websocket.py): the one pipeline both run."""
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
     if await resolve_references(request, body):

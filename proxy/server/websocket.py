@@ -229,6 +229,8 @@ class Socket:
     def remember(self, stream_id: str | None, event: JsonDict, completed: JsonDict | None) -> None:
         """After a turn: a completed `store: false` response is its lane's to continue;
         any other outcome evicts the lane's (OpenAI evicts on a failed turn)."""
+        previous = event.get("previous_response_id")
+        kept = self.find_unstored(previous) if isinstance(previous, str) else None
         self.unstored.pop(stream_id, None)
         if completed is None or event.get("store") is not False:
             return
@@ -236,8 +238,6 @@ class Socket:
         output = completed.get("output")
         if not isinstance(response_id, str) or not isinstance(output, list):
             return
-        previous = event.get("previous_response_id")
-        kept = self.find_unstored(previous) if isinstance(previous, str) else None
         base = kept.base if kept is not None else previous if isinstance(previous, str) else None
         before = kept.items if kept is not None else []
         items = [*before, *input_items(event.get("input")), *output]

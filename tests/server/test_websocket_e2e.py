@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import openai
@@ -18,6 +19,8 @@ from proxy.server.state import STORE
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, Proxy
+
+ProxyFactory = Callable[..., Awaitable[Proxy]]
 
 TENANT = "acme"
 
@@ -96,3 +99,110 @@ async def test_two_chained_responses_on_one_socket(proxy: Proxy) -> None:
     )
     assert third.output_text == "over http"
     assert texts(sent_input(proxy)) == ["hello", "first answer", "and then?", "second answer", "last"]
+
+
+async def test_an_unstored_response_continues_on_its_socket_only(proxy: Proxy) -> None:
+    """`store: false`: the socket keeps its last response for `previous_response_id`
+    (OpenAI's connection-local cache); nothing is stored, and neither HTTP nor another
+    socket can continue it."""
+    proxy.provider.script.extend([Reply(text="one"), Reply(text="two"), Reply(text="three")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="alpha", store=False)
+        first = final(await events_until_done(connection))
+        await connection.response.create(
+            model="gpt-4o", input="beta", store=False, previous_response_id=first.id
+        )
+        second = final(await events_until_done(connection))
+        assert texts(sent_input(proxy)) == ["alpha", "one", "beta"]
+        # The socket's last response continues again: the whole unstored chain is sent.
+        await connection.response.create(
+            model="gpt-4o", input="gamma", store=False, previous_response_id=second.id
+        )
+        third = final(await events_until_done(connection))
+        assert third.output_text == "three"
+        assert texts(sent_input(proxy)) == ["alpha", "one", "beta", "two", "gamma"]
+        # Only the last one is kept: the first is gone from the socket's memory.
+        await connection.response.create(
+            model="gpt-4o", input="again", store=False, previous_response_id=first.id
+        )
+        gone = await events_until_done(connection)
+    assert gone[-1].type == "error"
+    assert gone[-1].status == 400 and gone[-1].error.code == "previous_response_not_found"
+    assert len(proxy.provider.model_requests) == 3
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(third.id)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="gpt-4o", input="x", previous_response_id=third.id)
+    async with client.responses.connect() as other:
+        await other.response.create(
+            model="gpt-4o", input="x", store=False, previous_response_id=third.id
+        )
+        refused = await events_until_done(other)
+    assert refused[-1].type == "error" and refused[-1].status == 400
+    assert await store_of(proxy).get_response(TENANT, third.id) is None
+    assert await store_of(proxy).list_threads(TENANT, limit=10) == ()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("store", [True, False])
+async def test_a_tool_call_round_on_one_socket(proxy: Proxy, store: bool) -> None:
+    proxy.provider.script.extend(
+        [Reply(tool_calls=[("get_weather", '{"city": "Paris"}')]), Reply(text="Sunny in Paris.")]
+    )
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(
+            model="gpt-4o", input="Weather in Paris?", tools=TOOLS, store=store  # type: ignore[arg-type]
+        )
+        called = final(await events_until_done(connection))
+        (call,) = [item for item in called.output if item.type == "function_call"]
+        assert call.name == "get_weather"
+        await connection.response.create(
+            model="gpt-4o",
+            tools=TOOLS,  # type: ignore[arg-type]
+            store=store,
+            previous_response_id=called.id,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        )
+        answered = final(await events_until_done(connection))
+    assert answered.output_text == "Sunny in Paris."
+    sent = sent_input(proxy)
+    assert [item.get("type", "message") for item in sent] == [
+        "message",
+        "function_call",
+        "function_call_output",
+    ]
+    assert sent[1]["call_id"] == sent[2]["call_id"] == call.call_id
+
+
+async def test_the_upgrade_is_authenticated(make_proxy: ProxyFactory) -> None:
+    """A key the proxy does not know is a 401 at the upgrade: no socket, no model call."""
+    strict = await make_proxy(allow_unknown=False)
+    client = strict.client(api_key="sk-not-a-known-key")
+    with pytest.raises(websockets.InvalidStatus) as raised:
+        async with client.responses.connect():
+            pass
+    assert raised.value.response.status_code == 401
+    assert b"invalid_api_key" in raised.value.response.body
+    # No Authorization header at all (the SDK always sends one).
+    url = strict.base_url.replace("http://", "ws://") + "/responses"
+    with pytest.raises(websockets.InvalidStatus) as raised:
+        async with websockets.connect(url):
+            pass
+    assert raised.value.response.status_code == 401
+    assert b"You didn't provide an API key" in raised.value.response.body
+    assert strict.provider.model_requests == []

@@ -140,6 +140,7 @@ class Socket:
         await self.send(ws_error(exc.body()["error"], exc.status, stream_id))
 
     async def on_message(self, raw: bytes) -> None:
+        event: JsonDict | None = None
         try:
             event = json_object(raw)
             kind = event.get("type")
@@ -152,7 +153,7 @@ class Socket:
                 return
             self.enqueue(event)
         except ApiError as exc:
-            await self.error(exc, _lane_of(raw))
+            await self.error(exc, _lane_of(event))
 
     def enqueue(self, event: JsonDict) -> None:
         stream_id = event.get("stream_id")
@@ -377,12 +378,11 @@ def valid_stream_id(value: Any) -> None:
         )
 
 
-def _lane_of(raw: bytes) -> str | None:
-    """The stream_id an invalid event named, to route its error event (when readable)."""
-    with contextlib.suppress(ValueError, TypeError):
-        value = orjson.loads(raw).get("stream_id")
-        if isinstance(value, str) and 1 <= len(value) <= 256 and set(value) <= STREAM_ID_CHARS:
-            return value
+def _lane_of(event: JsonDict | None) -> str | None:
+    """The stream_id an invalid event named, to route its error event (when valid)."""
+    value = event.get("stream_id") if event is not None else None
+    if isinstance(value, str) and 1 <= len(value) <= 256 and set(value) <= STREAM_ID_CHARS:
+        return value
     return None
 
 

@@ -19,6 +19,7 @@ from proxy.server.state import STORE
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, Proxy
+from .hostile import IN_USE, settled_metric
 
 ProxyFactory = Callable[..., Awaitable[Proxy]]
 
@@ -78,7 +79,7 @@ async def test_two_chained_responses_on_one_socket(proxy: Proxy) -> None:
         await connection.response.create(model="gpt-4o", input="hello")
         events = await events_until_done(connection)
         first = final(events)
-        assert [e.type for e in events][0] == "response.created"
+        assert events[0].type == "response.created"
         deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert deltas == "first answer"
         await connection.response.create(
@@ -98,7 +99,13 @@ async def test_two_chained_responses_on_one_socket(proxy: Proxy) -> None:
         model="gpt-4o", input="last", previous_response_id=second.id
     )
     assert third.output_text == "over http"
-    assert texts(sent_input(proxy)) == ["hello", "first answer", "and then?", "second answer", "last"]
+    assert texts(sent_input(proxy)) == [
+        "hello",
+        "first answer",
+        "and then?",
+        "second answer",
+        "last",
+    ]
 
 
 async def test_an_unstored_response_continues_on_its_socket_only(proxy: Proxy) -> None:
@@ -166,7 +173,10 @@ async def test_a_tool_call_round_on_one_socket(proxy: Proxy, store: bool) -> Non
     client = proxy.client()
     async with client.responses.connect() as connection:
         await connection.response.create(
-            model="gpt-4o", input="Weather in Paris?", tools=TOOLS, store=store  # type: ignore[arg-type]
+            model="gpt-4o",
+            input="Weather in Paris?",
+            tools=TOOLS,
+            store=store,  # type: ignore[arg-type]
         )
         called = final(await events_until_done(connection))
         (call,) = [item for item in called.output if item.type == "function_call"]
@@ -206,3 +216,223 @@ async def test_the_upgrade_is_authenticated(make_proxy: ProxyFactory) -> None:
     assert raised.value.response.status_code == 401
     assert b"You didn't provide an API key" in raised.value.response.body
     assert strict.provider.model_requests == []
+
+
+async def test_bad_messages_get_error_events_and_the_socket_stays_usable(proxy: Proxy) -> None:
+    proxy.provider.script.append(Reply(text="still here"))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.send_raw("this is not json")
+        (not_json,) = await events_until_done(connection)
+        await connection.send_raw(json.dumps({"type": "response.cancel", "stream_id": "a"}))
+        (unknown,) = await events_until_done(connection)
+        await connection.send_raw(json.dumps({"model": "gpt-4o", "input": "no type"}))
+        (untyped,) = await events_until_done(connection)
+        await connection.send_raw(json.dumps(["response.create"]))
+        (not_object,) = await events_until_done(connection)
+        await connection.send_raw(json.dumps({"type": "response.create", "input": 5}))
+        (bad_field,) = await events_until_done(connection)
+        await connection.send_raw(
+            json.dumps({"type": "response.create", "model": "gpt-4o", "background": True})
+        )
+        (background,) = await events_until_done(connection)
+        await connection.send_raw(json.dumps({"type": "response.create", "stream_id": "a b"}))
+        (bad_lane,) = await events_until_done(connection)
+        await connection.response.create(model="gpt-4o", input="hello")
+        served = final(await events_until_done(connection))
+    assert served.output_text == "still here"
+    for event in (not_json, unknown, untyped, not_object, bad_field, background, bad_lane):
+        assert event.type == "error" and event.status == 400
+        assert event.error.type == "invalid_request_error"
+    assert "parse the JSON" in not_json.error.message
+    assert unknown.error.param == "type" and "response.cancel" in unknown.error.message
+    assert unknown.stream_id == "a"  # the lane the bad event named
+    assert untyped.error.code == "missing_required_parameter" and untyped.error.param == "type"
+    assert not_object.error.code == "invalid_type"
+    assert bad_field.error.param == "input"
+    assert background.error.param == "background"
+    assert bad_lane.error.param == "stream_id"
+    assert len(proxy.provider.model_requests) == 1
+    assert len(await store_of(proxy).list_threads(TENANT, limit=10)) == 1
+
+
+async def test_steering_is_refused_with_the_input_back(proxy: Proxy) -> None:
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.send_raw(
+            json.dumps(
+                {"type": "response.steer", "previous_response_id": "resp_1", "input": "go left"}
+            )
+        )
+        event = await connection.recv()
+    assert event.type == "response.steer.failed"
+    assert event.error.code == "steering_not_supported"
+    assert event.steer.input == "go left" and event.steer.previous_response_id == "resp_1"
+    assert proxy.provider.model_requests == []
+
+
+async def test_a_provider_error_is_an_error_event_with_its_status(proxy: Proxy) -> None:
+    proxy.provider.script.extend([Reply(status=400, text="Bad model settings"), Reply(text="ok")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        (refused,) = await events_until_done(connection)
+        await connection.response.create(model="gpt-4o", input="hello again")
+        served = final(await events_until_done(connection))
+    assert refused.type == "error" and refused.status == 400
+    assert refused.error.message == "Bad model settings"
+    assert served.output_text == "ok"
+
+
+async def test_a_message_over_the_limit_closes_the_socket(make_proxy: ProxyFactory) -> None:
+    """Larger than websocket_max_message_bytes: closed with 1009 before it is read
+    whole; nothing reaches the provider or the store, and a new socket is served."""
+    proxy = await make_proxy(settings={"websocket_max_message_bytes": 4096})
+    proxy.provider.script.append(Reply(text="small is fine"))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="x" * 8192)
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await connection.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    assert proxy.provider.model_requests == []
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="x" * 1000)
+        assert final(await events_until_done(connection)).output_text == "small is fine"
+
+
+async def test_get_without_upgrade_is_a_405(proxy: Proxy) -> None:
+    async with proxy.http() as http:
+        answer = await http.get("/v1/responses", headers={"Authorization": f"Bearer {TENANT_KEY}"})
+    assert answer.status_code == 405
+    assert answer.json()["error"]["code"] == "method_not_allowed"
+
+
+LONG = " ".join(f"w{i}" for i in range(2000))
+
+
+async def test_a_client_gone_mid_response_leaves_the_thread_consistent(proxy: Proxy) -> None:
+    """The socket closes while a stored response streams: the turn is cancelled as an HTTP
+    client's disconnect cancels it (the row ends incomplete, no item of it is committed,
+    the provider's connection is released), and an HTTP turn on the same
+    previous_response_id sees the thread as it was."""
+    proxy.provider.script.extend(
+        [Reply(text="first answer"), Reply(text=LONG, stream_chunk_delay=0.02)]
+    )
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        first = final(await events_until_done(connection))
+        await connection.response.create(
+            model="gpt-4o", input="tell me more", previous_response_id=first.id
+        )
+        created = await connection.recv()
+        assert created.type == "response.created"
+        while (await connection.recv()).type != "response.output_text.delta":
+            pass
+    cut_id = created.response.id
+    store = store_of(proxy)
+    status = await settled_status(store, cut_id, "incomplete")
+    assert status == "incomplete"
+    assert await settled_metric(proxy.base_url, IN_USE, 0) == 0
+    proxy.provider.script.append(Reply(text="over http"))
+    again = await client.responses.create(
+        model="gpt-4o", input="tell me more", previous_response_id=first.id
+    )
+    assert again.output_text == "over http"
+    assert texts(sent_input(proxy)) == ["hello", "first answer", "tell me more"]
+    proxy.provider.script.append(Reply(text="next"))
+    await client.responses.create(model="gpt-4o", input="and?", previous_response_id=again.id)
+    assert texts(sent_input(proxy)) == [
+        "hello",
+        "first answer",
+        "tell me more",
+        "over http",
+        "and?",
+    ]
+
+
+async def settled_status(store: Store, response_id: str, expected: str) -> str | None:
+    """Poll the stored response's status until it is `expected` (the cancelled turn's
+    cleanup runs after the socket closed); the last one seen when it never is."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        stored = await store.get_response(TENANT, response_id)
+        status = stored.status if stored is not None else None
+        if status == expected or loop.time() > deadline:
+            return status
+        await asyncio.sleep(0.05)
+
+
+def create(model: str, text: str, stream_id: str | None = None) -> str:
+    event: dict[str, Any] = {"type": "response.create", "model": model, "input": text}
+    if stream_id is not None:
+        event["stream_id"] = stream_id
+    return json.dumps(event)
+
+
+async def test_lanes_run_at_once_and_echo_their_stream_id(proxy: Proxy) -> None:
+    held = asyncio.Event()
+    proxy.provider.scripts["model-a"] = [Reply(text="from a", release=held)]
+    proxy.provider.scripts["model-b"] = [Reply(text="from b")]
+    client = proxy.client()
+    seen: list[Any] = []
+    async with client.responses.connect() as connection:
+        await connection.send_raw(create("model-a", "to a", "a"))
+        await connection.send_raw(create("model-b", "to b", "b"))
+        # Lane b answers while lane a's provider call is still held.
+        while not (seen and seen[-1].type == "response.completed"):
+            seen.append(await connection.recv())
+        held.set()
+        seen += await events_until_done(connection)
+    assert seen[0].stream_id == "b"
+    done = [e for e in seen if e.type == "response.completed"]
+    assert [(e.stream_id, e.response.output_text) for e in done] == [
+        ("b", "from b"),
+        ("a", "from a"),
+    ]
+    assert all(e.stream_id in ("a", "b") for e in seen)
+
+
+async def test_a_lane_is_fifo_and_lanes_are_limited(make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(settings={"websocket_max_concurrent_responses": 1})
+    held = asyncio.Event()
+    proxy.provider.script.extend([Reply(text="one", release=held), Reply(text="two")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.send_raw(create("gpt-4o", "first"))
+        await connection.send_raw(create("gpt-4o", "second"))  # queued behind the first
+        await connection.send_raw(create("gpt-4o", "elsewhere", "other"))
+        refused = await connection.recv()
+        for _ in range(2000):  # until the first is at the provider, held (bounded)
+            if proxy.provider.model_requests:
+                break
+            await asyncio.sleep(0.01)
+        held.set()
+        # Not one event of the second (unheld) before the first's last one.
+        first = final(await events_until_done(connection))
+        second = final(await events_until_done(connection))
+    assert refused.type == "error" and refused.stream_id == "other"
+    assert refused.error.code == "websocket_stream_limit_reached"
+    assert refused.error.param == "stream_id"
+    assert (first.output_text, second.output_text) == ("one", "two")
+    assert [texts(sent_input(proxy, i))[-1] for i in range(2)] == ["first", "second"]
+
+
+async def test_an_idle_socket_is_closed_but_not_while_a_response_runs(
+    make_proxy: ProxyFactory,
+) -> None:
+    idle = 0.2
+    proxy = await make_proxy(settings={"websocket_idle_timeout": idle})
+    held = asyncio.Event()
+    proxy.provider.script.append(Reply(text="slow but served", release=held))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        await asyncio.sleep(idle * 3)  # longer than the idle limit, while it runs
+        held.set()
+        assert final(await events_until_done(connection)).output_text == "slow but served"
+        with pytest.raises(websockets.ConnectionClosedOK) as closed:
+            await connection.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.reason == "idle timeout"

@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import openai
 import pytest
 import websockets
+from agents import Agent, function_tool, responses_websocket_session, set_tracing_disabled
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.fake_provider import Reply
-from proxy.server.state import STORE
+from proxy.server.state import POLICIES, STORE
+from proxy.server.websocket import QUEUED_PER_LANE
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, Proxy
@@ -24,6 +28,7 @@ from .hostile import IN_USE, settled_metric
 ProxyFactory = Callable[..., Awaitable[Proxy]]
 
 TENANT = "acme"
+set_tracing_disabled(True)  # the Agents SDK would otherwise export its traces to OpenAI
 
 
 @pytest.fixture
@@ -436,3 +441,120 @@ async def test_an_idle_socket_is_closed_but_not_while_a_response_runs(
         with pytest.raises(websockets.ConnectionClosedOK) as closed:
             await connection.recv()
     assert closed.value.rcvd is not None and closed.value.rcvd.reason == "idle timeout"
+
+
+LOOKUPS: list[str] = []
+
+
+@function_tool
+def order_status(order_id: str) -> str:
+    """The status of an order."""
+    LOOKUPS.append(order_id)
+    return json.dumps({"order_id": order_id, "status": "shipped"})
+
+
+async def test_the_agents_sdk_on_its_websocket_transport(proxy: Proxy) -> None:
+    """openai-agents' `responses_websocket_session`: a tool round and a chained second
+    run, every model call a `response.create` on one socket."""
+    LOOKUPS.clear()
+    proxy.provider.script.extend(
+        [
+            Reply(tool_calls=[("order_status", '{"order_id": "ORD-7"}')]),
+            Reply(text="ORD-7 has shipped."),
+            Reply(text="You asked about ORD-7."),
+        ]
+    )
+    agent: Agent[Any] = Agent(
+        name="support", instructions="You track orders.", model="gpt-4o", tools=[order_status]
+    )
+    async with responses_websocket_session(api_key=TENANT_KEY, base_url=proxy.base_url) as ws:
+        first = await ws.run(agent, "Where is ORD-7?")
+        second = await ws.run(
+            agent, "Which order did I ask about?", previous_response_id=first.last_response_id
+        )
+    assert first.final_output == "ORD-7 has shipped."
+    assert second.final_output == "You asked about ORD-7."
+    assert LOOKUPS == ["ORD-7"]
+    assert texts(sent_input(proxy))[0] == "Where is ORD-7?"
+    assert texts(sent_input(proxy))[-1] == "Which order did I ask about?"
+    assert await request_count(proxy, "101") == 1  # one upgrade
+    assert await request_count(proxy, "200") == 3  # three turns on it
+
+
+async def request_count(proxy: Proxy, status: str) -> float:
+    async with proxy.http() as http:
+        text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if (
+                sample.name == "threadkeeper_requests_total"
+                and labels.get("route") == "responses.websocket"
+                and labels.get("status") == status
+            ):
+                return float(sample.value)
+    return 0.0
+
+
+async def test_each_turn_is_authenticated_again(make_proxy: ProxyFactory) -> None:
+    """A key removed from its policy while its socket is open: the next turn is a 401
+    error event, not a model call."""
+    proxy = await make_proxy(allow_unknown=False)
+    proxy.provider.script.append(Reply(text="served"))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        assert final(await events_until_done(connection)).output_text == "served"
+        acme = proxy.policies_dir / "acme.yaml"
+        acme.write_text(
+            re.sub(r'api_keys: \["[0-9a-f]+"\]', 'api_keys: ["' + "0" * 64 + '"]', acme.read_text())
+        )
+        assert proxy.app[POLICIES].reload() == []  # type: ignore[index]
+        await connection.response.create(model="gpt-4o", input="hello again")
+        (refused,) = await events_until_done(connection)
+    assert refused.type == "error" and refused.status == 401
+    assert refused.error.code == "invalid_api_key"
+    assert len(proxy.provider.model_requests) == 1
+
+
+async def test_a_failed_turn_evicts_the_unstored_response(proxy: Proxy) -> None:
+    proxy.provider.script.extend([Reply(text="one"), Reply(status=400, text="refused")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="alpha", store=False)
+        first = final(await events_until_done(connection))
+        await connection.response.create(
+            model="gpt-4o", input="beta", store=False, previous_response_id=first.id
+        )
+        (failed,) = await events_until_done(connection)
+        await connection.response.create(
+            model="gpt-4o", input="beta", store=False, previous_response_id=first.id
+        )
+        (evicted,) = await events_until_done(connection)
+    assert failed.status == 400 and failed.error.message == "refused"
+    assert evicted.status == 400 and evicted.error.code == "previous_response_not_found"
+    assert len(proxy.provider.model_requests) == 2
+
+
+async def test_a_lane_queues_a_bounded_number_of_responses(proxy: Proxy) -> None:
+    held = asyncio.Event()
+    sent = QUEUED_PER_LANE + 4
+    proxy.provider.script.extend(
+        [Reply(text="0", release=held), *(Reply(text=str(n)) for n in range(1, sent))]
+    )
+    client = proxy.client()
+    outcomes: list[Any] = []
+    async with client.responses.connect() as connection:
+        for n in range(sent):
+            await connection.send_raw(create("gpt-4o", f"q{n}"))
+        while len([e for e in outcomes if e.type == "error"]) < sent - QUEUED_PER_LANE - 1:
+            outcomes.append(await connection.recv())
+        held.set()
+        while len([e for e in outcomes if e.type in ("error", "response.completed")]) < sent:
+            outcomes.append(await connection.recv())
+    refused = [e for e in outcomes if e.type == "error"]
+    done = [e for e in outcomes if e.type == "response.completed"]
+    assert {e.error.code for e in refused} == {"websocket_queue_full"}
+    # One running and QUEUED_PER_LANE waiting (the first may not have left the queue yet).
+    assert len(done) in (QUEUED_PER_LANE, QUEUED_PER_LANE + 1)
+    assert [e.response.output_text for e in done] == [str(n) for n in range(len(done))]

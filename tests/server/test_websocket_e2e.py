@@ -558,3 +558,20 @@ async def test_a_lane_queues_a_bounded_number_of_responses(proxy: Proxy) -> None
     # One running and QUEUED_PER_LANE waiting (the first may not have left the queue yet).
     assert len(done) in (QUEUED_PER_LANE, QUEUED_PER_LANE + 1)
     assert [e.response.output_text for e in done] == [str(n) for n in range(len(done))]
+
+
+async def test_a_stream_that_breaks_midway_ends_with_an_error_event(proxy: Proxy) -> None:
+    proxy.provider.script.extend([Reply(text=LONG, disconnect_after=3), Reply(text="again")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        events = await events_until_done(connection)
+        await connection.response.create(model="gpt-4o", input="hello")
+        served = final(await events_until_done(connection))
+    assert events[0].type == "response.created"
+    broken = events[-1]
+    assert broken.type == "error" and broken.status is None
+    assert broken.error.code == "upstream_stream_error" and broken.error.type == "server_error"
+    assert served.output_text == "again"
+    stored = await store_of(proxy).get_response(TENANT, events[0].response.id)
+    assert stored is not None and stored.status == "incomplete"

@@ -216,7 +216,7 @@ def create_app(
     app.router.add_get("/metrics", ops.metrics, name="metrics")
     app.router.add_post("/v1/chat/completions", chat.chat_completions, name="chat.completions")
     app.router.add_post("/v1/responses", responses.create_response, name="responses")
-    app.router.add_get("/v1/responses", websocket.responses_socket, name="responses.websocket")
+    websocket.add_routes(app)
     app.router.add_post(
         "/v1/responses/input_tokens", responses.input_tokens, name="responses.input_tokens"
     )

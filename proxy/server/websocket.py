@@ -51,7 +51,23 @@ QUEUED_PER_LANE = 16
 # Headers of the upgrade that are the socket's, not the turn's (never forwarded).
 SOCKET_HEADERS = frozenset({"upgrade", "connection"})
 TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
+# The open sockets of this process (closed at shutdown).
+SOCKETS: web.AppKey[set[Socket]] = web.AppKey("websockets")
 STREAM_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def add_routes(app: web.Application) -> None:
+    app[SOCKETS] = set()
+    app.router.add_get("/v1/responses", responses_socket, name="responses.websocket")
+    app.on_shutdown.append(close_sockets)
+
+
+async def close_sockets(app: web.Application) -> None:
+    """At shutdown, before aiohttp waits for handlers: every open socket is closed (1001),
+    so its turns are cancelled as at a client's disconnect rather than after the shutdown
+    timeout."""
+    for socket in app[SOCKETS].copy():
+        await socket.ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
 
 
 def is_upgrade(request: web.Request) -> bool:
@@ -71,9 +87,11 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=settings.websocket_max_message_bytes)
     await ws.prepare(request)
     socket = Socket(request, ws, settings.websocket_max_concurrent_responses)
+    request.app[SOCKETS].add(socket)
     try:
         await socket.serve(settings.websocket_idle_timeout)
     finally:
+        request.app[SOCKETS].discard(socket)
         await socket.aclose()
     return ws
 
@@ -197,7 +215,7 @@ class Socket:
                 request, lambda r: responses.respond(r, body, fastjson.dumps(body))
             )
             if isinstance(response, web.Response):  # not streamed: an error, or a refusal
-                await self.send(whole_answer(response, stream_id))
+                await sink.whole(response)
             await sink.flush()
         except ApiError as exc:  # the event itself is not a valid create (before any turn)
             await self.error(exc, stream_id)
@@ -296,6 +314,12 @@ class SocketSink:
         for event in self.decoder.flush():
             await self.event(event.data)
 
+    async def whole(self, response: web.Response) -> None:
+        event = whole_answer(response, self.stream_id)
+        if event["type"] == "response.completed":
+            self.completed = event["response"]
+        await self.socket.send(event)
+
     async def event(self, data: str) -> None:
         if not data or data == "[DONE]":
             return
@@ -343,10 +367,16 @@ def stream_error(payload: JsonDict, stream_id: str | None) -> JsonDict:
 
 def whole_answer(response: web.Response, stream_id: str | None) -> JsonDict:
     """A turn answered with a whole body: an error envelope (the proxy's 4xx/5xx, the
-    provider's refusal) as an error event with its status."""
+    provider's refusal) as an error event with its status; a whole Response (a provider
+    that did not stream) as its `response.completed`."""
     body: Any = None
     with contextlib.suppress(ValueError, TypeError):
         body = orjson.loads(bytes(response.body))  # type: ignore[arg-type]
+    if response.status < 400 and isinstance(body, dict) and body.get("object") == "response":
+        event: JsonDict = {"type": "response.completed", "sequence_number": 0, "response": body}
+        if stream_id is not None:
+            event["stream_id"] = stream_id
+        return event
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         error = {

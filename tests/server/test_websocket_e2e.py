@@ -17,7 +17,7 @@ import websockets
 from agents import Agent, function_tool, responses_websocket_session, set_tracing_disabled
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.fake_provider import Reply
+from proxy.fake_provider import Reply, response_object
 from proxy.server.state import POLICIES, STORE
 from proxy.server.websocket import QUEUED_PER_LANE
 from proxy.store.base import Store
@@ -575,3 +575,34 @@ async def test_a_stream_that_breaks_midway_ends_with_an_error_event(proxy: Proxy
     assert served.output_text == "again"
     stored = await store_of(proxy).get_response(TENANT, events[0].response.id)
     assert stored is not None and stored.status == "incomplete"
+
+
+async def test_a_provider_that_does_not_stream_is_one_completed_event(proxy: Proxy) -> None:
+    whole = response_object({"model": "gpt-4o", "input": "hi"}, Reply(text="whole"))
+    proxy.provider.script.append(Reply(body=whole))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello", store=False)
+        (done,) = await events_until_done(connection)
+    assert done.type == "response.completed" and done.response.output_text == "whole"
+
+
+async def test_shutdown_closes_open_sockets_and_ends_their_turns(proxy: Proxy) -> None:
+    """The app's shutdown closes each socket (1001) before aiohttp waits for handlers:
+    a running turn is cancelled as at a disconnect (its row ends incomplete, nothing of
+    it committed)."""
+    proxy.provider.script.append(Reply(text=LONG, stream_chunk_delay=0.02))
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        created = await connection.recv()
+        assert created.type == "response.created"
+        await proxy.app.shutdown()  # type: ignore[attr-defined]
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            async with asyncio.timeout(60):  # the stream alone would last about 40 s
+                while True:
+                    await connection.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
+    store = store_of(proxy)
+    assert await settled_status(store, created.response.id, "incomplete") == "incomplete"
+    assert await store.list_threads(TENANT, limit=10) == ()

@@ -386,17 +386,22 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return flat
 
 
+# The config file's nested sections, and what each holds (for the error of a non-mapping).
+SECTIONS = {
+    "upstream": "(connect_timeout, read_timeout, pool_size); the provider URL is upstream_url",
+    "websocket": "(max_message_bytes, idle_timeout, max_concurrent_responses)",
+}
+
+
 def _flattened(path: Path, data: dict[str, Any]) -> dict[str, Any]:
-    flat = {key: value for key, value in data.items() if key != "upstream"}
-    upstream = data.get("upstream")
-    if upstream is None:
-        return flat
-    if not isinstance(upstream, dict):
-        raise SettingsError(
-            f"{path}: upstream: expected a mapping (connect_timeout, read_timeout, pool_size);"
-            " the provider URL is upstream_url"
-        )
-    flat.update({f"upstream.{key}": value for key, value in upstream.items()})
+    flat = {key: value for key, value in data.items() if key not in SECTIONS}
+    for section, holds in SECTIONS.items():
+        nested = data.get(section)
+        if nested is None:
+            continue
+        if not isinstance(nested, dict):
+            raise SettingsError(f"{path}: {section}: expected a mapping {holds}")
+        flat.update({f"{section}.{key}": value for key, value in nested.items()})
     return flat
 
 

@@ -11,7 +11,8 @@ event goes out as one text message, unchanged but for the `stream_id` echo.
   lanes run at once, at most `websocket_max_concurrent_responses` per socket.
 - `store: false`: the last such response of each lane, with the input it was given,
   is kept in the socket's memory only, so `previous_response_id` naming it continues it
-  on this socket (OpenAI's connection-local cache); a failed turn evicts its lane's.
+  on this socket (OpenAI's connection-local cache); a failed turn evicts its lane's, and
+  a chain larger than max_body_bytes is not kept.
 - Bad messages (not JSON, an unknown type, bad fields) get an `error` event in the
   spec's ResponseWsError shape and the socket stays open; a message larger than
   `websocket_max_message_bytes` closes it with 1009. `response.steer` is answered
@@ -86,7 +87,9 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS]
     ws = web.WebSocketResponse(max_msg_size=settings.websocket_max_message_bytes)
     await ws.prepare(request)
-    socket = Socket(request, ws, settings.websocket_max_concurrent_responses)
+    socket = Socket(
+        request, ws, settings.websocket_max_concurrent_responses, settings.max_body_bytes
+    )
     request.app[SOCKETS].add(socket)
     try:
         await socket.serve(settings.websocket_idle_timeout)
@@ -104,6 +107,7 @@ class Unstored:
     response_id: str
     base: str | None
     items: list[JsonDict]
+    size: int  # bytes of the items' JSON
 
 
 @dataclass
@@ -113,10 +117,13 @@ class Lane:
 
 
 class Socket:
-    def __init__(self, request: web.Request, ws: web.WebSocketResponse, max_lanes: int) -> None:
+    def __init__(
+        self, request: web.Request, ws: web.WebSocketResponse, max_lanes: int, keep_bytes: int
+    ) -> None:
         self.request = request
         self.ws = ws
         self.max_lanes = max_lanes
+        self.keep_bytes = keep_bytes  # most an unstored chain may hold (max_body_bytes)
         self.lanes: dict[str | None, Lane] = {}
         self.unstored: dict[str | None, Unstored] = {}  # by lane
 
@@ -232,7 +239,10 @@ class Socket:
         previous = body.get("previous_response_id")
         kept = self.find_unstored(previous) if isinstance(previous, str) else None
         if kept is not None:
-            body["input"] = [*kept.items, *input_items(body.get("input"))]
+            given = body.get("input")
+            if given is not None and not isinstance(given, str | list):
+                raise wrong_type("input", "a string or an array", given)
+            body["input"] = [*kept.items, *input_items(given)]
             if kept.base is None:
                 del body["previous_response_id"]
             else:
@@ -258,9 +268,13 @@ class Socket:
         if not isinstance(response_id, str) or not isinstance(output, list):
             return
         base = kept.base if kept is not None else previous if isinstance(previous, str) else None
+        added = [*input_items(event.get("input")), *output]
+        size = (kept.size if kept is not None else 0) + len(fastjson.dumps(added))
+        if size > self.keep_bytes:  # what HTTP would refuse to take back in one body
+            log.info("websocket_unstored_dropped", response_id=response_id, bytes=size)
+            return
         before = kept.items if kept is not None else []
-        items = [*before, *input_items(event.get("input")), *output]
-        self.unstored[stream_id] = Unstored(response_id, base, items)
+        self.unstored[stream_id] = Unstored(response_id, base, [*before, *added], size)
 
     def turn_request(self) -> web.Request:
         """A POST /v1/responses of its own for one turn: its own request id, log line,

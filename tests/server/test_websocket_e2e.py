@@ -606,3 +606,31 @@ async def test_shutdown_closes_open_sockets_and_ends_their_turns(proxy: Proxy) -
     store = store_of(proxy)
     assert await settled_status(store, created.response.id, "incomplete") == "incomplete"
     assert await store.list_threads(TENANT, limit=10) == ()
+
+
+async def test_an_unstored_chain_is_kept_up_to_the_body_limit(make_proxy: ProxyFactory) -> None:
+    """The socket keeps no more of an unstored chain than HTTP would take back in one
+    body (max_body_bytes): past it the client is told to send the whole input again."""
+    proxy = await make_proxy(max_body_bytes=4000)
+    proxy.provider.script.extend([Reply(text="one"), Reply(text="two")])
+    client = proxy.client()
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="a" * 1500, store=False)
+        first = final(await events_until_done(connection))
+        # A bad continuation on another lane: refused, the default lane's kept response stays.
+        bad = {"type": "response.create", "model": "gpt-4o", "input": 7, "store": False}
+        bad |= {"previous_response_id": first.id, "stream_id": "x"}
+        await connection.send_raw(json.dumps(bad))
+        (wrong,) = await events_until_done(connection)
+        await connection.response.create(
+            model="gpt-4o", input="b" * 2500, store=False, previous_response_id=first.id
+        )
+        second = final(await events_until_done(connection))
+        await connection.response.create(
+            model="gpt-4o", input="c", store=False, previous_response_id=second.id
+        )
+        (dropped,) = await events_until_done(connection)
+    assert wrong.status == 400 and wrong.error.param == "input" and wrong.stream_id == "x"
+    assert texts(sent_input(proxy)) == ["a" * 1500, "one", "b" * 2500]
+    assert dropped.status == 400 and dropped.error.code == "previous_response_not_found"
+    assert len(proxy.provider.model_requests) == 2

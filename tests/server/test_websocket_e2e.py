@@ -634,3 +634,23 @@ async def test_an_unstored_chain_is_kept_up_to_the_body_limit(make_proxy: ProxyF
     assert texts(sent_input(proxy)) == ["a" * 1500, "one", "b" * 2500]
     assert dropped.status == 400 and dropped.error.code == "previous_response_not_found"
     assert len(proxy.provider.model_requests) == 2
+
+
+async def test_the_socket_streams_the_events_http_streams(proxy: Proxy) -> None:
+    """The same turn over HTTP (stream: true) and over the socket: the same events, in
+    the same order, with the same sequence numbers and content."""
+    proxy.provider.script.extend([Reply(text="same words here"), Reply(text="same words here")])
+    client = proxy.client()
+    over_http = [
+        e async for e in await client.responses.create(model="gpt-4o", input="hi", stream=True)
+    ]
+    async with client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hi")
+        over_socket = await events_until_done(connection)
+
+    def shape(events: list[Any]) -> list[tuple[str, int, str]]:
+        return [(e.type, e.sequence_number, getattr(e, "delta", "")) for e in events]
+
+    assert shape(over_socket) == shape(over_http)
+    assert over_socket[-1].response.output_text == over_http[-1].response.output_text
+    assert proxy.provider.model_requests[0].json == proxy.provider.model_requests[1].json

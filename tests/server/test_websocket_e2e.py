@@ -111,6 +111,15 @@ async def test_two_chained_responses_on_one_socket(proxy: Proxy) -> None:
         "second answer",
         "last",
     ]
+    # And on another socket.
+    proxy.provider.script.append(Reply(text="on a new socket"))
+    async with client.responses.connect() as connection:
+        await connection.response.create(
+            model="gpt-4o", input="more", previous_response_id=third.id
+        )
+        fourth = final(await events_until_done(connection))
+    assert fourth.output_text == "on a new socket"
+    assert texts(sent_input(proxy))[-3:] == ["last", "over http", "more"]
 
 
 async def test_an_unstored_response_continues_on_its_socket_only(proxy: Proxy) -> None:

@@ -1915,6 +1915,58 @@ def family_lost(rows: Sequence[Row], limit: int = 25) -> list[str]:
     return [line for _, line in lost[:limit]] + more
 
 
+def break_cause(previous: Sent, current: Sent) -> str | None:
+    """Why `current` does not start with all of `previous` (None when it does): new
+    instructions, a kept item rewritten in place (a tool result compressed: same call,
+    other text), or a cut (items left out, a summary block added or changed)."""
+    if current.instructions != previous.instructions:
+        return "instructions changed"
+    for a, b in zip(previous.items, current.items, strict=False):
+        if a == b:
+            continue
+        same_call = (a.get("tool_call_id") or a.get("call_id")) == (
+            b.get("tool_call_id") or b.get("call_id")
+        )
+        if same_call and (a.get("tool_call_id") or a.get("call_id")):
+            return "tool result rewritten in place"
+        return "cut or summary changed"
+    return None if len(current.items) >= len(previous.items) else "cut or summary changed"
+
+
+def breaks_table(rows: Sequence[Row]) -> list[str]:
+    """Per family: the checked requests whose prefix breaks, by cause, and the mean
+    prefix reuse of those requests (what each break costs)."""
+    causes = ("tool result rewritten in place", "cut or summary changed", "instructions changed")
+    lines = [
+        "| family | request pairs | unbroken | "
+        + " | ".join(f"{c} (count, mean reuse)" for c in causes)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(causes),
+    ]
+    families_ = sorted({r.family for r in rows})
+    for family in [*families_, "all families"]:
+        pairs = 0
+        unbroken = 0
+        found: dict[str, list[float]] = {c: [] for c in causes}
+        for row in rows:
+            if family != "all families" and row.family != family:
+                continue
+            start = max(0, row.checked_from - 1)
+            sent = [s for s in row.requests[start:] if s.error is None]
+            for (previous, current), reuse in zip(
+                itertools.pairwise(sent), prefix_reuse(row.api, row.model, sent), strict=True
+            ):
+                pairs += 1
+                cause = break_cause(previous, current)
+                if cause is None:
+                    unbroken += 1
+                else:
+                    found[cause].append(reuse)
+        cells = " | ".join(f"{len(found[c])}, {_pct(found[c])}" for c in causes)
+        lines.append(f"| {family} | {pairs} | {unbroken} | {cells} |")
+    return lines
+
+
 def family_section(
     name: str,
     seeds: Sequence[int],
@@ -1951,6 +2003,10 @@ def family_section(
         "By kind of planted fact (all families and modes):",
         "",
         *kind_table(rows),
+        "",
+        "Where the prefix breaks (checked requests against the one before, both modes):",
+        "",
+        *breaks_table(rows),
         "",
     ]
     lost = family_lost(rows)

@@ -187,13 +187,14 @@ def _tracking(b: Builder, order: str, events: int, planted: str = "") -> str:
             rng,
             rows,
             {
-                "at": _ts(rng, 12),
+                "at": _ts(rng, 3 + rng.randrange(events) // 6, rng.randrange(6, 20)),
                 "hub": rng.choice(HUBS),
                 "status": s.case("exception"),
                 "event": planted,
                 "scan_id": f"SC{rng.randrange(10**8):08d}",
             },
         )
+    rows.sort(key=lambda r: r["at"])
     if s.json:
         return json.dumps({"order_id": order, "carrier": "DHL Paket", "events": rows})
     lines = [f"Tracking for {order} (carrier DHL Paket)"]
@@ -478,11 +479,31 @@ def coding(seed: int) -> Scenario:
 # --- 3. incident / logs -------------------------------------------------------------------
 
 RARE_LINES = (
-    ("db.pool", "connection pool exhausted (max_connections={n} reached) pid={pid}"),
-    ("kubelet", "OOMKilled: container payments-worker exceeded memory limit {n}Mi pid={pid}"),
-    ("tls", "x509: certificate has expired or is not yet valid: current time is after {n}"),
-    ("kafka", "disk quota exceeded on /var/lib/kafka/data ({n}% used) broker pid={pid}"),
-    ("resolver", "lookup ledger.internal on 10.0.0.{n}:53: server misbehaving pid={pid}"),
+    (
+        "db.pool",
+        "connection pool exhausted (max_connections={n} reached) pid={pid}",
+        (100, 200, 400),
+    ),
+    (
+        "kubelet",
+        "OOMKilled: container payments-worker exceeded memory limit {n}Mi pid={pid}",
+        (256, 512, 768),
+    ),
+    (
+        "tls",
+        "x509: certificate has expired or is not yet valid: current time 2026-11-14T14:{n}:07Z is after 2026-11-14T00:00:00Z",
+        (12, 31, 47),
+    ),
+    (
+        "kafka",
+        "disk quota exceeded on /var/lib/kafka/data ({n}% used) broker pid={pid}",
+        (97, 98, 99),
+    ),
+    (
+        "resolver",
+        "lookup ledger.internal on 10.0.0.{n}:53: server misbehaving pid={pid}",
+        (2, 10, 53),
+    ),
 )
 
 
@@ -505,6 +526,13 @@ def _logs(b: Builder, service: str, count: int, planted: str = "") -> str:
             )
     if planted:
         _insert(rng, lines, planted)
+    # A log query answers in time order: the timestamps go up whatever the line.
+    start = rng.randrange(0, 2700)
+    seconds = sorted(rng.randrange(start, start + 900) for _ in lines)
+    lines = [
+        f"2026-11-14T14:{t // 60:02d}:{t % 60:02d}Z{line[20:]}"
+        for t, line in zip(seconds, lines, strict=True)
+    ]
     if s.json:
         return json.dumps(
             {"query": f"service:{service} level>=WARN", "hits": len(lines), "lines": lines}
@@ -543,8 +571,8 @@ def incident(seed: int) -> Scenario:
         )
 
     _filler(b, rng.randrange(0, 2), query)
-    component, template = rng.choice(RARE_LINES)
-    rare = template.format(n=rng.choice((100, 200, 256, 512)), pid=rng.randrange(1000, 65000))
+    component, template, values = rng.choice(RARE_LINES)
+    rare = template.format(n=rng.choice(values), pid=rng.randrange(1000, 65000))
     line = f"{_ts(rng, 14, 14)} {b.style.case('error')} {component}: {rare}"
     b.turn(
         "Checkout errors are spiking. Pull the warnings and errors for payments-api.",
@@ -1028,7 +1056,8 @@ def crm(seed: int) -> Scenario:
             for _ in range(rng.randrange(12, 22))
         ]
         if note:
-            _insert(rng, notes, note)
+            _insert(rng, notes, f"{_ts(rng, rng.randrange(1, 28))} {note}")
+        notes.sort()
         if b.style.json:
             return json.dumps(
                 {

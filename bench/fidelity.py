@@ -11,8 +11,9 @@ infrastructure with manifests and kubectl), each randomized by seed. Seeds 1-5 a
 tuning set; seeds 100-119 are the held-out set, which no heuristic is adjusted against:
 tune on 1-5, and only measure on 100-119. Both are reported in separate sections
 ("## Fidelity families: tuning set", "... heldout set", the --label in the title).
---quick runs one seed per family (what tests/test_fidelity_bench.py runs). Checked there:
-every request from the first overflow on; no baselines.
+--quick runs one seed per family (what tests/test_fidelity_bench.py runs); --summarizer
+adds the run with the LLM summarizer answering badly. Checked there: every request from
+the first overflow on; no baselines.
 
 Five scripted conversations that overflow a small window several times (customer
 support with two refunds, a coding agent with multi-thousand-token test logs, travel
@@ -1897,6 +1898,7 @@ def family_lost(rows: Sequence[Row], limit: int = 25) -> list[str]:
     """The must-keep fact instances lost most often (family, seed, mode, text)."""
     lost: list[tuple[int, str]] = []
     for row in rows:
+        extra = ", LLM summarizer" if "summarizer" in row.system else ""
         for fact in row.facts:
             if fact.kind != "must":
                 continue
@@ -1906,7 +1908,7 @@ def family_lost(rows: Sequence[Row], limit: int = 25) -> list[str]:
                 lost.append(
                     (
                         missing,
-                        f"- {row.scenario} ({row.api}, {row.mode}), {fact.what}: `{fact.text}` "
+                        f"- {row.scenario} ({row.api}, {row.mode}{extra}), {fact.what}: `{fact.text}` "
                         f"missing in {missing} of {len(due)} checked requests",
                     )
                 )
@@ -1998,17 +2000,24 @@ def family_section(
             else "This is the tuning set: heuristics may be adjusted against it."
         ),
         "",
-        *family_table(rows),
-        "",
-        "By kind of planted fact (all families and modes):",
-        "",
-        *kind_table(rows),
-        "",
-        "Where the prefix breaks (checked requests against the one before, both modes):",
-        "",
-        *breaks_table(rows),
-        "",
     ]
+    systems = list(dict.fromkeys(r.system for r in rows))
+    for system in systems:
+        mine = [r for r in rows if r.system == system]
+        if len(systems) > 1:
+            parts += [f"**{system}**:", ""]
+        parts += [
+            *family_table(mine),
+            "",
+            "By kind of planted fact (all families and modes):",
+            "",
+            *kind_table(mine),
+            "",
+            "Where the prefix breaks (checked requests against the one before, both modes):",
+            "",
+            *breaks_table(mine),
+            "",
+        ]
     lost = family_lost(rows)
     if lost:
         parts += ["Must-keep facts lost most often:", "", *lost, ""]
@@ -2021,11 +2030,13 @@ def family_section(
 
 
 async def run_families(
-    families_: Sequence[str], seeds: Sequence[int], tmp: Path
+    families_: Sequence[str], seeds: Sequence[int], tmp: Path, summarizer: bool = False
 ) -> tuple[list[Row], list[str]]:
-    """The families' conversations for these seeds through the proxy, no baselines."""
-    rows, notes = await measure(generate(list(families_), list(seeds)), False, tmp, baselines=False)
-    return [r for r in rows if r.system == "threadkeeper"], notes
+    """The families' conversations for these seeds through the proxy, no baselines;
+    `summarizer` adds the run with the LLM summarizer answering badly."""
+    scenarios = generate(list(families_), list(seeds))
+    rows, notes = await measure(scenarios, summarizer, tmp, baselines=False)
+    return [r for r in rows if r.system.startswith("threadkeeper")], notes
 
 
 def _ints(text: str) -> list[int]:
@@ -2097,7 +2108,7 @@ def main_families(args: argparse.Namespace) -> int:
             seeds = seeds[:1]
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
-            rows, notes = asyncio.run(run_families(chosen, seeds, Path(tmp)))
+            rows, notes = asyncio.run(run_families(chosen, seeds, Path(tmp), args.summarizer))
         text = family_section(name, seeds, rows, notes, time.monotonic() - started, args.label)
         print(text)
         if args.write:

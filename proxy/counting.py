@@ -43,11 +43,15 @@ class CalibratedCounter(TokenCounter):
 
     def __init__(self, base: TokenCounter, learned: Learned) -> None:
         super().__init__(base.model, base.tokenizer)
+        self.base = base
         self.learned = learned
         self.extra = learned.item_overhead
+        # What the projection caches by counter (made summaries, replays) is its own;
+        # item counts go to `base`, under the tokenizer's identity.
+        self.tokenizer_id = f"{base.tokenizer_id}+{self.extra}/item"
 
     def item(self, item: Item) -> int:
-        return super().item(item) + self.extra
+        return self.base.item(item) + self.extra
 
     def instructions(self, text: str | None) -> int:
         counted = super().instructions(text)

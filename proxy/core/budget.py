@@ -111,9 +111,24 @@ def calibrated(previous: Learned | None, sample: Sample) -> Learned:
     base = previous if previous is not None else Learned()
     samples = (*base.samples, sample)[-MAX_SAMPLES:]
     ratio, overhead = fit(samples)
-    return replace(
-        base, ratio=ratio, overhead=overhead, answers=base.answers + 1, samples=samples
-    )
+    return replace(base, ratio=ratio, overhead=overhead, answers=base.answers + 1, samples=samples)
+
+
+def corrected_window(
+    window: int, output: int, learned: Learned | None, provider_output: int = 0
+) -> int:
+    """W for the budget formula, in the proxy's own tokens: the model's window, or less
+    when the provider has a smaller one or counts more. `output` is O as the formula
+    subtracts it; `provider_output` the output the provider reserves when that is more
+    (a client's max_tokens above the policy's cap). Never above `window`. The per-item
+    overhead is not here: the budget's counter adds it to every item
+    (proxy/counting.py, CalibratedCounter), so ratio * count bounds the provider's."""
+    if learned is None:
+        return window
+    limit = min(window, learned.window) if learned.window is not None else window
+    reserve = max(output, provider_output)
+    prompt_room = max(0, limit - reserve)
+    return min(window, output + math.floor(prompt_room / max(1.0, learned.ratio)))
 
 
 # With no figures in a refusal, the window is taken to be this share of what was refused.

@@ -594,5 +594,7 @@ class Store(Protocol):
     async def learned_put(self, record: LearnedRecord) -> None:
         """Writes the record (insert or replace: the last write wins)."""
 
-    async def learned_list(self, tenant: str | None, *, limit: int = 1000) -> tuple[LearnedRecord, ...]:
+    async def learned_list(
+        self, tenant: str | None, *, limit: int = 1000
+    ) -> tuple[LearnedRecord, ...]:
         """The records of `tenant` (None: every tenant), by tenant, upstream and model."""

@@ -24,7 +24,7 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter
+from proxy.core.tokens import TokenCounter, is_openai_model
 from proxy.counting import calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
@@ -250,7 +250,9 @@ async def learned_for(request: web.Request, model: str) -> Learned | None:
         return None
     key = learned_key(request, model)
     learned = await limits.load(key, request.app.get(STORE))
-    if not request[TENANT_POLICY].names_model(model) and limits.discovery_due(key):
+    # OpenAI lists no windows: its own model names are never asked about.
+    unnamed = not request[TENANT_POLICY].names_model(model) and not is_openai_model(model)
+    if unnamed and limits.discovery_due(key):
         learned = await discover(request, model, key, limits)
     return learned
 

@@ -8,6 +8,7 @@ own count in `usage`, as real providers do."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from proxy.fake_provider import ContextWindow, FakeProvider
 from proxy.server.state import LEARNED
 
 from .conftest import Proxy
+from .test_admin_cli_e2e import cli
 
 MODEL = "llama-3-8b"
 WINDOW = 12000
@@ -189,7 +191,7 @@ async def test_ollamas_num_ctx_is_discovered_and_budgeted_to(
     # (ollama/ollama server tests); its OpenAI endpoint cuts at num_ctx without an error.
     proxy = await make_proxy(window=128000)
     shown = {
-        "parameters": "num_ctx 3000\nstop \"<|eot_id|>\"",
+        "parameters": 'num_ctx 3000\nstop "<|eot_id|>"',
         "model_info": {"general.architecture": "llama", "llama.context_length": 131072},
     }
     provider.window = ContextWindow(3000, ollama_show=shown, truncate_at=3000)
@@ -224,3 +226,27 @@ async def test_a_bad_answer_is_never_a_sample(
         await proxy.client().chat.completions.create(model=MODEL, messages=[])
     learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
     assert learned is None or learned.answers == 0
+
+
+async def test_threadkeeper_models_shows_the_window_tokenizer_and_correction(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    provider: FakeProvider,
+    tmp_path: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    store_url = f"sqlite:///{tmp_path / 'models.db'}"
+    proxy = await make_proxy(models_extra=ENTRY, store_url=store_url)
+    heavy(provider)
+    await chat_thread(proxy, 4)
+    argv = ["models", "--store", store_url, "--policies", str(proxy.policies_dir)]
+    code, out, err = await cli(capsys, *argv, "--json")
+    assert code == 0, err
+    (row,) = json.loads(out)
+    assert row["model"] == MODEL and row["tenant"] == "acme"
+    assert (row["window"], row["window_source"]) == (WINDOW, "policy")
+    assert row["tokenizer"] == "tiktoken:o200k_base"
+    assert row["ratio"] == pytest.approx(1.35, abs=0.02)
+    assert 12 <= row["overhead_per_item"] <= 18  # 14, bounded from above over few answers
+    assert row["answers"] >= 1
+    code, out, _ = await cli(capsys, *argv)
+    assert code == 0 and MODEL in out and "answers" in out

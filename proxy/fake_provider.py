@@ -285,7 +285,7 @@ class FakeProvider:
         if window.truncate_at is not None:
             prompt = min(prompt, window.truncate_at)
         key = "prompt_tokens" if "prompt_tokens" in usage else "input_tokens"
-        output = usage.get("completion_tokens", usage.get("output_tokens", 0))
+        output = usage.get("completion_tokens") or usage.get("output_tokens") or 0
         usage.update({key: prompt, "total_tokens": prompt + output})
         return result
 

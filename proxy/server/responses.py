@@ -172,7 +172,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         sent_count = len(sent)
     # In the provider's count, as its answers' usage taught it (proxy/server/learned.py).
     learned = await learned_for(request, inputs.model)
-    items = sent_count + (1 if inputs.instructions else 0)
+    sent_items = sent_count + (1 if inputs.instructions else 0)
     budgeted = calibrated_counter(counter, learned) if projected else counter
-    count = provider_count(budgeted, learned, counted, items)
+    count = provider_count(budgeted, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -84,7 +84,11 @@ class LearnedLimits:
         try:
             record = await store.learned_get(*key)
         except StoreError as exc:
+            # Read again after the TTL, not on every request while the store is down.
             log.warning("learned_limits_unreadable", model=key[2], error=str(exc))
+            if entry is None:
+                entry = self._entries[key] = _Entry(Learned(), self._now())
+            entry.read_at = self._now()
             return self.get(key)
         entry = self._entries.get(key)  # another request may have put it meanwhile
         stored = from_state(record.state) if record is not None else None

@@ -250,3 +250,22 @@ async def test_threadkeeper_models_shows_the_window_tokenizer_and_correction(
     assert row["answers"] >= 1
     code, out, _ = await cli(capsys, *argv)
     assert code == 0 and MODEL in out and "answers" in out
+
+
+async def test_a_request_with_hosted_tools_is_no_sample(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    # web_search results are added to the prompt by the provider: its usage counts text
+    # the proxy never sent.
+    proxy = await make_proxy(models_extra=ENTRY)
+    heavy(provider)
+    await proxy.client().responses.create(
+        model=MODEL,
+        input="What is new today?",
+        tools=[{"type": "web_search"}],  # type: ignore[list-item]
+    )
+    learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
+    assert learned is None or learned.answers == 0
+    await proxy.client().responses.create(model=MODEL, input="And a plain question?")
+    learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
+    assert learned is not None and learned.answers == 1

@@ -129,3 +129,19 @@ def test_ollamas_show_gives_num_ctx_first_then_the_models_length() -> None:
     )
     assert window_in_show({"parameters": "num_ctx lots"}) is None
     assert window_in_show("html") is None
+
+
+class DownStore(CountingStore):
+    async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
+        from proxy.store.base import StoreUnavailable
+
+        self.reads += 1
+        raise StoreUnavailable("down")
+
+
+async def test_a_store_that_is_down_is_not_asked_on_every_request() -> None:
+    store = DownStore()
+    limits = LearnedLimits()
+    for _ in range(3):
+        assert await limits.load(KEY, store) in (None, Learned())  # type: ignore[arg-type]
+    assert store.reads == 1

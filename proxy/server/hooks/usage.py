@@ -3,7 +3,8 @@ breakdown is logged where the projection is made, proxy/server/rebuild.py), and 
 truth every answer tells about the provider's count (issue 21, item 2): its prompt
 tokens against the proxy's own count of exactly what was sent, a sample of the model's
 correction (proxy/server/learned.py). Cached tokens are part of the prompt tokens and
-change nothing. An answer far below what was sent is a provider that cut the prompt
+change nothing; a request with hosted tools (web search, file search...) is no sample,
+as the provider adds their results to the prompt it counts. An answer far below what was sent is a provider that cut the prompt
 without a word (Ollama at its num_ctx): warned once per model, counted, never a sample."""
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class UsageHook(TurnHook):
         turn.request[LOG_FIELDS]["usage_input_tokens"] = tokens
         if turn.projection is None or turn.counter is None or tokens <= 0:
             return
+        if provider_added_input(turn.body):
+            return
         request = turn.request
         limits = request.app.get(LEARNED)
         if limits is None:
@@ -71,6 +74,21 @@ class UsageHook(TurnHook):
             return
         app = turn.request.app
         await app[LEARNED].save(self.key, app.get(STORE), app[CLOCK].iso())
+
+
+# Tools whose results the provider adds to the prompt itself (Responses' hosted tools):
+# its usage then counts text the proxy never sent, and is no sample of its count.
+OWN_TOOLS = frozenset({"function", "custom"})
+
+
+def provider_added_input(body: JsonDict) -> bool:
+    """Whether the provider may have put text of its own in the prompt it reports."""
+    if body.get("web_search_options") is not None:  # Chat's search models
+        return True
+    tools = body.get("tools")
+    return isinstance(tools, list) and any(
+        isinstance(tool, dict) and tool.get("type") not in OWN_TOOLS for tool in tools
+    )
 
 
 def truncated(request: web.Request, model: str, key: Key, tokens: int, estimate: int) -> None:

@@ -269,3 +269,22 @@ async def test_a_request_with_hosted_tools_is_no_sample(
     await proxy.client().responses.create(model=MODEL, input="And a plain question?")
     learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
     assert learned is not None and learned.answers == 1
+
+
+async def test_a_streamed_answers_usage_calibrates_too(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    window = heavy(provider)
+    messages = [{"role": "user", "content": f"Question: {WORDS}"}]
+    stream = await proxy.client().chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    assert usage[0].prompt_tokens == window.prompt(provider.model_requests[-1].json)
+    learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
+    assert learned is not None and learned.answers == 1
+    assert learned.ratio * learned.samples[0].estimate >= usage[0].prompt_tokens

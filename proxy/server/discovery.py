@@ -6,6 +6,9 @@ learned.py), with one bounded attempt each, never on every request:
 - `GET {base}/models`: vLLM's ModelCard has `max_model_len` (vllm/entrypoints/openai/
   protocol.py), OpenRouter's model `context_length` (and `top_provider.context_length`),
   LM Studio's `max_context_length`;
+- then LM Studio's own `GET /api/v1/models` (next to its /v1; lmstudio.ai/docs/developer/
+  rest/list): a model's `loaded_instances[].config.context_length` (in force), else its
+  `max_context_length`;
 - then Ollama's `POST /api/show` (next to its /v1): `model_info["<arch>.context_length"]`,
   and the `num_ctx` in force in `parameters` ("num_ctx 8192" lines), which wins when set.
 
@@ -58,6 +61,10 @@ async def _listed_window(request: web.Request, model: str) -> int | None:
     if window is not None:
         return window
     root = base.removesuffix("/v1")
+    native = await _ask(request, "GET", f"{root}/api/v1/models", None)
+    window = window_in_lmstudio(native, model)
+    if window is not None:
+        return window
     shown = await _ask(request, "POST", f"{root}/api/show", {"model": model})
     return window_in_show(shown)
 
@@ -123,6 +130,26 @@ def window_in_models(answer: Any, model: str) -> int | None:
         top = entry.get("top_provider")
         if isinstance(top, dict):
             return _positive(top.get("context_length"))
+    return None
+
+
+def window_in_lmstudio(answer: Any, model: str) -> int | None:
+    """LM Studio's `GET /api/v1/models` (`{"models": [...]}`): the smallest context a
+    loaded instance of `model` runs with, else the model's maximum."""
+    models = answer.get("models") if isinstance(answer, dict) else None
+    for entry in models if isinstance(models, list) else []:
+        if not isinstance(entry, dict) or entry.get("key") != model:
+            continue
+        loaded = entry.get("loaded_instances")
+        contexts = [
+            _positive(instance["config"].get("context_length"))
+            for instance in (loaded if isinstance(loaded, list) else [])
+            if isinstance(instance, dict) and isinstance(instance.get("config"), dict)
+        ]
+        in_force = [c for c in contexts if c is not None]
+        if in_force:
+            return min(in_force)
+        return _positive(entry.get("max_context_length"))
     return None
 
 

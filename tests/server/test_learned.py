@@ -5,7 +5,7 @@ and its stored JSON read back defensively; window discovery's answer parsing."""
 from __future__ import annotations
 
 from proxy.core.budget import Learned, Sample
-from proxy.server.discovery import window_in_models, window_in_show
+from proxy.server.discovery import window_in_lmstudio, window_in_models, window_in_show
 from proxy.server.learned import WRITE_EVERY, LearnedLimits, from_state, to_state
 from proxy.store.base import LearnedRecord
 
@@ -145,3 +145,16 @@ async def test_a_store_that_is_down_is_not_asked_on_every_request() -> None:
     for _ in range(3):
         assert await limits.load(KEY, store) in (None, Learned())  # type: ignore[arg-type]
     assert store.reads == 1
+
+
+def test_lm_studios_own_listing_gives_the_loaded_context_first() -> None:
+    # LM Studio REST API, GET /api/v1/models (lmstudio.ai/docs/developer/rest/list)
+    entry = {"type": "llm", "key": "qwen3-8b", "max_context_length": 131072}
+    loaded = {
+        **entry,
+        "loaded_instances": [{"id": "qwen3-8b", "config": {"context_length": 16384}}],
+    }
+    assert window_in_lmstudio({"models": [loaded]}, "qwen3-8b") == 16384
+    assert window_in_lmstudio({"models": [entry]}, "qwen3-8b") == 131072
+    assert window_in_lmstudio({"models": [entry]}, "other") is None
+    assert window_in_lmstudio({"method": "GET"}, "qwen3-8b") is None

@@ -38,7 +38,7 @@ from proxy.upstream import (
 
 log = structlog.get_logger("threadkeeper.discovery")
 
-TIMEOUT_SECONDS = 3.0  # each question, its answer read included
+TIMEOUT_SECONDS = 3.0  # all the questions of one discovery, their answers read included
 MAX_ANSWER_BYTES = 4 * 1024 * 1024  # a model list bigger than this is not read
 LISTED_KEYS = ("max_model_len", "context_length", "max_context_length")
 
@@ -56,20 +56,21 @@ async def discover(request: web.Request, model: str, key: Key, limits: LearnedLi
 
 async def _listed_window(request: web.Request, model: str) -> int | None:
     base = upstream_base(request, request[TENANT_POLICY])
-    models = await _ask(request, "GET", f"{base}/models", None)
+    deadline = Deadline.after(TIMEOUT_SECONDS)  # the request waits this long at most
+    models = await _ask(request, "GET", f"{base}/models", None, deadline)
     window = window_in_models(models, model)
     if window is not None:
         return window
     root = base.removesuffix("/v1")
-    native = await _ask(request, "GET", f"{root}/api/v1/models", None)
+    native = await _ask(request, "GET", f"{root}/api/v1/models", None, deadline)
     window = window_in_lmstudio(native, model)
     if window is not None:
         return window
-    shown = await _ask(request, "POST", f"{root}/api/show", {"model": model})
+    shown = await _ask(request, "POST", f"{root}/api/show", {"model": model}, deadline)
     return window_in_show(shown)
 
 
-async def _ask(request: web.Request, method: str, url: str, body: Any) -> Any:
+async def _ask(request: web.Request, method: str, url: str, body: Any, deadline: Deadline) -> Any:
     """The provider's JSON answer, or None (an error, a timeout, not JSON)."""
     policy = request[TENANT_POLICY]
     try:
@@ -89,7 +90,7 @@ async def _ask(request: web.Request, method: str, url: str, body: Any) -> Any:
         url=url,
         headers=headers,
         body=raw,
-        deadline=Deadline.after(TIMEOUT_SECONDS),
+        deadline=deadline,
         secrets=(key,) if key is not None else (),
     )
     try:

@@ -213,6 +213,12 @@ async def test_a_silent_truncation_is_counted_and_not_learnt(
     for _ in range(2):
         await client.chat.completions.create(model="llama3.1:8b", messages=history(14))
     assert await metric(proxy, "threadkeeper_silent_truncations_total", model="llama3.1:8b") == 2
+    # A provider that lists nothing is asked once (then the TTL), and "*" stands.
+    assert [r.path for r in provider.requests if r.method == "GET" or "/api/" in r.path] == [
+        "/v1/models",
+        "/api/v1/models",
+        "/api/show",
+    ]
     learned = proxy.app[LEARNED].get(("acme", provider.base_url, "llama3.1:8b"))  # type: ignore[index]
     assert learned is None or learned.answers == 0
 

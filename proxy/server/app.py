@@ -202,8 +202,10 @@ def create_app(
     app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
     app[TRACING] = tracing if tracing is not None else Tracing.from_env(app[ENV])
     app.on_cleanup.append(_flush_traces)
+
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
+    app.cleanup_ctx.append(_learned_ctx)  # after the store: written before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     app.cleanup_ctx.append(purge_ctx())
     app.cleanup_ctx.append(response_routes.purge_ctx())
@@ -288,6 +290,13 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
         await upstream.aclose()
 
     return ctx
+
+
+async def _learned_ctx(app: web.Application) -> AsyncIterator[None]:
+    """What was learnt and not yet written (proxy/server/learned.py) goes to the store at
+    shutdown, so a restart starts from it."""
+    yield
+    await app[LEARNED].flush(app.get(STORE), app[CLOCK].iso())
 
 
 async def _flush_traces(app: web.Application) -> None:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
-from proxy.counting import counter_for
+from proxy.counting import calibrated_counter, counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
@@ -32,7 +32,7 @@ from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
-from proxy.server.rebuild import off_the_loop
+from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
@@ -163,15 +163,22 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         turn.loaded = await thread_service(request.app).whole(turn.loaded)
     if is_local(request):  # compaction items count as the summary the provider would get
         await Compactions(request, None).restore(turn)
-    if turn.loaded is not None and not turn.verbatim:
+    inputs = RESPONSES.budget_inputs(body)
+    projected = turn.loaded is not None and not turn.verbatim
+    if projected:
         # The provider does not know our conversations: count what would be sent.
-        projection, _ = await project(turn)
-        count = projection.report.prompt_tokens
+        projection, counter = await project(turn)
+        counted, sent_count = projection.report.prompt_tokens, len(projection.items)
     else:
-        inputs = RESPONSES.budget_inputs(body)
         counter = await counter_for(request[TENANT_POLICY], inputs.model)
         sent = [*turn.known, *turn.new]
-        count = await off_the_loop(
+        counted = await off_the_loop(
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
+        sent_count = len(sent)
+    # In the provider's count, as its answers' usage taught it (proxy/server/learned.py).
+    learned = await learned_for(request, inputs.model)
+    sent_items = sent_count + (1 if inputs.instructions else 0)
+    budgeted = calibrated_counter(counter, learned) if projected else counter
+    count = provider_count(budgeted, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

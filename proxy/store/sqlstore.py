@@ -27,6 +27,7 @@ from proxy.store.base import (
     InspectorSession,
     ItemPage,
     JsonDict,
+    LearnedRecord,
     LedgerEntry,
     LedgerStatus,
     NewItem,
@@ -452,6 +453,33 @@ class SqlStore:
         if row is None:  # same transaction as the insert: cannot be missing
             raise RuntimeError(f"server secret {name!r} vanished")
         return str(row["value"])
+
+    # learned limits -------------------------------------------------------------------
+    async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_LEARNED, tenant, upstream, model)
+        return None if row is None else sql.learned_from_row(row)
+
+    async def learned_put(self, record: LearnedRecord) -> None:
+        async with self.db.write() as conn:
+            await conn.execute(
+                sql.UPSERT_LEARNED,
+                record.tenant,
+                record.upstream,
+                record.model,
+                sql.dumps(record.state),
+                record.updated_at,
+            )
+
+    async def learned_list(
+        self, tenant: str | None, *, limit: int = 1000
+    ) -> tuple[LearnedRecord, ...]:
+        async with self.db.read() as conn:
+            if tenant is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEARNED, limit)
+            else:
+                rows = await conn.fetch(sql.LIST_LEARNED, tenant, limit)
+        return tuple(map(sql.learned_from_row, rows))
 
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:

@@ -61,7 +61,10 @@ CONVERSATIONS_PER_CLIENT = 2  # 32 clients: up to 640 turns
 MANY = 32
 PROFILE_CLIENTS = 8
 PROFILE_LINES = 15
-PROFILE_CONVERSATIONS = 20
+# Few conversations, many turns each: the first turn of each, on a proxy that never read
+# it, loads the whole window; the rest are the turns the measurement times.
+PROFILE_CONVERSATIONS = 4
+PROFILE_TURNS = 50
 
 # A window the 200-item conversation fits in: the cell measures the turn, not a trim.
 POLICY = """\
@@ -254,10 +257,14 @@ async def timed(request: Request, concurrency: int, seconds: float) -> Cell:
 
 
 async def conversation_turns(
-    base: str, conversations: Sequence[str], concurrency: int, seconds: float
+    base: str,
+    conversations: Sequence[str],
+    concurrency: int,
+    seconds: float,
+    turns: int = TURNS_PER_CONVERSATION,
 ) -> Cell:
-    """Each client takes its own conversations, TURNS_PER_CONVERSATION turns each, until
-    they are used up or `seconds` have passed."""
+    """Each client takes its own conversations, `turns` turns each, until they are used up
+    or `seconds` have passed."""
     async with session(concurrency) as http:
         latencies: list[float] = []
         deadline = time.perf_counter() + seconds
@@ -265,7 +272,7 @@ async def conversation_turns(
         async def client(mine: Sequence[str]) -> None:
             for conversation in mine:
                 turn = post(f"{base}/v1/responses", turn_body(conversation))
-                for _ in range(TURNS_PER_CONVERSATION):
+                for _ in range(turns):
                     if time.perf_counter() >= deadline:
                         return
                     latencies.append(await turn(http))
@@ -381,7 +388,13 @@ def serve_supports_workers() -> bool:
 
 
 def start_proxy(
-    name: str, stub: Server, tmp: Path, *, workers: int | None, prefix: Sequence[str] = ()
+    name: str,
+    stub: Server,
+    tmp: Path,
+    *,
+    workers: int | None,
+    prefix: Sequence[str] = (),
+    database: str | None = None,
 ) -> Server:
     port = free_port()
     command = [
@@ -396,7 +409,7 @@ def start_proxy(
         "--policies",
         str(tmp / "policies"),
         "--store",
-        f"sqlite:///{tmp}/{name}.db",
+        f"sqlite:///{tmp}/{database or name}.db",
     ]
     if workers is not None:
         command += ["--workers", str(workers)]
@@ -555,6 +568,19 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     return run
 
 
+def profile_only(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
+    """The profiles alone (to look at a change quickly): nothing is measured."""
+    run = Run(args.seconds, False, "skipped")
+    stub = start_stub()
+    try:
+        Path(tmp, "policies").mkdir()
+        Path(tmp, "policies", "default.yaml").write_text(POLICY)
+        profile(run, stub, tmp)
+    finally:
+        stub.stop()
+    return [[run.profile_note], *run.profiles.values()]
+
+
 async def run_cells(
     run: Run,
     stub: Server,
@@ -618,10 +644,25 @@ def profile(run: Run, stub: Server, tmp: Path) -> None:
     except ImportError:
         run.profile_note = "skipped: pyinstrument is not installed (`pip install -e '.[bench]'`)"
         return
+    # The conversations are seeded by a proxy that is not profiled, on the same database.
+    seeder = start_proxy("seeder", stub, tmp, workers=None)
+    try:
+        conversations = asyncio.run(seed_conversations(seeder.base, PROFILE_CONVERSATIONS))
+    finally:
+        seeder.stop()
+
+    async def hammer_turns(proxy: Server, seconds: float) -> int:
+        """Turns on the seeded 200-item conversations, one client."""
+        cell = await conversation_turns(proxy.base, conversations, 1, seconds * 4, PROFILE_TURNS)
+        return len(cell.latencies)
+
     for case, drive in (("passthrough", hammer_chat), ("responses", hammer_turns)):
         session_file = Path(tmp, f"profile-{case}.pyisession")
         prefix = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session_file)]
-        proxy = start_proxy(f"profiled-{case}", stub, tmp, workers=None, prefix=prefix)
+        database = "seeder" if case == "responses" else None
+        proxy = start_proxy(
+            f"profiled-{case}", stub, tmp, workers=None, prefix=prefix, database=database
+        )
         try:
             requests = asyncio.run(drive(proxy, run.seconds))
         finally:
@@ -645,14 +686,6 @@ async def hammer_chat(proxy: Server, seconds: float) -> int:
     """The passthrough under load: PROFILE_CLIENTS clients for `seconds`; requests sent."""
     request = post(proxy.base + "/v1/chat/completions", encode(chat_body()))
     return len((await timed(request, PROFILE_CLIENTS, seconds)).latencies) + WARMUP
-
-
-async def hammer_turns(proxy: Server, seconds: float) -> int:
-    """Turns on 200-item conversations, one client (the seeding is profiled too, but its
-    share is small next to PROFILE_CONVERSATIONS * TURNS_PER_CONVERSATION turns)."""
-    conversations = await seed_conversations(proxy.base, PROFILE_CONVERSATIONS)
-    cell = await conversation_turns(proxy.base, conversations, 1, seconds * 4)
-    return len(cell.latencies) + PROFILE_CONVERSATIONS
 
 
 # One sample: the frames from the event loop's callback down (outermost first), seconds.
@@ -901,7 +934,7 @@ def render(run: Run, title: str) -> str:
 PROFILED = {
     "passthrough": f"the chat passthrough, {PROFILE_CLIENTS} clients",
     "responses": f"Responses turns on {PROFILE_CONVERSATIONS} conversations of "
-    f"{PRIOR_ITEMS} items, 1 client",
+    f"{PRIOR_ITEMS} items (up to {PROFILE_TURNS} turns each), 1 client",
 }
 
 
@@ -930,7 +963,12 @@ def main() -> None:
     parser.add_argument("--litellm-python", help="an interpreter with litellm[proxy]")
     parser.add_argument("--output", type=Path, help="also write the section to this file")
     parser.add_argument("--title", default="Overhead", help="the section of bench/RESULTS.md")
+    parser.add_argument("--profile-only", action="store_true", help="print the profiles only")
     args = parser.parse_args()
+    if args.profile_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("\n\n".join("\n".join(lines) for lines in profile_only(args, Path(tmp))))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         run = measure(args, Path(tmp))
     report = render(run, args.title)

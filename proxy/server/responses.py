@@ -87,7 +87,7 @@ def validate_responses(body: JsonDict) -> None:
     compaction_threshold(body)
 
 
-# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; README).
+# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; docs/features.md).
 TRUNCATION = ("auto", "disabled")
 
 

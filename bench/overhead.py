@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gpt-4o-mini"
 HEADERS = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
 WARMUP = 20
+ROUNDS = 3  # each stateless cell is measured in this many turns, the targets interleaved
 PRIOR_ITEMS = 200
 TURNS_PER_CONVERSATION = 10
 SINGLE_CONVERSATIONS = 10  # 1 client: up to 100 turns
@@ -254,6 +255,20 @@ async def timed(request: Request, concurrency: int, seconds: float) -> Cell:
         begin = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return Cell(latencies, time.perf_counter() - begin)
+
+
+async def in_rounds(
+    requests: dict[str, Request], concurrency: int, seconds: float, rounds: int = ROUNDS
+) -> dict[str, Cell]:
+    """Each target `seconds` in all, in `rounds` turns taken one after the other, so that a
+    change of the machine's load falls on every target alike (the ratios are the result)."""
+    cells = {name: Cell() for name in requests}
+    for _ in range(rounds):
+        for name, request in requests.items():
+            part = await timed(request, concurrency, seconds / rounds)
+            cells[name].latencies += part.latencies
+            cells[name].seconds += part.seconds
+    return cells
 
 
 async def conversation_turns(
@@ -596,17 +611,16 @@ async def run_cells(
     unsupported = skipped("not supported by this build")
     no_litellm = skipped("skipped")
     passthrough = [stub, bare, one, two, litellm]
+    servers = [server for server in passthrough if server is not None]
     for label, concurrency in (("chat_1", 1), ("chat_32", MANY)):
-        for server in passthrough:
-            if server is not None:
-                request = post(server.base + chat_path, chat)
-                run.cells[(label, server.name)] = await timed(request, concurrency, seconds)
+        requests = {server.name: post(server.base + chat_path, chat) for server in servers}
+        for name, cell in (await in_rounds(requests, concurrency, seconds)).items():
+            run.cells[(label, name)] = cell
         run.cells.setdefault((label, "threadkeeper-2w"), unsupported)
         run.cells.setdefault((label, "litellm"), no_litellm)
-    for server in passthrough:
-        if server is not None:
-            request = first_byte(server.base + chat_path, streamed)
-            run.cells[("ttfb", server.name)] = await timed(request, 1, seconds)
+    requests = {server.name: first_byte(server.base + chat_path, streamed) for server in servers}
+    for name, cell in (await in_rounds(requests, 1, seconds)).items():
+        run.cells[("ttfb", name)] = cell
     run.cells.setdefault(("ttfb", "threadkeeper-2w"), unsupported)
     run.cells.setdefault(("ttfb", "litellm"), no_litellm)
 
@@ -620,10 +634,9 @@ async def run_cells(
             await conversation_turns(server.base, single[-1:], 1, seconds)  # warm-up
             seeded[server.name] = (single[:-1], many)
     for label, concurrency, which in (("responses_1", 1, 0), ("responses_32", MANY, 1)):
-        for server in (stub, bare):
-            run.cells[(label, server.name)] = await timed(
-                post(server.base + responses_path, stateless), concurrency, seconds
-            )
+        requests = {s.name: post(s.base + responses_path, stateless) for s in (stub, bare)}
+        for name, cell in (await in_rounds(requests, concurrency, seconds)).items():
+            run.cells[(label, name)] = cell
         for server in (one, two):
             if server is not None:
                 run.cells[(label, server.name)] = await conversation_turns(

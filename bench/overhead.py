@@ -1,13 +1,16 @@
-"""Proxy overhead: direct to the provider stub vs through threadkeeper (and LiteLLM), one run.
+"""Proxy overhead: direct to the provider stub, through a bare aiohttp relay, through
+threadkeeper (and LiteLLM), one run.
 
-    python bench/overhead.py [--seconds 3] [--write] [--litellm-python PATH]
+    python bench/overhead.py [--seconds 3] [--write] [--title T] [--profile-only]
+                             [--litellm-python PATH]
 
-Every figure of issue 9's "Measurement" section, from one run on loopback. The provider
-stub (`proxy.fake_provider.FakeProvider`), each proxy (`python -m proxy serve`, and
-LiteLLM's proxy when `litellm[proxy]` imports) and this client run as separate
+Every figure of issue 23's "Measurement" section, from one run on loopback, as ratios to
+the bare relay (bench/bare_relay.py: the floor any Python hop pays). The provider stub
+(`proxy.fake_provider.FakeProvider`), the bare relay, each proxy (`python -m proxy serve`,
+and LiteLLM's proxy when `litellm[proxy]` imports) and this client run as separate
 processes; the client is an `aiohttp.ClientSession` with one pooled connection per
-concurrent client, so the direct figure is the stub's, not the client's. Cells, each
-run against every target in turn so load drift hits them alike:
+concurrent client, so the direct figure is the stub's, not the client's. Cells, the
+stateless ones in interleaved rounds so load drift hits every target alike:
 
 - chat passthrough: 20 messages that fit, no thread; 1 client (p50) and 32 clients
   (requests/s), through `serve` with 1 worker and, when the build has `--workers`, 2;
@@ -18,13 +21,14 @@ run against every target in turn so load drift hits them alike:
   request too (it keeps no conversations);
 - streamed chat: time to the first body bytes (the first SSE event);
 - the proxy's resident memory (VmRSS of it and its child processes) after the run;
-- a profile: a fresh proxy under pyinstrument, the passthrough hammered for a few
-  seconds, the heaviest frames of the call tree and of self time.
+- two profiles, each in a fresh proxy under pyinstrument: the passthrough hammered for a
+  few seconds, and warm turns on 200-item conversations (seeded by another proxy on the
+  same database); the heaviest frames of the call tree and of self time.
 
 LiteLLM is looked for in this interpreter, then in `.venv-litellm/` at the repo root
 (`python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`),
 or where `--litellm-python` points; without it its column says why. --write replaces
-the "## Overhead" section of bench/RESULTS.md.
+the "## Overhead" section of bench/RESULTS.md (`--title`: another section).
 """
 
 from __future__ import annotations
@@ -202,7 +206,7 @@ def skipped(note: str) -> Cell:
     return Cell(note=note)
 
 
-Request = Callable[[aiohttp.ClientSession], Awaitable[float]]
+Request = Callable[[aiohttp.ClientSession], Awaitable[float | None]]
 
 
 def post(url: str, body: bytes) -> Request:
@@ -250,7 +254,9 @@ async def timed(request: Request, concurrency: int, seconds: float) -> Cell:
 
         async def client() -> None:
             while time.perf_counter() < deadline:
-                latencies.append(await request(http))
+                latency = await request(http)
+                assert latency is not None
+                latencies.append(latency)
 
         begin = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -269,6 +275,40 @@ async def in_rounds(
             cells[name].latencies += part.latencies
             cells[name].seconds += part.seconds
     return cells
+
+
+async def alternating(requests: dict[str, Request | None], seconds: float) -> dict[str, Cell]:
+    """One client sending each target a request in turn, for `seconds` per target: on a
+    shared machine every target then meets the same load (a ratio of two p50s measured
+    minutes apart would not). A Request that returns None is used up and left out."""
+    cells = {name: Cell() for name in requests}
+    live = {name: request for name, request in requests.items() if request is not None}
+    async with session(1) as http:
+        for request in live.values():
+            for _ in range(WARMUP // 4):
+                await request(http)
+        deadline = time.perf_counter() + seconds * len(live)
+        while live and time.perf_counter() < deadline:
+            for name, request in list(live.items()):
+                started = time.perf_counter()
+                latency = await request(http)
+                if latency is None:
+                    del live[name]
+                    continue
+                cells[name].latencies.append(latency)
+                cells[name].seconds += time.perf_counter() - started
+    return cells
+
+
+def turns_of(base: str, conversations: Sequence[str], turns: int) -> Request:
+    """The next turn of `conversations`, `turns` each in order; None once they are used."""
+    bodies = iter([turn_body(c) for c in conversations for _ in range(turns)])
+
+    async def send(http: aiohttp.ClientSession) -> float | None:
+        body = next(bodies, None)
+        return None if body is None else await post(f"{base}/v1/responses", body)(http)
+
+    return send
 
 
 async def conversation_turns(
@@ -290,7 +330,9 @@ async def conversation_turns(
                 for _ in range(turns):
                     if time.perf_counter() >= deadline:
                         return
-                    latencies.append(await turn(http))
+                    latency = await turn(http)
+                    assert latency is not None
+                    latencies.append(latency)
 
         begin = time.perf_counter()
         await asyncio.gather(*(client(conversations[i::concurrency]) for i in range(concurrency)))
@@ -612,14 +654,18 @@ async def run_cells(
     no_litellm = skipped("skipped")
     passthrough = [stub, bare, one, two, litellm]
     servers = [server for server in passthrough if server is not None]
-    for label, concurrency in (("chat_1", 1), ("chat_32", MANY)):
-        requests = {server.name: post(server.base + chat_path, chat) for server in servers}
-        for name, cell in (await in_rounds(requests, concurrency, seconds)).items():
-            run.cells[(label, name)] = cell
+    chats: dict[str, Request | None] = {s.name: post(s.base + chat_path, chat) for s in servers}
+    for name, cell in (await alternating(chats, seconds)).items():
+        run.cells[("chat_1", name)] = cell
+    for name, cell in (await in_rounds(chats, MANY, seconds)).items():
+        run.cells[("chat_32", name)] = cell
+    for label in ("chat_1", "chat_32"):
         run.cells.setdefault((label, "threadkeeper-2w"), unsupported)
         run.cells.setdefault((label, "litellm"), no_litellm)
-    requests = {server.name: first_byte(server.base + chat_path, streamed) for server in servers}
-    for name, cell in (await in_rounds(requests, 1, seconds)).items():
+    streams: dict[str, Request | None] = {
+        s.name: first_byte(s.base + chat_path, streamed) for s in servers
+    }
+    for name, cell in (await alternating(streams, seconds)).items():
         run.cells[("ttfb", name)] = cell
     run.cells.setdefault(("ttfb", "threadkeeper-2w"), unsupported)
     run.cells.setdefault(("ttfb", "litellm"), no_litellm)
@@ -633,20 +679,29 @@ async def run_cells(
             many = await seed_conversations(server.base, MANY * CONVERSATIONS_PER_CLIENT)
             await conversation_turns(server.base, single[-1:], 1, seconds)  # warm-up
             seeded[server.name] = (single[:-1], many)
-    for label, concurrency, which in (("responses_1", 1, 0), ("responses_32", MANY, 1)):
-        requests = {s.name: post(s.base + responses_path, stateless) for s in (stub, bare)}
-        for name, cell in (await in_rounds(requests, concurrency, seconds)).items():
-            run.cells[(label, name)] = cell
-        for server in (one, two):
-            if server is not None:
-                run.cells[(label, server.name)] = await conversation_turns(
-                    server.base, seeded[server.name][which], concurrency, seconds + 2
-                )
+    stateful = [server for server in (one, two) if server is not None]
+    singles: dict[str, Request | None] = {
+        s.name: post(s.base + responses_path, stateless) for s in (stub, bare)
+    }
+    if litellm:
+        singles["litellm"] = post(litellm.base + responses_path, stateless)
+    for server in stateful:
+        singles[server.name] = turns_of(server.base, seeded[server.name][0], TURNS_PER_CONVERSATION)
+    for name, cell in (await alternating(singles, seconds)).items():
+        run.cells[("responses_1", name)] = cell
+    many = {s.name: post(s.base + responses_path, stateless) for s in (stub, bare)}
+    for name, cell in (await in_rounds(many, MANY, seconds)).items():
+        run.cells[("responses_32", name)] = cell
+    for server in stateful:
+        run.cells[("responses_32", server.name)] = await conversation_turns(
+            server.base, seeded[server.name][1], MANY, seconds + 2
+        )
+    if litellm:
+        run.cells[("responses_32", "litellm")] = await timed(
+            post(litellm.base + responses_path, stateless), MANY, seconds
+        )
+    for label in ("responses_1", "responses_32"):
         run.cells.setdefault((label, "threadkeeper-2w"), unsupported)
-        if litellm:
-            run.cells[(label, "litellm")] = await timed(
-                post(litellm.base + responses_path, stateless), concurrency, seconds
-            )
         run.cells.setdefault((label, "litellm"), no_litellm)
 
 

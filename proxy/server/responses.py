@@ -49,15 +49,21 @@ from proxy.server.validate import (
 )
 
 
-def validate_responses(body: JsonDict) -> None:
-    if body.get("model") is not None:  # optional: a stored `prompt` may name the model
-        required_string(body, "model")
+def validate_input(body: JsonDict) -> None:
+    """`input` (of a response or a compaction): a string, or input items none of which
+    repeats another's id."""
     value = body.get("input")
     if value is not None and not isinstance(value, str):
         items = list_of_objects(value, "input")
         for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
         no_repeated_ids(items, "input")
+
+
+def validate_responses(body: JsonDict) -> None:
+    if body.get("model") is not None:  # optional: a stored `prompt` may name the model
+        required_string(body, "model")
+    validate_input(body)
     optional(body, "instructions", str)
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)
@@ -81,7 +87,7 @@ def validate_responses(body: JsonDict) -> None:
     compaction_threshold(body)
 
 
-# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; README).
+# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; docs/features.md).
 TRUNCATION = ("auto", "disabled")
 
 

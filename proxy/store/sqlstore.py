@@ -2,18 +2,17 @@
 
 The SQLite and PostgreSQL backends differ in how they open connections, begin
 transactions and lock; they run the same statements (proxy/store/sql.py) with the same
-logic, which lives here once. A backend supplies a `Database`: `read()` yields a
-connection inside a consistent read snapshot, `write()` one inside a write transaction
-that commits on exit and rolls back on any exception, so a raised `VersionConflict`
-leaves nothing behind.
+logic, which lives here once. A backend supplies a `Database` (proxy/store/database.py):
+`read()` yields a connection inside a consistent read snapshot, `write()` one inside a
+write transaction that commits on exit and rolls back on any exception, so a raised
+`VersionConflict` leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from proxy.core.checkpoint import without_cut
 from proxy.namespaces import caller_prefix
@@ -43,42 +42,12 @@ from proxy.store.base import (
     VersionConflict,
     Window,
 )
+from proxy.store.database import Conn, Database
 from proxy.store.migrate import migrate
-
-
-class Conn(Protocol):
-    """The statements a backend runs, with `$n` placeholders. Unique-key violations raise
-    `AlreadyExists`."""
-
-    async def execute(self, query: str, *args: Any) -> int:
-        """Run one statement; returns the number of rows it changed."""
-
-    async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None: ...
-
-    async def fetch(self, query: str, *args: Any) -> list[sql.Row]: ...
-
-    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None: ...
-
 
 # How long readiness reports a store that refused a write for lack of space (disk full):
 # an emptied disk is trusted again after this, even with no traffic to prove it.
 FULL_REMEMBERED_SECONDS = 5.0
-
-
-class Database(Protocol):
-    """Raises StoreUnavailable (never a driver error) when the database is unreachable,
-    slower than the store timeouts, or out of space."""
-
-    dialect: str  # "sqlite" | "postgres": names the migrations folder
-    full_at: float | None  # time.monotonic() of the last write refused for lack of space
-
-    def read(self) -> AbstractAsyncContextManager[Conn]: ...
-
-    def write(self, *, bounded: bool = True) -> AbstractAsyncContextManager[Conn]:
-        """`bounded=False`: no store timeout (migrations at start)."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class SqlStore:

@@ -26,6 +26,7 @@ from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
 from proxy.counting import counter_for
 from proxy.server.api import RESPONSES
+from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
@@ -95,6 +96,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     request[LOG_FIELDS].update(model=body.get("model"))
     if await resolve_references(request, body):
         raw = fastjson.dumps(body)
+    await check_translatable(request, request[TENANT_POLICY], body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if is_local(request):  # else compaction is the provider's (policy compaction.mode)
         hooks.insert(0, Compactions(request, compaction_threshold(body)))

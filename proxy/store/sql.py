@@ -233,6 +233,15 @@ ON CONFLICT (name) DO NOTHING
 
 SELECT_SECRET = "SELECT value FROM server_secrets WHERE name = $1"
 
+# upstream APIs (migration 015): the first write wins -----------------------------------
+
+INSERT_UPSTREAM_API = """
+INSERT INTO upstream_apis (tenant, base_url, api, learned_at) VALUES ($1, $2, $3, $4)
+ON CONFLICT (tenant, base_url) DO NOTHING
+"""
+
+SELECT_UPSTREAM_API = "SELECT api FROM upstream_apis WHERE tenant = $1 AND base_url = $2"
+
 # ledger --------------------------------------------------------------------------------
 
 LEDGER_COLUMNS = (

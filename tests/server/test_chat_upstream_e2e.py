@@ -14,11 +14,13 @@ import httpx
 import openai
 import pytest
 import yaml
+from agents import OpenAIConversationsSession, Runner
 
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.sse import DONE, encode_event, encode_json_event
 
 from .conftest import TENANT_KEY, Proxy
+from .test_agents_sdk_e2e import LOOKUPS, agent_for
 
 CHAT = ", api: chat"
 SPEC = Path("/work/shared/openapi/openai-openapi.yaml")
@@ -481,3 +483,51 @@ async def test_http_errors_are_not_500s(make_proxy: MakeProxy, provider: FakePro
         answer = await http.post("/responses", json={"model": "gpt-4o", "input": "x"}, headers=AUTH)
     assert answer.status_code == 502
     assert answer.json()["error"]["code"] == "bad_upstream_answer"
+
+
+# -- the Agents SDK, unchanged ----------------------------------------------------------------
+
+
+async def test_the_agents_sdk_runs_a_tool_loop_and_a_session_over_chat(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy()  # upstream.api: auto
+    LOOKUPS.clear()
+    session = OpenAIConversationsSession(openai_client=proxy.client())
+    agent = agent_for(proxy)
+    provider.script += [
+        Reply(tool_calls=[("order_status", '{"order_id": "ORD-7"}')]),
+        Reply(text="ORD-7 has shipped."),
+        Reply(text="You asked about ORD-7."),
+    ]
+    first = await Runner.run(agent, "Where is ORD-7?", session=session)
+    assert first.final_output == "ORD-7 has shipped."
+    second = await Runner.run(agent, "Which order did I ask about?", session=session)
+    assert second.final_output == "You asked about ORD-7."
+    assert LOOKUPS == ["ORD-7"]
+    assert paths(provider).count("/v1/responses") == 1  # learnt once, then Chat only
+    messages = last_chat(provider)["messages"]
+    assert [m["role"] for m in messages] == [
+        "system", "user", "assistant", "tool", "assistant", "user",
+    ]  # fmt: skip
+    assert messages[2]["tool_calls"][0]["id"] == messages[3]["tool_call_id"]
+    items = await session.get_items()
+    assert [i.get("role") or i.get("type") for i in items] == [
+        "user", "function_call", "function_call_output", "assistant", "user", "assistant",
+    ]  # fmt: skip
+
+
+async def test_the_agents_sdk_streams_over_chat(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    LOOKUPS.clear()
+    provider.script += [
+        Reply(tool_calls=[("order_status", '{"order_id": "ORD-9"}')]),
+        Reply(text="ORD-9 has shipped."),
+    ]
+    result = Runner.run_streamed(agent_for(proxy), "Where is ORD-9?")
+    async for _ in result.stream_events():
+        pass
+    assert result.final_output == "ORD-9 has shipped."
+    assert LOOKUPS == ["ORD-9"]

@@ -21,6 +21,7 @@ from proxy.sse import DONE, encode_event, encode_json_event
 
 from .conftest import TENANT_KEY, Proxy
 from .test_agents_sdk_e2e import LOOKUPS, agent_for
+from .test_docs_snippets_e2e import SNIPPETS, run
 
 CHAT = ", api: chat"
 SPEC = Path("/work/shared/openapi/openai-openapi.yaml")
@@ -531,3 +532,14 @@ async def test_the_agents_sdk_streams_over_chat(
         pass
     assert result.final_output == "ORD-9 has shipped."
     assert LOOKUPS == ["ORD-9"]
+
+
+async def test_the_documented_agents_snippet_runs_unchanged_over_chat(
+    proxy: Proxy, provider: FakeProvider, tmp_path: Path
+) -> None:
+    (snippet,) = [s for s in SNIPPETS if "from agents import" in s.code]
+    ran = await run(snippet.code, proxy, tmp_path)
+    assert ran.code == 0, ran.output
+    assert paths(provider) == ["/v1/responses", *["/v1/chat/completions"] * 2]
+    contents = [m.get("content") for m in last_chat(provider)["messages"]]
+    assert "Where is my order 4417?" in contents and contents[-1] == "Refund it."

@@ -53,7 +53,10 @@ DROPPED = frozenset(
 )
 # Forwarded under the same name (both APIs define them alike).
 SAME_NAME = ("model", "temperature", "top_p", "user", "safety_identifier", "service_tier")
-# Input items with no Chat form (hosted tools' calls, custom tools, computer use...).
+# Input items not sent: reasoning (a Chat provider makes none; issue 25), and the items
+# the proxy replaces before forwarding (compaction items become summary text, references
+# their items: proxy/server/compaction.py, responses.py), seen when a request is checked.
+NOT_SENT = frozenset({"reasoning", "compaction", "compaction_trigger", "item_reference"})
 PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -124,7 +127,7 @@ def chat_messages(value: Any, instructions: Any, ids: NewId) -> list[JsonDict]:
             )
         elif kind == "message":
             messages.append(_message(item, where))
-        elif kind != "reasoning":  # a Chat provider made no reasoning items (issue 25)
+        elif kind not in NOT_SENT:
             raise untranslatable(f"An input item of type '{kind}'", where)
         previous = kind
     return messages

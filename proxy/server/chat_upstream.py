@@ -74,11 +74,23 @@ async def learn_chat(request: web.Request, policy: Policy) -> None:
     request.app[UPSTREAM_APIS][key] = learnt
 
 
+# The last translation of the request, by the body and the `input` it was made from: a
+# stateless turn whose projection changed nothing sends the client's own body, translated
+# already by check_translatable. A projection gives the body a new `input` list
+# (ApiShape.with_items); the hooks' upstream_body only changes params Chat never gets.
+TRANSLATION: web.RequestKey[tuple[JsonDict, Any, JsonDict]] = web.RequestKey("translation", tuple)
+
+
 def translated(request: web.Request, policy: Policy, body: JsonDict) -> JsonDict:
     """The Chat request for `body` (a 400 naming what Chat cannot carry)."""
+    done = request.get(TRANSLATION)
+    if done is not None and done[0] is body and done[1] is body.get("input"):
+        return done[2]
     host = URL(upstream_base(request, policy)).host or ""
     field = "max_completion_tokens" if host.endswith(OPENAI_HOSTS) else "max_tokens"
-    return chat_request(body, ids=new_id, max_tokens_field=field)
+    chat = chat_request(body, ids=new_id, max_tokens_field=field)
+    request[TRANSLATION] = (body, body.get("input"), chat)
+    return chat
 
 
 async def check_translatable(request: web.Request, policy: Policy, body: JsonDict) -> None:

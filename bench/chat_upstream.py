@@ -155,6 +155,8 @@ def proxy_own_ms(log: Path) -> list[float]:
 
 def render(cells: dict[str, Cell], requests: int) -> str:
     lines = [
+        "## Chat-only upstreams",
+        "",
         f"`python bench/chat_upstream.py --requests {requests} --write`"
         f" (Python {sys.version.split()[0]}): a stateless Responses turn with a {ITEMS}-item"
         " agent history (function calls and outputs included), 1 client, the cells"

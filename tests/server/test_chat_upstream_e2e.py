@@ -543,3 +543,53 @@ async def test_the_documented_agents_snippet_runs_unchanged_over_chat(
     assert paths(provider) == ["/v1/responses", *["/v1/chat/completions"] * 2]
     contents = [m.get("content") for m in last_chat(provider)["messages"]]
     assert "Where is my order 4417?" in contents and contents[-1] == "Refund it."
+
+
+# -- the ledger on translated turns -----------------------------------------------------------
+
+LEDGER_POLICY = """\
+tools:
+  refund_order:
+    side_effect: true
+    idempotency_key: "refund:{order_id}"
+    on_duplicate: replay
+"""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_repeated_side_effect_is_replayed_and_the_turn_continues_over_chat(
+    make_proxy: MakeProxy, provider: FakeProvider, stream: bool
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT, acme_extra=LEDGER_POLICY)
+    client = proxy.client()
+    tools: Any = [{"type": "function", "name": "refund_order", "parameters": {"type": "object"}}]
+    refund = ("refund_order", '{"order_id": "ORD-1"}')
+    provider.script += [
+        Reply(tool_calls=[refund]),
+        Reply(text="Refunded."),
+        Reply(tool_calls=[refund]),  # the model asks again: the ledger replays the result
+        Reply(text="It was refunded already."),
+    ]
+    conversation = await client.conversations.create()
+    first = await client.responses.create(
+        model="gpt-4o", input="Refund ORD-1", conversation=conversation.id, tools=tools
+    )
+    [call] = [item for item in first.output if item.type == "function_call"]
+    output: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "done"}]
+    await client.responses.create(
+        model="gpt-4o", input=output, conversation=conversation.id, tools=tools
+    )
+    again = {"model": "gpt-4o", "input": "Refund it again", "conversation": conversation.id}
+    if stream:
+        events = await sse_events(proxy, {**again, "tools": tools})
+        final = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed"
+        text = final["output"][-1]["content"][0]["text"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    else:
+        text = (await client.responses.create(**again, tools=tools)).output_text
+    assert text == "It was refunded already."
+    assert set(paths(provider)) == {"/v1/chat/completions"}
+    continued = last_chat(provider)["messages"]
+    assert continued[-1]["role"] == "tool" and continued[-2]["role"] == "assistant"
+    assert continued[-1]["tool_call_id"] == continued[-2]["tool_calls"][0]["id"]

@@ -593,3 +593,26 @@ async def test_a_repeated_side_effect_is_replayed_and_the_turn_continues_over_ch
     continued = last_chat(provider)["messages"]
     assert continued[-1]["role"] == "tool" and continued[-2]["role"] == "assistant"
     assert continued[-1]["tool_call_id"] == continued[-2]["tool_calls"][0]["id"]
+
+
+async def test_auto_refuses_a_hosted_tool_found_chat_only_and_keeps_nothing(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy()  # upstream.api: auto, nothing learnt yet
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(
+            model="gpt-4o",
+            input="news?",
+            conversation=conversation.id,
+            tools=[{"type": "web_search"}],
+        )
+    body: Any = caught.value.body
+    assert body["param"] == "tools[0]"
+    assert paths(provider) == ["/v1/responses"]  # nothing went to Chat
+    assert (await client.conversations.items.list(conversation.id)).data == []
+    provider.script.append(Reply(text="ok"))
+    answer = await client.responses.create(model="gpt-4o", input="hi", conversation=conversation.id)
+    assert answer.output_text == "ok"
+    assert paths(provider)[1:] == ["/v1/responses", "/v1/chat/completions"]

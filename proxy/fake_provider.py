@@ -132,8 +132,11 @@ class RecordedRequest:
 class FakeProvider:
     """An OpenAI-compatible server on loopback with scripted answers."""
 
-    def __init__(self, models: Sequence[str] = MODELS) -> None:
+    def __init__(self, models: Sequence[str] = MODELS, *, chat_only: bool = False) -> None:
         self.models = tuple(models)
+        # Ollama, llama.cpp, TGI...: /v1/responses is a 404, and Chat requests are held
+        # to Chat's own rules (chat_rules_error).
+        self.chat_only = chat_only
         self.requests: list[RecordedRequest] = []
         self.script: list[Reply] = []
         # Replies for requests of one model, taken before `script` (a summarizer model's
@@ -213,6 +216,9 @@ class FakeProvider:
         return await self._model_request(request, chat_completion, chat_stream_frames)
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
+        if self.chat_only:
+            await self._record(request)
+            return web.json_response({"detail": "Not Found"}, status=404)
         return await self._model_request(request, response_object, response_stream_frames)
 
     async def _model_request(
@@ -221,6 +227,8 @@ class FakeProvider:
         body = (await self._record(request)).json
         if not isinstance(body, dict):
             return error_response(400, "We could not parse the JSON body of your request.")
+        if self.chat_only and (broken := chat_rules_error(body)) is not None:
+            return error_response(400, broken[0], param=broken[1])
         unpaired = unpaired_call_error(request.path, body)
         if unpaired is not None:  # refused before any reply is generated, as OpenAI does
             return error_response(
@@ -436,6 +444,54 @@ def unpaired_call_error(path: str, body: JsonDict) -> str | None:
             f"response messages: {', '.join(missing)}"
         )
     return f"No tool output found for function call {missing[0]}."
+
+
+# CreateChatCompletionRequest's properties (/work/shared/openapi): anything else is refused.
+CHAT_PARAMS = frozenset(
+    {
+        "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+        "max_completion_tokens", "max_tokens", "messages", "metadata", "modalities", "model",
+        "moderation", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+        "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+        "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier",
+        "stop", "store", "stream", "stream_options", "temperature", "tool_choice", "tools",
+        "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+    }
+)  # fmt: skip
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+def chat_rules_error(body: JsonDict) -> tuple[str, str] | None:
+    """Chat Completions' own 400s (message, param), as OpenAI words them: an unknown
+    param, a bad role, a tool message that does not answer a call of the assistant
+    message right before it, a `tools` entry not of Chat's shape."""
+    for key in body:
+        if key not in CHAT_PARAMS:
+            return f"Unrecognized request argument supplied: {key}", key
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "Missing required parameter: 'messages'.", "messages"
+    open_calls: set[str] = set()
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        where = f"messages[{index}]"
+        if role not in CHAT_ROLES:
+            return f"Invalid value: '{role}'. Supported values are: {sorted(CHAT_ROLES)}.", where
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if call_id not in open_calls:
+                return (
+                    "Invalid parameter: messages with role 'tool' must be a response to a "
+                    "preceeding message with 'tool_calls'.",
+                    where,
+                )
+            open_calls.discard(call_id)
+            continue
+        open_calls = {call.get("id") for call in message.get("tool_calls") or ()}
+    for index, tool in enumerate(body.get("tools") or ()):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            return "Missing required parameter: 'tools[0].function'.", f"tools[{index}]"
+    return None
 
 
 _ERROR_KINDS: dict[int, tuple[str, str | None]] = {

@@ -196,6 +196,8 @@ class UpstreamPolicy(_Frozen):
     # together (retries, ledger continuations, headers, the last byte of the body).
     deadline_seconds: float = Field(default=900.0, gt=0)
     """The longest one client request may spend with the provider, retries and continuations included (then a 504, or an error event in a stream)."""
+    api: Literal["responses", "chat", "auto"] = "auto"
+    """Which API the provider serves Responses turns through: `responses` (its /v1/responses), `chat` (translated to /v1/chat/completions, for Ollama, llama.cpp, TGI...), or `auto`: /v1/responses until the provider answers it 404 or 405, then `chat`, remembered in the store."""
 
 
 class BudgetPolicy(_Frozen):

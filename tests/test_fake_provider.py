@@ -351,3 +351,28 @@ async def test_unpaired_call_is_refused_like_openai(
     assert refused.status_code == 400
     assert "call_9" in refused.json()["error"]["message"]
     assert provider.script == [Reply(text="kept")]
+
+
+async def test_chat_only_mode_refuses_responses_and_holds_chat_to_its_rules() -> None:
+    async with FakeProvider(chat_only=True) as fake:
+        client = openai.AsyncOpenAI(base_url=fake.base_url, api_key="sk-x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model=MODEL, input="hi")
+        stray: list[Any] = [
+            {"role": "user", "content": "hi"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "x"},
+        ]
+        with pytest.raises(openai.BadRequestError, match="role 'tool'"):
+            await client.chat.completions.create(model=MODEL, messages=stray)
+        with pytest.raises(openai.BadRequestError, match="Unrecognized request argument"):
+            await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, extra_body={"input": "hi"}
+            )
+        with pytest.raises(openai.BadRequestError, match="Invalid value: 'robot'"):
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "robot", "content": "x"}],  # type: ignore[misc,list-item]
+            )
+        answer = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
+        assert answer.choices[0].message.content
+        await client.close()

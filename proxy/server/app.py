@@ -66,6 +66,7 @@ from proxy.server.state import (
     SUMMARIES,
     TRACING,
     UPSTREAM,
+    UPSTREAM_APIS,
     WINDOWS,
 )
 from proxy.server.validate import url_keys_middleware
@@ -196,6 +197,7 @@ def create_app(
     app[POLICIES] = policies if policies is not None else PolicyRegistry.load(settings.policies_dir)
     app[METRICS] = Metrics()
     app[LEARNED] = LearnedLimits()
+    app[UPSTREAM_APIS] = {}
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)

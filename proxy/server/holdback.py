@@ -26,13 +26,10 @@ from proxy.core.answers import BadAnswer
 from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.api import ApiShape
+from proxy.server.chat_upstream import Untranslatable, send_model
 from proxy.server.errors import ApiError
 from proxy.server.ledger import LedgerDecision, LedgerGuard, settle
-from proxy.server.relay import (
-    EventTransformer,
-    Keeper,
-    send_upstream,
-)
+from proxy.server.relay import EventTransformer, Keeper
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event
@@ -66,16 +63,10 @@ class Guarded:
         client then gets the last answer the model gave)."""
         raw = fastjson.dumps(body)
         try:
-            upstream = await send_upstream(
-                self.request,
-                self.request[TENANT_POLICY],
-                path=self.api.path,
-                body=raw,
-                stream=False,
-                route=self.api.route,
-            )
+            policy = self.request[TENANT_POLICY]
+            upstream = await send_model(self.request, policy, self.api, body, raw, stream=False)
             answer = _json_or_none(await upstream.aread())
-        except (ApiError, UpstreamUnavailable) as exc:
+        except (ApiError, UpstreamUnavailable, BadAnswer, Untranslatable) as exc:
             log.warning("ledger_continuation_failed", error=repr(exc))
             return None
         if upstream.status >= 400:

@@ -262,6 +262,8 @@ async def read_body(upstream: UpstreamResponse) -> bytes:
         return await upstream.aread()
     except UpstreamUnavailable as exc:
         raise upstream_error(exc) from None
+    except BadAnswer as exc:  # a translated Chat answer (proxy/server/chat_upstream.py)
+        raise bad_answer(exc) from None
 
 
 def upstream_error(exc: UpstreamUnavailable) -> ApiError:

@@ -26,6 +26,7 @@ from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
 from proxy.counting import calibrated_counter, counter_for, provider_count
 from proxy.server.api import RESPONSES
+from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
@@ -107,6 +108,7 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     request[LOG_FIELDS].update(model=body.get("model"))
     if await resolve_references(request, body):
         raw = fastjson.dumps(body)
+    await check_translatable(request, request[TENANT_POLICY], body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if is_local(request):  # else compaction is the provider's (policy compaction.mode)
         hooks.insert(0, Compactions(request, compaction_threshold(body)))

@@ -30,6 +30,9 @@ LEARNED = web.AppKey("learned", LearnedLimits)
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
 SUMMARIES = web.AppKey("summaries", BackgroundSummaries)
+# The API each tenant's upstream serves Responses through, as learnt (policy upstream.api:
+# auto, proxy/server/chat_upstream.py), by (tenant, base URL); None: nothing learnt.
+UPSTREAM_APIS: web.AppKey[dict[tuple[str, str], str | None]] = web.AppKey("upstream_apis", dict)
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"
 )  # the process environment, read once at start (policy keys)

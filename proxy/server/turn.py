@@ -37,6 +37,7 @@ from proxy.core.items import Item
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
 from proxy.server.api import ApiShape
+from proxy.server.chat_upstream import Untranslatable, send_model
 from proxy.server.errors import ApiError, invalid
 from proxy.server.explain import PROJECTION
 from proxy.server.overflow import (
@@ -55,7 +56,7 @@ from proxy.server.rebuild import (
     rebuild_turn,
     small_body,
 )
-from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer, send_upstream
+from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY, TRACING, thread_service
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded, first_orphan
@@ -228,7 +229,7 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
     name = f"chat {sent.get('model')}"
     with tracing.span(name, kind="client") as span:  # the model call, retries included
         set_attributes(span, attributes)
-        upstream = await _send(turn, raw)
+        upstream = await _send(turn, hooks, raw)
         refusal = await context_refusal(upstream)
         if refusal is not None:
             upstream = await _retry_smaller(turn, hooks, upstream, refusal)
@@ -253,16 +254,16 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
             )
 
 
-async def _send(turn: Turn, raw: bytes) -> UpstreamResponse:
+async def _send(turn: Turn, hooks: Sequence[TurnHook], raw: bytes) -> UpstreamResponse:
+    """The provider's answer, through the API its upstream serves (chat_upstream.py)."""
     assert turn.sent is not None
-    return await send_upstream(
-        turn.request,
-        turn.request[TENANT_POLICY],
-        path=turn.api.path,
-        body=raw,
-        stream=bool(turn.sent.get("stream")),
-        route=turn.api.route,
-    )
+    request, sent = turn.request, turn.sent
+    try:
+        return await send_model(
+            request, request[TENANT_POLICY], turn.api, sent, raw, stream=bool(sent.get("stream"))
+        )
+    except Untranslatable as exc:
+        raise await _refused(turn, hooks, exc.upstream, exc.error) from None
 
 
 async def _retry_smaller(
@@ -297,7 +298,7 @@ async def _retry_smaller(
     observe(
         request, route, "retried", **facts, retried_estimate=turn.projection.report.prompt_tokens
     )
-    retried = await _send(turn, raw)
+    retried = await _send(turn, hooks, raw)
     again = await context_refusal(retried)
     if again is None:
         return retried

@@ -518,6 +518,14 @@ class Store(Protocol):
         """Stores `value` under `name` unless a value is there already, and returns the
         stored one: replicas racing to create it all get the first write's value."""
 
+    # upstream APIs (policy upstream.api: auto) ------------------------------------------
+    async def upstream_api_get(self, tenant: str, base_url: str) -> str | None:
+        """The API learnt for this tenant's upstream at `base_url` ("chat"), or None."""
+
+    async def upstream_api_set(self, tenant: str, base_url: str, api: str, now: str) -> str:
+        """Records `api` for the upstream unless one is recorded already; returns the
+        recorded one (the first write wins, as replicas may learn it together)."""
+
     # request idempotency ------------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
         """Insert a `running` record unless one exists for (tenant, key) and is not

@@ -269,6 +269,15 @@ def learned_from_row(row: Row) -> LearnedRecord:
     )
 
 
+# upstream APIs (migration 015): the first write wins -----------------------------------
+
+INSERT_UPSTREAM_API = """
+INSERT INTO upstream_apis (tenant, base_url, api, learned_at) VALUES ($1, $2, $3, $4)
+ON CONFLICT (tenant, base_url) DO NOTHING
+"""
+
+SELECT_UPSTREAM_API = "SELECT api FROM upstream_apis WHERE tenant = $1 AND base_url = $2"
+
 # ledger --------------------------------------------------------------------------------
 
 LEDGER_COLUMNS = (
@@ -480,7 +489,6 @@ PURGE_SESSIONS = "DELETE FROM inspector_sessions WHERE expires_at <= $1"
 PURGE_SESSIONS_OF_OTHER_KEYS = (
     "DELETE FROM inspector_sessions WHERE expires_at <= $1 OR signing_key <> $2"
 )
-
 
 # erasing a thread and the responses retention (migration 012) --------------------------
 

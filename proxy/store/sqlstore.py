@@ -450,6 +450,20 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_LEARNED, tenant, limit)
         return tuple(map(sql.learned_from_row, rows))
 
+    # upstream APIs --------------------------------------------------------------------
+    async def upstream_api_get(self, tenant: str, base_url: str) -> str | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_UPSTREAM_API, tenant, base_url)
+        return None if row is None else str(row["api"])
+
+    async def upstream_api_set(self, tenant: str, base_url: str, api: str, now: str) -> str:
+        async with self.db.write() as conn:
+            await conn.execute(sql.INSERT_UPSTREAM_API, tenant, base_url, api, now)
+            row = await conn.fetchrow(sql.SELECT_UPSTREAM_API, tenant, base_url)
+        if row is None:  # same transaction as the insert: cannot be missing
+            raise RuntimeError(f"upstream api of {base_url!r} vanished")
+        return str(row["api"])
+
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
         rows = [

@@ -34,7 +34,7 @@ retry: {{max_attempts: 3, max_seconds: 10, initial_backoff: 0.01, max_backoff: 0
 ACME_POLICY = """\
 tenant: acme
 api_keys: ["{key_hash}"]
-upstream: {{api_key_env: ACME_OPENAI_KEY}}
+upstream: {{api_key_env: ACME_OPENAI_KEY{upstream_extra}}}
 models:
   "*": {{context_window: {window}, max_output_tokens: 4096}}{models_extra}
 budget: {{reserve_output_tokens: 1000, safety_margin_tokens: 200}}
@@ -51,14 +51,20 @@ def write_policies(
     acme_extra: str = "",
     memory_extra: str = "",
     models_extra: str = "",
+    upstream_extra: str = "",
 ) -> None:
-    """`memory_extra`: more fields of acme's memory mapping (", summarizer: {...}");
+    """`upstream_extra`: more fields of acme's upstream mapping (", api: chat");
+    `memory_extra`: more fields of acme's memory mapping (", summarizer: {...}");
     `models_extra`: more entries of acme's models mapping ("\n  qwen: {...}")."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "default.yaml").write_text(DEFAULT_POLICY.format(allow=str(allow_unknown).lower()))
     key_hash = hashlib.sha256(TENANT_KEY.encode()).hexdigest()
     acme = ACME_POLICY.format(
-        key_hash=key_hash, window=window, memory_extra=memory_extra, models_extra=models_extra
+        key_hash=key_hash,
+        window=window,
+        memory_extra=memory_extra,
+        models_extra=models_extra,
+        upstream_extra=upstream_extra,
     )
     acme += acme_extra
     (directory / "acme.yaml").write_text(acme)
@@ -114,6 +120,7 @@ async def proxy_factory(  # type: ignore[no-untyped-def]
         acme_extra: str = "",
         memory_extra: str = "",
         models_extra: str = "",
+        upstream_extra: str = "",
         store_url: str | None = None,
         settings: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
@@ -130,6 +137,7 @@ async def proxy_factory(  # type: ignore[no-untyped-def]
             acme_extra=acme_extra,
             memory_extra=memory_extra,
             models_extra=models_extra,
+            upstream_extra=upstream_extra,
         )
         config = Settings(
             port=0,

@@ -1278,3 +1278,13 @@ async def test_responses_purge_deletes_old_finished_responses_and_their_empty_ch
     assert await digests_stored(store) == []
     for kept in ("chain_mixed", "conv", "chain_running"):
         assert await store.get_thread("acme", kept) is not None
+
+
+async def test_upstream_api_first_write_wins_per_tenant_and_url(store: Store) -> None:
+    url = "http://127.0.0.1:11434/v1"
+    assert await store.upstream_api_get("acme", url) is None
+    assert await store.upstream_api_set("acme", url, "chat", T0) == "chat"
+    assert await store.upstream_api_set("acme", url, "responses", T1) == "chat"
+    assert await store.upstream_api_get("acme", url) == "chat"
+    assert await store.upstream_api_get("acme", url + "/other") is None
+    assert await store.upstream_api_get("globex", url) is None

@@ -1,0 +1,595 @@
+"""Responses over a provider that only serves Chat Completions (policy `upstream.api`).
+
+The thread keeps Responses items as the client sent them and as the proxy answered; only
+the provider's exchange is translated, here, with no I/O:
+
+- `chat_request`: a Responses request (already projected: stateless, its `input` the
+  thread's window) becomes a `chat.completions` request. What Chat cannot carry (built-in
+  or custom tools, a stored `prompt`, items of hosted tools) is a 400 naming the param,
+  raised before anything is forwarded; the proxy's own params are dropped.
+- `chat_answer`: a `chat.completion` becomes a Response.
+- `ChatStream`: `chat.completion.chunk`s become the Responses event sequence, numbered by
+  `sequence_number`; nothing is emitted for a stream that never finished, so the relay's
+  cut-off check (proxy/server/relay.py, end_of_stream) ends it as it ends a native one.
+
+Field names follow /work/shared/openapi (CreateResponse, CreateChatCompletionRequest,
+Response, CreateChatCompletionResponse, the Response*Event schemas).
+
+>>> chat_request({"model": "m", "instructions": "Be brief.", "input": "hi"}, ids=str)["messages"]
+[{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'hi'}]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.answers import BadAnswer
+from proxy.core.items import JsonDict
+from proxy.core.validate import ApiError, invalid
+
+# A new id for a prefix ("msg", "fc", "call"); the edge gives proxy.ids.new_id.
+NewId = Callable[[str], str]
+
+# Responses params that are the proxy's own (served from the store) or mean nothing to a
+# stateless Chat call: dropped, never forwarded. `metadata` is refused by Chat without
+# `store` at OpenAI and unknown elsewhere.
+DROPPED = frozenset(
+    {
+        "store",
+        "include",
+        "previous_response_id",
+        "conversation",
+        "truncation",
+        "background",
+        "context_management",
+        "metadata",
+        "stream_options",
+        "prompt_cache_retention",
+        "max_tool_calls",
+    }
+)
+# Forwarded under the same name (both APIs define them alike).
+SAME_NAME = ("model", "temperature", "top_p", "user", "safety_identifier", "service_tier")
+# Input items not sent: reasoning (a Chat provider makes none; issue 25), and the items
+# the proxy replaces before forwarding (compaction items become summary text, references
+# their items: proxy/server/compaction.py, responses.py), seen when a request is checked.
+NOT_SENT = frozenset({"reasoning", "compaction", "compaction_trigger", "item_reference"})
+PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def untranslatable(what: str, param: str) -> ApiError:
+    return invalid(
+        f"{what} cannot be sent to this upstream: it serves only Chat Completions "
+        "(policy upstream.api), which has no equivalent.",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+# -- request -------------------------------------------------------------------------------
+
+
+def chat_request(body: JsonDict, *, ids: NewId, max_tokens_field: str = "max_tokens") -> JsonDict:
+    """The Chat Completions request for a (projected) Responses request. `ids` makes the
+    call id of a function_call that has none; `max_tokens_field` is what the provider
+    takes for the output cap (`max_completion_tokens` at OpenAI, `max_tokens` elsewhere)."""
+    if body.get("prompt") is not None:
+        raise untranslatable("A stored prompt ('prompt')", "prompt")
+    sent: JsonDict = {key: body[key] for key in SAME_NAME if body.get(key) is not None}
+    sent["messages"] = chat_messages(body.get("input"), body.get("instructions"), ids)
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        sent["tools"] = tools
+        if body.get("parallel_tool_calls") is not None:
+            sent["parallel_tool_calls"] = body["parallel_tool_calls"]
+    if body.get("tool_choice") is not None:
+        sent["tool_choice"] = chat_tool_choice(body["tool_choice"])
+    sent.update(_text_options(body.get("text")))
+    if isinstance(body.get("max_output_tokens"), int):
+        sent[max_tokens_field] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
+        sent["reasoning_effort"] = reasoning["effort"]
+    if isinstance(body.get("top_logprobs"), int):
+        sent.update(logprobs=True, top_logprobs=body["top_logprobs"])
+    if body.get("stream"):
+        sent["stream"] = True
+        sent["stream_options"] = {"include_usage": True}
+    return sent
+
+
+def chat_messages(value: Any, instructions: Any, ids: NewId) -> list[JsonDict]:
+    """The Responses `input` (a string or items) as Chat messages; each run of
+    function_call items becomes one assistant message with several `tool_calls`, each
+    output a `tool` message with the call's id (the pairs keep their order)."""
+    messages: list[JsonDict] = []
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    if isinstance(value, str):
+        return [*messages, {"role": "user", "content": value}]
+    previous = None
+    for index, item in enumerate(value or ()):
+        kind = item.get("type", "message")
+        where = f"input[{index}]"
+        if kind == "function_call" and _assistant_last(messages, previous):
+            messages[-1].setdefault("tool_calls", []).append(_tool_call(item, ids))
+        elif kind == "function_call":
+            call = _tool_call(item, ids)
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = _output(item, where)
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+            )
+        elif kind == "message":
+            messages.append(_message(item, where))
+        elif kind not in NOT_SENT:
+            raise untranslatable(f"An input item of type '{kind}'", where)
+        previous = kind
+    return messages
+
+
+def _assistant_last(messages: list[JsonDict], previous: str | None) -> bool:
+    """Whether a call joins the message before it: a run of calls, or the text the model
+    said before calling, is one Chat assistant message."""
+    return previous in ("function_call", "message") and messages[-1]["role"] == "assistant"
+
+
+def _tool_call(item: JsonDict, ids: NewId) -> JsonDict:
+    arguments = item.get("arguments", "")
+    return {
+        "id": item.get("call_id") or ids("call"),
+        "type": "function",
+        "function": {"name": item.get("name", ""), "arguments": arguments},
+    }
+
+
+def _message(item: JsonDict, where: str) -> JsonDict:
+    role = item.get("role")
+    content = item.get("content")
+    if role in ("system", "developer"):
+        return {"role": "system", "content": _plain_text(content, where)}
+    if role == "assistant":
+        return {"role": "assistant", "content": _plain_text(content, where)}
+    if role != "user":
+        raise untranslatable(f"A message of role '{role}'", f"{where}.role")
+    if isinstance(content, str):
+        return {"role": "user", "content": content}
+    parts = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content or ())]
+    if all(part["type"] == "text" for part in parts):
+        return {"role": "user", "content": "".join(part["text"] for part in parts)}
+    return {"role": "user", "content": parts}
+
+
+def _plain_text(content: Any, where: str) -> str:
+    """System and assistant messages as one string, the form every Chat server takes."""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for index, part in enumerate(content or ()):
+        kind = part.get("type")
+        if kind in PART_TYPES:
+            texts.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise untranslatable(f"A content part of type '{kind}'", f"{where}.content[{index}]")
+    return "".join(texts)
+
+
+def _part(part: JsonDict, where: str) -> JsonDict:
+    kind = part.get("type")
+    if kind in PART_TYPES:
+        return {"type": "text", "text": str(part.get("text", ""))}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise untranslatable("An input_image given by file_id", f"{where}.file_id")
+        image: JsonDict = {"url": url}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    if kind == "input_file":
+        if part.get("file_url") is not None:
+            raise untranslatable("An input_file given by file_url", f"{where}.file_url")
+        file = {k: part[k] for k in ("file_data", "file_id", "filename") if part.get(k) is not None}
+        return {"type": "file", "file": file}
+    raise untranslatable(f"A content part of type '{kind}'", where)
+
+
+def _output(item: JsonDict, where: str) -> str | list[JsonDict]:
+    output = item.get("output")
+    if isinstance(output, str):
+        return output
+    parts = [_part(part, f"{where}.output[{i}]") for i, part in enumerate(output or ())]
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def chat_tools(tools: Any) -> list[JsonDict]:
+    """Function tools in Chat's shape; any other tool type is a 400 naming it (a hosted
+    tool the provider cannot run is never dropped silently)."""
+    out: list[JsonDict] = []
+    for index, tool in enumerate(tools or ()):
+        kind = tool.get("type")
+        if kind != "function":
+            raise untranslatable(f"The tool type '{kind}'", f"tools[{index}]")
+        function = {"name": tool.get("name")}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, str):
+        return choice  # none | auto | required, the same in both APIs
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if kind == "allowed_tools":
+        tools = []
+        for index, tool in enumerate(choice.get("tools") or ()):
+            if tool.get("type") != "function":
+                raise untranslatable(
+                    f"An allowed tool of type '{tool.get('type')}'", f"tool_choice.tools[{index}]"
+                )
+            tools.append({"type": "function", "function": {"name": tool.get("name")}})
+        mode = choice.get("mode", "auto")
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+    raise untranslatable(f"A tool_choice of type '{kind}'", "tool_choice")
+
+
+def _text_options(text: Any) -> JsonDict:
+    if not isinstance(text, dict):
+        return {}
+    options: JsonDict = {}
+    if text.get("verbosity") is not None:
+        options["verbosity"] = text["verbosity"]
+    form = text.get("format")
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "json_object":
+        options["response_format"] = {"type": "json_object"}
+    elif kind == "json_schema":
+        assert isinstance(form, dict)
+        schema = {k: form[k] for k in ("name", "description", "schema", "strict") if k in form}
+        options["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif kind not in (None, "text"):
+        raise untranslatable(f"A text.format of type '{kind}'", "text.format")
+    return options
+
+
+# -- answer --------------------------------------------------------------------------------
+
+
+def response_shell(sent: JsonDict, model: Any, created: Any, response_id: str) -> JsonDict:
+    """The Response fields that echo the request (the Response schema's required ones)."""
+    given = sent.get("reasoning")
+    reasoning: JsonDict = given if isinstance(given, dict) else {}
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created if isinstance(created, int) else 0,
+        "status": "in_progress",
+        "completed_at": None,
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": sent.get("instructions"),
+        "max_output_tokens": sent.get("max_output_tokens"),
+        "metadata": sent.get("metadata") or {},
+        "model": model if isinstance(model, str) else sent.get("model"),
+        "output": [],
+        "parallel_tool_calls": sent.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+        "store": False,
+        "temperature": sent.get("temperature"),
+        "text": sent.get("text") or {"format": {"type": "text"}},
+        "tool_choice": sent.get("tool_choice", "auto"),
+        "tools": sent.get("tools") or [],
+        "top_p": sent.get("top_p"),
+        "truncation": "disabled",
+        "usage": None,
+        "user": sent.get("user"),
+    }
+
+
+def response_usage(usage: Any) -> JsonDict | None:
+    """Chat's CompletionUsage as ResponseUsage."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens") or 0
+    completion = usage.get("completion_tokens") or 0
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    completion_details = usage.get("completion_tokens_details") or {}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {
+            "cached_tokens": prompt_details.get("cached_tokens") or 0,
+            "cache_write_tokens": prompt_details.get("cache_write_tokens") or 0,
+        },
+        "output_tokens": completion,
+        "output_tokens_details": {
+            "reasoning_tokens": completion_details.get("reasoning_tokens") or 0
+        },
+        "total_tokens": usage.get("total_tokens") or prompt + completion,
+    }
+
+
+def finished(response: JsonDict, finish_reason: Any) -> JsonDict:
+    """`status` and `incomplete_details` from Chat's finish_reason."""
+    reason = INCOMPLETE_REASONS.get(finish_reason) if isinstance(finish_reason, str) else None
+    if reason is None:
+        return {**response, "status": "completed", "completed_at": response["created_at"]}
+    return {**response, "status": "incomplete", "incomplete_details": {"reason": reason}}
+
+
+def text_part(text: str) -> JsonDict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, parts: list[JsonDict], status: str = "completed") -> JsonDict:
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": parts,
+    }
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> JsonDict:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def chat_answer(sent: JsonDict, completion: JsonDict, *, response_id: str, ids: NewId) -> JsonDict:
+    """A checked `chat.completion` (proxy/core/answers.py) as the Response OpenAI would
+    have returned for `sent`: its first choice's text and refusal in one message item,
+    its tool calls as function_call items with the provider's call ids."""
+    shell = response_shell(sent, completion.get("model"), completion.get("created"), response_id)
+    choices = completion.get("choices") or ()
+    if not choices:
+        raise BadAnswer("'choices' is empty")
+    choice = choices[0]
+    message = choice.get("message") or {}
+    output: list[JsonDict] = []
+    parts: list[JsonDict] = []
+    if isinstance(message.get("content"), str) and message["content"]:
+        parts.append(text_part(message["content"]))
+    if isinstance(message.get("refusal"), str) and message["refusal"]:
+        parts.append({"type": "refusal", "refusal": message["refusal"]})
+    if parts:
+        output.append(message_item(ids("msg"), parts))
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments or {})
+        item = call_item(ids("fc"), call["id"], function.get("name", ""), arguments, "completed")
+        output.append(item)
+    response = {**shell, "output": output, "usage": response_usage(completion.get("usage"))}
+    return finished(response, choice.get("finish_reason"))
+
+
+# -- stream --------------------------------------------------------------------------------
+
+Event = tuple[str, JsonDict]
+
+
+@dataclass
+class _Call:
+    output_index: int
+    item_id: str
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class _Text:
+    output_index: int
+    item_id: str
+    parts: dict[str, tuple[int, str]] = field(default_factory=dict)  # kind -> (index, text)
+
+
+class ChatStream:
+    """Chat chunks in, Responses events out (each with its `sequence_number`).
+
+    Items get output indexes in the order they first appear; each tool call index of the
+    provider is its own function_call item, so interleaved deltas of parallel calls land
+    on the right item. A message is closed when the first tool call starts (a later text
+    delta opens another); calls are closed when the answer finishes. The terminal event
+    waits for `[DONE]` (or the provider's EOF after a finish_reason) because the usage
+    chunk comes after the finish_reason (`stream_options.include_usage`)."""
+
+    def __init__(self, sent: JsonDict, *, response_id: str, ids: NewId) -> None:
+        self.sent = sent
+        self.response_id = response_id
+        self.ids = ids
+        self.sequence = 0
+        self.shell: JsonDict | None = None
+        self.output: dict[int, JsonDict] = {}  # closed items by output index
+        self.text: _Text | None = None
+        self.calls: dict[int, _Call] = {}  # by the provider's tool call index
+        self.finish_reason: str | None = None
+        self.usage: JsonDict | None = None
+        self.ended = False
+
+    @property
+    def next_index(self) -> int:
+        return len(self.output) + (self.text is not None) + len(self.calls)
+
+    def chunk(self, chunk: JsonDict) -> list[JsonDict]:
+        """One checked chunk (proxy/core/answers.py, check_chat_chunk)."""
+        if self.ended:
+            return []
+        if isinstance(chunk.get("error"), dict):
+            return self._error(chunk["error"])
+        events: list[Event] = []
+        if self.shell is None:
+            self.shell = response_shell(
+                self.sent, chunk.get("model"), chunk.get("created"), self.response_id
+            )
+            events += [
+                ("response.created", {"response": self.shell}),
+                ("response.in_progress", {"response": self.shell}),
+            ]
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = response_usage(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            events += self._delta(choice.get("delta") or {})
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+        return self._emit(events)
+
+    def done(self) -> list[JsonDict]:
+        """At `[DONE]` or the provider's EOF: the closing events and the terminal one when
+        the answer finished; nothing when it was cut off (the relay reports that)."""
+        if self.ended or self.finish_reason is None or self.shell is None:
+            return []
+        self.ended = True
+        events = self._close_text()
+        for call in sorted(self.calls.values(), key=lambda c: c.output_index):
+            events += self._close_call(call)
+        self.calls.clear()
+        output = [self.output[i] for i in sorted(self.output)]
+        final = finished({**self.shell, "output": output, "usage": self.usage}, self.finish_reason)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return self._emit([*events, (kind, {"response": final})])
+
+    def _delta(self, delta: JsonDict) -> list[Event]:
+        events: list[Event] = []
+        for kind, key in (("output_text", "content"), ("refusal", "refusal")):
+            if isinstance(delta.get(key), str) and delta[key]:
+                events += self._text_delta(kind, delta[key])
+        for call_delta in delta.get("tool_calls") or ():
+            events += self._call_delta(call_delta)
+        return events
+
+    def _text_delta(self, kind: str, piece: str) -> list[Event]:
+        events: list[Event] = []
+        if self.text is None:
+            self.text = _Text(self.next_index, self.ids("msg"))
+            item = message_item(self.text.item_id, [], "in_progress")
+            events.append(
+                (
+                    "response.output_item.added",
+                    {"output_index": self.text.output_index, "item": item},
+                )
+            )
+        text = self.text
+        where = {"item_id": text.item_id, "output_index": text.output_index}
+        if kind not in text.parts:
+            text.parts[kind] = (len(text.parts), "")
+            empty = text_part("") if kind == "output_text" else {"type": "refusal", "refusal": ""}
+            events.append(
+                (
+                    "response.content_part.added",
+                    {**where, "content_index": text.parts[kind][0], "part": empty},
+                )
+            )
+        index, so_far = text.parts[kind]
+        text.parts[kind] = (index, so_far + piece)
+        delta: JsonDict = {**where, "content_index": index, "delta": piece}
+        if kind == "output_text":
+            delta["logprobs"] = []
+        events.append((f"response.{kind}.delta", delta))
+        return events
+
+    def _call_delta(self, delta: JsonDict) -> list[Event]:
+        index = delta.get("index", 0)
+        function = delta.get("function") or {}
+        call = self.calls.get(index)
+        events: list[Event] = []
+        if call is None:
+            events += self._close_text()
+            call_id = delta.get("id") or self.ids("call")
+            call = _Call(self.next_index, self.ids("fc"), call_id, function.get("name") or "")
+            self.calls[index] = call
+            item = call_item(call.item_id, call.call_id, call.name, "", "in_progress")
+            events.append(
+                ("response.output_item.added", {"output_index": call.output_index, "item": item})
+            )
+        elif function.get("name") and not call.name:
+            call.name = function["name"]
+        piece = function.get("arguments")
+        if isinstance(piece, str) and piece:
+            call.arguments += piece
+            where = {"item_id": call.item_id, "output_index": call.output_index}
+            events.append(("response.function_call_arguments.delta", {**where, "delta": piece}))
+        return events
+
+    def _close_text(self) -> list[Event]:
+        text, self.text = self.text, None
+        if text is None:
+            return []
+        where = {"item_id": text.item_id, "output_index": text.output_index}
+        events: list[Event] = []
+        parts: list[JsonDict] = []
+        for kind, (index, value) in sorted(text.parts.items(), key=lambda p: p[1][0]):
+            at = {**where, "content_index": index}
+            if kind == "output_text":
+                part = text_part(value)
+                events.append(("response.output_text.done", {**at, "text": value, "logprobs": []}))
+            else:
+                part = {"type": "refusal", "refusal": value}
+                events.append(("response.refusal.done", {**at, "refusal": value}))
+            events.append(("response.content_part.done", {**at, "part": part}))
+            parts.append(part)
+        item = message_item(text.item_id, parts)
+        self.output[text.output_index] = item
+        events.append(
+            ("response.output_item.done", {"output_index": text.output_index, "item": item})
+        )
+        return events
+
+    def _close_call(self, call: _Call) -> list[Event]:
+        where = {"item_id": call.item_id, "output_index": call.output_index}
+        item = call_item(call.item_id, call.call_id, call.name, call.arguments, "completed")
+        self.output[call.output_index] = item
+        done = {**where, "name": call.name, "arguments": call.arguments}
+        return [
+            ("response.function_call_arguments.done", done),
+            ("response.output_item.done", {"output_index": call.output_index, "item": item}),
+        ]
+
+    def _error(self, error: JsonDict) -> list[JsonDict]:
+        """A provider's error chunk as the Responses `error` event (its flat fields, and the
+        nested object the SDKs read, as RESPONSES.error_event writes it)."""
+        self.ended = True
+        shaped = {
+            "message": str(error.get("message") or "The provider failed this answer."),
+            "type": error.get("type") if isinstance(error.get("type"), str) else "server_error",
+            "param": error.get("param") if isinstance(error.get("param"), str) else None,
+            "code": error.get("code") if isinstance(error.get("code"), str) else None,
+        }
+        payload = {
+            "type": "error",
+            "code": shaped["code"],
+            "message": shaped["message"],
+            "param": shaped["param"],
+            "error": shaped,
+        }
+        return self._emit([("error", payload)])
+
+    def _emit(self, events: Sequence[Event]) -> list[JsonDict]:
+        numbered = []
+        for kind, data in events:
+            numbered.append({"type": kind, **data, "sequence_number": self.sequence})
+            self.sequence += 1
+        return numbered

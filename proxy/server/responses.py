@@ -26,7 +26,12 @@ from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
 from proxy.counting import counter_for
 from proxy.server.api import RESPONSES
-from proxy.server.compaction import Compactions, compaction_threshold, is_local
+from proxy.server.compaction import (
+    Compactions,
+    compaction_threshold,
+    ends_with_trigger,
+    is_local,
+)
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
@@ -58,6 +63,7 @@ def validate_responses(body: JsonDict) -> None:
         for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
         no_repeated_ids(items, "input")
+        ends_with_trigger(body)
     optional(body, "instructions", str)
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)
@@ -149,6 +155,8 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     given = body.get("input")
     history = given if given is not None else []
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
+    if ends_with_trigger(body):  # it asks for a compaction, which sends nothing to count
+        items = items[:-1]
     loaded = None
     if is_stateful(body):
         loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded

@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from proxy.core.blocks import Block, compile_pins, is_pinned, segment
+from proxy.core.blocks import Block, compile_pins, pinned_flags, segment
 from proxy.core.budget import history_budget
 from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
@@ -470,10 +470,10 @@ def _released(
     cut = request.cut
     if cut is None or not cut.opening:
         return None
-    pins = compile_pins(policy.pin_patterns)
     head = cut.summary[: cut.opening]
-    kept = tuple(item for item in head if is_pinned(item, pins))
-    turns = [item for item in head if not is_pinned(item, pins)]
+    flags = pinned_flags(head, compile_pins(policy.pin_patterns))
+    kept = tuple(item for item, pinned in zip(head, flags, strict=True) if pinned)
+    turns = [item for item, pinned in zip(head, flags, strict=True) if not pinned]
     room = _summary_room(_capacity(request))
     digest = chunk_digest(turns, room, None)
     block = (_summarize(summarizer, counter, turns, room, None, digest),) if turns else ()
@@ -602,9 +602,8 @@ class _Fit:
         pins = compile_pins(policy.pin_patterns)
         self.counts = [counter.item(item) for item in request.items]
         self.total = list(itertools.accumulate(self.counts, initial=0))
-        pinned = (
-            c if is_pinned(i, pins) else 0 for i, c in zip(request.items, self.counts, strict=True)
-        )
+        flags = pinned_flags(request.items, pins)
+        pinned = (c if p else 0 for p, c in zip(flags, self.counts, strict=True))
         self.pinned = list(itertools.accumulate(pinned, initial=0))
         self.limit = _capacity(request)
         self._cut: CutPoint | None = None

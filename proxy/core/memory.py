@@ -418,6 +418,10 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
         elif item.kind == "tool_calls":
             _pending_calls(builder, item, answered)
             _assistant_message(builder, item.text())
+        elif item.kind == "mcp_call" and item.raw.get("output") is not None:
+            fact, named = _fact(item, item, None)  # a hosted call carries its own result
+            builder.add("facts", [fact])
+            builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == APPROVAL_REQUEST:  # an MCP call that awaits the user's approval
             server = item.raw.get("server_label")
             _pending_calls(builder, item, answered, f"approval requested: {server}.")

@@ -17,6 +17,13 @@ from proxy.core.memory import SUMMARY_MARKER
 from .conftest import Proxy
 from .test_compaction_e2e import history, sent_item_types
 
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 TRIGGER = {"type": "compaction_trigger"}
 
 

@@ -17,6 +17,13 @@ from proxy.server.conversations import INCLUDABLE
 
 from .conftest import TENANT_KEY, Proxy
 
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    """Every test here runs on SQLite and on PostgreSQL: the backend changes nothing."""
+    return store_url
+
+
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
 ARGUMENTS = json.dumps({"order": "ORD-5521", "amount": "40 EUR"})
 

@@ -1,6 +1,7 @@
 """OpenAI's compaction, served by the proxy for any provider (SPEC 1; issue 10, item 5).
 
-- `POST /v1/responses/compact`: the conversation (`input` and/or `previous_response_id`)
+- `POST /v1/responses/compact`: the conversation (`input` and/or `previous_response_id`,
+  both optional)
   becomes OpenAI's `response.compaction` object: the user messages verbatim, then one
   compaction item whose `encrypted_content` is threadkeeper's own sealed summary
   (proxy/core/compaction.py), bound to the tenant.
@@ -10,6 +11,11 @@
   "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
   is forwarded and the compaction item leads the response's `output` (streams: its
   `response.output_item.added` / `.done` at output_index 0), as OpenAI does.
+- A final `{"type": "compaction_trigger"}` input item (OpenAI: "must be the final input
+  item"; elsewhere a 400 naming it) is answered here with a Response whose one output is
+  the compaction `responses/compact` makes of the whole history (`compaction_of`); the
+  provider gets no request (`Compactions.local_answer`), and the response is stored
+  and chained like any other. `responses/compact` of no input at all is 200 too.
 - The summary is the tenant's LLM summarizer's when its policy sets `memory.summarizer`
   (`llm_summary`: the app's one summarizer, guarded, stored by the compaction's digest,
   at most `timeout_seconds`), else, and whenever that gives none, the deterministic one.

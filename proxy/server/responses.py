@@ -14,6 +14,8 @@ modes are served from the local store:
 The response is recorded `in_progress` before the provider is called; input and output
 items commit together when it completes; a response cut off (disconnect, provider error)
 is marked `incomplete` and adds no items (SPEC 7).
+
+Which request fields are forwarded and which the proxy serves: docs/request-fields.md.
 """
 
 from __future__ import annotations

@@ -196,3 +196,33 @@ async def test_compact_with_neither_input_nor_previous_response_is_an_empty_comp
         "role": "user",
         "content": "hello",
     }
+
+
+async def test_a_pending_approval_is_never_compacted_away(proxy: Proxy) -> None:
+    """A pending action (SPEC 5): `responses/compact` keeps it in its output beside the
+    user messages, and a compaction that a trigger makes does not stand for it."""
+    client = proxy.client()
+    pending = {
+        "type": "mcp_approval_request",
+        "id": "mcpr_3",
+        "server_label": "shop",
+        "name": "refund",
+        "arguments": '{"order": "ORD-3"}',
+    }
+    given = [*history(2), pending, {"role": "user", "content": "Wait for my approval."}]
+    compacted = await client.responses.compact(model="gpt-4o", input=given)  # type: ignore[arg-type]
+    output = dumped(compacted)
+    assert pending in output and output[-1]["type"] == "compaction"
+    assert output.index(pending) < len(output) - 1
+
+    first = await client.responses.create(model="gpt-4o", input=given)  # type: ignore[arg-type]
+    second = await client.responses.create(
+        model="gpt-4o",
+        previous_response_id=first.id,
+        input=[TRIGGER],  # type: ignore[list-item]
+    )
+    assert_one_compaction(second)
+    await client.responses.create(model="gpt-4o", previous_response_id=second.id, input="Go.")
+    sent = proxy.provider.model_requests[-1].json["input"]
+    assert pending in sent  # verbatim, beside the compaction's summary
+    assert [i.get("role") for i in sent].count("developer") == 1

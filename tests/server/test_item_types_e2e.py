@@ -367,3 +367,43 @@ async def test_a_pending_approval_that_cannot_fit_is_a_400_not_a_silent_drop(
     assert proxy.provider.model_requests == []
     items = await listed(proxy, f"/v1/conversations/{conversation.id}/items")
     assert len(items) == 2  # nothing of the refused turn was kept
+
+
+async def test_an_approval_answered_after_its_turn_was_cut_is_never_sent_half(
+    make_proxy: Any,
+) -> None:
+    """A pending request carried past a cut, answered later: from then on the request
+    is sent with its response and mcp_call, or not at all."""
+    proxy = await make_proxy(window=5000)
+    client = proxy.client()
+    opening: list[Any] = [item for turn in range(3) for item in chatter(200 + turn)]
+    opening += [{"role": "user", "content": "Refund ORD-8 when I approve."}, approval(8)]
+    opening += [{"type": "message", "role": "assistant", "content": "Waiting."}]
+    conversation = await client.conversations.create(items=opening)
+
+    async def turns(count: int, base: int) -> None:
+        for turn in range(count):
+            history = chatter(base + turn)
+            await client.conversations.items.create(conversation.id, items=history[1:])  # type: ignore[arg-type]
+            await client.responses.create(
+                model="gpt-4o", conversation=conversation.id, input=[history[0]]
+            )  # type: ignore[list-item]
+            seen.append(approval_ids(sent_input(proxy)))
+
+    seen: list[list[tuple[str, str]]] = []
+    await turns(8, 0)
+    assert all(("mcp_approval_request", "mcpr_8") in ids for ids in seen)  # pending: kept
+    await client.responses.create(
+        model="gpt-4o",
+        conversation=conversation.id,
+        input=answered(8),  # type: ignore[arg-type]
+    )
+    seen.clear()
+    await turns(12, 50)
+    whole = [
+        ("mcp_approval_request", "mcpr_8"),
+        ("mcp_approval_response", "mcpr_8"),
+        ("mcp_call", "mcpr_8"),
+    ]
+    assert all(ids in ([], whole) for ids in seen), seen
+    assert seen[-1] == []  # cut away at last, all of it

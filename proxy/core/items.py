@@ -282,7 +282,7 @@ def pending_approvals(items: Iterable[Item]) -> frozenset[str]:
     for item in items:
         if item.kind == APPROVAL_REQUEST:
             asked.update(dict.fromkeys(item.call_ids))
-        elif item.output_for in asked:
+        elif item.kind in APPROVAL_ANSWERS and item.output_for in asked:
             del asked[item.output_for]
     return frozenset(asked)
 

@@ -238,13 +238,13 @@ def test_an_approval_block_is_never_split_and_a_pending_one_is_always_sent(case:
         projection = project(case.items, window_for(case), stateless=case.stateless)
     except ContextLengthExceeded:
         return
-    sent = {id(item.raw) for item in projection.items}
+    sent = {item.digest for item in projection.items}  # a carried copy counts
     groups: dict[str, list[Item]] = {}
     for item in case.items:
         if item.type and item.type.startswith("mcp_"):
             groups.setdefault((item.call_ids or (item.output_for,))[0] or "", []).append(item)
     for approval, members in groups.items():
-        kept = [id(item.raw) in sent for item in members]
+        kept = [item.digest in sent for item in members]
         event(
             f"approval: {len(members)} items, {'kept' if all(kept) else 'cut' if not any(kept) else 'split'}"
         )

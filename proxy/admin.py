@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any, Literal, TypeVar
 
 from proxy.clock import utc_now
-from proxy.core.blocks import compile_pins, is_pinned
+from proxy.core.blocks import compile_pins, pinned_flags
 from proxy.core.checkpoint import state_to_cut
 from proxy.core.compress import COMPRESSED_KEY
 from proxy.core.items import Item, JsonDict, content_digest, item_of, message_text
@@ -174,10 +174,10 @@ async def show_thread(
     cut = state_to_cut(thread.state)
     counter = TokenCounter.for_model("*")
     originals = {stored.seq: stored for stored in items}
-    pins = compile_pins(pin_patterns)
+    views = [_item_of(stored) for stored in items]
+    pinned = pinned_flags(views, compile_pins(pin_patterns))
     log = []
-    for stored in items:
-        item = _item_of(stored)
+    for stored, item, is_pinned in zip(items, views, pinned, strict=True):
         entry: JsonDict = {
             "seq": stored.seq,
             "id": stored.item_id,
@@ -186,7 +186,7 @@ async def show_thread(
             "tokens": stored.tokens,
             "text": _preview(item),
             "cut": cut is not None and stored.seq < cut.start,
-            "pinned": is_pinned(item, pins),
+            "pinned": is_pinned,
         }
         if detail:
             entry["full"] = _full_text(item)
@@ -508,9 +508,9 @@ async def stood_for_tokens(
         return None
     if await store.get_thread(tenant, thread_id) is None:
         return None
-    pins = compile_pins(pin_patterns)
     items = await store.items_between(tenant, thread_id, 0, last_seq)
-    return sum(s.tokens for s in items if not is_pinned(_item_of(s), pins))
+    pinned = pinned_flags([_item_of(s) for s in items], compile_pins(pin_patterns))
+    return sum(s.tokens for s, kept in zip(items, pinned, strict=True) if not kept)
 
 
 def provider_error_lines(record: JsonDict) -> list[str]:

@@ -434,7 +434,9 @@ def unpaired_call_error(path: str, body: JsonDict) -> str | None:
         return None
     items: list[Item] = [make(raw) for raw in raws if isinstance(raw, dict)]
     answered = {item.output_for for item in items if item.output_for is not None}
-    missing = [call_id for item in items for call_id in item.call_ids if call_id not in answered]
+    # A pending MCP approval request is no dangling call: the next turn may answer it.
+    calls = [item for item in items if item.kind == "tool_calls"]
+    missing = [call_id for item in calls for call_id in item.call_ids if call_id not in answered]
     if not missing:
         return None
     if chat:

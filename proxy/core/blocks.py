@@ -3,14 +3,16 @@
 SPEC section 5, seed section 6.2: trimming works on logical blocks, never on single
 messages, so a tool call is never separated from its result. The blocks are
 
-- pinned: one system/developer message, or a user message matching a pin pattern;
-  it stays at its log position and is never dropped;
+- pinned: one system/developer message, a user message matching a pin pattern, or an
+  MCP approval request nothing answers yet (a pending action, SPEC 5); it stays at its
+  log position and is never dropped, compressed or summarized;
 - turn: a closed turn, i.e. a user message and everything up to the next user message,
   minus pinned items (items before the first user message form a leading turn);
 - current: the last user message and everything after it, always sent verbatim.
 
-A tool trajectory (the call, every output answering it, the reasoning item before it)
-lives inside one turn. When an output arrives late, after the next user message, the
+A tool trajectory (the call, every output answering it, the reasoning item before it;
+an MCP approval request, its response and the mcp_call that runs it) lives inside one
+turn. When an output arrives late, after the next user message, the
 turns in between are merged so no cut can fall between the call and its output.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from proxy.core.items import Item
+from proxy.core.items import Item, is_pending_approval, pending_approvals
 
 BlockKind = Literal["pinned", "turn", "current"]
 
@@ -62,19 +64,25 @@ def is_pinned(item: Item, pins: tuple[re.Pattern[str], ...] | None) -> bool:
     return any(pin.search(text) is not None for pin in pins)
 
 
+def pinned_flags(items: Sequence[Item], pins: tuple[re.Pattern[str], ...] | None) -> list[bool]:
+    """Whether each of `items` is pinned: `is_pinned`, or a pending approval among them."""
+    pending = pending_approvals(items)
+    return [is_pinned(item, pins) or is_pending_approval(item, pending) for item in items]
+
+
 def segment(
     items: Sequence[Item], pin_patterns: Iterable[str] = (), first_position: int = 0
 ) -> list[Block]:
     """Blocks in log order (a pinned block sorts by its position among turns)."""
     pins = compile_pins(tuple(pin_patterns))
+    pinned = pinned_flags(items, pins)
     turn_of = _merged_turn_ids(items)
-    current_start = _current_start(items, turn_of, pins)
+    current_start = _current_start(items, turn_of, pinned)
     blocks: list[Block] = []
     pending: list[int] = []
     pending_turn: int | None = None
     for index in range(current_start):
-        item = items[index]
-        if is_pinned(item, pins):
+        if pinned[index]:
             blocks.append(_block("pinned", [index], items, first_position))
             continue
         if pending and turn_of[index] != pending_turn:
@@ -126,9 +134,7 @@ def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
     return [merged_to[t] for t in ids]
 
 
-def _current_start(
-    items: Sequence[Item], turn_of: list[int], pins: tuple[re.Pattern[str], ...] | None
-) -> int:
+def _current_start(items: Sequence[Item], turn_of: list[int], pinned: list[bool]) -> int:
     """Index where the current turn begins (len(items) when there is none).
 
     It is the first item of the (merged) turn holding the last user message; a history
@@ -136,6 +142,6 @@ def _current_start(
     """
     last_user = next((i for i in range(len(items) - 1, -1, -1) if items[i].is_user_message), None)
     if last_user is None:
-        return next((i for i, it in enumerate(items) if not is_pinned(it, pins)), len(items))
+        return next((i for i in range(len(items)) if not pinned[i]), len(items))
     turn = turn_of[last_user]
     return next(i for i in range(len(items)) if turn_of[i] == turn)

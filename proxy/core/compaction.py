@@ -40,7 +40,14 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from proxy.core import memory
-from proxy.core.items import Item, JsonDict, canonical_bytes, content_digest
+from proxy.core.items import (
+    Item,
+    JsonDict,
+    canonical_bytes,
+    content_digest,
+    is_pending_approval,
+    pending_approvals,
+)
 from proxy.core.llm_summary import WHOLE
 from proxy.core.memory import SUMMARY_MARKER, is_summary, summary_item
 from proxy.core.tokens import TokenCounter
@@ -261,15 +268,18 @@ def summary_message(text: str) -> Item:
 
 def covered(items: Sequence[Item], end: int) -> list[int]:
     """Indexes before `end` that a compaction placed at `end` stands for: everything but
-    the user's messages and instructions (a summary this module rendered is covered: the
-    new summary includes it). A call and its output stay together: a pair that `end`
+    the user's messages, instructions and pending MCP approval requests (a summary this
+    module rendered is covered: the new summary includes it). A call and its output stay together: a pair that `end`
     splits is kept whole, with the reasoning item just before the call (the provider
     wants the two together)."""
     later_outputs = {i.output_for for i in items[end:] if i.output_for is not None}
     later_calls = {c for i in items[end:] for c in i.call_ids}
+    pending = pending_approvals(items)
     found: list[int] = []
     for index, item in enumerate(items[:end]):
         if item.is_user_message or (item.is_instruction and not is_summary(item)):
+            continue
+        if is_pending_approval(item, pending):  # a pending action stays verbatim (SPEC 5)
             continue
         if later_outputs.intersection(item.call_ids) or item.output_for in later_calls:
             if found and found[-1] == index - 1 and items[index - 1].kind == "reasoning":
@@ -311,10 +321,17 @@ def current_turn_start(items: Sequence[Item]) -> int:
 
 
 def compacted_output(items: Sequence[Item], compaction: JsonDict) -> list[JsonDict]:
-    """`POST /responses/compact`'s `output`: every user message, then the one compaction
-    item (OpenAI's CompactResource). A message keeps its fields and words; a string
+    """`POST /responses/compact`'s `output`: every user message (and pending MCP approval
+    request, which the compaction does not stand for), then the one compaction item
+    (OpenAI's CompactResource). A message keeps its fields and words; a string
     content becomes one input_text part, as OpenAI returns it."""
-    return [*(user_message(item.raw) for item in items if item.is_user_message), compaction]
+    pending = pending_approvals(items)
+    kept = [
+        user_message(item.raw) if item.is_user_message else item.raw
+        for item in items
+        if item.is_user_message or is_pending_approval(item, pending)
+    ]
+    return [*kept, compaction]
 
 
 def user_message(raw: JsonDict) -> JsonDict:

@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 
-from proxy.core.items import Item
+from proxy.core.items import MCP_KINDS, Item, pending_approvals
 
 
 class InvariantViolation(AssertionError):
@@ -32,6 +32,7 @@ def check_invariants(
     _check_pinned_kept(original, sent, pinned_positions)
     _check_current_verbatim(original, sent, current_positions)
     _check_calls_closed(original, sent)
+    _check_approvals_whole(original, sent)
     _check_causal_order(original, sent, prefix)
     _check_serializable(original, sent)
 
@@ -74,6 +75,31 @@ def _check_calls_closed(original: Sequence[Item], sent: Sequence[Item]) -> None:
         if (call_id in sent_calls) != (call_id in sent_outputs):
             half = "call" if call_id in sent_calls else "output"
             raise InvariantViolation(f"call {call_id!r}: its {half} is sent without the other")
+
+
+def _check_approvals_whole(original: Sequence[Item], sent: Sequence[Item]) -> None:
+    """An MCP approval request, its response and the mcp_call that runs it are sent all
+    together or not at all; a pending request (nothing answers it) is always sent."""
+    members: dict[str, Counter[str]] = defaultdict(Counter)
+    for item in original:
+        if item.kind in MCP_KINDS:
+            for approval in (*item.call_ids, item.output_for):
+                if approval is not None:
+                    members[approval][item.digest] += 1
+    if not members:
+        return
+    sent_members: dict[str, Counter[str]] = defaultdict(Counter)
+    for item in (i for i in sent if i.kind in MCP_KINDS):
+        for approval in (*item.call_ids, item.output_for):
+            if approval in members and members[approval][item.digest] > 0:
+                sent_members[approval][item.digest] += 1
+    pending = pending_approvals(original)
+    for approval in sorted(members):
+        given, kept = members[approval], sent_members.get(approval, Counter())
+        if approval in pending and not kept:
+            raise InvariantViolation(f"pending approval request {approval!r} was dropped")
+        if kept and any(kept[d] < n for d, n in given.items()):
+            raise InvariantViolation(f"approval {approval!r}: part of its block is not sent")
 
 
 def _call_ids(items: Iterable[Item]) -> set[str]:

@@ -29,8 +29,19 @@ OUTPUT_TO_CALL_TYPE: Mapping[str, str] = {
     "local_shell_call_output": "local_shell_call",
     "shell_call_output": "shell_call",
     "apply_patch_call_output": "apply_patch_call",
+    "tool_search_output": "tool_search_call",
 }
 CALL_TYPES = frozenset(OUTPUT_TO_CALL_TYPE.values())
+# Types that pair only by a `call_id` they carry (OpenAI's hosted tool search has none).
+PAIRED_BY_CALL_ID_ONLY = frozenset({"tool_search_call", "tool_search_output"})
+
+# An MCP approval (openapi: MCPApprovalRequest, MCPApprovalResponse, MCPToolCall): the
+# request is a call named by its `id`, the response and the mcp_call that runs it answer
+# it by `approval_request_id`, so the three pair like a call and its outputs (one block,
+# no cut between them). A request no response answers is a pending action (SPEC 5).
+APPROVAL_REQUEST = "mcp_approval_request"
+APPROVAL_ANSWERS = frozenset({"mcp_approval_response", "mcp_call"})
+MCP_KINDS = frozenset({APPROVAL_REQUEST, *APPROVAL_ANSWERS, "mcp_list_tools"})
 
 # The longest id or key the stores index (items are unique by id, ledger entries by key):
 # PostgreSQL refuses a btree entry above ~2.7 kB, and 512 characters of UTF-8 stay below.
@@ -46,8 +57,9 @@ class Item:
 
     `kind` is normalized across APIs: "message", "tool_calls" (a Chat assistant message
     carrying tool_calls / function_call), "tool_output", "reasoning", "compaction",
-    "item_reference" or "other". `call_ids` are the calls this item makes; `output_for`
-    is the call this item answers.
+    "item_reference", the MCP types (MCP_KINDS) or "other". `call_ids` are the calls this
+    item makes; `output_for` is the call this item answers (an MCP approval request is a
+    call its response and its mcp_call answer).
     """
 
     raw: JsonDict = field(compare=False)
@@ -214,7 +226,9 @@ def responses_item(
 
     A message may omit `type` (EasyInputMessage). Calls and their outputs pair by
     `call_id`; local_shell_call_output names its call by `id` (OpenAI spec), so `id`
-    is the fallback. reasoning, compaction and item_reference keep their type as kind;
+    is the fallback (tool_search items pair only by a call_id they carry). MCP approval
+    items pair by the request's id. reasoning, compaction and item_reference keep their
+    type as kind;
     any other type is "other" and keeps its place untouched. `digest`, `tokens` and
     `encoding` are what the store kept for the item, if any.
     """
@@ -224,9 +238,20 @@ def responses_item(
     kind = "other"
     call_ids: tuple[str, ...] = ()
     output_for = None
-    call_id = _str_or_none(raw.get("call_id")) or item_id
+    call_id = _str_or_none(raw.get("call_id"))
+    if item_type not in PAIRED_BY_CALL_ID_ONLY:
+        call_id = call_id or item_id
     if item_type in (None, "message") and role is not None:
         kind, item_type = "message", "message"
+    elif item_type in PAIRED_BY_CALL_ID_ONLY and call_id is None:
+        kind = "other"
+    elif item_type in MCP_KINDS:
+        kind = item_type
+        approval = _str_or_none(raw.get("approval_request_id"))
+        if item_type == APPROVAL_REQUEST and item_id:
+            call_ids = (item_id,)
+        elif item_type in APPROVAL_ANSWERS and approval:
+            output_for = approval
     elif item_type in CALL_TYPES:
         kind, call_ids = "tool_calls", (call_id,) if call_id else ()
     elif item_type in OUTPUT_TO_CALL_TYPE:
@@ -262,6 +287,22 @@ def item_of(
     checkpoint entry): "chat" is a Chat message, anything else a Responses item."""
     view = chat_item if api == "chat" else responses_item
     return view(raw, digest=digest, tokens=tokens, encoding=encoding)
+
+
+def pending_approvals(items: Iterable[Item]) -> frozenset[str]:
+    """Ids of the MCP approval requests among `items` that nothing later answers: pending
+    actions, kept verbatim in every projection (SPEC 5 ranks them second)."""
+    asked: dict[str, None] = {}
+    for item in items:
+        if item.kind == APPROVAL_REQUEST:
+            asked.update(dict.fromkeys(item.call_ids))
+        elif item.kind in APPROVAL_ANSWERS and item.output_for in asked:
+            del asked[item.output_for]
+    return frozenset(asked)
+
+
+def is_pending_approval(item: Item, pending: frozenset[str]) -> bool:
+    return item.kind == APPROVAL_REQUEST and bool(pending.intersection(item.call_ids))
 
 
 def items_from_chat(messages: Iterable[JsonDict]) -> list[Item]:

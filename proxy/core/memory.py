@@ -34,7 +34,7 @@ from proxy.core.compress import (
     output_text,
     tool_name,
 )
-from proxy.core.items import Api, Item, chat_item, responses_item
+from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
 from proxy.core.tokens import TokenCounter
 
 SUMMARY_MARKER = "[threadkeeper summary of earlier conversation]"
@@ -416,13 +416,15 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
-            for call_id in item.call_ids:
-                if call_id not in answered:
-                    arguments, amounts = _arguments(item, call_id)
-                    text = _cut(f"{_call_name(item, call_id)}({arguments})", FACT_CHARS)
-                    builder.pending.append(Pending(text, call_id))
-                    builder.add("entities", (entities_in(text) + amounts)[:ENTITIES_PER_ITEM])
+            _pending_calls(builder, item, answered)
             _assistant_message(builder, item.text())
+        elif item.kind == "mcp_call" and item.raw.get("output") is not None:
+            fact, named = _fact(item, item, None)  # a hosted call carries its own result
+            builder.add("facts", [fact])
+            builder.add("entities", named[:ENTITIES_PER_ITEM])
+        elif item.kind == APPROVAL_REQUEST:  # an MCP call that awaits the user's approval
+            server = item.raw.get("server_label")
+            _pending_calls(builder, item, answered, f"approval requested: {server}.")
         elif item.kind == "message" and item.role == "assistant":
             _assistant_message(builder, item.text())
     return builder.state()
@@ -556,6 +558,16 @@ def _text_gist(text: str) -> str:
     named = [line for line in stripped if entities_in(line) and line not in errors]
     lines = (errors + named)[:4]
     return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
+
+
+def _pending_calls(builder: _Builder, item: Item, answered: set[str], label: str = "") -> None:
+    """The calls of `item` that nothing in the items answers: pending actions."""
+    for call_id in item.call_ids:
+        if call_id not in answered:
+            arguments, amounts = _arguments(item, call_id)
+            text = _cut(f"{label}{_call_name(item, call_id)}({arguments})", FACT_CHARS)
+            builder.pending.append(Pending(text, call_id))
+            builder.add("entities", (entities_in(text) + amounts)[:ENTITIES_PER_ITEM])
 
 
 def _call_name(call: Item, call_id: str) -> str:

@@ -50,11 +50,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from proxy.core.blocks import Block, compile_pins, is_pinned, segment
+from proxy.core.blocks import Block, compile_pins, pinned_flags, segment
 from proxy.core.budget import history_budget
 from proxy.core.compress import compress_tool_output, is_compressible
 from proxy.core.invariants import check_invariants
-from proxy.core.items import Item, content_digest
+from proxy.core.items import APPROVAL_ANSWERS, APPROVAL_REQUEST, Item, content_digest
 from proxy.core.memory import (
     HEADER,
     SUMMARY_MARKER,
@@ -470,10 +470,10 @@ def _released(
     cut = request.cut
     if cut is None or not cut.opening:
         return None
-    pins = compile_pins(policy.pin_patterns)
     head = cut.summary[: cut.opening]
-    kept = tuple(item for item in head if is_pinned(item, pins))
-    turns = [item for item in head if not is_pinned(item, pins)]
+    flags = pinned_flags(head, compile_pins(policy.pin_patterns))
+    kept = tuple(item for item, pinned in zip(head, flags, strict=True) if pinned)
+    turns = [item for item, pinned in zip(head, flags, strict=True) if not pinned]
     room = _summary_room(_capacity(request))
     digest = chunk_digest(turns, room, None)
     block = (_summarize(summarizer, counter, turns, room, None, digest),) if turns else ()
@@ -602,9 +602,8 @@ class _Fit:
         pins = compile_pins(policy.pin_patterns)
         self.counts = [counter.item(item) for item in request.items]
         self.total = list(itertools.accumulate(self.counts, initial=0))
-        pinned = (
-            c if is_pinned(i, pins) else 0 for i, c in zip(request.items, self.counts, strict=True)
-        )
+        flags = pinned_flags(request.items, pins)
+        pinned = (c if p else 0 for p, c in zip(flags, self.counts, strict=True))
         self.pinned = list(itertools.accumulate(pinned, initial=0))
         self.limit = _capacity(request)
         self._cut: CutPoint | None = None
@@ -1133,11 +1132,26 @@ def _relative(state: _State, kind: str) -> list[int]:
     return [p - offset for b in state.blocks if b.kind == kind for p in b.positions]
 
 
+def _without_answered_approvals(
+    state: _State, old: tuple[Item, ...], start: int
+) -> tuple[Item, ...]:
+    """The old prefix without the MCP approval requests it carried while pending (pinned
+    past an earlier cut) whose answer this cut takes away: never sent half (SPEC 5)."""
+    given = state.request.items[: max(0, start - state.request.first_position)]
+    gone = {i.output_for for i in given if i.kind in APPROVAL_ANSWERS and i.output_for}
+    gone -= {i.output_for for i in old if i.kind in APPROVAL_ANSWERS}  # an opening head's
+    if not gone:
+        return old
+    return tuple(
+        item for item in old if item.kind != APPROVAL_REQUEST or gone.isdisjoint(item.call_ids)
+    )
+
+
 def _outcome(state: _State) -> _Outcome:
     """The prefix: the old cut's prefix as it was (so its bytes repeat), then, for each new
     block, the pinned items of the turns it stands for and the block itself."""
     start = _new_start(state)
-    old = state.old
+    old = _without_answered_approvals(state, state.old, start)
     if state.consolidated:
         old = tuple(item for item in old if not is_summary(item))
     # A given pinned item the old prefix already holds (a history resent whole) is sent

@@ -1,6 +1,7 @@
 """OpenAI's compaction, served by the proxy for any provider (SPEC 1; issue 10, item 5).
 
-- `POST /v1/responses/compact`: the conversation (`input` and/or `previous_response_id`)
+- `POST /v1/responses/compact`: the conversation (`input` and/or `previous_response_id`,
+  both optional)
   becomes OpenAI's `response.compaction` object: the user messages verbatim, then one
   compaction item whose `encrypted_content` is threadkeeper's own sealed summary
   (proxy/core/compaction.py), bound to the tenant.
@@ -10,6 +11,11 @@
   "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
   is forwarded and the compaction item leads the response's `output` (streams: its
   `response.output_item.added` / `.done` at output_index 0), as OpenAI does.
+- A final `{"type": "compaction_trigger"}` input item (OpenAI: "must be the final input
+  item"; elsewhere a 400 naming it) is answered here with a Response whose one output is
+  the compaction `responses/compact` makes of the whole history (`compaction_of`); the
+  provider gets no request (`Compactions.local_answer`), and the response is stored
+  and chained like any other. `responses/compact` of no input at all is 200 too.
 - The summary is the tenant's LLM summarizer's when its policy sets `memory.summarizer`
   (`llm_summary`: the app's one summarizer, guarded, stored by the compaction's digest,
   at most `timeout_seconds`), else, and whenever that gives none, the deterministic one.
@@ -35,6 +41,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.clock import Clock
 from proxy.core import fastjson
@@ -71,6 +78,7 @@ from proxy.server.state import (
     STORE,
     SUMMARIES,
     TENANT_POLICY,
+    thread_service,
 )
 from proxy.server.summaries import Job
 from proxy.server.turn import Turn, TurnHook
@@ -317,9 +325,31 @@ def compaction_threshold(body: JsonDict) -> int | None:
     return threshold
 
 
+TRIGGER = "compaction_trigger"
+
+
+def ends_with_trigger(body: JsonDict) -> bool:
+    """Whether `input` ends with a compaction_trigger item; one anywhere else is OpenAI's
+    400 naming it (CompactionTriggerItemParam: "Must be the final input item")."""
+    given = body.get("input")
+    if not isinstance(given, list):
+        return False
+    last = len(given) - 1
+    for index, item in enumerate(given):
+        if isinstance(item, dict) and item.get("type") == TRIGGER and index != last:
+            raise invalid(
+                f"Invalid 'input[{index}]': a compaction_trigger item must be the final "
+                "input item.",
+                param=f"input[{index}]",
+                code="invalid_value",
+            )
+    return last >= 0 and isinstance(given[last], dict) and given[last].get("type") == TRIGGER
+
+
 def validate_compact(body: JsonDict) -> None:
     """OpenAI's CompactResponseMethodPublicBody: `model` required; `input` a string or
-    items; `previous_response_id`, `instructions`, `prompt_cache_key` (<= 64) strings."""
+    items; `previous_response_id`, `instructions`, `prompt_cache_key` (<= 64) strings.
+    Neither `input` nor `previous_response_id` is a compaction of an empty history."""
     from proxy.server.responses import validate_input  # responses imports this module
 
     required_string(body, "model")
@@ -329,8 +359,6 @@ def validate_compact(body: JsonDict) -> None:
     key = optional(body, "prompt_cache_key", str)
     if key is not None and len(key) > PROMPT_CACHE_KEY_CHARS:
         raise too_long("prompt_cache_key", PROMPT_CACHE_KEY_CHARS, len(key))
-    if body.get("input") is None and body.get("previous_response_id") is None:
-        raise missing("input")
 
 
 # -- POST /v1/responses/compact --------------------------------------------------------------
@@ -344,39 +372,69 @@ async def compact(request: web.Request) -> web.StreamResponse:
     body, _ = await read_json_object(request)
     validate_compact(body)
     await resolve_references(request, body)
-    tenant = request[NAMESPACE]
     counter = await counter_for(request[TENANT_POLICY], body["model"])
     thread_id, previous_items = await _previous_items(request, body)
     history = [*previous_items, *_input_items(body)]
     key = await request_key(request)
-
-    read = raws(history)
-    given = await off_the_loop(lambda: expand(key, tenant, history, counter, "input"), read)
-    items = given.items
-    made = await compact_items(request, key, items, len(items), counter, given.summary, thread_id)
+    made = await compaction_of(request, key, history, counter, thread_id)
 
     def answer() -> JsonDict:
-        if made is None:  # nothing but user messages: an empty summary still stands for them
-            item = key.item(tenant, compaction_summary([], given.summary))
-        else:
-            item = made[0]
-        summary = key.open(tenant, item["encrypted_content"])
-        input_tokens = counter.responses_prompt(items, body.get("instructions"), ())
-        output_tokens = counter.text(render_summary(summary, counter))
         return {
             "id": new_id("resp"),
             "object": "response.compaction",
             "created_at": int(request.app[CLOCK].now().timestamp()),
-            "output": compacted_output(items, item),
-            "usage": _usage(input_tokens, output_tokens),
+            "output": compacted_output(made.items, made.item),
+            "usage": made.usage(key, request[NAMESPACE], counter, body.get("instructions")),
         }
 
-    return web.json_response(await off_the_loop(answer, read))
+    return web.json_response(await off_the_loop(answer, raws(made.items)))
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """A whole history compacted: its items as the provider reads them (compaction items
+    expanded) and the one compaction item that stands for them."""
+
+    items: list[Item]
+    item: JsonDict
+
+    def usage(
+        self, key: CompactionKey, tenant: str, counter: TokenCounter, instructions: Any
+    ) -> JsonDict:
+        """OpenAI's usage of a compaction: the history read, the summary written."""
+        summary = key.open(tenant, self.item["encrypted_content"])
+        input_tokens = counter.responses_prompt(self.items, instructions, ())
+        return _usage(input_tokens, counter.text(render_summary(summary, counter)))
+
+
+async def compaction_of(
+    request: web.Request,
+    key: CompactionKey,
+    history: Sequence[Item],
+    counter: TokenCounter,
+    thread_id: str | None,
+) -> Compacted:
+    """The compaction of all of `history` (`responses/compact` and a `compaction_trigger`
+    alike). A history of nothing but user messages, or of nothing at all, still gets its
+    compaction item: an empty summary stands for it (OpenAI answers 200 there too)."""
+    tenant = request[NAMESPACE]
+    read = raws(history)
+    given = await off_the_loop(lambda: expand(key, tenant, history, counter, "input"), read)
+    items = given.items
+    made = await compact_items(request, key, items, len(items), counter, given.summary, thread_id)
+    if made is not None:
+        return Compacted(items, made[0])
+    empty = await off_the_loop(
+        lambda: key.item(tenant, compaction_summary([], given.summary)), read
+    )
+    return Compacted(items, empty)
 
 
 def _input_items(body: JsonDict) -> list[Item]:
+    """The input's items; a final compaction_trigger asks for what this compacts anyway."""
     given = body.get("input")
-    return RESPONSES.items(given) if given is not None else []
+    items = RESPONSES.items(given) if given is not None else []
+    return items[:-1] if ends_with_trigger(body) else items
 
 
 async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | None, list[Item]]:
@@ -419,7 +477,9 @@ def _usage(input_tokens: int, output_tokens: int) -> JsonDict:
 
 class Compactions(TurnHook):
     """Compaction items reach the provider as text; `context_management` compacts a turn
-    that crosses its threshold. Runs before the other hooks' `restore` (ledger)."""
+    that crosses its threshold; a final `compaction_trigger` item makes the answer one
+    compaction of the whole history, served here (the provider gets no request). Runs
+    before the other hooks' `restore` (ledger)."""
 
     def __init__(self, request: web.Request, threshold: int | None) -> None:
         self.request = request
@@ -427,8 +487,11 @@ class Compactions(TurnHook):
         self.tenant = request[NAMESPACE]
         self.summary: JsonDict | None = None  # the last compaction the turn's items hold
         self.item: JsonDict | None = None  # the compaction this turn made (output[0])
+        self.triggered: JsonDict | None = None  # the Response a compaction_trigger gets
 
     async def restore(self, turn: Turn) -> None:
+        if turn.new and turn.new[-1].type == TRIGGER:
+            await self._triggered(turn)
         if CONTEXT_MANAGEMENT in turn.body:
             turn.rewritten = True  # the provider does not get context_management
         loaded = turn.loaded
@@ -456,8 +519,60 @@ class Compactions(TurnHook):
             turn.new, turn.given, turn.rewritten = given.items, len(given.items), True
             self.summary = given.summary or self.summary
 
+    async def _triggered(self, turn: Turn) -> None:
+        """The compaction a final trigger asks for: of the thread's whole log (what the
+        window no longer sends included, as `responses/compact` reads a chain) and the
+        input before the trigger, which is the turn's input as it is kept."""
+        turn.new, turn.rewritten = turn.new[:-1], True
+        turn.given = len(turn.new)
+        model = turn.api.budget_inputs(turn.body).model
+        counter = await counter_for(self.request[TENANT_POLICY], model)
+        known: Sequence[Item] = ()
+        if turn.loaded is not None:
+            known = (await thread_service(self.request.app).whole(turn.loaded)).items
+        key = await request_key(self.request)
+        made = await compaction_of(self.request, key, [*known, *turn.new], counter, kept_for(turn))
+        instructions = turn.body.get("instructions")
+        usage = await off_the_loop(
+            lambda: made.usage(key, self.tenant, counter, instructions), raws(made.items)
+        )
+        self.triggered = self._response(turn.body, made.item, usage)
+        self.request[LOG_FIELDS]["compaction"] = made.item["id"]
+
+    def local_answer(self, turn: Turn) -> UpstreamResponse | None:
+        if self.triggered is None:
+            return None
+        stream = bool(turn.body.get("stream"))
+        return LocalAnswer(self.triggered, stream)  # type: ignore[return-value]
+
+    def _response(self, body: JsonDict, item: JsonDict, usage: JsonDict) -> JsonDict:
+        """The Response a trigger is answered with, shaped as the provider's would be (the
+        response keeper gives it this proxy's id and chain)."""
+        now = int(self.request.app[CLOCK].now().timestamp())
+        return {
+            "id": new_id("resp"),
+            "object": "response",
+            "created_at": now,
+            "completed_at": now,
+            "status": "completed",
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {},
+            "model": body.get("model"),
+            "output": [item],
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "top_p": body.get("top_p"),
+            "usage": usage,
+        }
+
     async def close_calls(self, turn: Turn) -> None:
-        if self.threshold is None:
+        if self.threshold is None or self.triggered is not None:
             return
         inputs = turn.api.budget_inputs(turn.body)
         counter = await counter_for(self.request[TENANT_POLICY], inputs.model)
@@ -580,6 +695,48 @@ class WithCompaction:
         if isinstance(response, dict) and isinstance(response.get("output"), list):
             moved["response"] = {**response, "output": [self._item, *response["output"]]}
         return moved
+
+
+class LocalAnswer:
+    """A Response served by the proxy, read by the turn as the provider's answer would be
+    (relay, keeper, usage): whole, or as OpenAI's event stream of it."""
+
+    status = 200
+    attempts = 1
+    retries = 0
+
+    def __init__(self, response: JsonDict, stream: bool) -> None:
+        self._response = response
+        self.is_event_stream = stream
+        kind = "text/event-stream" if stream else "application/json"
+        self.headers = [("Content-Type", kind)]
+        self.provider_headers = CIMultiDictProxy(CIMultiDict(self.headers))
+        self.closed = False
+
+    async def aread(self) -> bytes:
+        return fastjson.dumps(self._response)
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        for event in response_events(self._response):
+            yield encode_event(fastjson.dumps(event).decode(), event=event["type"])
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def response_events(response: JsonDict) -> list[JsonDict]:
+    """OpenAI's event sequence for a completed Response whose items come whole (no
+    deltas): created, in_progress, each item's added and done, completed."""
+    started = {**response, "status": "in_progress", "output": [], "usage": None}
+    events: list[JsonDict] = [
+        {"type": "response.created", "response": started},
+        {"type": "response.in_progress", "response": started},
+    ]
+    for index, item in enumerate(response["output"]):
+        for kind in ("response.output_item.added", "response.output_item.done"):
+            events.append({"type": kind, "output_index": index, "item": item})
+    events.append({"type": "response.completed", "response": response})
+    return [{**event, "sequence_number": n} for n, event in enumerate(events)]
 
 
 # -- operators ---------------------------------------------------------------------------------

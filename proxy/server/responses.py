@@ -14,6 +14,8 @@ modes are served from the local store:
 The response is recorded `in_progress` before the provider is called; input and output
 items commit together when it completes; a response cut off (disconnect, provider error)
 is marked `incomplete` and adds no items (SPEC 7).
+
+Which request fields are forwarded and which the proxy serves: docs/request-fields.md.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from proxy.core.validate import validate_input_item
 from proxy.counting import calibrated_counter, counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.chat_upstream import check_translatable
-from proxy.server.compaction import Compactions, compaction_threshold, is_local
+from proxy.server.compaction import (
+    Compactions,
+    compaction_threshold,
+    ends_with_trigger,
+    is_local,
+)
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
@@ -59,6 +66,7 @@ def validate_input(body: JsonDict) -> None:
         for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
         no_repeated_ids(items, "input")
+        ends_with_trigger(body)
 
 
 def validate_responses(body: JsonDict) -> None:
@@ -163,6 +171,8 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     given = body.get("input")
     history = given if given is not None else []
     items = await off_the_loop(lambda: RESPONSES.items(history), history)
+    if ends_with_trigger(body):  # it asks for a compaction, which sends nothing to count
+        items = items[:-1]
     loaded = None
     if is_stateful(body):
         loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded

@@ -8,7 +8,8 @@
                                       hooks: projected
     the provider's body               here; hooks: upstream_body
     ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream; a context-length refusal is
+    forward                           relay.send_upstream (hooks: local_answer, an answer
+                                      served here instead); a context-length refusal is
                                       projected again and sent once more (overflow.py)
                                       hooks: upstream_response
     relay (+ commit)                  relay.relay_answer with the hooks' transformer
@@ -123,6 +124,11 @@ class TurnHook:
     async def before_forward(self, turn: Turn) -> None:
         """The last step before the provider is called (record outputs, begin a turn)."""
 
+    def local_answer(self, turn: Turn) -> UpstreamResponse | None:
+        """An answer the proxy serves itself in place of the provider's, which then gets
+        no request (a compaction_trigger's compaction)."""
+        return None
+
     def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
         """The provider's answer as the rest of the turn reads it (relay, keeper, ledger)."""
         return upstream
@@ -229,7 +235,8 @@ async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
     name = f"chat {sent.get('model')}"
     with tracing.span(name, kind="client") as span:  # the model call, retries included
         set_attributes(span, attributes)
-        upstream = await _send(turn, hooks, raw)
+        local = next((a for h in hooks if (a := h.local_answer(turn)) is not None), None)
+        upstream = local or await _send(turn, hooks, raw)
         refusal = await context_refusal(upstream)
         if refusal is not None:
             upstream = await _retry_smaller(turn, hooks, upstream, refusal)

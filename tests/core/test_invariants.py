@@ -114,3 +114,31 @@ def test_a_compressed_output_of_a_reused_call_id_stands_at_its_own_position() ->
     check_invariants(history, [*history[:6], compressed], PINNED, [])
     with pytest.raises(InvariantViolation, match="out of order"):
         check_invariants(history, [SYSTEM, compressed, U1, call("c0")], PINNED, [])
+
+
+ASK = responses_item({"type": "mcp_approval_request", "id": "mcpr_1", "name": "refund"})
+YES = responses_item({"type": "mcp_approval_response", "approval_request_id": "mcpr_1"})
+RAN = responses_item({"type": "mcp_call", "id": "mcp_1", "approval_request_id": "mcpr_1"})
+R_SYSTEM = responses_item({"role": "system", "content": "rules"})
+R_U1 = responses_item({"role": "user", "content": "one"})
+R_U2 = responses_item({"role": "user", "content": "two"})
+
+
+def test_an_approval_block_sent_whole_or_not_at_all_passes() -> None:
+    history = [R_SYSTEM, R_U1, ASK, YES, RAN, R_U2]
+    check_invariants(history, history, [0], [5])
+    check_invariants(history, [R_SYSTEM, R_U2], [0], [5])
+
+
+@pytest.mark.parametrize("kept", [[ASK, YES], [ASK, RAN], [YES, RAN], [ASK]])
+def test_an_approval_block_cut_apart_is_a_violation(kept: list[Item]) -> None:
+    history = [R_SYSTEM, R_U1, ASK, YES, RAN, R_U2]
+    with pytest.raises(InvariantViolation, match="mcpr_1"):
+        check_invariants(history, [R_SYSTEM, R_U1, *kept, R_U2], [0], [5])
+
+
+def test_a_pending_approval_dropped_is_a_violation() -> None:
+    history = [R_SYSTEM, R_U1, ASK, R_U2]
+    check_invariants(history, [R_SYSTEM, ASK, R_U2], [0, 2], [3])
+    with pytest.raises(InvariantViolation, match="pending approval"):
+        check_invariants(history, [R_SYSTEM, R_U2], [0], [3])

@@ -19,9 +19,11 @@ from proxy.core.items import (
     chat_from_items,
     chat_item,
     content_digest,
+    is_pending_approval,
     items_from_chat,
     items_from_responses_input,
     message_text,
+    pending_approvals,
     responses_input_from_items,
     responses_item,
 )
@@ -224,7 +226,6 @@ def test_compaction_and_item_reference(kind: str) -> None:
 @pytest.mark.parametrize(
     "raw",
     [
-        {"type": "mcp_call", "id": "mcp_1", "name": "search", "output": "..."},
         {"type": "image_generation_call", "id": "ig_1", "result": "iVBOR"},
         {"type": "some_future_item", "payload": [1, 2, 3]},
         {"content": "no role, no type"},
@@ -409,3 +410,32 @@ def test_digest_of_a_lone_surrogate_is_no_error() -> None:
     from proxy.core.items import content_digest
 
     assert content_digest({"text": "\ud800"}) != content_digest({"text": "\udfff"})
+
+
+def test_an_mcp_approval_request_is_a_call_its_response_and_mcp_call_answer() -> None:
+    request = responses_item({"type": "mcp_approval_request", "id": "mcpr_1", "name": "x"})
+    response = responses_item(
+        {"type": "mcp_approval_response", "approval_request_id": "mcpr_1", "approve": True}
+    )
+    run = responses_item({"type": "mcp_call", "id": "mcp_1", "approval_request_id": "mcpr_1"})
+    free = responses_item({"type": "mcp_call", "id": "mcp_2", "name": "search"})
+    assert (request.kind, request.call_ids, request.output_for) == (
+        "mcp_approval_request",
+        ("mcpr_1",),
+        None,
+    )
+    assert (response.kind, response.output_for) == ("mcp_approval_response", "mcpr_1")
+    assert (run.kind, run.output_for, run.call_ids) == ("mcp_call", "mcpr_1", ())
+    assert (free.kind, free.output_for, free.call_ids) == ("mcp_call", None, ())
+    assert pending_approvals([request, free]) == {"mcpr_1"}
+    assert pending_approvals([request, response, run]) == frozenset()
+    assert not is_pending_approval(free, frozenset({"mcp_2"}))
+
+
+def test_tool_search_items_pair_only_by_a_call_id_they_carry() -> None:
+    call = responses_item({"type": "tool_search_call", "call_id": "ts_1", "arguments": {}})
+    output = responses_item({"type": "tool_search_output", "call_id": "ts_1", "tools": []})
+    hosted = responses_item({"type": "tool_search_output", "id": "tso_1", "tools": []})
+    assert (call.kind, call.call_ids) == ("tool_calls", ("ts_1",))
+    assert (output.kind, output.output_for) == ("tool_output", "ts_1")
+    assert (hosted.kind, hosted.output_for) == ("other", None)

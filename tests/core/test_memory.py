@@ -667,3 +667,21 @@ def test_a_change_of_plan_alone_is_a_preference_when_its_subject_is_known() -> N
     # Without an explicit change, "I'd like" names a request, not a preference.
     asked = "I'd like to book a room for Friday."
     assert extract([chat_item({"role": "user", "content": asked})]).preferences == ()
+
+
+def test_a_pending_mcp_approval_is_listed_as_pending_until_answered() -> None:
+    ask = responses_item(
+        {
+            "type": "mcp_approval_request",
+            "id": "mcpr_9",
+            "server_label": "shop",
+            "name": "refund",
+            "arguments": json.dumps({"order": "ORD-4410", "amount": "80 EUR"}),
+        }
+    )
+    state = extract([responses_item({"role": "user", "content": "Refund it."}), ask])
+    assert [p.call_id for p in state.pending] == ["mcpr_9"]
+    assert state.pending[0].text.startswith("approval requested: shop.refund(")
+    assert "ORD-4410" in state.pending[0].text
+    answer = {"type": "mcp_approval_response", "approval_request_id": "mcpr_9", "approve": True}
+    assert extract([responses_item(answer)], state).pending == ()

@@ -69,6 +69,37 @@ class Builder:
             {"type": "reasoning", "id": f"rs_{n}", "summary": [], "encrypted_content": "e" * 200}
         )
 
+    def approval(self, answered: bool, runs: bool, words: int) -> list[Item]:
+        """An MCP approval request, then (when `answered`) its response and, approved,
+        the mcp_call that runs it; unanswered, it is a pending action."""
+        n = self._next()
+        arguments = json.dumps({"order": f"ORD-{n}", "note": "lorem " * words})
+        request = {
+            "type": "mcp_approval_request",
+            "id": f"mcpr_{n}",
+            "server_label": "shop",
+            "name": "refund",
+            "arguments": arguments,
+        }
+        items = [responses_item(request)]
+        if answered:
+            approved = {"type": "mcp_approval_response", "approval_request_id": f"mcpr_{n}"}
+            items.append(responses_item({**approved, "approve": runs, "id": f"mcpa_{n}"}))
+        if answered and runs:
+            call = {"type": "mcp_call", "id": f"mcp_{n}", "server_label": "shop", "name": "refund"}
+            output = "refunded " * words
+            items.append(
+                responses_item(
+                    {
+                        **call,
+                        "arguments": arguments,
+                        "output": output,
+                        "approval_request_id": f"mcpr_{n}",
+                    }
+                )
+            )
+        return items
+
     def output(self, call_id: str, words: int, as_json: bool) -> Item:
         body = " ".join(WORDS[(i * 7 + self._next()) % len(WORDS)] for i in range(words))
         text = json.dumps({"status": "ok", "n": words, "rows": body.split()}) if as_json else body
@@ -95,8 +126,14 @@ def turn(draw: st.DrawFn, builder: Builder, closed: bool) -> list[Item]:
     text = "PIN: all amounts in CNY" if pinned else "please check the order"
     items = [builder.message("user", text)]
     for _ in range(draw(st.integers(0, 3))):
-        step = draw(st.sampled_from(["say", "tools", "tools", "system"]))
-        if step == "say":
+        step = draw(st.sampled_from(["say", "tools", "tools", "system", "approval"]))
+        if step == "approval" and builder.api == "responses":
+            answered = draw(st.integers(0, 3)) > 0
+            words = draw(st.sampled_from([3, 40, 400]))
+            items += builder.approval(answered, draw(st.booleans()), words)
+        elif step == "approval":
+            items.append(builder.message("assistant", "no approvals on chat"))
+        elif step == "say":
             items.append(builder.message("assistant", "done " * draw(st.integers(1, 40))))
         elif step == "tools":
             items += draw(tool_round(builder))
@@ -190,6 +227,30 @@ def test_projection_fits_and_keeps_every_invariant(case: Case) -> None:
     check_invariants(case.items, sent, pinned, current)
     assert list(sent[len(sent) - len(current) :]) == [case.items[p] for p in current]
     assert projection.changed == (sent != tuple(case.items))
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_an_approval_block_is_never_split_and_a_pending_one_is_always_sent(case: Case) -> None:
+    """An MCP approval request, its response and its mcp_call are sent all or none; a
+    request nothing answers is sent verbatim (pinned), or the request is refused."""
+    try:
+        projection = project(case.items, window_for(case), stateless=case.stateless)
+    except ContextLengthExceeded:
+        return
+    sent = {item.digest for item in projection.items}  # a carried copy counts
+    groups: dict[str, list[Item]] = {}
+    for item in case.items:
+        if item.type and item.type.startswith("mcp_"):
+            groups.setdefault((item.call_ids or (item.output_for,))[0] or "", []).append(item)
+    for approval, members in groups.items():
+        kept = [item.digest in sent for item in members]
+        event(
+            f"approval: {len(members)} items, {'kept' if all(kept) else 'cut' if not any(kept) else 'split'}"
+        )
+        assert all(kept) or not any(kept), approval
+        if len(members) == 1:
+            assert all(kept), f"pending approval {approval} was not sent"
 
 
 @PROPERTY_SETTINGS

@@ -217,7 +217,11 @@ async def test_bad_context_management_is_a_400_naming_it(
 BAD_COMPACT: list[tuple[dict[str, Any], str, str]] = [
     ({"input": [USER]}, "model", "missing_required_parameter"),
     ({"model": 4, "input": [USER]}, "model", "invalid_type"),
-    ({"model": "gpt-4o"}, "input", "missing_required_parameter"),
+    (
+        {"model": "gpt-4o", "input": [{"type": "compaction_trigger"}, USER]},
+        "input[0]",
+        "invalid_value",
+    ),
     ({"model": "gpt-4o", "input": 5}, "input", "invalid_type"),
     ({"model": "gpt-4o", "input": [5]}, "input[0]", "invalid_type"),
     ({"model": "gpt-4o", "input": [USER], "instructions": 1}, "instructions", "invalid_type"),

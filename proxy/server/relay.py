@@ -38,7 +38,7 @@ from proxy.server.explain import PROVIDER_ERROR, provider_error
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
-from proxy.store.base import StoreError
+from proxy.store.base import Cancelled, StoreError
 from proxy.upstream import (
     Deadline,
     RetrySettings,
@@ -72,6 +72,9 @@ PROXY_ONLY = frozenset({"x-thread-id", "idempotency-key"})
 # Capture hook of the Idempotency-Key middleware (proxy/server/idempotency.py): when a
 # request carries a tap, every byte its stream sends the client is also appended to it.
 STREAM_TAP: web.RequestKey[list[bytes]] = web.RequestKey("stream_tap", list)
+# Background mode (proxy/server/background.py): a request carrying a sink streams to it,
+# which keeps the events in the store, instead of to the client's connection.
+STREAM_SINK = web.RequestKey("stream_sink", web.StreamResponse)
 # One deadline per client request, shared by every exchange it has with the provider.
 DEADLINE = web.RequestKey("upstream_deadline", Deadline)
 # What a store failure looks like, whichever backend raised it.
@@ -88,6 +91,9 @@ def stream_response(
 ) -> web.StreamResponse:
     """The StreamResponse a relay writes to; tapped when request[STREAM_TAP] is set. It
     carries the request id like every other answer (its error event quotes it)."""
+    sink = request.get(STREAM_SINK)
+    if sink is not None:
+        return sink
     if REQUEST_ID in request:
         headers["x-threadkeeper-request-id"] = request[REQUEST_ID]
     tap = request.get(STREAM_TAP)
@@ -560,7 +566,10 @@ def stream_failure(request: web.Request, api: ApiShape | None, exc: Exception) -
     telling an upstream failure (`upstream_stream_error`) from a store failure
     (`store_error`) and anything else (`internal_error`)."""
     request[LOG_FIELDS]["stream_error"] = repr(exc)
-    if isinstance(exc, UpstreamUnavailable):
+    if isinstance(exc, Cancelled):
+        message = "This response was cancelled, so its answer was not kept"
+        code = "response_cancelled"
+    elif isinstance(exc, UpstreamUnavailable):
         log.warning("upstream_stream_broken", error=exc.message)
         message = exc.reason
         code = "upstream_stream_error"

@@ -26,6 +26,7 @@ from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
 from proxy.counting import counter_for
 from proxy.server.api import RESPONSES
+from proxy.server.background import RUNS, follow
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.ledger import LedgerHook
@@ -33,6 +34,7 @@ from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.rebuild import off_the_loop
+from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
@@ -62,6 +64,11 @@ def validate_responses(body: JsonDict) -> None:
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)
     optional(body, "store", bool)
+    if optional(body, "background", bool) and body.get("store") is False:
+        raise invalid(
+            "Background mode requires store=true: set 'store' to true or leave it out.",
+            param="background",
+        )
     tools = optional(body, "tools", list)
     if tools is not None:
         list_of_objects(tools, "tools")
@@ -93,16 +100,24 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
-    if await resolve_references(request, body):
+    # The provider never gets `background`: the proxy serves it (proxy/server/background.py).
+    background = body.pop("background", None)
+    if await resolve_references(request, body) or background is not None:
         raw = fastjson.dumps(body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if is_local(request):  # else compaction is the provider's (policy compaction.mode)
         hooks.insert(0, Compactions(request, compaction_threshold(body)))
+    chain = None
     if body.get("store") is not False or is_stateful(body):
-        hooks.append(ResponseChain(request, body))
-    return await run_turn(
-        request, RESPONSES, body, raw, [*hooks, SummaryHook(request), UsageHook()]
-    )
+        chain = ResponseChain(request, body, background=background is True)
+        hooks.append(chain)
+    hooks = [*hooks, SummaryHook(request), UsageHook()]
+    if chain is None or not chain.background:
+        return await run_turn(request, RESPONSES, body, raw, hooks)
+    run = await request.app[RUNS].start(request, RESPONSES, body, raw, hooks, chain.id)
+    if run.stream:
+        return await follow(request, run.tenant, run.id, after=-1)
+    return await get_response(request, run.id)
 
 
 # Stored items that need their id as input (a reasoning item is replayed by id).

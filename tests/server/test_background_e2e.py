@@ -1,0 +1,360 @@
+"""Background mode through the proxy with the openai SDK, on SQLite and on PostgreSQL:
+create, poll, cancel, a stream left and resumed with `starting_after`, and the faults
+(a provider that fails, a store down meanwhile, a cancel racing the completion)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from proxy.fake_provider import Reply
+from proxy.server.background import RUNS
+from proxy.server.state import STORE
+from proxy.store.base import Store, StoreUnavailable
+
+from .conftest import Proxy
+
+TENANT = "acme"
+MODEL = "gpt-4o-mini"
+
+
+@pytest.fixture
+def default_store_url(store_url: str) -> str:
+    return store_url
+
+
+def store_of(proxy: Proxy) -> Store:
+    return proxy.app[STORE]  # type: ignore[index]
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Waits for a state the proxy reaches on its own (bounded: a hang fails the test)."""
+    async with asyncio.timeout(10):
+        while not await check():
+            await asyncio.sleep(0.02)
+
+
+async def status_becomes(client: openai.AsyncOpenAI, response_id: str, status: str) -> Any:
+    async def done() -> bool:
+        return (await client.responses.retrieve(response_id)).status == status
+
+    await until(done, status)
+    return await client.responses.retrieve(response_id)
+
+
+async def test_background_create_returns_at_once_and_polls_to_completed(proxy: Proxy) -> None:
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="the long answer", release=release))
+    client = proxy.client()
+    created = await client.responses.create(model=MODEL, input="think hard", background=True)
+    assert (created.status, created.background) == ("in_progress", True)
+    polled = await client.responses.retrieve(created.id)
+    assert (polled.status, polled.background) == ("in_progress", True)
+    release.set()
+    done = await status_becomes(client, created.id, "completed")
+    assert done.output_text == "the long answer"
+    assert done.background is True
+    sent = proxy.provider.model_requests[-1].json
+    assert "background" not in sent
+    # It is a stored response like any: the chain continues from it.
+    proxy.provider.script.append(Reply(text="second"))
+    follow = await client.responses.create(
+        model=MODEL, input="more", previous_response_id=created.id
+    )
+    assert follow.output_text == "second" and follow.background is False
+    texts = [str(item) for item in proxy.provider.model_requests[-1].json["input"]]
+    assert any("the long answer" in text for text in texts)
+
+
+async def test_cancel_aborts_the_provider_request_and_commits_nothing(proxy: Proxy) -> None:
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="too late", release=release))
+    client = proxy.client()
+    first = await client.responses.create(model=MODEL, input="hello")
+    created = await client.responses.create(
+        model=MODEL, input="think", background=True, previous_response_id=first.id
+    )
+    cancelled = await client.responses.cancel(created.id)
+    assert (cancelled.id, cancelled.status, cancelled.background) == (
+        created.id,
+        "cancelled",
+        True,
+    )
+    again = await client.responses.cancel(created.id)  # cancelling twice is no error
+    assert again.status == "cancelled"
+    release.set()
+
+    async def aborted() -> bool:
+        return proxy.provider.aborted == 1
+
+    await until(aborted, "the provider's request aborted")
+    assert (await client.responses.retrieve(created.id)).status == "cancelled"
+    # Nothing of the cancelled turn is in the chain: `first` is still its head.
+    stored = await store_of(proxy).get_response(TENANT, first.id)
+    assert stored is not None and stored.thread_id is not None
+    thread = await store_of(proxy).get_thread(TENANT, stored.thread_id)
+    assert thread is not None and thread.head_response_id == first.id
+    items = await store_of(proxy).items_between(TENANT, stored.thread_id, 0, 100)
+    assert all(item.response_id != created.id for item in items)
+
+
+async def test_cancel_refusals_are_openais(proxy: Proxy) -> None:
+    client = proxy.client()
+    proxy.provider.script.append(Reply(text="done"))
+    foreground = await client.responses.create(model=MODEL, input="hi")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.cancel(foreground.id)
+    assert "background" in refused.value.message
+    proxy.provider.script.append(Reply(text="quick"))
+    finished = await client.responses.create(model=MODEL, input="hi", background=True)
+    await status_becomes(client, finished.id, "completed")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.cancel(finished.id)
+    assert "completed" in refused.value.message
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.cancel("resp_unknown")
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_unknown", stream=True, starting_after=0)  # type: ignore[call-overload]
+
+
+async def test_background_requires_store_and_refuses_before_storing(proxy: Proxy) -> None:
+    client = proxy.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model=MODEL, input="x", background=True, store=False)
+    assert refused.value.body["param"] == "background"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(
+            model=MODEL, input="x", background=True, previous_response_id="resp_missing"
+        )
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert proxy.provider.model_requests == []
+
+
+async def test_a_stream_left_midway_resumes_after_its_last_event(proxy: Proxy) -> None:
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="one two three four", release=release, release_after=3))
+    client = proxy.client()
+    stream = await client.responses.create(model=MODEL, input="go", background=True, stream=True)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if len(seen) == 3:
+            break
+    await stream.close()  # the client leaves; the response runs on
+    assert [e.sequence_number for e in seen] == [0, 1, 2]
+    assert seen[0].type == "response.created" and seen[0].response.background is True
+    response_id = seen[0].response.id
+    release.set()
+    resumed = await client.responses.retrieve(response_id, stream=True, starting_after=2)
+    rest = [event async for event in resumed]
+    assert [e.sequence_number for e in rest] == list(range(3, 3 + len(rest)))
+    assert rest[-1].type == "response.completed"
+    assert rest[-1].response.output_text == "one two three four"
+    assert rest[-1].response.id == response_id
+    again = await client.responses.retrieve(response_id, stream=True, starting_after=-1)
+    replay = [event async for event in again]
+    assert [e.type for e in replay[:3]] == [e.type for e in seen]
+    assert len(replay) == 3 + len(rest)
+    assert (await client.responses.retrieve(response_id)).status == "completed"
+
+
+async def test_starting_after_must_be_an_integer_within_the_stream(proxy: Proxy) -> None:
+    proxy.provider.script.append(Reply(text="short"))
+    client = proxy.client()
+    stream = await client.responses.create(model=MODEL, input="go", background=True, stream=True)
+    events = [event async for event in stream]
+    response_id, last = events[0].response.id, events[-1].sequence_number
+    async with proxy.http() as http:
+        for value in ("abc", "1.5", str(last + 1), "-2"):
+            answer = await http.get(
+                f"/v1/responses/{response_id}",
+                params={"stream": "true", "starting_after": value},
+                headers=auth(),
+            )
+            assert answer.status_code == 400, value
+            assert answer.json()["error"]["param"] == "starting_after"
+        answer = await http.get(
+            f"/v1/responses/{response_id}", params={"stream": "maybe"}, headers=auth()
+        )
+        assert (answer.status_code, answer.json()["error"]["param"]) == (400, "stream")
+    proxy.provider.script.append(Reply(text="plain"))
+    plain = await client.responses.create(model=MODEL, input="go")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.retrieve(plain.id, stream=True)
+    assert refused.value.body["param"] == "stream"  # type: ignore[index]
+
+
+def auth() -> dict[str, str]:
+    from .conftest import TENANT_KEY
+
+    return {"Authorization": f"Bearer {TENANT_KEY}"}
+
+
+async def test_a_failing_provider_ends_the_response_failed_with_its_error(proxy: Proxy) -> None:
+    proxy.provider.script.append(Reply(status=400, text="The model refuses this input."))
+    client = proxy.client()
+    created = await client.responses.create(model=MODEL, input="x", background=True)
+    failed = await status_becomes(client, created.id, "failed")
+    assert failed.error is not None
+    assert (failed.error.code, failed.error.message) == (
+        "invalid_prompt",
+        "The model refuses this input.",
+    )
+    proxy.provider.script.extend(Reply(status=500, text="down") for _ in range(3))
+    streamed = await client.responses.create(
+        model=MODEL, input="x", background=True, stream=True
+    )
+    events = [event async for event in streamed]
+    assert events[-1].type == "response.failed"
+    assert events[-1].response.error.code == "server_error"
+    stored = await client.responses.retrieve(events[-1].response.id)
+    assert stored.status == "failed"
+
+
+async def test_the_store_down_during_a_run_ends_it_failed_once_back(
+    proxy: Proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="lost", release=release))
+    client = proxy.client()
+    created = await client.responses.create(model=MODEL, input="x", background=True)
+    store = store_of(proxy)
+    back = asyncio.Event()
+    tried: list[str] = []
+    real_commit, real_finish = store.commit_turn, store.finish_response
+
+    async def commit_down(*args: Any, **kwargs: Any) -> Any:
+        tried.append("commit")
+        raise StoreUnavailable("the store is down")
+
+    async def finish_until_back(*args: Any, **kwargs: Any) -> Any:
+        tried.append("finish")
+        if not back.is_set():
+            raise StoreUnavailable("the store is down")
+        return await real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "commit_turn", commit_down)
+    monkeypatch.setattr(store, "finish_response", finish_until_back)
+    release.set()
+
+    async def retried() -> bool:
+        return tried.count("finish") >= 2
+
+    await until(retried, "the settle retried")
+    assert (await client.responses.retrieve(created.id)).status == "in_progress"
+    back.set()
+    failed = await status_becomes(client, created.id, "failed")
+    assert failed.error is not None and "could not save" in failed.error.message
+    monkeypatch.setattr(store, "commit_turn", real_commit)
+
+
+async def test_a_tenant_runs_at_most_its_limit(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(acme_extra="background: {max_running: 1}\n")
+    release = asyncio.Event()
+    proxy.provider.script.extend([Reply(text="a", release=release), Reply(text="b")])
+    client = proxy.client()
+    first = await client.responses.create(model=MODEL, input="x", background=True)
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.responses.create(model=MODEL, input="y", background=True)
+    assert "background.max_running" in refused.value.message
+    release.set()
+    await status_becomes(client, first.id, "completed")
+    second = await client.responses.create(model=MODEL, input="y", background=True)
+    await status_becomes(client, second.id, "completed")
+
+
+async def test_a_cancel_racing_the_completion_has_one_winner(proxy: Proxy) -> None:
+    """Whichever lands first: a completed response refuses the cancel, a cancelled one
+    keeps none of its answer."""
+    client = proxy.client()
+    for round_ in range(6):
+        release = asyncio.Event()
+        proxy.provider.script.append(Reply(text=f"answer {round_}", release=release))
+        created = await client.responses.create(model=MODEL, input="x", background=True)
+        release.set()
+        try:
+            await client.responses.cancel(created.id)
+            won = "cancelled"
+        except openai.BadRequestError:
+            won = "completed"
+        runs = proxy.app[RUNS]  # type: ignore[index]
+
+        async def settled(rid: str = created.id) -> bool:
+            return (TENANT, rid) not in runs.runs
+
+        await until(settled, "the run ended")
+        final = await client.responses.retrieve(created.id)
+        assert final.status == won
+        stored = await store_of(proxy).get_response(TENANT, created.id)
+        assert stored is not None and stored.thread_id is not None
+        thread = await store_of(proxy).get_thread(TENANT, stored.thread_id)
+        kept = thread is not None and thread.head_response_id == created.id
+        assert kept == (won == "completed")
+
+
+async def test_two_replicas_poll_resume_and_cancel_each_others(
+    pg_store_url: str, make_proxy: Any
+) -> None:
+    """PostgreSQL, two app instances on one database: the one that did not start the
+    response answers the poll and the resumption, and its cancel reaches the other."""
+    settings = {"background_poll_seconds": 0.05}
+    one: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
+    two: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
+    release = asyncio.Event()
+    one.provider.script.append(Reply(text="alpha beta gamma", release=release, release_after=2))
+    stream = await one.client().responses.create(
+        model=MODEL, input="go", background=True, stream=True
+    )
+    first = [event async for event in _take(stream, 2)]
+    await stream.close()
+    response_id = first[0].response.id
+    other = two.client()
+    assert (await other.responses.retrieve(response_id)).status == "in_progress"
+    release.set()
+    resumed = await other.responses.retrieve(response_id, stream=True, starting_after=1)
+    rest = [event async for event in resumed]
+    assert rest[0].sequence_number == 2 and rest[-1].type == "response.completed"
+    assert (await other.responses.retrieve(response_id)).output_text == "alpha beta gamma"
+
+    hold = asyncio.Event()
+    one.provider.script.append(Reply(text="never", release=hold))
+    running = await one.client().responses.create(model=MODEL, input="x", background=True)
+    cancelled = await other.responses.cancel(running.id)
+    assert cancelled.status == "cancelled"
+    runs = one.app[RUNS]  # type: ignore[index]
+
+    async def stopped() -> bool:
+        return (TENANT, running.id) not in runs.runs
+
+    await until(stopped, "the cancel reached the replica running it")
+    hold.set()
+
+    async def aborted() -> bool:
+        return one.provider.aborted == 1
+
+    await until(aborted, "the provider's request aborted")
+    assert (await one.client().responses.retrieve(running.id)).status == "cancelled"
+
+
+async def _take(stream: Any, count: int) -> Any:
+    taken = 0
+    async for event in stream:
+        yield event
+        taken += 1
+        if taken == count:
+            return
+
+
+async def test_the_sdk_retrieve_without_stream_is_a_plain_poll(proxy: Proxy) -> None:
+    proxy.provider.script.append(Reply(text="x"))
+    client = proxy.client()
+    created = await client.responses.create(model=MODEL, input="x", background=True)
+    await status_becomes(client, created.id, "completed")
+    async with httpx.AsyncClient(base_url=proxy.base_url, headers=auth()) as http:
+        answer = await http.get(f"/responses/{created.id}", params={"starting_after": "x"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "starting_after"

@@ -79,6 +79,7 @@ class Run:
     last_error: JsonDict | None = None  # the last `error` event the stream kept
     last_event: str | None = None  # the type of the last event kept
     kept: int = 0  # events kept
+    begun: bool = False  # its row exists (before that, nothing can cancel it)
 
     def notify(self) -> None:
         """Wakes the followers waiting on this run (each takes `changed` before reading)."""
@@ -198,6 +199,7 @@ class BackgroundRuns:
         if not begun.future.done():
             await task  # raises what the turn refused
             raise ApiError(500, "The background response ended before it began.")
+        run.begun = True
         return run
 
     async def _run(
@@ -278,7 +280,9 @@ class BackgroundRuns:
 
     async def watch_cancels(self) -> None:
         """One poll: runs whose row was cancelled on another replica are stopped."""
-        for (tenant, response_id), _ in list(self.runs.items()):
+        for (tenant, response_id), run in list(self.runs.items()):
+            if not run.begun:
+                continue
             stored = await self.store.get_response(tenant, response_id)
             if stored is None or stored.status == "cancelled":
                 self.cancel_here(tenant, response_id)

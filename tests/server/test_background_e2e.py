@@ -72,10 +72,10 @@ async def test_background_create_returns_at_once_and_polls_to_completed(proxy: P
 
 
 async def test_cancel_aborts_the_provider_request_and_commits_nothing(proxy: Proxy) -> None:
-    release = asyncio.Event()
-    proxy.provider.script.append(Reply(text="too late", release=release))
     client = proxy.client()
     first = await client.responses.create(model=MODEL, input="hello")
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="too late", release=release))
     created = await client.responses.create(
         model=MODEL, input="think", background=True, previous_response_id=first.id
     )
@@ -206,9 +206,7 @@ async def test_a_failing_provider_ends_the_response_failed_with_its_error(proxy:
         "The model refuses this input.",
     )
     proxy.provider.script.extend(Reply(status=500, text="down") for _ in range(3))
-    streamed = await client.responses.create(
-        model=MODEL, input="x", background=True, stream=True
-    )
+    streamed = await client.responses.create(model=MODEL, input="x", background=True, stream=True)
     events = [event async for event in streamed]
     assert events[-1].type == "response.failed"
     assert events[-1].response.error.code == "server_error"
@@ -295,59 +293,6 @@ async def test_a_cancel_racing_the_completion_has_one_winner(proxy: Proxy) -> No
         thread = await store_of(proxy).get_thread(TENANT, stored.thread_id)
         kept = thread is not None and thread.head_response_id == created.id
         assert kept == (won == "completed")
-
-
-async def test_two_replicas_poll_resume_and_cancel_each_others(
-    pg_store_url: str, make_proxy: Any
-) -> None:
-    """PostgreSQL, two app instances on one database: the one that did not start the
-    response answers the poll and the resumption, and its cancel reaches the other."""
-    settings = {"background_poll_seconds": 0.05}
-    one: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
-    two: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
-    release = asyncio.Event()
-    one.provider.script.append(Reply(text="alpha beta gamma", release=release, release_after=2))
-    stream = await one.client().responses.create(
-        model=MODEL, input="go", background=True, stream=True
-    )
-    first = [event async for event in _take(stream, 2)]
-    await stream.close()
-    response_id = first[0].response.id
-    other = two.client()
-    assert (await other.responses.retrieve(response_id)).status == "in_progress"
-    release.set()
-    resumed = await other.responses.retrieve(response_id, stream=True, starting_after=1)
-    rest = [event async for event in resumed]
-    assert rest[0].sequence_number == 2 and rest[-1].type == "response.completed"
-    assert (await other.responses.retrieve(response_id)).output_text == "alpha beta gamma"
-
-    hold = asyncio.Event()
-    one.provider.script.append(Reply(text="never", release=hold))
-    running = await one.client().responses.create(model=MODEL, input="x", background=True)
-    cancelled = await other.responses.cancel(running.id)
-    assert cancelled.status == "cancelled"
-    runs = one.app[RUNS]  # type: ignore[index]
-
-    async def stopped() -> bool:
-        return (TENANT, running.id) not in runs.runs
-
-    await until(stopped, "the cancel reached the replica running it")
-    hold.set()
-
-    async def aborted() -> bool:
-        return one.provider.aborted == 1
-
-    await until(aborted, "the provider's request aborted")
-    assert (await one.client().responses.retrieve(running.id)).status == "cancelled"
-
-
-async def _take(stream: Any, count: int) -> Any:
-    taken = 0
-    async for event in stream:
-        yield event
-        taken += 1
-        if taken == count:
-            return
 
 
 async def test_the_sdk_retrieve_without_stream_is_a_plain_poll(proxy: Proxy) -> None:

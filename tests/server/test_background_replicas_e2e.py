@@ -16,7 +16,8 @@ from .test_background_e2e import MODEL, TENANT, until
 
 
 async def test_two_replicas_poll_resume_and_cancel_each_others(
-    pg_store_url: str, make_proxy: Any
+    pg_store_url: str,  # noqa: F811
+    make_proxy: Any,
 ) -> None:
     """PostgreSQL, two app instances on one database: the one that did not start the
     response answers the poll and the resumption, and its cancel reaches the other."""

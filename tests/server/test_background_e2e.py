@@ -5,6 +5,7 @@ create, poll, cancel, a stream left and resumed with `starting_after`, and the f
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -304,3 +305,39 @@ async def test_the_sdk_retrieve_without_stream_is_a_plain_poll(proxy: Proxy) -> 
     async with httpx.AsyncClient(base_url=proxy.base_url, headers=auth()) as http:
         answer = await http.get(f"/responses/{created.id}", params={"starting_after": "x"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "starting_after"
+
+
+async def test_a_background_response_of_a_dead_process_ends_incomplete(
+    make_proxy: Any, store_url: str
+) -> None:
+    """A process killed mid-run never finishes its row: the next start's recovery sweep
+    ends it `incomplete`, and its stream, resumed, ends instead of waiting forever."""
+    from proxy.store import open_store
+    from proxy.store.base import ResponseEvent, StoredResponse
+
+    before = await open_store(store_url)
+    await before.migrate()
+    await before.heartbeat("proc_killed", "2025-01-01T00:00:00.000000+00:00", pid=0)
+    await before.begin_response(
+        StoredResponse(
+            tenant=TENANT,
+            id="resp_orphan",
+            thread_id=None,
+            previous_response_id=None,
+            status="in_progress",
+            request={"model": MODEL, "stream": True},
+            response=None,
+            created_at="2025-01-01T00:00:00.000000+00:00",
+            owner="proc_killed",
+            background=True,
+        )
+    )
+    created = {"type": "response.created", "sequence_number": 0, "response": {"id": "x"}}
+    event = ResponseEvent(0, "response.created", json.dumps(created))
+    await before.response_events_append(TENANT, "resp_orphan", [event], "2025-01-01T00:00:00Z")
+    await before.close()
+    proxy: Proxy = await make_proxy()
+    client = proxy.client()
+    assert (await client.responses.retrieve("resp_orphan")).status == "incomplete"
+    resumed = await client.responses.retrieve("resp_orphan", stream=True, starting_after=-1)
+    assert [e.sequence_number async for e in resumed] == [0]

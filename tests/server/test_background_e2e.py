@@ -312,8 +312,11 @@ async def test_a_background_response_of_a_dead_process_ends_incomplete(
 ) -> None:
     """A process killed mid-run never finishes its row: the next start's recovery sweep
     ends it `incomplete`, and its stream, resumed, ends instead of waiting forever."""
+    from proxy.clock import utc_now
     from proxy.store import open_store
     from proxy.store.base import ResponseEvent, StoredResponse
+
+    now = utc_now()  # recent: the retention purges would take older rows at start
 
     before = await open_store(store_url)
     await before.migrate()
@@ -327,14 +330,14 @@ async def test_a_background_response_of_a_dead_process_ends_incomplete(
             status="in_progress",
             request={"model": MODEL, "stream": True},
             response=None,
-            created_at="2025-01-01T00:00:00.000000+00:00",
+            created_at=now,
             owner="proc_killed",
             background=True,
         )
     )
     created = {"type": "response.created", "sequence_number": 0, "response": {"id": "x"}}
     event = ResponseEvent(0, "response.created", json.dumps(created))
-    await before.response_events_append(TENANT, "resp_orphan", [event], "2025-01-01T00:00:00Z")
+    await before.response_events_append(TENANT, "resp_orphan", [event], now)
     await before.close()
     proxy: Proxy = await make_proxy()
     client = proxy.client()

@@ -1,4 +1,5 @@
-"""Background mode on PostgreSQL with two app instances on one database (two replicas):
+"""Background mode with two app instances on one database (two replicas), on a SQLite
+file and on PostgreSQL:
 the one that did not start a response answers its poll and resumption, and its cancel
 reaches the one that runs it."""
 
@@ -11,19 +12,18 @@ from proxy.fake_provider import Reply
 from proxy.server.background import RUNS
 
 from .conftest import Proxy
-from .pg import pg_store_url  # noqa: F401
 from .test_background_e2e import MODEL, TENANT, until
 
 
 async def test_two_replicas_poll_resume_and_cancel_each_others(
-    pg_store_url: str,  # noqa: F811
+    store_url: str,
     make_proxy: Any,
 ) -> None:
-    """PostgreSQL, two app instances on one database: the one that did not start the
+    """Two app instances on one database: the one that did not start the
     response answers the poll and the resumption, and its cancel reaches the other."""
     settings = {"background_poll_seconds": 0.05}
-    one: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
-    two: Proxy = await make_proxy(store_url=pg_store_url, settings=settings)
+    one: Proxy = await make_proxy(store_url=store_url, settings=settings)
+    two: Proxy = await make_proxy(store_url=store_url, settings=settings)
     release = asyncio.Event()
     one.provider.script.append(Reply(text="alpha beta gamma", release=release, release_after=2))
     stream = await one.client().responses.create(

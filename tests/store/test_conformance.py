@@ -1207,6 +1207,7 @@ async def test_erase_removes_every_trace_of_the_thread_and_only_it(store: Store)
         "items": 2,
         "threads": 1,
         "summaries": 1,
+        "response_events": 0,  # a background response's (tests/store/test_background_store.py)
         "responses": 1,
         "idempotency": 1,
         "ledger": 2,

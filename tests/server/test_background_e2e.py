@@ -344,3 +344,16 @@ async def test_a_background_response_of_a_dead_process_ends_incomplete(
     assert (await client.responses.retrieve("resp_orphan")).status == "incomplete"
     resumed = await client.responses.retrieve("resp_orphan", stream=True, starting_after=-1)
     assert [e.sequence_number async for e in resumed] == [0]
+
+
+async def test_a_stream_beyond_max_events_ends_failed_naming_the_limit(make_proxy: Any) -> None:
+    proxy: Proxy = await make_proxy(acme_extra="background: {max_events: 4}\n")
+    proxy.provider.script.append(Reply(text="a b c d e f g h i j"))
+    client = proxy.client()
+    stream = await client.responses.create(model=MODEL, input="x", background=True, stream=True)
+    events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == [0, 1, 2, 3, 4]
+    assert events[-1].type == "response.failed"
+    assert "background.max_events" in events[-1].response.error.message
+    stored = await client.responses.retrieve(events[0].response.id)
+    assert stored.status == "failed"

@@ -1,6 +1,19 @@
 """Memory fidelity: what the provider still sees of a long conversation (issue 10).
 
     python bench/fidelity.py [--write] [--summarizer] [--only NAME]
+    python bench/fidelity.py --set tuning|heldout|both [--families a,b] [--seeds 100-104]
+                             [--quick] [--write] [--label before]
+
+With --set, the generated conversation families of bench/families.py (issue 22) instead
+of the five scenarios below: eight families (support desk, coding agent, incident logs,
+data analysis over tables, travel with parallel calls, research over web pages, CRM,
+infrastructure with manifests and kubectl), each randomized by seed. Seeds 1-5 are the
+tuning set; seeds 100-119 are the held-out set, which no heuristic is adjusted against:
+tune on 1-5, and only measure on 100-119. Both are reported in separate sections
+("## Fidelity families: tuning set", "... heldout set", the --label in the title).
+--quick runs one seed per family (what tests/test_fidelity_bench.py runs); --summarizer
+adds the run with the LLM summarizer answering badly. Checked there: every request from
+the first overflow on; no baselines.
 
 Five scripted conversations that overflow a small window several times (customer
 support with two refunds, a coding agent with multi-thousand-token test logs, travel
@@ -54,10 +67,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from families import FAMILIES, SETS, WINDOWS, Api, Call, Fact, JsonDict, Scenario, Turn, generate
 
 from proxy.fake_provider import (
     FakeProvider,
@@ -71,50 +85,9 @@ from proxy.fake_provider import (
 ROOT = Path(__file__).resolve().parent.parent
 RESERVE_OUTPUT, SAFETY_MARGIN = 1000, 200
 SUMMARIZER_MODEL = "fid-summarizer"
-# The window of each scenario's model (the policy's `models` section).
-WINDOWS = {"gpt-4.1-mini": 8000, "gpt-4o-mini": 12000, "gpt-4o": 16000}
-
-Api = Literal["chat", "responses"]
-Kind = Literal["must", "nice"]
-JsonDict = dict[str, Any]
 
 
 # --- scenarios --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Call:
-    call_id: str
-    name: str
-    arguments: JsonDict
-    output: str  # what the client's tool returns
-
-
-@dataclass(frozen=True)
-class Turn:
-    user: str
-    steps: tuple[tuple[Call, ...] | str, ...]  # tool calls (answered by the client) or text
-
-
-@dataclass(frozen=True)
-class Fact:
-    text: str
-    turn: int
-    kind: Kind
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    api: Api
-    model: str
-    system: str
-    turns: tuple[Turn, ...]
-    facts: tuple[Fact, ...]
-
-    @property
-    def window(self) -> int:
-        return WINDOWS[self.model]
 
 
 def _log_lines(rng: random.Random, count: int, kind: str) -> list[str]:
@@ -833,11 +806,12 @@ def chat_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
     return [{"role": "tool", "tool_call_id": c.call_id, "content": c.output} for c in reply]
 
 
-def responses_reply(reply: tuple[Call, ...] | str, index: int) -> list[JsonDict]:
+def responses_reply(reply: tuple[Call, ...] | str, index: int, tag: str = "") -> list[JsonDict]:
+    """`tag` keeps ids apart between conversations that share one proxy."""
     if isinstance(reply, str):
         return [
             {
-                "id": f"msg_fid{index:04d}",
+                "id": f"msg_fid{tag}{index:04d}",
                 "type": "message",
                 "status": "completed",
                 "role": "assistant",
@@ -876,14 +850,14 @@ def scripted_answer(scenario: Scenario, reply: tuple[Call, ...] | str, index: in
                 else [(c.name, json.dumps(c.arguments)) for c in reply],
             ),
         )
-        answer["id"] = f"chatcmpl-fid{index:04d}"
+        answer["id"] = f"chatcmpl-fid{scenario.tag}{index:04d}"
         answer["created"] = 1_800_000_000
         answer["choices"][0]["message"] = {**chat_reply(reply), "refusal": None}
         return answer
     answer = response_object({"model": scenario.model, "input": []}, Reply(text="x"))
-    answer["id"] = f"resp_fid{index:04d}"
+    answer["id"] = f"resp_fid{scenario.tag}{index:04d}"
     answer["created_at"] = answer["completed_at"] = 1_800_000_000
-    answer["output"] = responses_reply(reply, index)
+    answer["output"] = responses_reply(reply, index, scenario.tag)
     return answer
 
 
@@ -911,7 +885,7 @@ def histories(scenario: Scenario) -> list[tuple[int, list[JsonDict]]]:
             if not isinstance(step.reply, str):
                 history.extend(chat_outputs(step.reply))
         else:
-            history.extend(responses_reply(step.reply, index))
+            history.extend(responses_reply(step.reply, index, scenario.tag))
             if not isinstance(step.reply, str):
                 history.extend(responses_outputs(step.reply))
     return out
@@ -1014,6 +988,16 @@ def reused_tokens(api: Api, model: str, requests: Sequence[Sent]) -> list[tuple[
     return pairs
 
 
+def first_overflow(scenario: Scenario) -> int:
+    """The index of the first request whose whole (stateless) history does not fit the
+    window: before it the proxy has nothing to cut, so nothing to check."""
+    for index, (_, items) in enumerate(histories(scenario)):
+        head, instructions, rest = _split_system(scenario, items)
+        if not _fits(scenario, head + rest, instructions):
+            return index
+    return len(list(steps(scenario)))
+
+
 def added_tokens(scenario: Scenario) -> list[int]:
     """Per request: the tokens of the items the client added to its history since its
     previous request (the whole history for the first)."""
@@ -1037,6 +1021,15 @@ class Row:
     facts: tuple[Fact, ...]
     added: tuple[int, ...]  # per request: the tokens the client added (added_tokens)
     note: str = ""
+    family: str = ""
+    checked_from: int = 0  # the first request whose whole history overflows (first_overflow)
+
+    def checked(self) -> list[Sent]:
+        """The requests from the first overflow on that reached the provider."""
+        return [s for s in self.requests[self.checked_from :] if s.error is None]
+
+    def provider_400s(self) -> int:
+        return sum((s.error or "").startswith("400") for s in self.requests)
 
     @property
     def received(self) -> list[Sent]:
@@ -1426,7 +1419,9 @@ async def run_through_proxy(
         if scenario.api == "responses" and isinstance(answer, dict):
             previous_id = answer.get("id", previous_id)
         # The proxy holds its answer too: the next request starts after it.
-        answered = 1 if scenario.api == "chat" else len(responses_reply(step.reply, index))
+        answered = (
+            1 if scenario.api == "chat" else len(responses_reply(step.reply, index, scenario.tag))
+        )
         seen = len(history) + answered
     return sent
 
@@ -1441,8 +1436,11 @@ MIDDLE_OUT = "cache optimum, first turns kept, cut after them (knows every later
 
 
 async def measure(
-    scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path
+    scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path, baselines: bool = True
 ) -> tuple[list[Row], list[str]]:
+    """Every scenario through the proxy in both modes, then (`baselines`) the baselines and
+    cache bounds on the same histories. Family runs skip the baselines (they cost more
+    than the proxy run) and their resent-reuse input (`added` is left zero)."""
     for scenario in scenarios:
         check_facts(scenario)
     rows: list[Row] = []
@@ -1472,6 +1470,9 @@ async def measure(
                             requests = await run_through_proxy(
                                 session, proxy.base, provider, scenario, stateful, label, think
                             )
+                            added = (
+                                tuple(added_tokens(scenario)) if baselines else (0,) * len(requests)
+                            )
                             rows.append(
                                 Row(
                                     system,
@@ -1482,7 +1483,9 @@ async def measure(
                                     scenario.api,
                                     scenario.model,
                                     scenario.facts,
-                                    tuple(added_tokens(scenario)),
+                                    added,
+                                    family=scenario.family,
+                                    checked_from=first_overflow(scenario),
                                 )
                             )
                     finally:
@@ -1494,7 +1497,7 @@ async def measure(
                     notes.append(f"{system}: the provider received {calls} summary requests")
     finally:
         await provider.fake.stop()
-    for scenario in scenarios:
+    for scenario in scenarios if baselines else ():
         added = tuple(added_tokens(scenario))
         whole = [
             Sent(turn, head + rest, instructions)
@@ -1825,10 +1828,230 @@ def verdicts(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+# --- the conversation families (issue 22) ---------------------------------------------------
+
+FAMILY_COMMAND = "python bench/fidelity.py --set both --write --label after"
+
+
+def family_reuse(row: Row) -> list[float]:
+    """Prefix reuse of the requests from the first overflow on (each against the one
+    before it), failed requests left out."""
+    start = max(0, row.checked_from - 1)
+    return prefix_reuse(row.api, row.model, [s for s in row.requests[start:] if s.error is None])
+
+
+def family_table(rows: Sequence[Row]) -> list[str]:
+    """Per family, API and mode, over the seeds: the checker's figures on every request
+    from the first overflow on."""
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for row in rows:
+        mode = "stateless" if row.mode == "stateless" else "stateful"
+        groups.setdefault((row.family, row.api, mode), []).append(row)
+        groups.setdefault(("all families", "both", mode), []).append(row)
+    lines = [
+        "| family | API | mode | conversations | checked requests | must-keep mean "
+        "| must-keep worst request | all facts mean | prefix reuse mean "
+        "| tool-pair violations | provider 400s | failed requests |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (family, api, mode), group in sorted(
+        groups.items(), key=lambda kv: (kv[0][0] == "all families", kv[0])
+    ):
+        must = [
+            v for r in group for v in recall(r.checked(), [f for f in r.facts if f.kind == "must"])
+        ]
+        every = [v for r in group for v in recall(r.checked(), r.facts)]
+        reuse = [v for r in group for v in family_reuse(r)]
+        name = f"**{family}**" if family == "all families" else family
+        lines.append(
+            f"| {name} | {api} | {mode} | {len(group)} | {sum(len(r.checked()) for r in group)} "
+            f"| {_pct(must, 1)} | {_worst(must)} | {_pct(every, 1)} | {_pct(reuse, 1)} "
+            f"| {sum(sum(tool_pair_violations(s.items) for s in r.checked()) for r in group)} "
+            f"| {sum(r.provider_400s() for r in group)} | {sum(r.errors() for r in group)} |"
+        )
+    return lines
+
+
+def kind_table(rows: Sequence[Row]) -> list[str]:
+    """Per kind of planted fact: in how many of the checked requests it was visible."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for row in rows:
+        for fact in row.facts:
+            due = [s for s in row.checked() if s.turn > fact.turn]
+            seen = sum(fact.text in visible(s) for s in due)
+            total = counts.setdefault((fact.what or "-", fact.kind), [0, 0, 0])
+            total[0] += seen
+            total[1] += len(due)
+            total[2] += bool(due) and seen < len(due)
+    lines = [
+        "| kind of fact | must / nice | checked (fact, request) pairs | visible "
+        "| fact instances lost in some request |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for (what, kind), (seen, due, lost) in sorted(counts.items()):
+        share = f"{seen / due:.1%}" if due else "-"
+        lines.append(f"| {what} | {kind} | {due} | {share} | {lost} |")
+    return lines
+
+
+def family_lost(rows: Sequence[Row], limit: int = 25) -> list[str]:
+    """The must-keep fact instances lost most often (family, seed, mode, text)."""
+    lost: list[tuple[int, str]] = []
+    for row in rows:
+        extra = ", LLM summarizer" if "summarizer" in row.system else ""
+        for fact in row.facts:
+            if fact.kind != "must":
+                continue
+            due = [s for s in row.checked() if s.turn > fact.turn]
+            missing = sum(fact.text not in visible(s) for s in due)
+            if missing:
+                lost.append(
+                    (
+                        missing,
+                        f"- {row.scenario} ({row.api}, {row.mode}{extra}), {fact.what}: `{fact.text}` "
+                        f"missing in {missing} of {len(due)} checked requests",
+                    )
+                )
+    lost.sort(key=lambda pair: -pair[0])
+    more = [f"- ... and {len(lost) - limit} more"] if len(lost) > limit else []
+    return [line for _, line in lost[:limit]] + more
+
+
+def break_cause(previous: Sent, current: Sent) -> str | None:
+    """Why `current` does not start with all of `previous` (None when it does): new
+    instructions, a kept item rewritten in place (a tool result compressed: same call,
+    other text), or a cut (items left out, a summary block added or changed)."""
+    if current.instructions != previous.instructions:
+        return "instructions changed"
+    for a, b in zip(previous.items, current.items, strict=False):
+        if a == b:
+            continue
+        same_call = (a.get("tool_call_id") or a.get("call_id")) == (
+            b.get("tool_call_id") or b.get("call_id")
+        )
+        if same_call and (a.get("tool_call_id") or a.get("call_id")):
+            return "tool result rewritten in place"
+        return "cut or summary changed"
+    return None if len(current.items) >= len(previous.items) else "cut or summary changed"
+
+
+def breaks_table(rows: Sequence[Row]) -> list[str]:
+    """Per family: the checked requests whose prefix breaks, by cause, and the mean
+    prefix reuse of those requests (what each break costs)."""
+    causes = ("tool result rewritten in place", "cut or summary changed", "instructions changed")
+    lines = [
+        "| family | request pairs | unbroken | "
+        + " | ".join(f"{c} (count, mean reuse)" for c in causes)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(causes),
+    ]
+    families_ = sorted({r.family for r in rows})
+    for family in [*families_, "all families"]:
+        pairs = 0
+        unbroken = 0
+        found: dict[str, list[float]] = {c: [] for c in causes}
+        for row in rows:
+            if family != "all families" and row.family != family:
+                continue
+            start = max(0, row.checked_from - 1)
+            sent = [s for s in row.requests[start:] if s.error is None]
+            for (previous, current), reuse in zip(
+                itertools.pairwise(sent), prefix_reuse(row.api, row.model, sent), strict=True
+            ):
+                pairs += 1
+                cause = break_cause(previous, current)
+                if cause is None:
+                    unbroken += 1
+                else:
+                    found[cause].append(reuse)
+        cells = " | ".join(f"{len(found[c])}, {_pct(found[c])}" for c in causes)
+        lines.append(f"| {family} | {pairs} | {unbroken} | {cells} |")
+    return lines
+
+
+def family_section(
+    name: str,
+    seeds: Sequence[int],
+    rows: Sequence[Row],
+    notes: Sequence[str],
+    seconds: float,
+    label: str = "",
+) -> str:
+    title = f"Fidelity families: {name} set" + (f" ({label})" if label else "")
+    sizes = sorted({len(r.requests) for r in rows})
+    parts = [
+        f"## {title}",
+        "",
+        f"`{FAMILY_COMMAND}` (or `--set {name}`), proxy/ as of `{commit()}`, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}, {seconds:.0f} s. "
+        f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}) of the families in bench/families.py "
+        f"({', '.join(sorted({r.family for r in rows}))}), each seed one conversation "
+        f"({sizes[0] if sizes else 0}-{sizes[-1] if sizes else 0} requests), its API (Chat "
+        "or Responses) chosen by the seed, run stateless and stateful (X-Thread-Id or "
+        "previous_response_id) through `python -m proxy serve` with the default memory "
+        "policy (deterministic digest). Checked: every request from the first one whose "
+        "whole history overflows the window; recall of a request is the share of the facts "
+        "planted before its turn whose text it carries verbatim; prefix reuse as in "
+        "## Fidelity, over the same requests. "
+        + (
+            "The held-out seeds are never tuned against: heuristics are adjusted on the "
+            "tuning set (seeds 1-5) only."
+            if name == "heldout"
+            else "This is the tuning set: heuristics may be adjusted against it."
+        ),
+        "",
+    ]
+    systems = list(dict.fromkeys(r.system for r in rows))
+    for system in systems:
+        mine = [r for r in rows if r.system == system]
+        if len(systems) > 1:
+            parts += [f"**{system}**:", ""]
+        parts += [
+            *family_table(mine),
+            "",
+            "By kind of planted fact (all families and modes):",
+            "",
+            *kind_table(mine),
+            "",
+            "Where the prefix breaks (checked requests against the one before, both modes):",
+            "",
+            *breaks_table(mine),
+            "",
+        ]
+    lost = family_lost(rows)
+    if lost:
+        parts += ["Must-keep facts lost most often:", "", *lost, ""]
+    failed = failures(rows)
+    if failed:
+        parts += ["Requests that failed:", "", *failed, ""]
+    if notes:
+        parts += ["Notes:", "", *(f"- {n}" for n in notes), ""]
+    return "\n".join(parts)
+
+
+async def run_families(
+    families_: Sequence[str], seeds: Sequence[int], tmp: Path, summarizer: bool = False
+) -> tuple[list[Row], list[str]]:
+    """The families' conversations for these seeds through the proxy, no baselines;
+    `summarizer` adds the run with the LLM summarizer answering badly."""
+    scenarios = generate(list(families_), list(seeds))
+    rows, notes = await measure(scenarios, summarizer, tmp, baselines=False)
+    return [r for r in rows if r.system.startswith("threadkeeper")], notes
+
+
+def _ints(text: str) -> list[int]:
+    """`1,2,5` or `100-119` (or both, comma separated)."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        out += list(range(int(low), int(high or low) + 1))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--write", action="store_true", help='replace "## Fidelity" in bench/RESULTS.md'
+        "--write", action="store_true", help="replace the section(s) in bench/RESULTS.md"
     )
     parser.add_argument(
         "--summarizer",
@@ -1842,7 +2065,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run only this scenario (repeatable)",
     )
     parser.add_argument("--label", default="", help="said after the commit, e.g. 'before'")
+    parser.add_argument(
+        "--set",
+        choices=("tuning", "heldout", "both"),
+        help="run the generated families instead of the five scenarios: tuning (seeds "
+        "1-5), heldout (seeds 100-119, never tuned against) or both",
+    )
+    parser.add_argument(
+        "--families", help=f"comma-separated subset of {','.join(FAMILIES)} (with --set)"
+    )
+    parser.add_argument("--seeds", help="seeds instead of the set's, e.g. 100-104 or 1,3")
+    parser.add_argument(
+        "--quick", action="store_true", help="one seed per family, the set's first (with --set)"
+    )
     args = parser.parse_args(argv)
+    if args.set or args.families or args.seeds or args.quick:
+        return main_families(args)
     scenarios = [SCENARIOS[name]() for name in args.only or SCENARIOS]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
@@ -1853,6 +2091,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         from results import write_section
 
         write_section("Fidelity", text)
+    return 0
+
+
+def main_families(args: argparse.Namespace) -> int:
+    chosen = args.families.split(",") if args.families else list(FAMILIES)
+    unknown = [f for f in chosen if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    names = ["tuning", "heldout"] if args.set in (None, "both") else [args.set]
+    if args.seeds:
+        names = names[:1]
+    for name in names:
+        seeds = _ints(args.seeds) if args.seeds else list(SETS[name])
+        if args.quick:
+            seeds = seeds[:1]
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+            rows, notes = asyncio.run(run_families(chosen, seeds, Path(tmp), args.summarizer))
+        text = family_section(name, seeds, rows, notes, time.monotonic() - started, args.label)
+        print(text)
+        if args.write:
+            from results import write_section
+
+            write_section(text.splitlines()[0].removeprefix("## "), text)
     return 0
 
 

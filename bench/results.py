@@ -13,7 +13,7 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 def write_section(title: str, section: str, path: Path = RESULTS) -> None:
     """Replace the section headed `## {title}` (or append it), leaving the others alone."""
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-    heading = f"## {title}"
+    heading = f"## {title}\n"  # the whole title: "## A" is not "## A (after)"
     start = text.find(heading)
     if start == -1:
         text = text.rstrip("\n") + "\n\n" + section

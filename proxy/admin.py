@@ -20,7 +20,7 @@ from proxy.clock import utc_now
 from proxy.core.blocks import compile_pins, is_pinned
 from proxy.core.checkpoint import state_to_cut
 from proxy.core.compress import COMPRESSED_KEY
-from proxy.core.items import Item, JsonDict, chat_item, content_digest, message_text, responses_item
+from proxy.core.items import Item, JsonDict, content_digest, item_of, message_text
 from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
 from proxy.core.validate import (
@@ -704,7 +704,7 @@ async def _log(
 
 
 def _item_of(stored: StoredItem) -> Item:
-    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+    return item_of(stored.api, stored.raw)
 
 
 def _item_kind(item: Item) -> str:
@@ -832,7 +832,7 @@ def _new_item(
         raise AdminError(f"{where}: 'role' must be input or output")
     validate = validate_chat_message if api == "chat" else validate_stored_item
     _checked(lambda: validate(raw, param), where)
-    item = chat_item(raw) if api == "chat" else responses_item(raw)
+    item = item_of(api, raw)
     item_id = entry.get("id")
     return NewItem(
         item_id=item_id if isinstance(item_id, str) and item_id else item_id_for(raw),
@@ -856,7 +856,7 @@ def _refuse_repeated_ids(items: Sequence[NewItem], places: Sequence[str]) -> Non
 
 def _refuse_orphans(items: Sequence[NewItem], places: Sequence[str]) -> None:
     """SPEC 6, as a turn applies it: an output answers a call earlier in the log."""
-    views = [chat_item(i.raw) if i.api == "chat" else responses_item(i.raw) for i in items]
+    views = [item_of(i.api, i.raw) for i in items]
     orphan = first_orphan((), views)
     if orphan is None:
         return

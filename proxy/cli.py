@@ -1,5 +1,5 @@
 """`threadkeeper` command line: serve, demo, count, project, policy, threads, ledger,
-compaction."""
+compaction, models."""
 
 from __future__ import annotations
 
@@ -104,6 +104,16 @@ def _operator_commands(sub: Any) -> None:
     )
     _scope_options(show, "the item's")
     _store_options(show)  # the key: THREADKEEPER_COMPACTION_KEY, else the store's
+
+    models = sub.add_parser(
+        "models",
+        help="per model: its window and where it came from, its tokenizer, and the count "
+        "correction the provider's answers taught",
+    )
+    models.add_argument("--tenant", help="one tenant (default: every tenant)")
+    models.add_argument("--policies", help="policy directory (as for serve)")
+    models.add_argument("--limit", type=int, default=1000)
+    _store_options(models)
 
 
 def _scope_options(command: argparse.ArgumentParser, what: str) -> None:
@@ -213,7 +223,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return run_demo(turns=args.turns, window=args.window, serve=args.serve)
     if args.command == "policy":
         return _policy(args)
-    if args.command in ("threads", "ledger", "compaction"):
+    if args.command in ("threads", "ledger", "compaction", "models"):
         return _operator(args)
     from proxy.admin import AdminError
 
@@ -304,9 +314,71 @@ async def _run_operator(args: argparse.Namespace) -> str:
     try:
         if args.command == "ledger":
             return await _ledger(store, args)
+        if args.command == "models":
+            return await _models(store, args)
         return await _threads(store, args)
     finally:
         await store.close()
+
+
+async def _models(store: Any, args: argparse.Namespace) -> str:
+    """What `threadkeeper models` prints: one row per (tenant, upstream, model) the store
+    holds something about, read with the tenant's policy (its window and tokenizer)."""
+    from proxy import admin
+    from proxy.core.tokens import encoding_name_for_model
+    from proxy.policy import PolicyError, PolicyRegistry
+    from proxy.server.learned import from_state, model_window
+    from proxy.settings import load_settings
+
+    cli = {"store": args.store, "config": args.config, "policies": args.policies}
+    settings = load_settings(cli, os.environ)
+    try:
+        registry = PolicyRegistry.load(settings.policies_dir)
+    except PolicyError as exc:
+        raise admin.AdminError(f"cannot read the policies: {exc}") from None
+    rows = []
+    for record in await store.learned_list(args.tenant, limit=args.limit):
+        learned = from_state(record.state)
+        policy = registry.get(record.tenant)
+        if policy is not None:
+            window, source = model_window(policy, record.model, learned)
+            named = policy.tokenizer_for(record.model)
+            tokenizer = named.name if named is not None else None
+        else:
+            window, source, tokenizer = learned.window or learned.discovered or 0, "learned", None
+        rows.append(
+            {
+                "tenant": record.tenant,
+                "upstream": record.upstream,
+                "model": record.model,
+                "window": window,
+                "window_source": source,
+                "tokenizer": tokenizer or f"tiktoken:{encoding_name_for_model(record.model)}",
+                "ratio": round(learned.ratio, 4),
+                "overhead_per_item": round(learned.overhead, 2),
+                "answers": learned.answers,
+                "updated_at": record.updated_at,
+            }
+        )
+    if args.json:
+        return json.dumps(rows, indent=2)
+    if not rows:
+        return "nothing learnt yet: no model has answered through the proxy"
+    columns = ("tenant", "model", "window", "from", "tokenizer", "ratio", "+/item", "answers")
+    cells = tuple(
+        (
+            r["tenant"],
+            r["model"],
+            str(r["window"]),
+            r["window_source"],
+            r["tokenizer"],
+            f"{r['ratio']:.3f}",
+            f"{r['overhead_per_item']:.1f}",
+            str(r["answers"]),
+        )
+        for r in rows
+    )
+    return admin.table(admin.Row(columns, cells))
 
 
 async def _open_store(args: argparse.Namespace, *, create: bool = False) -> Any:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from proxy.core.budget import Learned
+from proxy.core.items import Item
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
 from proxy.policy import Policy
 
@@ -30,3 +32,48 @@ async def counter_for(policy: Policy | None, model: str) -> TokenCounter:
     if vocabulary_loaded(model):
         return estimate_counter(model)
     return await asyncio.to_thread(estimate_counter, model)
+
+
+class CalibratedCounter(TokenCounter):
+    """`base`'s counts with the per-item overhead the provider's usage taught
+    (`Learned.item_overhead`) added to every item and to instructions (one more message).
+    The raw counts stay `base`'s, cached and stored under its tokenizer's identity, so a
+    changed correction never re-encodes anything; the ratio is applied to the window
+    (budget.corrected_window) or to the total (`provider_count`)."""
+
+    def __init__(self, base: TokenCounter, learned: Learned) -> None:
+        super().__init__(base.model, base.tokenizer)
+        self.base = base
+        self.learned = learned
+        self.extra = learned.item_overhead
+        # What the projection caches by counter (made summaries, replays) is its own;
+        # item counts go to `base`, under the tokenizer's identity.
+        self.tokenizer_id = f"{base.tokenizer_id}+{self.extra}/item"
+
+    def item(self, item: Item) -> int:
+        return self.base.item(item) + self.extra
+
+    def instructions(self, text: str | None) -> int:
+        counted = super().instructions(text)
+        return counted + self.extra if counted else 0
+
+
+def calibrated_counter(counter: TokenCounter, learned: Learned | None) -> TokenCounter:
+    """The budget's counter: `counter` itself until an answer taught an overhead."""
+    if learned is None or learned.item_overhead <= 0:
+        return counter
+    return CalibratedCounter(counter, learned)
+
+
+def raw_count(counter: TokenCounter, counted: int, items: int) -> int:
+    """What `counter` counted as `counted` over `items` items, without its overhead."""
+    extra = counter.extra if isinstance(counter, CalibratedCounter) else 0
+    return counted - extra * items
+
+
+def provider_count(counter: TokenCounter, learned: Learned | None, counted: int, items: int) -> int:
+    """The provider's count of a prompt `counter` counted as `counted` over `items` items:
+    the proxy's own count until usage or a refusal taught a correction."""
+    if learned is None or (learned.answers == 0 and learned.ratio <= 1.0):
+        return counted
+    return learned.provider_count(raw_count(counter, counted, items), items)

@@ -94,6 +94,31 @@ class ContextWindow:
     tokens: int
     inflation: float = 1.0
     refusals: int = 0
+    per_message: int = 0  # a chat template's tokens around each message or item
+    # What `GET /v1/models` lists for the fake's models as its window ({"max_model_len":
+    # 8192}: vLLM's ModelCard; "context_length": OpenRouter's; "max_context_length": LM
+    # Studio's); `ollama_show`: what `POST /api/show` answers (None: a 404).
+    listed: dict[str, int] | None = None
+    ollama_show: dict[str, object] | None = None
+    # Ollama's OpenAI endpoint cuts a prompt above this many tokens without an error and
+    # reports only what it kept.
+    truncate_at: int | None = None
+    # The provider's own count of a request's prompt, when it is not the inflated o200k
+    # count (a test's model tokenizer and chat template).
+    count: Callable[[JsonDict], int] | None = None
+
+    def prompt(self, body: JsonDict) -> int:
+        """The prompt as this provider counts it (its vocabulary and template)."""
+        if self.count is not None:
+            return self.count(body)
+        if "messages" in body:
+            counted, items = chat_prompt_tokens(body), len(body.get("messages") or [])
+        else:
+            counted = responses_prompt_tokens(body)
+            given = body.get("input")
+            items = len(given) if isinstance(given, list) else 1
+            items += 1 if body.get("instructions") else 0
+        return int(counted * self.inflation) + self.per_message * items
 
 
 @dataclass(frozen=True)
@@ -163,6 +188,7 @@ class FakeProvider:
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/api/show", self._ollama_show)  # Ollama's, beside its /v1
         app.router.add_route("*", "/{tail:.*}", self._echo)
         return app
 
@@ -223,7 +249,7 @@ class FakeProvider:
             return await self._raw(request, reply, headers)
         if reply.frames is not None:
             return await self._stream(request, reply, headers, reply.frames)
-        result = build(body, reply)
+        result = self._own_usage(body, build(body, reply))
         if not body.get("stream"):
             return web.json_response(result, status=reply.status, headers=headers)
         return await self._stream(request, reply, headers, frames(body, result))
@@ -232,8 +258,9 @@ class FakeProvider:
         window = self.window
         if window is None:
             return None
-        counted = chat_prompt_tokens(body) if "messages" in body else responses_prompt_tokens(body)
-        prompt = int(counted * window.inflation)
+        prompt = window.prompt(body)
+        if window.truncate_at is not None:
+            return None  # Ollama: no refusal, the prompt is cut (see `_own_usage`)
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         asked = asked or body.get("max_output_tokens") or 0
         completion = asked if isinstance(asked, int) else 0
@@ -253,6 +280,20 @@ class FakeProvider:
             "code": 400,
         }
         return web.json_response(flat, status=400)
+
+    def _own_usage(self, body: JsonDict, result: JsonDict) -> JsonDict:
+        """The answer's usage in the provider's own count, as a real one reports it."""
+        window = self.window
+        usage = result.get("usage")
+        if window is None or not isinstance(usage, dict):
+            return result
+        prompt = window.prompt(body)
+        if window.truncate_at is not None:
+            prompt = min(prompt, window.truncate_at)
+        key = "prompt_tokens" if "prompt_tokens" in usage else "input_tokens"
+        output = usage.get("completion_tokens") or usage.get("output_tokens") or 0
+        usage.update({key: prompt, "total_tokens": prompt + output})
+        return result
 
     async def _stream(
         self, request: web.Request, reply: Reply, headers: dict[str, str], frames: list[bytes]
@@ -295,11 +336,25 @@ class FakeProvider:
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._record(request)
+        listed = self.window.listed if self.window is not None else None
         data = [
-            {"id": model, "object": "model", "created": 1700000000, "owned_by": "threadkeeper"}
+            {
+                "id": model,
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "threadkeeper",
+                **(listed or {}),
+            }
             for model in self.models
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def _ollama_show(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        shown = self.window.ollama_show if self.window is not None else None
+        if shown is None:
+            return web.json_response({"error": "model not found"}, status=404)
+        return web.json_response(shown)
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         body = (await self._record(request)).json

@@ -66,6 +66,22 @@ class Metrics:
             ("route", "outcome"),
             registry=self.registry,
         )
+        # The usage correction (proxy/server/learned.py): one series per (tenant, model).
+        self.count_correction = Gauge(
+            "threadkeeper_count_correction",
+            "How the provider's prompt count relates to the proxy's own, fitted from its "
+            "answers' usage: `ratio` (times the proxy's count), `overhead` (provider tokens "
+            "per item) and `answers` (how many samples it rests on).",
+            ("tenant", "model", "part"),
+            registry=self.registry,
+        )
+        self.silent_truncations = Counter(
+            "threadkeeper_silent_truncations",
+            "Answers whose reported prompt tokens fell far below what was sent: a provider "
+            "that cut the prompt without an error (Ollama at its num_ctx).",
+            ("tenant", "model"),
+            registry=self.registry,
+        )
         self.rebuild_seconds = Histogram(
             "threadkeeper_rebuild_seconds",
             "Time to project one request's context under its budget: counting its "

@@ -377,6 +377,11 @@ class Policy(_Frozen):
         key = self._entry_for(model)
         return self._tokenizers.get(key) if key is not None else None
 
+    def names_model(self, model: str) -> bool:
+        """Whether an entry other than "*" matches the model (its window is then the
+        policy's, whatever the provider lists)."""
+        return self._entry_for(model) not in (None, "*")
+
     def _entry_for(self, model: str) -> str | None:
         for name in _model_names(model):
             if name in self.models:

@@ -48,6 +48,12 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_provider_body_bytes: int = 64 * 1024 * 1024  # what is buffered of a provider answer
     client_header_timeout: float = 60.0  # seconds for a request's headers, and a JSON body
+    # Responses WebSocket mode (proxy/server/websocket.py): the largest client message
+    # (bytes; larger closes the socket with 1009), seconds a socket may sit with no message
+    # and no response running, and responses running at once on one socket (lanes).
+    websocket_max_message_bytes: int = 16 * 1024 * 1024
+    websocket_idle_timeout: float = 600.0
+    websocket_max_concurrent_responses: int = 4
     upstream_connect_timeout: float = 10.0
     upstream_read_timeout: float = 600.0
     upstream_pool_size: int = 100
@@ -256,6 +262,24 @@ FIELDS: tuple[_Field, ...] = (
         "client_header_timeout",
         "THREADKEEPER_CLIENT_HEADER_TIMEOUT",
     ),
+    _Field(
+        "websocket_max_message_bytes",
+        _positive_int,
+        "websocket.max_message_bytes",
+        "THREADKEEPER_WEBSOCKET_MAX_MESSAGE_BYTES",
+    ),
+    _Field(
+        "websocket_idle_timeout",
+        _positive_number,
+        "websocket.idle_timeout",
+        "THREADKEEPER_WEBSOCKET_IDLE_TIMEOUT",
+    ),
+    _Field(
+        "websocket_max_concurrent_responses",
+        _positive_int,
+        "websocket.max_concurrent_responses",
+        "THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES",
+    ),
     _Field("log_level", _log_level, "log_level", "THREADKEEPER_LOG_LEVEL"),
     _Field("upstream_connect_timeout", _positive_number, "upstream.connect_timeout"),
     _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),
@@ -379,17 +403,22 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return flat
 
 
+# The config file's nested sections, and what each holds (for the error of a non-mapping).
+SECTIONS = {
+    "upstream": "(connect_timeout, read_timeout, pool_size); the provider URL is upstream_url",
+    "websocket": "(max_message_bytes, idle_timeout, max_concurrent_responses)",
+}
+
+
 def _flattened(path: Path, data: dict[str, Any]) -> dict[str, Any]:
-    flat = {key: value for key, value in data.items() if key != "upstream"}
-    upstream = data.get("upstream")
-    if upstream is None:
-        return flat
-    if not isinstance(upstream, dict):
-        raise SettingsError(
-            f"{path}: upstream: expected a mapping (connect_timeout, read_timeout, pool_size);"
-            " the provider URL is upstream_url"
-        )
-    flat.update({f"upstream.{key}": value for key, value in upstream.items()})
+    flat = {key: value for key, value in data.items() if key not in SECTIONS}
+    for section, holds in SECTIONS.items():
+        nested = data.get(section)
+        if nested is None:
+            continue
+        if not isinstance(nested, dict):
+            raise SettingsError(f"{path}: {section}: expected a mapping {holds}")
+        flat.update({f"{section}.{key}": value for key, value in nested.items()})
     return flat
 
 

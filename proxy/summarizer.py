@@ -34,10 +34,8 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import httpx
-import openai
 import structlog
 
 from proxy.core.items import Item
@@ -55,6 +53,9 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.tracing import NO_TRACING, Tracing, set_attributes
+
+if TYPE_CHECKING:  # the SDK and httpx load with the first summary (tens of MB)
+    import httpx
 
 log = structlog.get_logger("threadkeeper.summarizer")
 
@@ -93,8 +94,18 @@ class LlmSummarizer:
         tracing: Tracing = NO_TRACING,
     ) -> None:
         self.metrics = metrics
-        self.http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=32))
+        self._http = http
         self.tracing = tracing
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The one pool, opened by the first call: a proxy with no summarizer configured
+        never loads the SDK nor httpx."""
+        if self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=32))
+        return self._http
 
     async def write(
         self,
@@ -145,6 +156,9 @@ class LlmSummarizer:
         previous: Item | None,
         base: MemoryState | None = None,
     ) -> Call:
+        import httpx
+        import openai
+
         settings = policy.memory.summarizer
         assert settings is not None
         client = openai.AsyncOpenAI(
@@ -220,7 +234,8 @@ class LlmSummarizer:
         )
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self._http is not None:
+            await self._http.aclose()
 
 
 def _parsed(body: bytes) -> Any:

@@ -39,7 +39,7 @@ from typing import Any, Literal
 import orjson
 
 from proxy.core.checkpoint import cut_to_state, state_to_cut
-from proxy.core.items import Item, chat_item, content_digest, message_text, responses_item
+from proxy.core.items import Item, content_digest, item_of, message_text
 from proxy.core.ledger import is_synthetic_output
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
@@ -70,9 +70,10 @@ Restate = Callable[["Loaded"], Awaitable[JsonDict]]
 def stored_item_view(stored: StoredItem) -> Item:
     """The item as the store kept it: its digest and token count are read, not computed
     again (an item never counted, encoding "", is counted when first needed)."""
-    view = chat_item if stored.api == "chat" else responses_item
     tokens = stored.tokens if stored.encoding else None
-    return view(stored.raw, digest=stored.digest, tokens=tokens, encoding=stored.encoding)
+    return item_of(
+        stored.api, stored.raw, digest=stored.digest, tokens=tokens, encoding=stored.encoding
+    )
 
 
 @dataclass(frozen=True)

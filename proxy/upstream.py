@@ -47,7 +47,7 @@ from collections.abc import (
     Iterable,
     Mapping,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import quote
@@ -622,26 +622,33 @@ class Upstream:
         # twice, so such a request gets exactly one attempt.
         replayable = not isinstance(request.body, AsyncIterable)
         attempts = 0
+        first: UpstreamResponse | BaseException | None = None  # an attempt made, to retry
 
         async def attempt() -> UpstreamResponse:
-            nonlocal attempts
+            nonlocal attempts, first
+            if first is not None:  # tenacity's first try is the one already made
+                made, first = first, None
+                if isinstance(made, BaseException):
+                    raise made
+                return made
             attempts += 1
             return await self._attempt(request, url, attempts)
 
-        retrying = AsyncRetrying(
-            sleep=self._sleep,
-            retry=(
-                retry_if_exception_type(RETRY_ERRORS)
-                | retry_if_result(lambda response: response.status in RETRY_STATUSES)
-            ),
-            wait=retry_wait(retry),
-            stop=retry_stop(retry, replayable, request.deadline),
-            before_sleep=_log_retry,
-            retry_error_callback=_last_outcome,
-        )
+        started = time.monotonic()
         try:
             async with within(request.deadline):
-                response: UpstreamResponse = await retrying(attempt)
+                # Most answers need no retry: tenacity is entered only for one that does,
+                # with the time the first try took counted against max_seconds.
+                try:
+                    response: UpstreamResponse = await attempt()
+                    if response.status in RETRY_STATUSES:
+                        first = response
+                except RETRY_ERRORS as exc:
+                    first = exc
+                if first is not None:
+                    spent = time.monotonic() - started
+                    left = replace(retry, max_seconds=max(0.0, retry.max_seconds - spent))
+                    response = await self._retrying(left, replayable, request.deadline)(attempt)
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable.from_error(exc, attempts) from exc
         except UpstreamUnavailable as exc:
@@ -649,6 +656,21 @@ class Upstream:
             raise
         response.attempts = attempts
         return response
+
+    def _retrying(
+        self, retry: RetrySettings, replayable: bool, deadline: Deadline | None
+    ) -> AsyncRetrying:
+        return AsyncRetrying(
+            sleep=self._sleep,
+            retry=(
+                retry_if_exception_type(RETRY_ERRORS)
+                | retry_if_result(lambda response: response.status in RETRY_STATUSES)
+            ),
+            wait=retry_wait(retry),
+            stop=retry_stop(retry, replayable, deadline),
+            before_sleep=_log_retry,
+            retry_error_callback=_last_outcome,
+        )
 
     async def _attempt(self, request: UpstreamRequest, url: URL, number: int) -> UpstreamResponse:
         if not self.tracing.on:

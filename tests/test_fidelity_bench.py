@@ -3,19 +3,23 @@ scenario end to end through the proxy, and its section written only where it is 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import fidelity
+from families import FAMILIES, HELDOUT_SEEDS, TUNING_SEEDS
 from fidelity import (
     Call,
     Fact,
+    Row,
     Scenario,
     Sent,
     Turn,
@@ -113,6 +117,7 @@ def test_baselines_keep_whole_histories_that_fit() -> None:
     check_facts(scenario)
     full = [items for _, items in histories(scenario)]
     assert [sent.items for sent in drop_oldest(scenario)] == full
+    assert fidelity.first_overflow(scenario) == 4  # it never overflows: nothing checked
     k, kept = last_k_turns(scenario)
     assert k == 3
     assert [sent.items for sent in kept] == full
@@ -206,3 +211,78 @@ def test_the_cache_optimum_is_the_best_trimming_there_is(monkeypatch) -> None:  
         whole = [items for _, items in histories(scenario)]
         assert any(sent.items != full for sent, full in zip(optimum, whole, strict=True))
     assert best[True] > best[False]  # keeping the first turns pays here
+
+
+# --- the generated families (issue 22) --------------------------------------------------------
+
+
+def test_every_family_plants_checkable_facts_for_every_seed() -> None:
+    """Each planted fact first appears in its own turn (a miss is the memory's doing), every
+    conversation overflows its window, and a seed makes the same conversation twice."""
+    for name, make in FAMILIES.items():
+        for seed in (*TUNING_SEEDS, *HELDOUT_SEEDS):
+            scenario = make(seed)
+            check_facts(scenario)
+            assert scenario.family == name and scenario.seed == seed
+            kinds = {f.kind for f in scenario.facts}
+            assert "must" in kinds, scenario.name
+            head, instructions, rest = fidelity._split_system(scenario, histories(scenario)[-1][1])
+            assert not fidelity._fits(scenario, head + rest, instructions), scenario.name
+        assert make(100) == make(100)
+        assert make(100) != make(101)
+    # The seed chooses the API and the result format: both occur over the held-out set.
+    apis = {FAMILIES[name](seed).api for name in FAMILIES for seed in HELDOUT_SEEDS}
+    assert apis == {"chat", "responses"}
+
+
+def without(row: Row, text: str) -> Row:
+    """The row with `text` cut out of every request's strings (a memory that lost it)."""
+
+    def scrub(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace(text, "")
+        if isinstance(value, dict):
+            return {k: scrub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        return value
+
+    requests = [dataclasses.replace(s, items=scrub(s.items)) for s in row.requests]
+    return dataclasses.replace(row, requests=requests)
+
+
+async def test_quick_family_run_is_structurally_sound_and_the_checker_sees_a_dropped_fact(
+    tmp_path: Path,
+) -> None:
+    """One seed per family through the proxy (what `--quick` runs): no tool-pair violation,
+    no provider 400, every conversation checked from its first overflow; and a fact cut
+    out of the requests shows in must-keep recall, its kind and the lost list."""
+    seeds = [TUNING_SEEDS[0]]
+    rows, _ = await fidelity.run_families(list(FAMILIES), seeds, tmp_path)
+    assert sorted({row.family for row in rows}) == sorted(FAMILIES)
+    assert len(rows) == 2 * len(FAMILIES)  # stateless and stateful
+    for row in rows:
+        assert row.errors() == 0 and row.provider_400s() == 0, fidelity.failures([row])
+        assert sum(tool_pair_violations(s.items) for s in row.checked()) == 0, row.scenario
+        assert row.checked(), row.scenario
+    table = "\n".join(fidelity.family_table(rows))
+    assert "| **all families** | both | stateless | 8 |" in table
+    text = fidelity.family_section("tuning", seeds, rows, [], 1.0, "before")
+    assert text.startswith("## Fidelity families: tuning set (before)\n")
+
+    # A must-keep fact every checked request of its conversation carries; cut it out.
+    row, rule = next(
+        (r, f)
+        for r in rows
+        for f in r.facts
+        if f.kind == "must"
+        and any(s.turn > f.turn for s in r.checked())
+        and all(f.text in fidelity.visible(s) for s in r.checked())
+    )
+    must = [f for f in row.facts if f.kind == "must"]
+    kept = recall(row.checked(), must)
+    dropped = without(row, rule.text)
+    lost = recall(dropped.checked(), must)
+    assert max(lost) < 1.0 and sum(lost) < sum(kept)
+    assert any(f"`{rule.text}` missing in" in line for line in fidelity.family_lost([dropped]))
+    assert f"| {rule.what} | must |" in "\n".join(fidelity.kind_table([dropped]))

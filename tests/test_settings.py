@@ -159,6 +159,8 @@ def test_bad_flag_or_env_value_names_its_source(
         ("prot: 80\n", "tk.yaml: prot: unknown setting"),
         ("upstream:\n  pool: 3\n", "tk.yaml: upstream.pool: unknown setting"),
         ("upstream: https://x\n", "tk.yaml: upstream: expected a mapping"),
+        ("websocket: 5\n", "tk.yaml: websocket: expected a mapping (max_message_bytes"),
+        ("websocket:\n  idle: 3\n", "tk.yaml: websocket.idle: unknown setting"),
         ("port: [1\n", "tk.yaml: invalid YAML"),
         ("- 1\n- 2\n", "tk.yaml: expected a mapping of settings, got list"),
     ],
@@ -324,3 +326,29 @@ def test_response_retention_defaults_to_30_days_and_reads_env_and_file(tmp_path:
     assert load_settings({"config": str(config)}, {}).response_retention_seconds == 60
     with pytest.raises(SettingsError, match="THREADKEEPER_RESPONSE_RETENTION_SECONDS: expected"):
         load_settings(NO_FLAGS, {"THREADKEEPER_RESPONSE_RETENTION_SECONDS": "-1"})
+
+
+def test_websocket_limits_from_file_and_environment(tmp_path: Path) -> None:
+    defaults = load_settings(NO_FLAGS, {})
+    assert defaults.websocket_max_message_bytes == 16 * 1024 * 1024
+    assert defaults.websocket_idle_timeout == 600
+    assert defaults.websocket_max_concurrent_responses == 4
+    config = write_config(
+        tmp_path / "c.yaml",
+        "websocket:\n  max_message_bytes: 1000\n  idle_timeout: 5\n  max_concurrent_responses: 2\n",
+    )
+    settings = load_settings({"config": str(config)}, {})
+    assert settings.websocket_max_message_bytes == 1000
+    assert settings.websocket_idle_timeout == 5
+    assert settings.websocket_max_concurrent_responses == 2
+    env = {
+        "THREADKEEPER_WEBSOCKET_MAX_MESSAGE_BYTES": "2000",
+        "THREADKEEPER_WEBSOCKET_IDLE_TIMEOUT": "7.5",
+        "THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES": "3",
+    }
+    settings = load_settings({"config": str(config)}, env)
+    assert settings.websocket_max_message_bytes == 2000
+    assert settings.websocket_idle_timeout == 7.5
+    assert settings.websocket_max_concurrent_responses == 3
+    with pytest.raises(SettingsError, match="THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES": "0"})

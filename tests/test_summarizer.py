@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -397,3 +399,16 @@ async def test_a_body_longer_than_any_answer_asked_for_is_not_read_whole(
     assert calls(summarizer.metrics, "invalid") == 1
     problems = [e["problem"] for e in logs if e["event"] == "summarizer_invalid"]
     assert problems == ["body too large"]
+
+
+def test_a_summarizer_never_called_loads_neither_the_sdk_nor_httpx() -> None:
+    """They load with the first summary: a proxy with no summarizer configured does not
+    carry their tens of MB (issue 23, resident memory)."""
+    code = (
+        "import sys; import proxy.server.app; from proxy.metrics import Metrics; "
+        "from proxy.summarizer import LlmSummarizer; import asyncio; "
+        "s = LlmSummarizer(Metrics()); asyncio.run(s.aclose()); "
+        "print(sorted(m for m in ('openai', 'httpx') if m in sys.modules))"
+    )
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert shown.stdout.strip() == "[]"

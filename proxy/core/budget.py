@@ -11,7 +11,7 @@ has to shrink when H > B_H.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def history_budget(
@@ -30,23 +30,99 @@ def output_reserve(requested: int | None, reserve: int, model_max: int | None) -
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One answer's truth: the proxy's own count of exactly what it sent (`estimate`, its
+    raw count, no correction), how many items (messages, instructions) that was, and the
+    provider's reported prompt tokens (`actual`; cached tokens are part of it)."""
+
+    estimate: int
+    items: int
+    actual: int
+
+
+# Samples a correction is fitted over: the most recent ones (a provider's tokenizer or
+# template can change with a deploy; a bounded window forgets the old one).
+MAX_SAMPLES = 32
+# The share of recent samples the fitted correction bounds from above (nearest rank): with
+# fewer than 20 samples, every one of them.
+QUANTILE = 0.95
+# A per-item overhead beyond this many provider tokens is not a chat template: noise.
+MAX_OVERHEAD = 64.0
+# Below this cosine distance between the estimate and item-count columns, the samples
+# cannot tell a ratio from a per-item overhead: only a ratio is fitted.
+MIN_SPREAD = 1e-4
+
+
+@dataclass(frozen=True)
 class Learned:
     """What the provider taught about one (tenant, upstream, model): its window, in its own
-    tokens, and how many of its tokens one of the proxy's counts (never below 1: a count
-    that runs high is left as it is). Learnt from its refusals (proxy/server/overflow.py);
-    usage calibration and window discovery are to refine the same value."""
+    tokens, and how its count relates to the proxy's: `ratio` times the proxy's raw count
+    plus `overhead` per item. Refusals (proxy/server/overflow.py) and every answer's usage
+    (`calibrated`) write it; `discovered` is the window the provider lists for the model
+    (proxy/server/discovery.py), used when only the policy's "*" names it. `answers`:
+    how many samples the correction rests on, ever; `samples`: the recent ones."""
 
     window: int | None = None
     ratio: float = 1.0
+    overhead: float = 0.0
+    discovered: int | None = None
+    answers: int = 0
+    samples: tuple[Sample, ...] = ()
+
+    @property
+    def item_overhead(self) -> int:
+        """The per-item overhead in the proxy's tokens, as the budget's counter adds it to
+        every item (rounded up: the count errs high). See `corrected_window`."""
+        return math.ceil(self.overhead / max(1.0, self.ratio) - 1e-9)
+
+    def provider_count(self, estimate: int, items: int) -> int:
+        """The provider's count of a prompt the proxy counts `estimate` (raw) over `items`."""
+        return math.ceil(self.ratio * estimate + self.overhead * items - 1e-9)
+
+
+def fit(samples: tuple[Sample, ...]) -> tuple[float, float]:
+    """(ratio, overhead) with ratio * estimate + overhead * items at or above the actual
+    count of QUANTILE of `samples`: least squares through the origin on the two columns
+    (a mean), then scaled up to the high quantile of actual / fitted (the bound). Too few
+    or too alike samples for two columns: a ratio alone."""
+    points = [s for s in samples if s.estimate > 0 and s.actual > 0]
+    if not points:
+        return 1.0, 0.0
+    srr = sum(s.estimate * s.estimate for s in points)
+    snn = sum(s.items * s.items for s in points)
+    srn = sum(s.estimate * s.items for s in points)
+    sry = sum(s.estimate * s.actual for s in points)
+    sny = sum(s.items * s.actual for s in points)
+    ratio, overhead = sry / srr, 0.0
+    det = srr * snn - srn * srn
+    if len(points) >= 3 and snn > 0 and det > MIN_SPREAD * srr * snn:
+        a = (sry * snn - sny * srn) / det
+        b = (srr * sny - srn * sry) / det
+        if a > 0 and b >= 0:
+            ratio, overhead = a, min(b, MAX_OVERHEAD)
+    scales = sorted(s.actual / (ratio * s.estimate + overhead * s.items) for s in points)
+    scale = scales[max(0, math.ceil(QUANTILE * len(scales)) - 1)]
+    return ratio * scale, overhead * scale
+
+
+def calibrated(previous: Learned | None, sample: Sample) -> Learned:
+    """`previous` with one more answer's usage: the correction fitted again over the recent
+    samples. A refusal's window and the discovered one are kept."""
+    base = previous if previous is not None else Learned()
+    samples = (*base.samples, sample)[-MAX_SAMPLES:]
+    ratio, overhead = fit(samples)
+    return replace(base, ratio=ratio, overhead=overhead, answers=base.answers + 1, samples=samples)
 
 
 def corrected_window(
     window: int, output: int, learned: Learned | None, provider_output: int = 0
 ) -> int:
-    """W for the budget formula, in the proxy's own tokens: the policy's window, or less
+    """W for the budget formula, in the proxy's own tokens: the model's window, or less
     when the provider has a smaller one or counts more. `output` is O as the formula
     subtracts it; `provider_output` the output the provider reserves when that is more
-    (a client's max_tokens above the policy's cap). Never above `window`."""
+    (a client's max_tokens above the policy's cap). Never above `window`. The per-item
+    overhead is not here: the budget's counter adds it to every item
+    (proxy/counting.py, CalibratedCounter), so ratio * count bounds the provider's."""
     if learned is None:
         return window
     limit = min(window, learned.window) if learned.window is not None else window

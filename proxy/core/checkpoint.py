@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.core.items import Item, JsonDict, chat_item, responses_item
+from proxy.core.items import Item, JsonDict, item_of
 from proxy.core.projection import CutPoint
 
 WINDOW_START = "window_start"
@@ -86,5 +86,5 @@ def _item_json(item: Item) -> JsonDict:
 
 
 def _item(entry: Mapping[str, Any]) -> Item:
-    raw = entry["raw"]
-    return chat_item(raw) if entry.get("api") == "chat" else responses_item(raw)
+    api = entry.get("api")
+    return item_of(api if isinstance(api, str) else None, entry["raw"])

@@ -250,6 +250,20 @@ def responses_item(
     )
 
 
+def item_of(
+    api: str | None,
+    raw: JsonDict,
+    *,
+    digest: str = "",
+    tokens: int | None = None,
+    encoding: str = "",
+) -> Item:
+    """The one view of an item kept with its API's name (a stored row, a summary, a
+    checkpoint entry): "chat" is a Chat message, anything else a Responses item."""
+    view = chat_item if api == "chat" else responses_item
+    return view(raw, digest=digest, tokens=tokens, encoding=encoding)
+
+
 def items_from_chat(messages: Iterable[JsonDict]) -> list[Item]:
     return [chat_item(m) for m in messages]
 

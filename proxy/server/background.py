@@ -10,8 +10,8 @@
     POST /v1/responses/{id}/cancel          `cancelled`, the provider request aborted
 
 The task runs the one turn pipeline (turn.run_turn) with the request's hooks; only where
-its answer goes differs: a stream's events go to an `EventSink` (relay.STREAM_SINK), which
-numbers them (`sequence_number`) and keeps them in the store, instead of a connection.
+its answer goes differs: a stream's events go to `StoredEvents` (relay.EVENT_SINK), which
+numbers them (`sequence_number`) and keeps them in the store, instead of a connection
 The turn is started in the handler's presence: whatever it refuses before the provider
 is called (bad input, an unknown previous_response_id) is the handler's 4xx, and nothing
 is stored. From then on the client may leave.
@@ -45,7 +45,7 @@ from proxy.periodic import every, running
 from proxy.policy import BackgroundPolicy
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
-from proxy.server.relay import STORE_FAILURES, STREAM_SINK
+from proxy.server.relay import EVENT_SINK, STORE_FAILURES
 from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
 from proxy.server.turn import Turn, TurnHook, run_turn
 from proxy.server.validate import JsonDict
@@ -98,24 +98,17 @@ class Begun(TurnHook):
             self.future.set_result(None)
 
 
-class EventSink(web.StreamResponse):
-    """Where a background turn's stream goes instead of a connection: each event gets the
-    next `sequence_number` and is kept in the store before the relay reads on (the store's
-    pace bounds the memory a stream holds)."""
+class StoredEvents:
+    """Where a background turn's stream goes instead of a connection (relay.EVENT_SINK):
+    each event gets the next `sequence_number` and is kept in the store before the relay
+    reads on (the store's pace bounds the memory a stream holds)."""
 
     def __init__(self, runs: BackgroundRuns, run: Run, max_events: int) -> None:
-        super().__init__(status=200)
         self.runs, self.run, self.max_events = runs, run, max_events
         self.decoder = SSEDecoder()
 
-    async def prepare(self, request: web.BaseRequest) -> None:  # type: ignore[override]
-        return None  # no connection: nothing to send headers to
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        await self.keep(self.decoder.feed(bytes(data)))
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await self.keep([*self.decoder.feed(data), *self.decoder.flush()])
+    async def frames(self, data: bytes) -> None:
+        await self.keep(self.decoder.feed(data))
 
     async def keep(self, events: Sequence[SSEEvent]) -> None:
         run = self.run
@@ -185,7 +178,7 @@ class BackgroundRuns:
             )
         run = Run(tenant, response_id, stream=bool(body.get("stream")))
         if run.stream:
-            request[STREAM_SINK] = EventSink(self, run, limits.max_events)
+            request[EVENT_SINK] = StoredEvents(self, run, limits.max_events)
         begun = Begun()
         task = asyncio.create_task(self._run(run, request, api, body, raw, [*hooks, begun]))
         run.task = task

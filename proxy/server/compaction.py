@@ -77,7 +77,6 @@ from proxy.server.turn import Turn, TurnHook
 from proxy.server.validate import (
     list_of_objects,
     missing,
-    no_repeated_ids,
     optional,
     read_json_object,
     required_string,
@@ -321,21 +320,16 @@ def compaction_threshold(body: JsonDict) -> int | None:
 def validate_compact(body: JsonDict) -> None:
     """OpenAI's CompactResponseMethodPublicBody: `model` required; `input` a string or
     items; `previous_response_id`, `instructions`, `prompt_cache_key` (<= 64) strings."""
-    from proxy.server.responses import validate_input_item  # responses imports this module
+    from proxy.server.responses import validate_input  # responses imports this module
 
     required_string(body, "model")
-    value = body.get("input")
-    if value is not None and not isinstance(value, str):
-        items = list_of_objects(value, "input")
-        for index, item in enumerate(items):
-            validate_input_item(item, f"input[{index}]")
-        no_repeated_ids(items, "input")
+    validate_input(body)
     optional(body, "previous_response_id", str)
     optional(body, "instructions", str)
     key = optional(body, "prompt_cache_key", str)
     if key is not None and len(key) > PROMPT_CACHE_KEY_CHARS:
         raise too_long("prompt_cache_key", PROMPT_CACHE_KEY_CHARS, len(key))
-    if value is None and body.get("previous_response_id") is None:
+    if body.get("input") is None and body.get("previous_response_id") is None:
         raise missing("input")
 
 

@@ -7,7 +7,8 @@ texts that stood in for history: summaries and compressed tool results. Verbatim
 not copied; the record names the thread they live in.
 
 Records are queued and written in batches by one background task, so no request waits for
-this write. When the queue is full (a store that is down), records are dropped and counted
+this write, nor for the record's composition: the request queues the facts (its log
+fields and its projection) and the writer turns them into the record's JSON. When the queue is full (a store that is down), records are dropped and counted
 in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a record to the tenant that
 made the request, from the queue while it is not written yet. Records older than
 `explain_retention_seconds` are purged in the background.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import structlog
@@ -49,23 +51,38 @@ ERROR_BODY_MAX = 64 * 1024
 ERROR_MESSAGE_MAX = 4000
 
 
+@dataclass(frozen=True)
+class PendingRecord:
+    """A record's facts as the request left them; `compose` makes its JSON (the whole
+    projection report and the stand-in texts), off the request's path."""
+
+    tenant: str
+    request_id: str
+    created_at: str
+    thread_id: str | None
+    compose: Callable[[], JsonDict]
+
+    def record(self) -> ExplainRecord:
+        return ExplainRecord(self.tenant, self.request_id, self.created_at, self.compose())
+
+
 class ExplainRecorder:
     """A bounded queue of records and the one task that writes them."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.dropped = 0
-        self._queue: asyncio.Queue[ExplainRecord] = asyncio.Queue(QUEUE_MAX)
-        self._unwritten: dict[tuple[str, str], ExplainRecord] = {}
+        self._queue: asyncio.Queue[PendingRecord] = asyncio.Queue(QUEUE_MAX)
+        self._unwritten: dict[tuple[str, str], PendingRecord] = {}
         self._gone: set[tuple[str, str | None]] = set()  # threads deleted since the last write
 
-    def offer(self, record: ExplainRecord) -> None:
+    def offer(self, pending: PendingRecord) -> None:
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait(pending)
         except asyncio.QueueFull:
             self._dropped(1, "queue_full")
             return
-        self._unwritten[(record.tenant, record.request_id)] = record
+        self._unwritten[(pending.tenant, pending.request_id)] = pending
 
     def forget_thread(self, tenant: str, thread_id: str) -> None:
         """The thread was deleted (its stored records with it): its queued ones are not
@@ -78,9 +95,10 @@ class ExplainRecorder:
     def unwritten(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
         """A queued record; with tenant None (operators), the one queued with this id."""
         if tenant is not None:
-            return self._unwritten.get((tenant, request_id))
+            pending = self._unwritten.get((tenant, request_id))
+            return pending.record() if pending is not None else None
         found = [r for (_, rid), r in list(self._unwritten.items()) if rid == request_id]
-        return found[0] if len(found) == 1 else None
+        return found[0].record() if len(found) == 1 else None
 
     async def run(self) -> None:
         while True:
@@ -95,12 +113,12 @@ class ExplainRecorder:
             batch = [self._queue.get_nowait() for _ in range(min(BATCH_MAX, self._queue.qsize()))]
             await self._write(batch)
 
-    async def _write(self, batch: list[ExplainRecord]) -> None:
+    async def _write(self, batch: list[PendingRecord]) -> None:
         gone, self._gone = self._gone, set()
         batch = [r for r in batch if (r.tenant, r.thread_id) not in gone]
         try:
             if batch:
-                await self.store.explain_put(batch)
+                await self.store.explain_put([pending.record() for pending in batch])
         except StoreError as exc:
             self._dropped(len(batch), str(exc))
         finally:
@@ -177,20 +195,29 @@ def record_request(request: web.Request, status: int, latency_ms: float) -> None
     error = request.get(PROVIDER_ERROR)
     if error is not None:
         fields["provider_error"] = error
-    record: JsonDict = {
+    created_at = clock.iso()
+    head: JsonDict = {
         "object": "threadkeeper.request",
         "id": request_id,
-        "created_at": clock.iso(),
+        "created_at": created_at,
         "method": request.method,
         "path": request.path,
         "status": status,
         "latency_ms": latency_ms,
-        **fields,
-        "estimated_input_tokens": projection.report.prompt_tokens,
-        "projection": projection.report.as_dict(),
-        "stand_ins": stand_ins(projection),
     }
-    recorder.offer(ExplainRecord(request[NAMESPACE], request_id, record["created_at"], record))
+
+    def compose() -> JsonDict:
+        return {
+            **head,
+            **fields,
+            "estimated_input_tokens": projection.report.prompt_tokens,
+            "projection": projection.report.as_dict(),
+            "stand_ins": stand_ins(projection),
+        }
+
+    thread_id = fields.get("thread_id")
+    thread = thread_id if isinstance(thread_id, str) else None
+    recorder.offer(PendingRecord(request[NAMESPACE], request_id, created_at, thread, compose))
 
 
 def stand_ins(projection: Projection) -> list[JsonDict]:

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from proxy.core.budget import Learned, corrected_window, learned_from_refusal
+from proxy.core.budget import Learned, Sample, calibrated, corrected_window, learned_from_refusal
 from proxy.core.projection import ProjectionReport
 from proxy.core.provider_errors import Overflow, ProviderError, read_provider_error
+from proxy.core.tokens import TokenCounter
+from proxy.counting import calibrated_counter, raw_count
 from proxy.server.errors import ApiError
 from proxy.server.explain import provider_error
+from proxy.server.learned import model_window
 from proxy.server.rebuild import learned_key
 from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.server.validate import JsonDict
@@ -46,20 +49,34 @@ async def context_refusal(upstream: UpstreamResponse) -> Refusal | None:
 
 
 def learn(
-    request: web.Request, model: str, overflow: Overflow, report: ProjectionReport
+    request: web.Request,
+    model: str,
+    overflow: Overflow,
+    report: ProjectionReport,
+    base: TokenCounter,
+    items: int,
 ) -> Learned:
     """The provider's window and its count against the proxy's, kept for the model's next
-    budgets (proxy/server/learned.py)."""
+    budgets (proxy/server/learned.py). `base`: the counter of the refused projection,
+    uncorrected; `items`: how many items it sent."""
     limits = request.app[LEARNED]
     key = learned_key(request, model)
+    before = limits.get(key)
     learned = learned_from_refusal(
-        limits.get(key),
+        before,
         window=overflow.window,
         provider_prompt=overflow.prompt_tokens,
         completion=overflow.completion_tokens,
         estimate=report.prompt_tokens,
         output=report.output,
     )
+    if overflow.prompt_tokens and items > 0:
+        # The refusal's own count is a sample like any answer's usage: the correction
+        # fitted next bounds it too.
+        counter = calibrated_counter(base, before)
+        estimate = raw_count(counter, report.prompt_tokens, items)
+        if estimate > 0:
+            learned = calibrated(learned, Sample(estimate, items, overflow.prompt_tokens))
     limits.put(key, learned)
     log.info(
         "provider_context_refusal",
@@ -78,7 +95,7 @@ def retry_window(
 ) -> int:
     """W for the retry: the policy's window corrected by what was learnt, and in any case
     strictly less than what was refused (its prompt at least one token smaller)."""
-    window = request[TENANT_POLICY].limits_for(model).context_window
+    window = model_window(request[TENANT_POLICY], model, learned)[0]
     corrected = corrected_window(
         window, report.output, learned, provider_output=overflow.completion_tokens or 0
     )

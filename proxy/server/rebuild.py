@@ -24,15 +24,16 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter
-from proxy.counting import counter_for
+from proxy.core.tokens import TokenCounter, is_openai_model
+from proxy.counting import calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
+from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.learned import Key
+from proxy.server.learned import Key, model_window
 from proxy.server.relay import upstream_base
-from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, TENANT_POLICY, TRACING
+from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
 from proxy.tracing import set_attributes
 
@@ -119,15 +120,19 @@ async def rebuild(
     chunk digest. `background`: nobody waits for it (a prediction), so it runs in a worker
     thread whatever its size, never taking the loop from the requests. `verbatim`: the
     request's `truncation` is "disabled" (nothing trimmed; too long is a 400). `learned`:
-    what the provider taught about the model (a smaller window, a heavier count), applied
-    to W; `window_cap`: a W the projection must stay under (the retry after a refusal)."""
-    counter = await counter_for(policy, model)
+    what the provider taught about the model (a smaller window, a heavier count, a
+    per-item overhead, the window it lists), applied to W and to every item's count (the
+    report is in those counts); `window_cap`: a W the projection must stay under (the
+    retry after a refusal). The counter returned is the tokenizer's own, uncorrected:
+    what is stored with items."""
+    base = await counter_for(policy, model)
+    counter = calibrated_counter(base, learned)
     limits = policy.limits_for(model)
 
     output = output_reserve(
         requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
     )
-    window = corrected_window(limits.context_window, output, learned)
+    window = corrected_window(model_window(policy, model, learned)[0], output, learned)
     if window_cap is not None:
         window = min(window, window_cap)
 
@@ -159,7 +164,7 @@ async def rebuild(
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
     if metrics is not None:
         observe_projection(metrics, route, projection, time.perf_counter() - started)
-    return projection, counter
+    return projection, base
 
 
 def observe_projection(
@@ -203,6 +208,7 @@ async def rebuild_turn(
     budget breakdown to the request's log line (every flow, stateless or not); a restate
     after a concurrent turn passes False."""
     history = [*loaded.items, *new] if loaded is not None else list(new)
+    learned = await learned_for(request, model)
     with request.app[TRACING].span("projection", {"gen_ai.request.model": model}) as span:
         projection, counter = await rebuild(
             request[TENANT_POLICY],
@@ -220,7 +226,7 @@ async def rebuild_turn(
             stateless=loaded is None or loaded.thread is None,
             summaries=summaries,
             verbatim=verbatim,
-            learned=learned_for(request, model),
+            learned=learned,
             window_cap=window_cap,
         )
         set_attributes(span, budget_attributes(projection))
@@ -236,9 +242,19 @@ def learned_key(request: web.Request, model: str) -> Key:
     return (policy.tenant, upstream_base(request, policy), model)
 
 
-def learned_for(request: web.Request, model: str) -> Learned | None:
+async def learned_for(request: web.Request, model: str) -> Learned | None:
+    """What is known of the model: read from the store on first use (and after a TTL), and,
+    when only the policy's "*" names it, what the provider lists (asked once per TTL)."""
     limits = request.app.get(LEARNED)
-    return limits.get(learned_key(request, model)) if limits is not None else None
+    if limits is None:
+        return None
+    key = learned_key(request, model)
+    learned = await limits.load(key, request.app.get(STORE))
+    # OpenAI lists no windows: its own model names are never asked about.
+    unnamed = not request[TENANT_POLICY].names_model(model) and not is_openai_model(model)
+    if unnamed and limits.discovery_due(key):
+        learned = await discover(request, model, key, limits)
+    return learned
 
 
 def context_headers(projection: Projection) -> dict[str, str]:

@@ -72,9 +72,17 @@ PROXY_ONLY = frozenset({"x-thread-id", "idempotency-key"})
 # Capture hook of the Idempotency-Key middleware (proxy/server/idempotency.py): when a
 # request carries a tap, every byte its stream sends the client is also appended to it.
 STREAM_TAP: web.RequestKey[list[bytes]] = web.RequestKey("stream_tap", list)
-# Background mode (proxy/server/background.py): a request carrying a sink streams to it,
-# which keeps the events in the store, instead of to the client's connection.
-STREAM_SINK = web.RequestKey("stream_sink", web.StreamResponse)
+
+
+class EventSink(Protocol):
+    """Where a stream's SSE frames go instead of an HTTP body (WebSocket mode,
+    proxy/server/websocket.py): each write is whole events, as a StreamResponse gets them."""
+
+    async def frames(self, data: bytes) -> None: ...
+
+
+# When set, a relay's stream is written to this sink rather than to the HTTP response.
+EVENT_SINK: web.RequestKey[EventSink] = web.RequestKey("event_sink", EventSink)
 # One deadline per client request, shared by every exchange it has with the provider.
 DEADLINE = web.RequestKey("upstream_deadline", Deadline)
 # What a store failure looks like, whichever backend raised it.
@@ -91,11 +99,11 @@ def stream_response(
 ) -> web.StreamResponse:
     """The StreamResponse a relay writes to; tapped when request[STREAM_TAP] is set. It
     carries the request id like every other answer (its error event quotes it)."""
-    sink = request.get(STREAM_SINK)
-    if sink is not None:
-        return sink
     if REQUEST_ID in request:
         headers["x-threadkeeper-request-id"] = request[REQUEST_ID]
+    sink = request.get(EVENT_SINK)
+    if sink is not None:
+        return _SinkStream(sink, status=status, headers=headers)
     tap = request.get(STREAM_TAP)
     if tap is None:
         return web.StreamResponse(status=status, headers=headers)
@@ -115,6 +123,25 @@ class _TappedStream(web.StreamResponse):
         await super().write_eof(data)
         if data:
             self._tap.append(bytes(data))
+
+
+class _SinkStream(web.StreamResponse):
+    """A stream whose frames go to an EventSink: nothing is written to the HTTP
+    connection (it carries a WebSocket)."""
+
+    def __init__(self, sink: EventSink, *, status: int, headers: CIMultiDict[str]) -> None:
+        super().__init__(status=status, headers=headers)
+        self._sink = sink
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        return None
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._sink.frames(bytes(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if data:
+            await self._sink.frames(data)
 
 
 def upstream_base(request: web.Request, policy: Policy) -> str:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
-from proxy.counting import counter_for
+from proxy.counting import calibrated_counter, counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
 from proxy.server.compaction import Compactions, compaction_threshold, is_local
@@ -33,7 +33,7 @@ from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
-from proxy.server.rebuild import off_the_loop
+from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
@@ -51,15 +51,21 @@ from proxy.server.validate import (
 )
 
 
-def validate_responses(body: JsonDict) -> None:
-    if body.get("model") is not None:  # optional: a stored `prompt` may name the model
-        required_string(body, "model")
+def validate_input(body: JsonDict) -> None:
+    """`input` (of a response or a compaction): a string, or input items none of which
+    repeats another's id."""
     value = body.get("input")
     if value is not None and not isinstance(value, str):
         items = list_of_objects(value, "input")
         for index, item in enumerate(items):
             validate_input_item(item, f"input[{index}]")
         no_repeated_ids(items, "input")
+
+
+def validate_responses(body: JsonDict) -> None:
+    if body.get("model") is not None:  # optional: a stored `prompt` may name the model
+        required_string(body, "model")
+    validate_input(body)
     optional(body, "instructions", str)
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)
@@ -88,7 +94,7 @@ def validate_responses(body: JsonDict) -> None:
     compaction_threshold(body)
 
 
-# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; README).
+# OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; docs/features.md).
 TRUNCATION = ("auto", "disabled")
 
 
@@ -98,6 +104,12 @@ def is_stateful(body: JsonDict) -> bool:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body, raw = await read_json_object(request)
+    return await respond(request, body, raw)
+
+
+async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.StreamResponse:
+    """One Responses turn of a parsed body, HTTP's or a WebSocket's `response.create`
+    (proxy/server/websocket.py): the one pipeline both run."""
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
     # The provider never gets `background`: the proxy serves it (proxy/server/background.py).
@@ -172,15 +184,22 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         turn.loaded = await thread_service(request.app).whole(turn.loaded)
     if is_local(request):  # compaction items count as the summary the provider would get
         await Compactions(request, None).restore(turn)
-    if turn.loaded is not None and not turn.verbatim:
+    inputs = RESPONSES.budget_inputs(body)
+    projected = turn.loaded is not None and not turn.verbatim
+    if projected:
         # The provider does not know our conversations: count what would be sent.
-        projection, _ = await project(turn)
-        count = projection.report.prompt_tokens
+        projection, counter = await project(turn)
+        counted, sent_count = projection.report.prompt_tokens, len(projection.items)
     else:
-        inputs = RESPONSES.budget_inputs(body)
         counter = await counter_for(request[TENANT_POLICY], inputs.model)
         sent = [*turn.known, *turn.new]
-        count = await off_the_loop(
+        counted = await off_the_loop(
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
+        sent_count = len(sent)
+    # In the provider's count, as its answers' usage taught it (proxy/server/learned.py).
+    learned = await learned_for(request, inputs.model)
+    sent_items = sent_count + (1 if inputs.instructions else 0)
+    budgeted = calibrated_counter(counter, learned) if projected else counter
+    count = provider_count(budgeted, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

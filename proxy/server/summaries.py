@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 import structlog
 
 from proxy.clock import Clock, utc_iso
-from proxy.core.items import Item, chat_item, responses_item
+from proxy.core.items import Item, item_of
 from proxy.core.memory import MemoryState
 from proxy.core.projection import SummaryChunk
 from proxy.core.tokens import TokenCounter
@@ -397,7 +397,7 @@ class BackgroundSummaries:
 
 
 def _item(stored: StoredSummary) -> Item:
-    return chat_item(stored.raw) if stored.api == "chat" else responses_item(stored.raw)
+    return item_of(stored.api, stored.raw)
 
 
 def _mark_used(used: dict[Key, None], key: Key) -> None:

@@ -278,7 +278,8 @@ async def _retry_smaller(
     request, route = turn.request, turn.api.route
     model = turn.api.budget_inputs(turn.body).model
     first = turn.projection.report
-    learned = learn(request, model, refusal.overflow, first)
+    assert turn.counter is not None
+    learned = learn(request, model, refusal.overflow, first, turn.counter, sent_items(turn))
     facts = {"refusal": refusal.shown, "refused_estimate": first.prompt_tokens}
     if turn.verbatim:
         observe(request, route, "not_retried", **facts, reason="truncation_disabled")
@@ -300,12 +301,19 @@ async def _retry_smaller(
     again = await context_refusal(retried)
     if again is None:
         return retried
-    learn(request, model, again.overflow, turn.projection.report)
+    learn(request, model, again.overflow, turn.projection.report, turn.counter, sent_items(turn))
     observe(request, route, "not_retried", **facts, reason="refused_again", again=again.shown)
     param = turn.api.history
     raise await _refused(
         turn, hooks, retried, refused_again(again.error, turn.projection.report, param)
     )
+
+
+def sent_items(turn: Turn) -> int:
+    """How many items the provider got: the projection's, and instructions as one more."""
+    assert turn.projection is not None
+    instructions = turn.api.budget_inputs(turn.body).instructions
+    return len(turn.projection.items) + (1 if instructions else 0)
 
 
 async def _refused(

@@ -65,6 +65,11 @@ async def read_json_object(request: web.Request) -> tuple[JsonDict, bytes]:
     the store keys rows by hold no NUL and at most MAX_KEY_LENGTH characters. Anything else
     is a 400 before any work."""
     raw = await request.read()
+    return json_object(raw), raw
+
+
+def json_object(raw: bytes) -> JsonDict:
+    """read_json_object's checks on bytes already read (a WebSocket message)."""
     if not raw.strip():
         raise invalid(
             "We could not parse the JSON body of your request: the body is empty. "
@@ -72,15 +77,15 @@ async def read_json_object(request: web.Request) -> tuple[JsonDict, bytes]:
         )
     body = plainly_valid(raw)
     if body is not None:
-        return body, raw
-    body = parse_json(raw)
-    if not isinstance(body, dict):
+        return body
+    parsed = parse_json(raw)
+    if not isinstance(parsed, dict):
         raise invalid(
-            f"Invalid type for request body: expected an object, but got {json_type(body)}.",
+            f"Invalid type for request body: expected an object, but got {json_type(parsed)}.",
             code="invalid_type",
         )
-    check_json_tree(body)
-    return body, raw
+    check_json_tree(parsed)
+    return parsed
 
 
 _BEYOND_64_BITS = float(2**63)

@@ -254,6 +254,18 @@ class InspectorSession:
     expires_at: str
 
 
+@dataclass(frozen=True)
+class LearnedRecord:
+    """What the proxy learnt about one (tenant, upstream, model) (proxy/server/learned.py):
+    `state` is its JSON form, which only that module reads and writes."""
+
+    tenant: str
+    upstream: str
+    model: str
+    state: JsonDict
+    updated_at: str
+
+
 MAX_SUMMARY_DIGESTS = 100  # digests one summaries_get reads at most
 SummaryKey = tuple[str, str, str, str]  # (tenant, model, api, digest)
 
@@ -618,3 +630,15 @@ class Store(Protocol):
     async def inspector_sessions_purge(self, *, now: str, signing_key: str | None = None) -> int:
         """Deletes the sessions expired at `now` and, given `signing_key`, those signed
         under another key (the operator token was changed); how many went."""
+
+    # learned limits (proxy/server/learned.py) -------------------------------------------
+    async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
+        """What was learnt about the model on this tenant and upstream, if anything."""
+
+    async def learned_put(self, record: LearnedRecord) -> None:
+        """Writes the record (insert or replace: the last write wins)."""
+
+    async def learned_list(
+        self, tenant: str | None, *, limit: int = 1000
+    ) -> tuple[LearnedRecord, ...]:
+        """The records of `tenant` (None: every tenant), by tenant, upstream and model."""

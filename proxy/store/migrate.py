@@ -17,12 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING
 
 from proxy.clock import utc_now
-
-if TYPE_CHECKING:
-    from proxy.store.sqlstore import Database
+from proxy.store.database import Database
 
 CREATE_SCHEMA_VERSION = """
 CREATE TABLE IF NOT EXISTS schema_version (

@@ -20,6 +20,7 @@ from proxy.store.base import (
     IdempotencyRecord,
     InspectorSession,
     JsonDict,
+    LearnedRecord,
     LedgerEntry,
     NewItem,
     StoredItem,
@@ -269,6 +270,41 @@ ON CONFLICT (name) DO NOTHING
 """
 
 SELECT_SECRET = "SELECT value FROM server_secrets WHERE name = $1"
+
+# learned limits (migration 013): the last write wins -----------------------------------
+
+UPSERT_LEARNED = """
+INSERT INTO learned_limits (tenant, upstream, model, state, updated_at) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (tenant, upstream, model) DO UPDATE SET state = excluded.state,
+    updated_at = excluded.updated_at
+"""
+
+LEARNED_COLUMNS = "tenant, upstream, model, state, updated_at"
+
+SELECT_LEARNED = f"""
+SELECT {LEARNED_COLUMNS} FROM learned_limits WHERE tenant = $1 AND upstream = $2 AND model = $3
+"""
+
+LIST_LEARNED = f"""
+SELECT {LEARNED_COLUMNS} FROM learned_limits WHERE tenant = $1
+ORDER BY upstream, model LIMIT $2
+"""
+
+LIST_ALL_LEARNED = f"""
+SELECT {LEARNED_COLUMNS} FROM learned_limits ORDER BY tenant, upstream, model LIMIT $1
+"""
+
+
+def learned_from_row(row: Row) -> LearnedRecord:
+    state = loads(row["state"])
+    return LearnedRecord(
+        tenant=row["tenant"],
+        upstream=row["upstream"],
+        model=row["model"],
+        state=state if isinstance(state, dict) else {},
+        updated_at=row["updated_at"],
+    )
+
 
 # ledger --------------------------------------------------------------------------------
 

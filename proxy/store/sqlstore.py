@@ -2,10 +2,10 @@
 
 The SQLite and PostgreSQL backends differ in how they open connections, begin
 transactions and lock; they run the same statements (proxy/store/sql.py) with the same
-logic, which lives here once. A backend supplies a `Database`: `read()` yields a
-connection inside a consistent read snapshot, `write()` one inside a write transaction
-that commits on exit and rolls back on any exception, so a raised `VersionConflict`
-leaves nothing behind.
+logic, which lives here once. A backend supplies a `Database` (proxy/store/database.py):
+`read()` yields a connection inside a consistent read snapshot, `write()` one inside a
+write transaction that commits on exit and rolls back on any exception, so a raised
+`VersionConflict` leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from proxy.core.checkpoint import without_cut
 from proxy.namespaces import caller_prefix
@@ -29,6 +28,7 @@ from proxy.store.base import (
     InspectorSession,
     ItemPage,
     JsonDict,
+    LearnedRecord,
     LedgerEntry,
     LedgerStatus,
     NewItem,
@@ -45,42 +45,12 @@ from proxy.store.base import (
     VersionConflict,
     Window,
 )
+from proxy.store.database import Conn, Database
 from proxy.store.migrate import migrate
-
-
-class Conn(Protocol):
-    """The statements a backend runs, with `$n` placeholders. Unique-key violations raise
-    `AlreadyExists`."""
-
-    async def execute(self, query: str, *args: Any) -> int:
-        """Run one statement; returns the number of rows it changed."""
-
-    async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None: ...
-
-    async def fetch(self, query: str, *args: Any) -> list[sql.Row]: ...
-
-    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None: ...
-
 
 # How long readiness reports a store that refused a write for lack of space (disk full):
 # an emptied disk is trusted again after this, even with no traffic to prove it.
 FULL_REMEMBERED_SECONDS = 5.0
-
-
-class Database(Protocol):
-    """Raises StoreUnavailable (never a driver error) when the database is unreachable,
-    slower than the store timeouts, or out of space."""
-
-    dialect: str  # "sqlite" | "postgres": names the migrations folder
-    full_at: float | None  # time.monotonic() of the last write refused for lack of space
-
-    def read(self) -> AbstractAsyncContextManager[Conn]: ...
-
-    def write(self, *, bounded: bool = True) -> AbstractAsyncContextManager[Conn]:
-        """`bounded=False`: no store timeout (migrations at start)."""
-        ...
-
-    async def close(self) -> None: ...
 
 
 class SqlStore:
@@ -489,6 +459,33 @@ class SqlStore:
         if row is None:  # same transaction as the insert: cannot be missing
             raise RuntimeError(f"server secret {name!r} vanished")
         return str(row["value"])
+
+    # learned limits -------------------------------------------------------------------
+    async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.SELECT_LEARNED, tenant, upstream, model)
+        return None if row is None else sql.learned_from_row(row)
+
+    async def learned_put(self, record: LearnedRecord) -> None:
+        async with self.db.write() as conn:
+            await conn.execute(
+                sql.UPSERT_LEARNED,
+                record.tenant,
+                record.upstream,
+                record.model,
+                sql.dumps(record.state),
+                record.updated_at,
+            )
+
+    async def learned_list(
+        self, tenant: str | None, *, limit: int = 1000
+    ) -> tuple[LearnedRecord, ...]:
+        async with self.db.read() as conn:
+            if tenant is None:
+                rows = await conn.fetch(sql.LIST_ALL_LEARNED, limit)
+            else:
+                rows = await conn.fetch(sql.LIST_LEARNED, tenant, limit)
+        return tuple(map(sql.learned_from_row, rows))
 
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:

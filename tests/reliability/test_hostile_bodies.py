@@ -396,7 +396,7 @@ HEADERS: dict[str, tuple[tuple[bytes, bytes], ...]] = {
     "utf8-header-value": (AUTH, JSON, (b"X-Note", "caf\u00e9 \u2603".encode())),
 }
 # Refused by aiohttp's HTTP parser before any proxy code runs: a plain-text 400, not
-# OpenAI's envelope (README, "Bad input"), but still a 4xx that writes and forwards nothing.
+# OpenAI's envelope (docs/features.md, "Bad input"), but still a 4xx that writes and forwards nothing.
 PARSER_REFUSED: dict[str, tuple[tuple[bytes, bytes], ...]] = {
     "huge-header": (AUTH, JSON, (b"X-Padding", b"p" * 20_000)),
     "many-headers": (AUTH, JSON, *((b"X-H%d" % i, b"v") for i in range(300))),

@@ -1,5 +1,5 @@
 """What `x-threadkeeper-context-tokens` is, through the socket with the openai SDK, and
-that the README says so (issue 20, item 14): the proxy's own count of the prompt it
+that docs/features.md says so (issue 20, item 14): the proxy's own count of the prompt it
 sent, known before the provider answers (streams carry it too); the provider's count,
 which can differ (611 against 745), is in the answer's `usage` and in the explain
 record beside it."""
@@ -17,7 +17,7 @@ from proxy.fake_provider import FakeProvider, Reply, response_object
 from .conftest import Proxy
 from .test_explain_e2e import explain, written
 
-README = Path(__file__).parent.parent.parent / "README.md"
+FEATURES = Path(__file__).parent.parent.parent / "docs" / "features.md"
 PROVIDER_COUNT = 745  # what the provider says it counted, not what the proxy counts
 
 
@@ -60,8 +60,8 @@ async def test_the_header_is_the_proxys_count_and_the_providers_is_beside_it(
     assert events[-1] == "event: response.completed"
 
 
-def test_the_readme_says_whose_count_the_header_is() -> None:
-    text = " ".join(README.read_text().split())
+def test_the_docs_say_whose_count_the_header_is() -> None:
+    text = " ".join(FEATURES.read_text().split())
     headers = re.search(r"\*\*Headers\.\*\* (.*?)- \*\*", text)
     assert headers is not None
     said = headers.group(1)

@@ -49,8 +49,8 @@ def test_the_image_keeps_its_store_on_a_volume() -> None:
     assert instruction("VOLUME") == ["/data"]
     env = " ".join(instruction("ENV"))
     assert "THREADKEEPER_STORE=sqlite:////data/threadkeeper.db" in env
-    # the README's docker run mounts it
-    runs = re.findall(r"`docker run [^`]+`", (REPO / "README.md").read_text())
+    # the docs' docker run mounts it
+    runs = re.findall(r"`docker run [^`]+`", (REPO / "docs" / "operating.md").read_text())
     assert runs and all(re.search(r"-v \S+:/data\b", run) for run in runs), runs
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from proxy.fake_provider import Reply
+from proxy.fake_provider import ContextWindow, Reply
 from proxy.native_tokenizers import load_native
 from proxy.server.state import STORE
 from tests.server.conftest import TENANT_KEY, Proxy
@@ -19,7 +19,12 @@ MODEL = "Qwen/Qwen2.5-7B-Instruct"
 async def qwen_proxy(make_proxy, tmp_path: Path, window: int = 16000) -> tuple[Proxy, Path]:  # type: ignore[no-untyped-def]
     directory = word_level(tmp_path / "qwen")
     entry = f'\n  "Qwen/": {{context_window: {window}, tokenizer: "hf:{directory}"}}'
-    return await make_proxy(models_extra=entry), directory
+    proxy = await make_proxy(models_extra=entry)
+    # The fake reports usage as vLLM does: its template's count of what it got.
+    proxy.provider.window = ContextWindow(
+        10**9, count=lambda body: template_count(directory, body.get("messages") or [])
+    )
+    return proxy, directory
 
 
 async def test_input_tokens_is_the_template_count(make_proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

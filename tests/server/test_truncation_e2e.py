@@ -2,7 +2,7 @@
 PostgreSQL (issue 20, item 10). "disabled" is OpenAI's meaning: the history is sent
 whole (nothing compressed, summarized or dropped, items an earlier cut left behind
 included) or the request is OpenAI's 400 `context_length_exceeded` before the provider
-is called. Absent, null or "auto": threadkeeper trims the history to fit (README)."""
+is called. Absent, null or "auto": threadkeeper trims the history to fit (docs/features.md)."""
 
 from __future__ import annotations
 

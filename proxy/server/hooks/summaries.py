@@ -29,9 +29,9 @@ from proxy.core.items import Item
 from proxy.core.projection import Projection, SummaryChunk, request_ends
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
-from proxy.server.rebuild import budget_log_fields, rebuild
+from proxy.server.rebuild import budget_log_fields, learned_key, rebuild
 from proxy.server.relay import provider_key, upstream_base
-from proxy.server.state import LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
+from proxy.server.state import LEARNED, LOG_FIELDS, NAMESPACE, SUMMARIES, TENANT_POLICY
 from proxy.server.summaries import BackgroundSummaries, Job, Ready, bounded_put
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict
@@ -170,6 +170,8 @@ class SummaryHook(TurnHook):
         # The requests of a turn like this one: up to each user message or batch of tool
         # results the model answers (a cut mostly comes when a large result arrives).
         steps = request_ends(turn_items)
+        # The same correction as the real turns' budgets, so the predicted cut is theirs.
+        learned = self.request.app[LEARNED].get(learned_key(self.request, inputs.model))
 
         async def predict() -> None:
             for ahead, step in itertools.product(range(LOOKAHEAD_TURNS), steps):
@@ -187,6 +189,7 @@ class SummaryHook(TurnHook):
                     stateless=replayed,
                     summaries=ready,
                     background=True,
+                    learned=learned,
                 )
                 self._keep_used(turn, projection)
                 chunks = [c for c in sent_chunks(projection) if c.digest not in sent]

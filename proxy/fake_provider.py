@@ -80,6 +80,8 @@ class Reply:
     raw: bytes | None = None
     frames: list[bytes] | None = None
     release: asyncio.Event | None = None  # the answer waits until the test sets it
+    # With `release`: a stream sends this many events first, then waits for it.
+    release_after: int | None = None
 
 
 @dataclass
@@ -144,6 +146,8 @@ class FakeProvider:
         self.scripts: dict[str, list[Reply]] = {}
         self.base_url: str | None = None
         self.window: ContextWindow | None = None
+        # Answers whose client (the proxy) had gone when their `release` was set.
+        self.aborted = 0
         self._app = self._build_app()
         self._runner: web.AppRunner | None = None
 
@@ -240,8 +244,10 @@ class FakeProvider:
         reply = self._next_reply(body)
         if reply.delay:
             await asyncio.sleep(reply.delay)
-        if reply.release is not None:
+        if reply.release is not None and reply.release_after is None:
             await reply.release.wait()
+            if request.transport is None or request.transport.is_closing():
+                self.aborted += 1
         headers = reply_headers(reply)
         if reply.status >= 400 and reply.raw is None:
             return error_response(reply.status, reply.text, headers, reply.body)
@@ -311,6 +317,8 @@ class FakeProvider:
                 return _drop_connection(request, response)
             if sent and reply.stream_chunk_delay:
                 await asyncio.sleep(reply.stream_chunk_delay)
+            if reply.release is not None and sent == reply.release_after:
+                await reply.release.wait()
             # One write per event: each reaches the socket as its own chunk.
             await response.write(frame)
         await response.write_eof()

@@ -308,6 +308,13 @@ class IdempotencyPolicy(_Frozen):
     """How many rounds a turn is continued upstream while the model only repeats calls the ledger withholds (answered with the recorded result)."""
 
 
+class BackgroundPolicy(_Frozen):
+    max_running: int = Field(default=16, ge=0)
+    """Background responses (`background: true`) of this tenant running at once; one more is refused with a 429 until one ends (0: background mode is off)."""
+    max_events: int = Field(default=100_000, gt=0)
+    """Stream events kept per background response for resumption (`starting_after`); a stream that outgrows it ends `failed`."""
+
+
 def _default_models() -> dict[str, ModelLimits]:
     return {"*": BUILTIN_LIMITS}
 
@@ -335,6 +342,8 @@ class Policy(_Frozen):
     """Provider retries."""
     idempotency: IdempotencyPolicy = Field(default_factory=IdempotencyPolicy)
     """Idempotency-Key records and tool-result replays."""
+    background: BackgroundPolicy = Field(default_factory=BackgroundPolicy)
+    """Background responses (`background: true`): run by the proxy, polled, cancelled, resumed."""
 
     _source: str = PrivateAttr(default="")
     # models key -> its loaded tokenizer (tiktoken:, hf:, mistral:), by _load_tokenizers

@@ -76,6 +76,11 @@ class Settings:
     # Stored responses are purged this long after they were created, as OpenAI's 30 days
     # (proxy/server/response_routes.py).
     response_retention_seconds: float = 30 * 86_400.0
+    # A background stream's events are kept this long for resumption (starting_after),
+    # and a replica polls the store this often for a cancel of the background responses
+    # it runs and for the events of those other replicas run (proxy/server/background.py).
+    background_event_retention_seconds: float = 86_400.0
+    background_poll_seconds: float = 0.5
     # When set, the thread inspector is served at /threadkeeper/ui/ (proxy/server/inspector.py).
     operator_token: str | None = None
     # The inspector cookie's Secure flag: auto (the request came over https, directly or
@@ -319,6 +324,18 @@ FIELDS: tuple[_Field, ...] = (
         _positive_number,
         "response_retention_seconds",
         "THREADKEEPER_RESPONSE_RETENTION_SECONDS",
+    ),
+    _Field(
+        "background_event_retention_seconds",
+        _positive_number,
+        "background.event_retention_seconds",
+        "THREADKEEPER_BACKGROUND_EVENT_RETENTION_SECONDS",
+    ),
+    _Field(
+        "background_poll_seconds",
+        _positive_number,
+        "background.poll_seconds",
+        "THREADKEEPER_BACKGROUND_POLL_SECONDS",
     ),
     _Field(
         "operator_token",

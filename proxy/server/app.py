@@ -32,6 +32,7 @@ from proxy.metrics import Metrics
 from proxy.periodic import every, run_step, running
 from proxy.policy import PolicyRegistry
 from proxy.server import (
+    background,
     chat,
     compaction,
     conversations,
@@ -209,6 +210,8 @@ def create_app(
     app.cleanup_ctx.append(_summaries_ctx)  # after the store: cancelled before it closes
     app.cleanup_ctx.append(_learned_ctx)  # after the store: written before it closes
     app.cleanup_ctx.append(_upstream_ctx(upstream))
+    # Background runs stop before the upstream and the store close (cleanup runs backwards).
+    app.cleanup_ctx.append(background.runs_ctx())
     app.cleanup_ctx.append(purge_ctx())
     app.cleanup_ctx.append(response_routes.purge_ctx())
     app.cleanup_ctx.append(explain.explain_ctx())

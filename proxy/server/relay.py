@@ -38,7 +38,7 @@ from proxy.server.explain import PROVIDER_ERROR, provider_error
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
-from proxy.store.base import StoreError
+from proxy.store.base import Cancelled, StoreError
 from proxy.upstream import (
     Deadline,
     RetrySettings,
@@ -595,7 +595,10 @@ def stream_failure(request: web.Request, api: ApiShape | None, exc: Exception) -
     telling an upstream failure (`upstream_stream_error`) from a store failure
     (`store_error`) and anything else (`internal_error`)."""
     request[LOG_FIELDS]["stream_error"] = repr(exc)
-    if isinstance(exc, UpstreamUnavailable):
+    if isinstance(exc, Cancelled):
+        message = "This response was cancelled, so its answer was not kept"
+        code = "response_cancelled"
+    elif isinstance(exc, UpstreamUnavailable):
         log.warning("upstream_stream_broken", error=exc.message)
         message = exc.reason
         code = "upstream_stream_error"

@@ -18,6 +18,7 @@ from aiohttp import web
 from proxy.clock import Clock, utc_iso
 from proxy.core.items import JsonDict
 from proxy.periodic import every, running
+from proxy.server import background
 from proxy.server.conversations import item_object
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
@@ -37,10 +38,11 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get(one, get_response, name="responses.retrieve")
     app.router.add_delete(one, delete_response, name="responses.delete")
     app.router.add_get(f"{one}/input_items", list_input_items, name="responses.input_items")
+    app.router.add_post(f"{one}/cancel", cancel_response, name="responses.cancel")
 
 
-async def _stored(request: web.Request) -> StoredResponse:
-    response_id = request.match_info["response_id"]
+async def _stored(request: web.Request, response_id: str | None = None) -> StoredResponse:
+    response_id = response_id or request.match_info["response_id"]
     stored = await request.app[STORE].get_response(request[NAMESPACE], response_id)
     if stored is None:
         raise ApiError(404, f"Response with id '{response_id}' not found.")
@@ -66,11 +68,36 @@ def response_object(stored: StoredResponse) -> JsonDict:
         "previous_response_id": stored.previous_response_id,
         "metadata": request.get("metadata") or {},
         "store": True,
+        "background": stored.background,
     }
 
 
-async def get_response(request: web.Request) -> web.Response:
-    return web.json_response(response_object(await _stored(request)))
+async def get_response(request: web.Request, response_id: str | None = None) -> web.StreamResponse:
+    """The stored Response; `?stream=true` resumes a background stream (starting_after)."""
+    stored = await _stored(request, response_id)
+    if response_id is None and stream_asked(request):
+        return await background.resume(request, stored)
+    return web.json_response(response_object(stored))
+
+
+def stream_asked(request: web.Request) -> bool:
+    value = request.query.get("stream", "false")
+    if value not in ("true", "false"):
+        raise invalid(
+            f"Invalid 'stream': expected a boolean (true or false), but got '{value}' instead.",
+            param="stream",
+            code="invalid_type",
+        )
+    if value == "false":
+        background.starting_after(request)  # checked even when it is not used
+    return value == "true"
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """Only a background response still running can be cancelled (OpenAI's 400 else)."""
+    return web.json_response(
+        response_object(await background.cancel(request, await _stored(request)))
+    )
 
 
 async def delete_response(request: web.Request) -> web.Response:

@@ -28,6 +28,7 @@ from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
 from proxy.counting import calibrated_counter, counter_for, provider_count
 from proxy.server.api import RESPONSES
+from proxy.server.background import RUNS, follow
 from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     Compactions,
@@ -41,6 +42,7 @@ from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
 from proxy.server.rebuild import learned_for, off_the_loop
+from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project, run_turn
 from proxy.server.validate import (
@@ -77,6 +79,11 @@ def validate_responses(body: JsonDict) -> None:
     optional_positive_int(body, "max_output_tokens")
     optional(body, "stream", bool)
     optional(body, "store", bool)
+    if optional(body, "background", bool) and body.get("store") is False:
+        raise invalid(
+            "Background mode requires store=true: set 'store' to true or leave it out.",
+            param="background",
+        )
     tools = optional(body, "tools", list)
     if tools is not None:
         list_of_objects(tools, "tools")
@@ -114,17 +121,25 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     (proxy/server/websocket.py): the one pipeline both run."""
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
-    if await resolve_references(request, body):
+    # The provider never gets `background`: the proxy serves it (proxy/server/background.py).
+    background = body.pop("background", None)
+    if await resolve_references(request, body) or background is not None:
         raw = fastjson.dumps(body)
     await check_translatable(request, request[TENANT_POLICY], body)
     hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
     if is_local(request):  # else compaction is the provider's (policy compaction.mode)
         hooks.insert(0, Compactions(request, compaction_threshold(body)))
+    chain = None
     if body.get("store") is not False or is_stateful(body):
-        hooks.append(ResponseChain(request, body))
-    return await run_turn(
-        request, RESPONSES, body, raw, [*hooks, SummaryHook(request), UsageHook()]
-    )
+        chain = ResponseChain(request, body, background=background is True)
+        hooks.append(chain)
+    hooks = [*hooks, SummaryHook(request), UsageHook()]
+    if chain is None or not chain.background:
+        return await run_turn(request, RESPONSES, body, raw, hooks)
+    run = await request.app[RUNS].start(request, RESPONSES, body, raw, hooks, chain.id)
+    if run.stream:
+        return await follow(request, run.tenant, run.id, after=-1)
+    return await get_response(request, run.id)
 
 
 # Stored items that need their id as input (a reasoning item is replayed by id).

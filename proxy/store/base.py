@@ -51,6 +51,11 @@ class AlreadyExists(StoreError):
     """A row with this key exists (first write wins)."""
 
 
+class Cancelled(StoreError):
+    """The response was cancelled first (a background response, POST .../cancel): the
+    completion that lost the race wrote nothing."""
+
+
 class StoreUnavailable(StoreError):
     """The store cannot serve now: unreachable, too slow (the store timeouts), or out of
     space. Raised by the backends for these causes only (a bug stays a bug); the HTTP
@@ -148,6 +153,17 @@ class StoredResponse:
     owner: str  # process instance that ran it; crash recovery marks orphans incomplete
     input_first_seq: int | None = None  # seq range of this response's items in its thread
     output_last_seq: int | None = None
+    background: bool = False  # `background: true`: run by its owner, cancellable
+
+
+@dataclass(frozen=True)
+class ResponseEvent:
+    """One stored event of a background stream: `seq` is its `sequence_number` (0 up),
+    `data` the event's JSON as the client gets it, `event` the SSE event name."""
+
+    seq: int
+    event: str | None
+    data: str
 
 
 @dataclass(frozen=True)
@@ -406,7 +422,7 @@ class Store(Protocol):
         """One transaction: append the turn's input + output items, replace the state,
         bump the version and (when response_id is given) mark that response completed
         with its final object, seq range and the thread's head. VersionConflict leaves
-        everything untouched."""
+        everything untouched; so does a response cancelled meanwhile (Cancelled)."""
 
     async def finish_response(
         self,
@@ -417,7 +433,8 @@ class Store(Protocol):
         response: JsonDict | None,
     ) -> None:
         """Mark a response incomplete/failed/cancelled (no items are added), or completed
-        for responses that touch no thread (store without conversation)."""
+        for responses that touch no thread (store without conversation). A cancelled
+        response stays cancelled (this changes nothing); NotFound when there is none."""
 
     async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None: ...
 
@@ -427,7 +444,34 @@ class Store(Protocol):
         """The responses with this id in any tenant (operators only: ids are per tenant)."""
         ...
 
-    async def delete_response(self, tenant: str, response_id: str) -> bool: ...
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        """The response and its stored events."""
+        ...
+
+    # background responses (proxy/server/background.py) ---------------------------------
+    async def cancel_response(self, tenant: str, response_id: str) -> bool:
+        """Conditional update: a background response still `in_progress` becomes
+        `cancelled`. True if it did; of a cancel and a commit_turn/finish_response racing,
+        exactly one takes effect, on every replica."""
+
+    async def background_running(self, tenant: str) -> int:
+        """How many of the tenant's background responses are `in_progress`."""
+
+    async def response_events_append(
+        self, tenant: str, response_id: str, events: Sequence[ResponseEvent], now: str
+    ) -> None:
+        """Keep a background stream's next events (a seq already kept is not replaced)."""
+
+    async def response_events(
+        self, tenant: str, response_id: str, *, after: int, limit: int
+    ) -> tuple[ResponseEvent, ...]:
+        """The stored events with seq > `after`, in order, at most `limit`."""
+
+    async def response_events_last(self, tenant: str, response_id: str) -> int | None:
+        """The highest stored seq of the response's events (None: none kept)."""
+
+    async def response_events_purge(self, before: str) -> int:
+        """Delete the events kept before `before` (their retention); returns how many."""
 
     # process owners (replica-safe recovery, SPEC sections 7 and 8) -----------------------
     async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:

@@ -165,12 +165,12 @@ def page_query(order: str, *, after: bool) -> str:
 
 RESPONSE_COLUMNS = (
     "tenant, id, thread_id, previous_response_id, status, request, response, created_at, "
-    "owner, input_first_seq, output_last_seq"
+    "owner, input_first_seq, output_last_seq, background"
 )
 
 INSERT_RESPONSE = f"""
 INSERT INTO responses ({RESPONSE_COLUMNS})
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT (tenant, id) DO NOTHING
 """
 
@@ -181,13 +181,50 @@ COMPLETE_TURN_RESPONSE = """
 UPDATE responses
 SET status = 'completed', response = COALESCE($3, response),
     input_first_seq = $4, output_last_seq = $5
-WHERE tenant = $1 AND id = $2
+WHERE tenant = $1 AND id = $2 AND status <> 'cancelled'
 """
 
 FINISH_RESPONSE = """
 UPDATE responses SET status = $3, response = COALESCE($4, response)
-WHERE tenant = $1 AND id = $2
+WHERE tenant = $1 AND id = $2 AND status <> 'cancelled'
 """
+
+# A cancelled response stays cancelled: the completion or failure that lost the race to a
+# cancel changes nothing (the conditional UPDATEs above), and learns why from this.
+RESPONSE_STATUS = "SELECT status FROM responses WHERE tenant = $1 AND id = $2"
+
+# background responses (migration 014) ---------------------------------------------------
+
+# The one transition a cancel makes, and only from a running background response: of a
+# cancel and a completion racing, the first UPDATE wins and the other matches no row.
+CANCEL_RESPONSE = """
+UPDATE responses SET status = 'cancelled'
+WHERE tenant = $1 AND id = $2 AND background AND status = 'in_progress'
+"""
+
+COUNT_BACKGROUND_RUNNING = """
+SELECT count(*) AS running FROM responses
+WHERE tenant = $1 AND background AND status = 'in_progress'
+"""
+
+INSERT_RESPONSE_EVENT = """
+INSERT INTO response_events (tenant, response_id, seq, event, data, created_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (tenant, response_id, seq) DO NOTHING
+"""
+
+SELECT_RESPONSE_EVENTS = """
+SELECT seq, event, data FROM response_events
+WHERE tenant = $1 AND response_id = $2 AND seq > $3 ORDER BY seq LIMIT $4
+"""
+
+LAST_RESPONSE_EVENT = """
+SELECT max(seq) AS last FROM response_events WHERE tenant = $1 AND response_id = $2
+"""
+
+DELETE_RESPONSE_EVENTS = "DELETE FROM response_events WHERE tenant = $1 AND response_id = $2"
+
+PURGE_RESPONSE_EVENTS = "DELETE FROM response_events WHERE created_at < $1"
 
 DELETE_RESPONSE = "DELETE FROM responses WHERE tenant = $1 AND id = $2"
 
@@ -494,6 +531,10 @@ PURGE_SESSIONS_OF_OTHER_KEYS = (
 
 # Everything derived from thread $2 of tenant $1, each table by its own column (indexed).
 ERASE_THREAD = {
+    "response_events": (
+        "DELETE FROM response_events WHERE tenant = $1 AND response_id IN "
+        "(SELECT id FROM responses WHERE tenant = $1 AND thread_id = $2)"
+    ),
     "responses": "DELETE FROM responses WHERE tenant = $1 AND thread_id = $2",
     "idempotency": "DELETE FROM idempotency WHERE tenant = $1 AND thread_id = $2",
     "ledger": (
@@ -567,6 +608,7 @@ def response_from_row(row: Row) -> StoredResponse:
         owner=row["owner"],
         input_first_seq=row["input_first_seq"],
         output_last_seq=row["output_last_seq"],
+        background=bool(row["background"]),
     )
 
 
@@ -661,6 +703,7 @@ def response_params(response: StoredResponse) -> tuple[Any, ...]:
         response.owner,
         response.input_first_seq,
         response.output_last_seq,
+        response.background,
     )
 
 

@@ -10,6 +10,7 @@ write transaction that commits on exit and rolls back on any exception, so a rai
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from proxy.store import sql
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
     AlreadyExists,
+    Cancelled,
     ExplainRecord,
     Heartbeat,
     IdempotencyRecord,
@@ -31,6 +33,7 @@ from proxy.store.base import (
     LedgerStatus,
     NewItem,
     NotFound,
+    ResponseEvent,
     ResponseStatus,
     StoredItem,
     StoredResponse,
@@ -283,7 +286,7 @@ class SqlStore:
                 body = None if response is None else sql.dumps(response)
                 args = (tenant, response_id, body, *seqs)
                 if await conn.execute(sql.COMPLETE_TURN_RESPONSE, *args) == 0:
-                    raise NotFound(f"response {response_id!r} not found")
+                    await _lost_response(conn, tenant, response_id)
         return thread
 
     async def finish_response(
@@ -297,7 +300,8 @@ class SqlStore:
         body = None if response is None else sql.dumps(response)
         async with self.db.write() as conn:
             if await conn.execute(sql.FINISH_RESPONSE, tenant, response_id, status, body) == 0:
-                raise NotFound(f"response {response_id!r} not found")
+                with contextlib.suppress(Cancelled):  # it stays cancelled
+                    await _lost_response(conn, tenant, response_id)
 
     async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
         async with self.db.read() as conn:
@@ -313,7 +317,40 @@ class SqlStore:
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         async with self.db.write() as conn:
+            await conn.execute(sql.DELETE_RESPONSE_EVENTS, tenant, response_id)
             return await conn.execute(sql.DELETE_RESPONSE, tenant, response_id) > 0
+
+    async def cancel_response(self, tenant: str, response_id: str) -> bool:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.CANCEL_RESPONSE, tenant, response_id) > 0
+
+    async def background_running(self, tenant: str) -> int:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.COUNT_BACKGROUND_RUNNING, tenant)
+        return int(row["running"]) if row is not None else 0
+
+    async def response_events_append(
+        self, tenant: str, response_id: str, events: Sequence[ResponseEvent], now: str
+    ) -> None:
+        rows = [(tenant, response_id, e.seq, e.event, e.data, now) for e in events]
+        async with self.db.write() as conn:
+            await conn.executemany(sql.INSERT_RESPONSE_EVENT, rows)
+
+    async def response_events(
+        self, tenant: str, response_id: str, *, after: int, limit: int
+    ) -> tuple[ResponseEvent, ...]:
+        async with self.db.read() as conn:
+            rows = await conn.fetch(sql.SELECT_RESPONSE_EVENTS, tenant, response_id, after, limit)
+        return tuple(ResponseEvent(row["seq"], row["event"], row["data"]) for row in rows)
+
+    async def response_events_last(self, tenant: str, response_id: str) -> int | None:
+        async with self.db.read() as conn:
+            row = await conn.fetchrow(sql.LAST_RESPONSE_EVENT, tenant, response_id)
+        return None if row is None or row["last"] is None else int(row["last"])
+
+    async def response_events_purge(self, before: str) -> int:
+        async with self.db.write() as conn:
+            return await conn.execute(sql.PURGE_RESPONSE_EVENTS, before)
 
     async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
         async with self.db.write() as conn:
@@ -615,6 +652,14 @@ async def _keep_summaries(
     """Links the stored summaries among `digests` to the thread (which exists)."""
     await conn.execute(sql.keep_summaries(len(digests)), tenant, thread_id, model, api, *digests)
     await conn.execute(sql.own_summaries(len(digests)), tenant, model, api, *digests)
+
+
+async def _lost_response(conn: Conn, tenant: str, response_id: str) -> None:
+    """Why a response's conditional UPDATE matched no row: Cancelled or NotFound."""
+    row = await conn.fetchrow(sql.RESPONSE_STATUS, tenant, response_id)
+    if row is not None and row["status"] == "cancelled":
+        raise Cancelled(f"response {response_id!r} was cancelled")
+    raise NotFound(f"response {response_id!r} not found")
 
 
 async def _delete_thread(conn: Conn, tenant: str, thread_id: str) -> bool:

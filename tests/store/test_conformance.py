@@ -632,7 +632,12 @@ async def test_owners_migration_applies_on_a_database_at_version_1(backend: Back
         for statement in first.statements:
             await conn.execute(statement)
         await conn.execute(RECORD_VERSION, first.version, first.name, T0)
-    await store.begin_response(response("r_old", owner="proc_before_upgrade"))
+        # A row as that version held it (begin_response writes the columns of today).
+        await conn.execute(
+            "INSERT INTO responses (tenant, id, thread_id, status, request, created_at, owner)"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            *("acme", "r_old", "t1", "in_progress", "{}", T0, "proc_before_upgrade"),
+        )
 
     assert await migrate(store.db) == [migration.version for migration in later]
     assert await migrate(store.db) == []
@@ -1202,6 +1207,7 @@ async def test_erase_removes_every_trace_of_the_thread_and_only_it(store: Store)
         "items": 2,
         "threads": 1,
         "summaries": 1,
+        "response_events": 0,  # a background response's (tests/store/test_background_store.py)
         "responses": 1,
         "idempotency": 1,
         "ledger": 2,

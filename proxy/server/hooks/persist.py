@@ -219,9 +219,10 @@ class ResponseChain(StoredTurn):
     """One stateful response: recorded before forwarding, kept when it completes,
     marked incomplete otherwise. `store: false` reads the chain and writes nothing."""
 
-    def __init__(self, request: web.Request, body: JsonDict) -> None:
+    def __init__(self, request: web.Request, body: JsonDict, *, background: bool = False) -> None:
         super().__init__(request)
         self.body = body
+        self.background = background  # its runner settles what the turn leaves unfinished
         self.chain: Chain | None = None
         self.tenant = request[NAMESPACE]
         self.id = new_id("resp")
@@ -273,6 +274,7 @@ class ResponseChain(StoredTurn):
                 response=None,
                 created_at=self.request.app[CLOCK].iso(),
                 owner=self.request.app[OWNER],
+                background=self.background,
             )
         )
 
@@ -286,6 +288,7 @@ class ResponseChain(StoredTurn):
             "previous_response_id": self.chain.previous_response_id,
             "conversation": {"id": conversation} if conversation is not None else None,
             "store": self.persist,
+            "background": self.background,
         }
 
     async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
@@ -344,6 +347,8 @@ class ResponseChain(StoredTurn):
             await asyncio.shield(self._begun)  # the row must exist before it is finished
         except Exception:
             return  # it was never written: nothing to finish
+        if self.background:
+            return  # it ends `failed` with the error (proxy/server/background.py)
         if self.refused:
             await asyncio.shield(self.threads.store.delete_response(self.tenant, self.id))
             self.kept = True

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
+from proxy.core.templates import mine
 from proxy.core.tokens import TokenCounter
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -60,18 +61,19 @@ ID_VALUE = re.compile(
     r"|(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}"
     r"|[a-z]{2,}_(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,})$"
 )
-# Lines of text output that report errors, failures and where they happened.
+# Lines of text output that report errors, failures and where they happened. A code
+# location starts where a run of path characters starts (the look-behind), so a long run
+# without one is scanned once, not from each of its characters (linear, not quadratic).
+_PATH = r"(?<![\w./-])[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+"
 ERROR_LINE = re.compile(
     r"[Ee]rror\b|ERROR\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
     r"|\bexhausted\b|\b[Ff]atal\b|\bFATAL\b|\bCRITICAL\b|\bPANIC\b|\bpanic"
     r"|\btimed out\b|\brefused\b|\bdenied\b|\babort|\bWARN(?:ING)?\b|\b[Ww]arning\b"
-    r"|^E {2,}\S|File \"[^\"]+\", line \d+"
-    r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
+    r"|^E {2,}\S|File \"[^\"]+\", line \d+|" + _PATH,
 )
 # Lines of a traceback (a frame, or the exception it ended with) rank above other errors.
 LOCATION_LINE = re.compile(
-    r"^\s*File \"[^\"]+\", line \d+|^\s*[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c"
-    r"|cc|cpp|h|hpp|cs|php|swift|scala):\d+|[Ee]rror\b|[Ee]xception\b|^Traceback"
+    r"^\s*File \"[^\"]+\", line \d+|^\s*" + _PATH + r"|[Ee]rror\b|[Ee]xception\b|^Traceback"
 )
 
 
@@ -199,8 +201,10 @@ def _bodies(
         facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
         yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
+    plan = TextPlan.of(text, referenced) if chars >= 16 and len(text) > chars else None
     while chars >= 16:
-        yield {COMPRESSED_KEY: source, "excerpt": excerpt(text, chars, referenced)}
+        shown = plan.render(chars) if plan is not None else text
+        yield {COMPRESSED_KEY: source, "excerpt": shown}
         chars //= 2
     yield {COMPRESSED_KEY: source}
     yield {COMPRESSED_KEY: {"tool": source["tool"], "call_id": source["call_id"]}}
@@ -373,63 +377,189 @@ def _identity(element: Any) -> Any:
 
 
 def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> str:
-    """About `chars` characters of `text`: its head and tail, and between them the lines
-    that report errors or hold referenced values, each gap marked as elided."""
+    """About `chars` characters of `text`, chosen by TextPlan."""
     if len(text) <= chars:
         return text
-    lines = text.splitlines(keepends=True)
-    scored = _scored_lines(lines, referenced)
-    if not scored:
-        return head_and_tail(text, chars)
-    edge = chars // 5
-    head_end = text.rfind("\n", 0, edge) + 1 or edge
-    tail_start = text.find("\n", len(text) - edge) + 1 or len(text) - edge
-    if tail_start <= head_end:
-        return head_and_tail(text, chars)
-    room = chars - head_end - (len(text) - tail_start)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    kept: list[int] = []
-    for _, index in sorted(scored):
-        if offsets[index] < head_end or offsets[index] >= tail_start:
+    return TextPlan.of(text, referenced).render(chars)
+
+
+LINE_CHARS = 300  # a kept line longer than this is cut (marked)
+RARE_COUNT = 2  # a template seen at most this often is rare: its lines are kept verbatim
+INNERMOST_FRAMES = 2  # frames of a stack trace kept with its exception, the innermost
+# A line that starts with a shell or REPL prompt: the command that produced the output.
+COMMAND_LINE = re.compile(r"^\s*(?:\$|>>>|#|>|mysql>|postgres=#|sqlite>)\s+\S")
+FRAME_LINE = re.compile(r"^\s+(?:at |File \")|^\s*#\d+\s|^\s*" + _PATH)
+# The mark of a collapsed template in an excerpt; a digest reads the count back.
+COLLAPSED = re.compile(r" \(x(\d+) lines like this, elided by threadkeeper(?:; [^\n]*)?\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A line kept by a plan: its rank (tier, then the rarity of its template), and for a
+    frequent template the note standing for its other lines."""
+
+    tier: int
+    rarity: int
+    index: int
+    note: str = ""
+
+
+class TextPlan:
+    """What to keep of a text result, by the templates of its lines (issue 22, item 1).
+
+    The lines of a template seen at most RARE_COUNT times are kept verbatim; a frequent
+    template becomes one example line with its count and the range of its variable parts.
+    Under a budget, in this order: the command that produced the output and the lines
+    holding values referenced later; a stack trace's exception and innermost frames; the
+    error and warning lines of rare templates, the rarest first (not the first ones); the
+    first and the last line; the frequent error templates, the rarer first; the other rare
+    lines in order; the other frequent templates, the larger first. Kept lines are shown
+    in their order, every gap marked as elided. Built once (linear in the text), rendered
+    at any size."""
+
+    __slots__ = ("_command", "_entries", "_lines", "_text")
+
+    def __init__(self, text: str, lines: list[str], entries: list[_Entry], command: int) -> None:
+        self._text = text
+        self._lines = lines
+        self._entries = entries
+        self._command = command
+
+    @classmethod
+    def of(cls, text: str, referenced: frozenset[str] = frozenset()) -> TextPlan:
+        lines = text.splitlines()
+        mined, owner = mine(lines)
+        counts = [_collapsed_count(line) or 1 for line in lines]
+        total = [0] * len(mined)
+        for index, number in enumerate(owner):
+            if number >= 0:
+                total[number] += counts[index]
+        errors = [
+            owner[i] >= 0 and ERROR_LINE.search(line) is not None for i, line in enumerate(lines)
+        ]
+        entries: list[_Entry] = []
+        taken: set[int] = set()
+
+        def keep(tier: int, index: int, note: str = "") -> None:
+            if index not in taken and owner[index] >= 0:
+                taken.add(index)
+                entries.append(_Entry(tier, total[owner[index]], index, note))
+
+        first = next((i for i, t in enumerate(owner) if t >= 0), -1)
+        command = first if first >= 0 and COMMAND_LINE.match(lines[first]) else -1
+        if command >= 0:
+            keep(0, command)
+        if referenced:
+            for index, line in enumerate(lines):
+                if any(token in line for token in referenced):
+                    keep(0, index)
+        for index in _trace_heads(lines, errors):
+            keep(1, index)
+        for index in range(len(lines)):
+            if errors[index] and total[owner[index]] <= RARE_COUNT:
+                keep(2, index)
+        last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
+        for index in (first, last):
+            if index >= 0:
+                keep(3, index)
+        for number, template in enumerate(mined):
+            if total[number] > RARE_COUNT and template.example not in taken:
+                example = template.example
+                note = f" (x{total[number]} lines like this, {ELIDED}"
+                ranges = template.ranges()
+                note += f"; {ranges})" if ranges else ")"
+                keep(4 if errors[example] else 7, example, note)
+        for index in range(len(lines)):
+            if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
+                keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
+        entries.sort(key=lambda e: (e.tier, -e.rarity if e.tier == 7 else e.rarity, e.index))
+        return cls(text, lines, entries, command)
+
+    def render(self, chars: int) -> str:
+        """At most about `chars` characters (a kept line costs its length and a gap mark)."""
+        if len(self._text) <= chars:
+            return self._text
+        chosen: dict[int, _Entry] = {}
+        room = chars
+        for entry in self._entries:
+            cost = len(self._shown(entry)) + GAP_CHARS
+            if cost <= room:
+                room -= cost
+                chosen[entry.index] = entry
+        if len([line for line in self._lines if line.strip()]) <= 2 or not chosen:
+            return head_and_tail(self._text, chars)
+        parts: list[str] = []
+        position = 0
+        for index in sorted(chosen):
+            if index > position:
+                parts.append(_gap(index - position))
+            parts.append(self._shown(chosen[index]))
+            position = index + 1
+        if position < len(self._lines):
+            parts.append(_gap(len(self._lines) - position))
+        return "\n".join(parts)
+
+    def ranked_lines(self, limit: int) -> list[str]:
+        """The first `limit` error lines (not the command), the rarest template first, then
+        by rank and position: what a digest of the text leads with."""
+        found = [
+            e
+            for e in self._entries
+            if e.index != self._command and ERROR_LINE.search(self._lines[e.index])
+        ]
+        found.sort(key=lambda e: (e.rarity, e.tier, e.index))
+        return [self._shown(e) for e in found[:limit]]
+
+    def command(self) -> str:
+        """The command line that produced the output, if it starts with one."""
+        return self._lines[self._command] if self._command >= 0 else ""
+
+    def _shown(self, entry: _Entry) -> str:
+        return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+GAP_CHARS = 40  # what a gap mark costs, about
+
+
+def _gap(lines: int) -> str:
+    return f"[... {lines} line{'s' if lines != 1 else ''} {ELIDED} ...]"
+
+
+def _collapsed_count(line: str) -> int:
+    """The count a collapsed template's example line carries (an excerpt read again)."""
+    match = COLLAPSED.search(line)
+    return int(match.group(1)) if match else 0
+
+
+def _trace_heads(lines: list[str], errors: list[bool]) -> list[int]:
+    """For each stack trace: its exception line and its INNERMOST_FRAMES innermost frames.
+
+    A Python trace ("Traceback ...") lists the innermost frame last and ends with the
+    exception; a Java or Node trace starts with the exception and lists the innermost
+    frame first ("at ...")."""
+    found: list[int] = []
+    index = 0
+    while index < len(lines):
+        if not FRAME_LINE.match(lines[index]):
+            index += 1
             continue
-        line = _elide_string(lines[index].rstrip("\n"), 300)
-        if len(line) + 1 <= room:
-            room -= len(line) + 1
-            kept.append(index)
-    parts = [text[:head_end]]
-    position = head_end
-    for index in sorted(kept):
-        if offsets[index] > position:
-            parts.append(f"[... {offsets[index] - position} characters {ELIDED} ...]\n")
-        parts.append(_elide_string(lines[index].rstrip("\n"), 300) + "\n")
-        position = offsets[index + 1]
-    if tail_start > position:
-        parts.append(f"[... {tail_start - position} characters {ELIDED} ...]\n")
-    parts.append(text[tail_start:])
-    return "".join(parts)
-
-
-def _scored_lines(lines: list[str], referenced: frozenset[str]) -> list[tuple[int, int]]:
-    """(rank, index) of the lines worth keeping, a lower rank first: code locations and
-    referenced values, then other error lines, then the lines around them (the code of
-    a traceback frame, the message after it)."""
-    ranks: dict[int, int] = {}
-    for index, line in enumerate(lines):
-        if LOCATION_LINE.search(line) or (referenced and any(t in line for t in referenced)):
-            ranks[index] = 0
-        elif ERROR_LINE.search(line):
-            ranks[index] = 1
-    for index, rank in list(ranks.items()):
-        for distance in range(1, CONTEXT_LINES + 1):
-            for neighbour in (index - distance, index + distance):
-                if 0 <= neighbour < len(lines) and lines[neighbour].strip():
-                    ranks[neighbour] = min(ranks.get(neighbour, 99), rank + 1 + distance)
-    return sorted((rank, index) for index, rank in ranks.items())
-
-
-CONTEXT_LINES = 2
+        start = index
+        while index < len(lines) and (
+            FRAME_LINE.match(lines[index]) or lines[index].startswith("    ")
+        ):
+            index += 1
+        frames = [i for i in range(start, index) if FRAME_LINE.match(lines[i])]
+        before = start - 1
+        if before >= 0 and lines[before].startswith("Traceback"):
+            after = index if index < len(lines) else -1
+            if after >= 0 and errors[after]:
+                found.append(after)
+            for frame in frames[-INNERMOST_FRAMES:]:
+                found += [frame, frame + 1] if frame + 1 < index else [frame]
+        elif before >= 0 and errors[before]:
+            found.append(before)
+            found += frames[:INNERMOST_FRAMES]
+    return found
 
 
 def _is_scalar(value: Any) -> bool:

@@ -29,6 +29,7 @@ from proxy.core.compress import (
     COMPRESSED_KEY,
     ERROR_LINE,
     LOCATION_LINE,
+    TextPlan,
     json_container,
     key_values,
     output_text,
@@ -276,11 +277,11 @@ OPEN_TASK = re.compile(
 )
 
 # Entities: e-mail addresses, amounts with a currency, identifiers and reference codes.
-EMAIL = r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
+EMAIL = r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
 CURRENCY = r"(?:EUR|USD|GBP|CNY|RMB|JPY|CHF|CAD|AUD|INR|SEK|NOK|DKK|PLN|euros?|dollars?|€|\$|£|¥)"
 AMOUNT = (
     r"(?:[$€£¥]\s?\d[\d,]*(?:\.\d+)?(?:\s?(?:k|m|bn))?"
-    r"|\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
+    r"|(?<!\d,)\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
 )
 IDENT = (
     r"(?<![\w./-])(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
@@ -549,13 +550,28 @@ def _value_text(value: Any) -> str:
 
 
 def _text_gist(text: str) -> str:
-    """A text result: its lines with errors or code locations first (a log's one failure
-    among thousands of routine lines), then lines with entities, else its beginning."""
-    stripped = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in stripped if ERROR_LINE.search(line) or LOCATION_LINE.search(line)]
-    named = [line for line in stripped if entities_in(line) and line not in errors]
-    lines = (errors + named)[:4]
+    """A text result: its error and code-location lines, the rarest template first (a log's
+    one failure among many routine errors, wherever it sits), then lines with entities,
+    else its beginning."""
+    plan = TextPlan.of(text)
+    errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
+    errors += [
+        line.strip()
+        for line in text.splitlines()
+        if LOCATION_LINE.search(line) and line.strip() not in errors
+    ][: max(0, GIST_LINES - len(errors))]
+    named: list[str] = []
+    for line in text.splitlines():
+        if len(errors) + len(named) >= GIST_LINES:
+            break
+        stripped = line.strip()
+        if stripped and stripped not in errors and entities_in(stripped):
+            named.append(stripped)
+    lines = (errors + named)[:GIST_LINES]
     return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
+
+
+GIST_LINES = 4
 
 
 def _call_name(call: Item, call_id: str) -> str:

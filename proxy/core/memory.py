@@ -298,18 +298,72 @@ def entities_in(text: str) -> list[str]:
     return list(dict.fromkeys(f for f in found if f))
 
 
+# Values a message may name besides entities (issue 22, item 3): a code span, a quoted
+# phrase, a file:line, a number with its unit, a code identifier (snake_case, camelCase).
+SALIENT = re.compile(
+    r"`([^`\n]{3,120})`"
+    r"|[\"“]([^\"”\n]{4,120})[\"”]"
+    r"|(?<![\w./-])([\w./-]+\.\w{1,5}:\d+)"
+    r"|(?<![\w.])(\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|min|minutes|h|hours|days|%|[kmgt]b))\b"
+    r"|\b([a-z][a-z0-9]*(?:_[a-z0-9]+)+|[a-z]+(?:[A-Z][a-z0-9]+)+)\b"
+)
+ARGUMENT_CHARS = (3, 200)  # a string argument of a call this long names a value
+
+
+def salient_in(text: str) -> list[str]:
+    """The entities of a message and the other values it names (SALIENT), in order."""
+    found = entities_in(text)
+    for match in SALIENT.finditer(text):
+        value = next(g for g in match.groups() if g is not None).strip()
+        if len(value) >= 3:
+            found.append(value)
+    return list(dict.fromkeys(found))
+
+
 def referenced_values(items: Iterable[Item]) -> frozenset[str]:
-    """The ids, e-mails and amounts that `items` mention (user and assistant text, call
-    arguments): compress_tool_output keeps the lines and elements of older tool results
-    that hold them."""
+    """What `items` mention (user and assistant text: ids, amounts, code spans, quoted
+    phrases, file:line, identifiers; a call's argument values): compress_tool_output and
+    the digest keep the lines and elements of tool results that hold them. Only the
+    items given count, so a result is compressed the same way for as long as they do
+    not change (the prompt cache)."""
     found: set[str] = set()
     for item in items:
         if item.kind == "message":
-            found.update(entities_in(item.text()))
+            found.update(salient_in(item.text()))
         elif item.kind == "tool_calls":
-            found.update(entities_in(item.text() + " " + json.dumps(item.raw.get("tool_calls"))))
-            found.update(entities_in(str(item.raw.get("arguments", ""))))
+            found.update(salient_in(item.text()))
+            for arguments in _call_arguments(item):
+                found.update(_argument_values(arguments))
     return frozenset(found)
+
+
+def _call_arguments(item: Item) -> list[str]:
+    found = [str(item.raw.get("arguments") or item.raw.get("input") or "")]
+    for tool_call in item.raw.get("tool_calls") or []:
+        function = tool_call.get("function") if isinstance(tool_call, Mapping) else None
+        if isinstance(function, Mapping):
+            found.append(str(function.get("arguments") or ""))
+    return [a for a in found if a]
+
+
+def _argument_values(arguments: str) -> list[str]:
+    """The string and number values of a call's arguments (the keys are not values)."""
+    parsed = json_container(arguments)
+    if parsed is None:
+        return salient_in(arguments)
+    values: list[str] = []
+    stack: list[Any] = [parsed]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and ARGUMENT_CHARS[0] <= len(node) <= ARGUMENT_CHARS[1]:
+            values.append(node)
+        elif isinstance(node, int | float) and not isinstance(node, bool) and abs(node) >= 100:
+            values.append(str(node))
+    return values
 
 
 def is_rule(sentence: str) -> bool:
@@ -407,13 +461,16 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     waiting = {p.call_id: p.text for p in builder.pending if p.call_id in answered}
     builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
-    for item in items:
+    later = _referenced_after(items)
+    for position, item in enumerate(items):
         calls.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
         if item.is_user_message:
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact, named = _fact(item, call, waiting.get(item.output_for or ""))
+            fact, named = _fact(
+                item, call, waiting.get(item.output_for or ""), later.get(position, frozenset())
+            )
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
@@ -427,6 +484,18 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
         elif item.kind == "message" and item.role == "assistant":
             _assistant_message(builder, item.text())
     return builder.state()
+
+
+def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
+    """For each tool result, what the items after it name (referenced_values), in one
+    backward pass."""
+    found: dict[int, frozenset[str]] = {}
+    seen: set[str] = set()
+    for position in range(len(items) - 1, -1, -1):
+        if items[position].kind == "tool_output":
+            found[position] = frozenset(seen)
+        seen.update(referenced_values([items[position]]))
+    return found
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
@@ -485,7 +554,12 @@ def _assistant_message(builder: _Builder, text: str) -> None:
     builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
 
 
-def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
+def _fact(
+    output: Item,
+    call: Item | None,
+    described: str | None,
+    referenced: frozenset[str] = frozenset(),
+) -> tuple[str, list[str]]:
     """tool(arguments) -> the values that matter in its result; and its entities: the ids
     and amounts of the arguments and of the result's own values, not those of every
     element of a list it returned. `described` is the call's text when the call itself
@@ -502,13 +576,16 @@ def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, 
             parsed = parsed.get("verified_facts") or {}
     if parsed is not None:
         # An error or a warning first: the fact is cut at FACT_CHARS.
-        pairs = sorted(key_values(parsed), key=lambda pair: not _reports_error(str(pair[1])))
+        pairs = sorted(
+            key_values(parsed, referenced=referenced),
+            key=lambda pair: not _reports_error(str(pair[1])),
+        )
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(value) for _, value in pairs if not isinstance(value, list))
         found = entities_in(head) + entities_in(named) + amounts + _amounts(pairs)
     else:
-        shown = json.dumps(_text_gist(text), ensure_ascii=False)
+        shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
 
@@ -549,12 +626,21 @@ def _value_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _text_gist(text: str) -> str:
+def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
     """A text result: its error and code-location lines, the rarest template first (a log's
-    one failure among many routine errors, wherever it sits), then lines with entities,
-    else its beginning."""
+    one failure among many routine errors, wherever it sits), the lines holding values
+    the later conversation names right after the first of them, then lines with
+    entities, else its beginning."""
     plan = TextPlan.of(text)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
+    if referenced:
+        named_later = [
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and any(t in line for t in referenced)
+        ]
+        named_later = [line for line in named_later if line not in errors][:GIST_LINES]
+        errors = [*errors[:1], *named_later, *errors[1:]][:GIST_LINES]
     errors += [
         line.strip()
         for line in text.splitlines()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
+from proxy.core.shapes import FEW_IDS, shape
 from proxy.core.templates import mine
 from proxy.core.tokens import TokenCounter
 
@@ -251,16 +252,19 @@ def key_values(
     max_values: int = 12,
     list_items: int = 8,
     referenced: frozenset[str] = frozenset(),
+    shapes: bool = True,
 ) -> list[tuple[str, Any]]:
     """The identifying and outcome values of a JSON result, wherever they are nested.
 
     Ids, amounts, statuses and values `referenced` later come first; transport metadata
     never. A list becomes the identifying values of its first `list_items` elements (and
-    of any later element holding a referenced value). At most `max_values` pairs, in the
-    order they appear; a label is the key, prefixed by its parent's for generic keys.
+    of any later element holding a referenced value), and with `shapes` a list of records
+    or numbers also its shape (proxy/core/shapes.py), the records holding a referenced
+    value whole. At most `max_values` pairs, in the order they appear; a label is the
+    key, prefixed by its parent's for generic keys.
     """
     found: list[tuple[int, str, Any]] = []  # (tier, label, value) in document order
-    _walk(value, "", found, list_items, referenced)
+    _walk(value, "", found, list_items, referenced, shapes)
     chosen = sorted(range(len(found)), key=lambda i: (found[i][0], i))[:max_values]
     pairs: list[tuple[str, Any]] = []
     seen: dict[str, int] = {}
@@ -286,14 +290,23 @@ def _walk(
     found: list[tuple[int, str, Any]],
     list_items: int,
     referenced: frozenset[str],
+    shapes: bool,
     depth: int = 0,
 ) -> None:
     if depth > MAX_WALK_DEPTH:
         return
     if isinstance(value, list):
-        summary = _list_summary(value, list_items, referenced)
-        if summary:
-            found.append((0 if _has_ids(summary) else 1, parent or "items", summary))
+        few = min(FEW_IDS, list_items * 4)
+        described = shape(value, _identifies, _is_transport, few) if shapes else None
+        named = parent or "items"
+        if described is not None:
+            found.append((0, f"{named}_shape", described))
+        if described is None or not any(k.endswith("s") and k != "count" for k in described):
+            summary = _list_summary(value, list_items, referenced)
+            if summary:
+                found.append((0 if _has_ids(summary) else 1, named, summary))
+        for index, element in _referenced_records(value, referenced if shapes else frozenset()):
+            found.append((0, f"{named}[{index}]", _elide(element, REFERENCED_RECORD)))
         return
     if not isinstance(value, dict):
         return
@@ -307,7 +320,37 @@ def _walk(
             tier = 0 if _important(key, child, referenced) else 1
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
-            _walk(child, label, found, list_items, referenced, depth + 1)
+            _walk(child, label, found, list_items, referenced, shapes, depth + 1)
+
+
+REFERENCED_RECORDS = 3  # records of a list kept whole because the conversation names them
+REFERENCED_RECORD = _Limits(4, 120, 2)
+
+
+def _referenced_records(value: list[Any], referenced: frozenset[str]) -> list[tuple[int, Any]]:
+    """The records (objects) of a list holding a value the conversation names, whole."""
+    if not referenced:
+        return []
+    found: list[tuple[int, Any]] = []
+    for index, element in enumerate(value):
+        if not isinstance(element, dict):
+            continue
+        values = (str(v) for v in element.values() if _is_scalar(v) and v not in (None, ""))
+        if any(v in referenced for v in values):
+            found.append((index, element))
+            if len(found) >= REFERENCED_RECORDS:
+                break
+    return found
+
+
+def _identifies(key: str, value: Any) -> bool:
+    """Whether a column's value identifies its record: an id-like value or an id key."""
+    if isinstance(value, str) and ID_VALUE.match(value):
+        return True
+    return isinstance(value, str | int) and ID_KEY.search(key) is not None
+
+
+ID_KEY = re.compile(r"(?:^|[-_])(?:ids?|no|number|ref|reference|sku|pnr)$|[a-z]Id$", re.I)
 
 
 def _is_transport(key: Any) -> bool:
@@ -413,8 +456,9 @@ class TextPlan:
     holding values referenced later; a stack trace's exception and innermost frames; the
     error and warning lines of rare templates, the rarest first (not the first ones); the
     first and the last line; the frequent error templates, the rarer first; the other rare
-    lines in order; the other frequent templates, the larger first. Kept lines are shown
-    in their order, every gap marked as elided. Built once (linear in the text), rendered
+    lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
+    in their order, every gap marked as elided; room left over shows the other lines in
+    order. Built once (linear in the text), rendered
     at any size."""
 
     __slots__ = ("_command", "_entries", "_lines", "_text")
@@ -472,7 +516,9 @@ class TextPlan:
         for index in range(len(lines)):
             if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
                 keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
-        entries.sort(key=lambda e: (e.tier, -e.rarity if e.tier == 7 else e.rarity, e.index))
+        for index in range(len(lines)):  # what room is left: the other lines, in order
+            keep(8, index)
+        entries.sort(key=_rank)
         return cls(text, lines, entries, command)
 
     def render(self, chars: int) -> str:
@@ -516,6 +562,15 @@ class TextPlan:
 
     def _shown(self, entry: _Entry) -> str:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _rank(entry: _Entry) -> tuple[int, int, int]:
+    """Rarer first; the frequent templates larger first; the last tier in order."""
+    if entry.tier == 7:
+        return (entry.tier, -entry.rarity, entry.index)
+    if entry.tier == 8:
+        return (entry.tier, 0, entry.index)
+    return (entry.tier, entry.rarity, entry.index)
 
 
 GAP_CHARS = 40  # what a gap mark costs, about

@@ -577,12 +577,12 @@ def _fact(
     if parsed is not None:
         # An error or a warning first: the fact is cut at FACT_CHARS.
         pairs = sorted(
-            key_values(parsed, referenced=referenced),
+            key_values(parsed, referenced=referenced, shapes=False),
             key=lambda pair: not _reports_error(str(pair[1])),
         )
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
-        named = " ".join(str(value) for _, value in pairs if not isinstance(value, list))
+        named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
         found = entities_in(head) + entities_in(named) + amounts + _amounts(pairs)
     else:
         shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
@@ -688,7 +688,7 @@ def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
         arguments = json.dumps(arguments, ensure_ascii=False)
     parsed = json_container(arguments)
     if isinstance(parsed, dict):
-        pairs = key_values(parsed, max_values=8)
+        pairs = key_values(parsed, max_values=8, shapes=False)
         return _pairs_text(pairs), _amounts(pairs)
     return _cut(arguments, STATEMENT_CHARS), []
 

@@ -23,7 +23,8 @@ LOW_CARDINALITY = 6  # a column with at most this many distinct values lists the
 SHAPE_COLUMNS = 8  # columns described per list
 OUTLIERS = 3  # outliers kept per column, the largest deviation first
 MODIFIED_Z = 3.5  # |0.6745 (x - median) / MAD| above this is an outlier
-TREND_SHARE = 0.2  # a fitted rise over the series above this share of its range is a trend
+TREND_SHARE = 0.2  # a fitted change over the series above this share of its range, and
+TREND_NOISE = 2.0  # above this many standard deviations of the residuals, is a trend
 RECORD_SHARE = 0.9  # share of dict elements that makes a list a list of records
 TIME_VALUE = re.compile(r"^\d{4}-\d\d-\d\d")
 TIME_KEYS = frozenset({"t", "ts", "time", "timestamp", "date", "at", "when", "period"})
@@ -113,21 +114,22 @@ def _column(numbers: list[float], labels: list[str]) -> dict[str, Any]:
 
 
 def series(numbers: list[float], labels: list[str]) -> dict[str, Any]:
-    """first, last, min, max, the trend (a least-squares fit against the range) and the
-    anomalies (robust outliers, labelled by their position or time)."""
+    """first, last, min, max, the trend (a least-squares fit against the range, both
+    without the anomalies: one spike neither makes nor hides a trend) and the anomalies
+    (robust outliers, labelled by their position or time)."""
     described = _column(numbers, labels)
-    low, high = min(numbers), max(numbers)
-    count = len(numbers)
-    mean_x = (count - 1) / 2
-    mean_y = statistics.fmean(numbers)
-    spread = sum((i - mean_x) ** 2 for i in range(count))
-    slope = (
-        sum((i - mean_x) * (y - mean_y) for i, y in enumerate(numbers)) / spread if spread else 0
-    )
-    rise = slope * (count - 1) / (high - low) if high > low else 0.0
-    described["trend"] = (
-        "rising" if rise > TREND_SHARE else "falling" if rise < -TREND_SHARE else "flat"
-    )
+    far = set(_far(numbers))
+    kept = [(i, y) for i, y in enumerate(numbers) if i not in far] or list(enumerate(numbers))
+    ys = [y for _, y in kept]
+    low, high = min(ys), max(ys)
+    mean_x = statistics.fmean(i for i, _ in kept)
+    mean_y = statistics.fmean(ys)
+    spread = sum((i - mean_x) ** 2 for i, _ in kept)
+    slope = sum((i - mean_x) * (y - mean_y) for i, y in kept) / spread if spread else 0.0
+    change = slope * (kept[-1][0] - kept[0][0])
+    noise = statistics.pstdev(y - (mean_y + slope * (i - mean_x)) for i, y in kept)
+    trending = abs(change) > max(TREND_NOISE * noise, TREND_SHARE * (high - low))
+    described["trend"] = "flat" if not trending else "rising" if change > 0 else "falling"
     if "outliers" in described:
         described["anomalies"] = described.pop("outliers")
     return described
@@ -135,17 +137,23 @@ def series(numbers: list[float], labels: list[str]) -> dict[str, Any]:
 
 def _outliers(numbers: list[float], labels: list[str]) -> list[str]:
     """`label=value` of the values far from the median, the farthest first."""
+    return [f"{labels[i]}={_plain(numbers[i])}" for i in _far(numbers)[:OUTLIERS]]
+
+
+def _far(numbers: list[float]) -> list[int]:
+    """The indexes of the values far from the median (modified z-score), the farthest
+    first; when most values are equal, the few that differ."""
     median = statistics.median(numbers)
     deviations = [abs(x - median) for x in numbers]
     mad = statistics.median(deviations)
     if mad > 0:
         far = [i for i, d in enumerate(deviations) if 0.6745 * d / mad > MODIFIED_Z]
-    else:  # most values equal: the few that differ are the outliers
+    else:
         far = [i for i, d in enumerate(deviations) if d > 0]
         if len(far) > max(OUTLIERS, len(numbers) // 20):
             return []
     far.sort(key=lambda i: (-deviations[i], i))
-    return [f"{labels[i]}={_plain(numbers[i])}" for i in far[:OUTLIERS]]
+    return far
 
 
 def _plain(x: float) -> int | float:

@@ -4,7 +4,7 @@
 
 A 1 MB log (routine lines of a few templates, varying numbers and ids, one rare error)
 and a 20,000-record JSON list, each compressed once to tool_result_max_tokens 800 by
-proxy/core/compress.py; wall time of the one call (the projection runs it in a worker
+proxy/core/compress.py; CPU time of the one call (process time: the machine may be shared) (the projection runs it in a worker
 thread for inputs this large, see proxy/server/rebuild.py), and whether the rare line
 and the outlier survive. The same inputs at half the size show the growth factor.
 """
@@ -61,9 +61,9 @@ def records(count: int, rng: random.Random) -> str:
 def timed(text: str, counter: TokenCounter) -> tuple[float, str]:
     compress._compressed.clear()
     item = chat_item({"role": "tool", "tool_call_id": "call_1", "content": text})
-    started = time.perf_counter()
+    started = time.process_time()
     small = compress_tool_output(item, None, 800, counter)
-    return time.perf_counter() - started, str(small.raw["content"])
+    return time.process_time() - started, str(small.raw["content"])
 
 
 def main() -> int:

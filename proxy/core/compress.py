@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,12 +331,18 @@ def _referenced_records(value: list[Any], referenced: frozenset[str]) -> list[tu
     """The records (objects) of a list holding a value the conversation names, whole."""
     if not referenced:
         return []
+    rows = [
+        {str(v) for v in e.values() if _is_scalar(v) and v not in (None, "")}
+        if isinstance(e, dict)
+        else set()
+        for e in value
+    ]
+    named = {t for t in referenced if 0 < sum(t in row for row in rows) <= REFERENCE_MAX}
     found: list[tuple[int, Any]] = []
     for index, element in enumerate(value):
         if not isinstance(element, dict):
             continue
-        values = (str(v) for v in element.values() if _is_scalar(v) and v not in (None, ""))
-        if any(v in referenced for v in values):
+        if not rows[index].isdisjoint(named):
             found.append((index, element))
             if len(found) >= REFERENCED_RECORDS:
                 break
@@ -378,21 +384,46 @@ def _has_ids(values: list[Any]) -> bool:
 
 
 def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str]) -> list[Any]:
-    """A list by the identifying values of its elements, with the count of the rest."""
+    """A list by the identifying values of its elements, with the count of the rest; past
+    the first `list_items`, the elements a referenced value singles out."""
+    idents = [_identity(element) for element in value] if referenced else []
+    tokens = singling_out(referenced, [i for i in idents if isinstance(i, str)])
     shown: list[Any] = []
     for index, element in enumerate(value):
-        if index >= list_items and not referenced:
+        if index >= list_items and not tokens:
             break
-        ident = _identity(element)
+        ident = idents[index] if idents else _identity(element)
         if ident is None:
             continue
         if index < list_items or (
-            isinstance(ident, str) and any(token in ident for token in referenced)
+            isinstance(ident, str) and any(token in ident for token in tokens)
         ):
             shown.append(ident)
     if len(value) > len(shown):
         shown.append(f"(+{len(value) - len(shown)} more)")
     return shown
+
+
+REFERENCE_MAX = 3  # a referenced value found in more places than this singles none out
+
+
+def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[str]:
+    """The referenced values found in at most REFERENCE_MAX of `texts`: a value that a
+    later message names and that every line holds (the flight of every fare) tells
+    nothing about which line matters; one that names one line or record does."""
+    if not referenced:
+        return referenced
+    kept = set()
+    for token in sorted(referenced):
+        found = 0
+        for text in texts:
+            if token in text:
+                found += 1
+                if found > REFERENCE_MAX:
+                    break
+        if 0 < found <= REFERENCE_MAX:
+            kept.add(token)
+    return frozenset(kept)
 
 
 LIST_TEXT_CHARS = 48  # a text element of a list is named by its beginning
@@ -493,9 +524,10 @@ class TextPlan:
         command = first if first >= 0 and COMMAND_LINE.match(lines[first]) else -1
         if command >= 0:
             keep(0, command)
-        if referenced:
+        named = singling_out(referenced, lines)
+        if named:
             for index, line in enumerate(lines):
-                if any(token in line for token in referenced):
+                if any(token in line for token in named):
                     keep(0, index)
         for index in _trace_heads(lines, errors):
             keep(1, index)

@@ -33,6 +33,7 @@ from proxy.core.compress import (
     json_container,
     key_values,
     output_text,
+    singling_out,
     tool_name,
 )
 from proxy.core.items import Api, Item, chat_item, responses_item
@@ -633,11 +634,12 @@ def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
     entities, else its beginning."""
     plan = TextPlan.of(text)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
-    if referenced:
+    named_by = singling_out(referenced, text.splitlines())
+    if named_by:
         named_later = [
             line.strip()
             for line in text.splitlines()
-            if line.strip() and any(t in line for t in referenced)
+            if line.strip() and any(t in line for t in named_by)
         ]
         named_later = [line for line in named_later if line not in errors][:GIST_LINES]
         errors = [*errors[:1], *named_later, *errors[1:]][:GIST_LINES]

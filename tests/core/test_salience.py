@@ -111,3 +111,15 @@ def test_the_digest_keeps_the_line_the_turn_names() -> None:
     state = extract(reading_turn(0, SAID))
     fact = next(f for f in state.facts if f.startswith("read_file"))
     assert "days_in_year = 365" in fact
+
+
+def test_a_value_every_line_holds_singles_none_out(counter: TokenCounter) -> None:
+    """The flight named in every fare line says nothing about which line matters: the
+    lines are not all kept for it (the result would grow past its room), the one line
+    holding a value named once is."""
+    lines = [f"fare {i} for LH-103: class {i % 5}, seat map row {i}" for i in range(300)]
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": "\n".join(lines)})
+    referenced = frozenset({"LH-103", "row 217"})
+    shown = json.loads(compress_tool_output(output, None, 300, counter, referenced).raw["content"])
+    assert "fare 217 for LH-103: class 2, seat map row 217" in shown["excerpt"]
+    assert shown["excerpt"].count("LH-103") < 40

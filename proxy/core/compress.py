@@ -4,10 +4,11 @@ Summarizing loses exact parameters, negations, times and sources; structured
 compression keeps them as fields (seed 8.3). So a compressed tool result keeps the
 tool's name, the call id and the time, and what a later turn may need: for JSON the
 identifying values wherever they are nested (ids, amounts, statuses; lists by the ids of
-their elements), never transport metadata (request ids, hosts, generation times); for
-text the lines that look like errors, failures and tracebacks and the lines holding
-values the later conversation refers to. The rest is replaced by explicit elision
-markers. A pure function of its input: the same history always gives the same bytes,
+their elements, and their shape: proxy/core/shapes.py), never transport metadata
+(request ids, hosts, generation times); for text the lines by template (TextPlan: rare
+lines verbatim, errors by rarity, frequent templates collapsed with their count and
+ranges) and the lines holding values the rest of the turn refers to. The rest is
+replaced by explicit elision markers. A pure function of its input: the same history always gives the same bytes,
 which keeps the provider's prompt cache warm. Digests of dropped turns live in
 proxy/core/memory.py.
 """

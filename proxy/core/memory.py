@@ -581,6 +581,8 @@ def _fact(
             key_values(parsed, referenced=referenced, shapes=False),
             key=lambda pair: not _reports_error(str(pair[1])),
         )
+        errors = sum(_reports_error(str(value)) for _, value in pairs)
+        pairs[errors:errors] = _outlier_pairs(parsed)
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
@@ -589,6 +591,24 @@ def _fact(
         shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
+
+
+def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
+    """The outliers and anomalies of a result's lists (their shapes, proxy/core/shapes.py):
+    after the errors, before the other values, since one odd value among many routine
+    ones is what the shape alone would hide."""
+    found: list[tuple[str, Any]] = []
+    for label, shape in key_values(parsed, max_values=64, list_items=0):
+        if not label.endswith("_shape") or not isinstance(shape, dict):
+            continue
+        for column, described in shape.items():
+            if isinstance(described, dict):
+                for kind in ("outliers", "anomalies"):
+                    if described.get(kind):
+                        found.append(
+                            (f"{label[: -len('_shape')]}.{column} {kind}", described[kind])
+                        )
+    return found
 
 
 AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)

@@ -104,3 +104,24 @@ def test_one_spike_among_ten_points_is_an_anomaly() -> None:
     values = [10.0, 11.0, 10.5, 9.8, 10.2, 95.0, 10.1, 9.9, 10.4, 10.0]
     described = series(values, [str(i) for i in range(10)])
     assert described["anomalies"] == ["5=95"] and described["trend"] == "flat"
+
+
+def test_the_digest_names_the_outlier_of_a_list() -> None:
+    """Summarized, the one odd amount among 400 routine ones is in the tool fact."""
+    from proxy.core.memory import extract
+
+    rows = invoices(400, 9)
+    rows[333]["amount"] = 14250.0
+    function = {"name": "list_invoices", "arguments": "{}"}
+    items = [
+        chat_item(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": function}],
+            }
+        ),
+        chat_item({"role": "tool", "tool_call_id": "c", "content": json.dumps({"invoices": rows})}),
+    ]
+    [fact] = extract(items).facts
+    assert "invoices.amount outliers=[INV-00333=14250]" in fact

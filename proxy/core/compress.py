@@ -477,6 +477,7 @@ class _Entry:
     rarity: int
     index: int
     note: str = ""
+    template: int = -1
 
 
 class TextPlan:
@@ -519,7 +520,7 @@ class TextPlan:
         def keep(tier: int, index: int, note: str = "") -> None:
             if index not in taken and owner[index] >= 0:
                 taken.add(index)
-                entries.append(_Entry(tier, total[owner[index]], index, note))
+                entries.append(_Entry(tier, total[owner[index]], index, note, owner[index]))
 
         first = next((i for i, t in enumerate(owner) if t >= 0), -1)
         command = first if first >= 0 and COMMAND_LINE.match(lines[first]) else -1
@@ -579,15 +580,21 @@ class TextPlan:
         return "\n".join(parts)
 
     def ranked_lines(self, limit: int) -> list[str]:
-        """The first `limit` error lines (not the command), the rarest template first, then
-        by rank and position: what a digest of the text leads with."""
+        """The first `limit` error lines (not the command), one per template, the rarest
+        template first, then by rank and position: what a digest of the text leads with."""
         found = [
             e
             for e in self._entries
             if e.index != self._command and ERROR_LINE.search(self._lines[e.index])
         ]
-        found.sort(key=lambda e: (e.rarity, e.tier, e.index))
-        return [self._shown(e) for e in found[:limit]]
+        found.sort(key=lambda e: (e.rarity, not e.note, e.tier, e.index))
+        shown: list[str] = []
+        templates: set[int] = set()
+        for entry in found:  # one line per template: a collapsed one by its example
+            if entry.template not in templates and len(shown) < limit:
+                templates.add(entry.template)
+                shown.append(self._shown(entry))
+        return shown
 
     def command(self) -> str:
         """The command line that produced the output, if it starts with one."""

@@ -92,6 +92,7 @@ def test_the_digest_leads_with_the_rare_line(counter: TokenCounter, seed: int) -
     state = extract(log_turn(seed))
     fact = next(f for f in state.facts if f.startswith("query_logs"))
     assert RARE in fact
+    assert fact.index(RARE) < fact.index("upstream 502 Bad Gateway")  # then one per template
     assert fact in state.must_keep()
     summary = summarize_turns(log_turn(seed), counter, 400, None)
     assert RARE in summary.text()

@@ -3,7 +3,7 @@
     python bench/compress_scale.py
 
 A 1 MB log (routine lines of a few templates, varying numbers and ids, one rare error)
-and a 20,000-record JSON list, each compressed once to tool_result_max_tokens 800 by
+a 20,000-record JSON list, and a 1 MB text of distinct lines (the miner's worst case), each compressed once to tool_result_max_tokens 800 by
 proxy/core/compress.py; CPU time of the one call (process time: the machine may be shared) (the projection runs it in a worker
 thread for inputs this large, see proxy/server/rebuild.py), and whether the rare line
 and the outlier survive. The same inputs at half the size show the growth factor.
@@ -58,6 +58,18 @@ def records(count: int, rng: random.Random) -> str:
     return json.dumps(rows)
 
 
+def distinct(size: int, rng: random.Random) -> str:
+    """Lines of one length and one start that share no template: the miner's worst case
+    (every line compared with LEAF_CLUSTERS templates)."""
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(6)) for _ in range(5000)]
+    lines: list[str] = []
+    total = 0
+    while total < size:
+        lines.append("GET /api " + " ".join(rng.choice(words) for _ in range(12)))
+        total += len(lines[-1]) + 1
+    return "\n".join(lines)
+
+
 def timed(text: str, counter: TokenCounter) -> tuple[float, str]:
     compress._compressed.clear()
     item = chat_item({"role": "tool", "tool_call_id": "call_1", "content": text})
@@ -72,6 +84,7 @@ def main() -> int:
     for name, make, size, keep in (
         ("log", log, 1_000_000, "max_connections=200"),
         ("json", records, 20_000, "98765"),
+        ("distinct lines", distinct, 1_000_000, "GET /api"),
     ):
         half, _ = timed(make(size // 2, random.Random(rng.random())), counter)
         full, body = timed(make(size, random.Random(rng.random())), counter)

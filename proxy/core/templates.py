@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 WILDCARD = "<*>"
 SIMILARITY = 0.5  # share of a template's constant tokens a line must match to join it
 TREE_DEPTH = 2  # masked first tokens that choose a leaf, after the token count
-LEAF_CLUSTERS = 64  # templates compared per leaf; an exact masked form needs no comparison
+LEAF_CLUSTERS = 32  # templates compared per leaf; an exact masked form needs no comparison
 MAX_TOKENS = 64  # tokens of a line that take part (a longer line's rest is one token)
 DISTINCT_VALUES = 3  # values shown per non-numeric variable part, the rarest first
 VALUE_CHARS = 40  # a shown value longer than this is cut

@@ -4,10 +4,11 @@ Summarizing loses exact parameters, negations, times and sources; structured
 compression keeps them as fields (seed 8.3). So a compressed tool result keeps the
 tool's name, the call id and the time, and what a later turn may need: for JSON the
 identifying values wherever they are nested (ids, amounts, statuses; lists by the ids of
-their elements), never transport metadata (request ids, hosts, generation times); for
-text the lines that look like errors, failures and tracebacks and the lines holding
-values the later conversation refers to. The rest is replaced by explicit elision
-markers. A pure function of its input: the same history always gives the same bytes,
+their elements, and their shape: proxy/core/shapes.py), never transport metadata
+(request ids, hosts, generation times); for text the lines by template (TextPlan: rare
+lines verbatim, errors by rarity, frequent templates collapsed with their count and
+ranges) and the lines holding values the rest of the turn refers to. The rest is
+replaced by explicit elision markers. A pure function of its input: the same history always gives the same bytes,
 which keeps the provider's prompt cache warm. Digests of dropped turns live in
 proxy/core/memory.py.
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
+from proxy.core.shapes import FEW_IDS, shape
+from proxy.core.templates import mine
 from proxy.core.tokens import TokenCounter
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -60,18 +63,19 @@ ID_VALUE = re.compile(
     r"|(?=[A-Z0-9]*\d)(?=[A-Z0-9]*[A-Z])[A-Z0-9]{5,}"
     r"|[a-z]{2,}_(?=[A-Za-z0-9]*\d)[A-Za-z0-9]{3,})$"
 )
-# Lines of text output that report errors, failures and where they happened.
+# Lines of text output that report errors, failures and where they happened. A code
+# location starts where a run of path characters starts (the look-behind), so a long run
+# without one is scanned once, not from each of its characters (linear, not quadratic).
+_PATH = r"(?<![\w./-])[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+"
 ERROR_LINE = re.compile(
     r"[Ee]rror\b|ERROR\b|[Ee]xception\b|Traceback|\bFAIL(?:ED|URE)?\b|\bfail(?:ed|ure|s)\b"
     r"|\bexhausted\b|\b[Ff]atal\b|\bFATAL\b|\bCRITICAL\b|\bPANIC\b|\bpanic"
     r"|\btimed out\b|\brefused\b|\bdenied\b|\babort|\bWARN(?:ING)?\b|\b[Ww]arning\b"
-    r"|^E {2,}\S|File \"[^\"]+\", line \d+"
-    r"|[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c|cc|cpp|h|hpp|cs|php|swift|scala):\d+",
+    r"|^E {2,}\S|File \"[^\"]+\", line \d+|" + _PATH,
 )
 # Lines of a traceback (a frame, or the exception it ended with) rank above other errors.
 LOCATION_LINE = re.compile(
-    r"^\s*File \"[^\"]+\", line \d+|^\s*[\w./-]+\.(?:py|pyx|js|mjs|ts|tsx|go|rs|java|kt|rb|c"
-    r"|cc|cpp|h|hpp|cs|php|swift|scala):\d+|[Ee]rror\b|[Ee]xception\b|^Traceback"
+    r"^\s*File \"[^\"]+\", line \d+|^\s*" + _PATH + r"|[Ee]rror\b|[Ee]xception\b|^Traceback"
 )
 
 
@@ -199,8 +203,10 @@ def _bodies(
         facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
         yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
+    plan = TextPlan.of(text, referenced) if chars >= 16 and len(text) > chars else None
     while chars >= 16:
-        yield {COMPRESSED_KEY: source, "excerpt": excerpt(text, chars, referenced)}
+        shown = plan.render(chars) if plan is not None else text
+        yield {COMPRESSED_KEY: source, "excerpt": shown}
         chars //= 2
     yield {COMPRESSED_KEY: source}
     yield {COMPRESSED_KEY: {"tool": source["tool"], "call_id": source["call_id"]}}
@@ -247,16 +253,19 @@ def key_values(
     max_values: int = 12,
     list_items: int = 8,
     referenced: frozenset[str] = frozenset(),
+    shapes: bool = True,
 ) -> list[tuple[str, Any]]:
     """The identifying and outcome values of a JSON result, wherever they are nested.
 
     Ids, amounts, statuses and values `referenced` later come first; transport metadata
     never. A list becomes the identifying values of its first `list_items` elements (and
-    of any later element holding a referenced value). At most `max_values` pairs, in the
-    order they appear; a label is the key, prefixed by its parent's for generic keys.
+    of any later element holding a referenced value), and with `shapes` a list of records
+    or numbers also its shape (proxy/core/shapes.py), the records holding a referenced
+    value whole. At most `max_values` pairs, in the order they appear; a label is the
+    key, prefixed by its parent's for generic keys.
     """
     found: list[tuple[int, str, Any]] = []  # (tier, label, value) in document order
-    _walk(value, "", found, list_items, referenced)
+    _walk(value, "", found, list_items, referenced, shapes)
     chosen = sorted(range(len(found)), key=lambda i: (found[i][0], i))[:max_values]
     pairs: list[tuple[str, Any]] = []
     seen: dict[str, int] = {}
@@ -282,14 +291,23 @@ def _walk(
     found: list[tuple[int, str, Any]],
     list_items: int,
     referenced: frozenset[str],
+    shapes: bool,
     depth: int = 0,
 ) -> None:
     if depth > MAX_WALK_DEPTH:
         return
     if isinstance(value, list):
-        summary = _list_summary(value, list_items, referenced)
-        if summary:
-            found.append((0 if _has_ids(summary) else 1, parent or "items", summary))
+        few = min(FEW_IDS, list_items * 4)
+        described = shape(value, _identifies, _is_transport, few) if shapes else None
+        named = parent or "items"
+        if described is not None:
+            found.append((0, f"{named}_shape", described))
+        if described is None or not any(k.endswith("s") and k != "count" for k in described):
+            summary = _list_summary(value, list_items, referenced)
+            if summary:
+                found.append((0 if _has_ids(summary) else 1, named, summary))
+        for index, element in _referenced_records(value, referenced if shapes else frozenset()):
+            found.append((0, f"{named}[{index}]", _elide(element, REFERENCED_RECORD)))
         return
     if not isinstance(value, dict):
         return
@@ -303,7 +321,43 @@ def _walk(
             tier = 0 if _important(key, child, referenced) else 1
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
-            _walk(child, label, found, list_items, referenced, depth + 1)
+            _walk(child, label, found, list_items, referenced, shapes, depth + 1)
+
+
+REFERENCED_RECORDS = 3  # records of a list kept whole because the conversation names them
+REFERENCED_RECORD = _Limits(4, 120, 2)
+
+
+def _referenced_records(value: list[Any], referenced: frozenset[str]) -> list[tuple[int, Any]]:
+    """The records (objects) of a list holding a value the conversation names, whole."""
+    if not referenced:
+        return []
+    rows = [
+        {str(v) for v in e.values() if _is_scalar(v) and v not in (None, "")}
+        if isinstance(e, dict)
+        else set()
+        for e in value
+    ]
+    named = {t for t in referenced if 0 < sum(t in row for row in rows) <= REFERENCE_MAX}
+    found: list[tuple[int, Any]] = []
+    for index, element in enumerate(value):
+        if not isinstance(element, dict):
+            continue
+        if not rows[index].isdisjoint(named):
+            found.append((index, element))
+            if len(found) >= REFERENCED_RECORDS:
+                break
+    return found
+
+
+def _identifies(key: str, value: Any) -> bool:
+    """Whether a column's value identifies its record: an id-like value or an id key."""
+    if isinstance(value, str) and ID_VALUE.match(value):
+        return True
+    return isinstance(value, str | int) and ID_KEY.search(key) is not None
+
+
+ID_KEY = re.compile(r"(?:^|[-_])(?:ids?|no|number|ref|reference|sku|pnr)$|[a-z]Id$", re.I)
 
 
 def _is_transport(key: Any) -> bool:
@@ -331,21 +385,46 @@ def _has_ids(values: list[Any]) -> bool:
 
 
 def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str]) -> list[Any]:
-    """A list by the identifying values of its elements, with the count of the rest."""
+    """A list by the identifying values of its elements, with the count of the rest; past
+    the first `list_items`, the elements a referenced value singles out."""
+    idents = [_identity(element) for element in value] if referenced else []
+    tokens = singling_out(referenced, [i for i in idents if isinstance(i, str)])
     shown: list[Any] = []
     for index, element in enumerate(value):
-        if index >= list_items and not referenced:
+        if index >= list_items and not tokens:
             break
-        ident = _identity(element)
+        ident = idents[index] if idents else _identity(element)
         if ident is None:
             continue
         if index < list_items or (
-            isinstance(ident, str) and any(token in ident for token in referenced)
+            isinstance(ident, str) and any(token in ident for token in tokens)
         ):
             shown.append(ident)
     if len(value) > len(shown):
         shown.append(f"(+{len(value) - len(shown)} more)")
     return shown
+
+
+REFERENCE_MAX = 3  # a referenced value found in more places than this singles none out
+
+
+def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[str]:
+    """The referenced values found in at most REFERENCE_MAX of `texts`: a value that a
+    later message names and that every line holds (the flight of every fare) tells
+    nothing about which line matters; one that names one line or record does."""
+    if not referenced:
+        return referenced
+    kept = set()
+    for token in sorted(referenced):
+        found = 0
+        for text in texts:
+            if token in text:
+                found += 1
+                if found > REFERENCE_MAX:
+                    break
+        if 0 < found <= REFERENCE_MAX:
+            kept.add(token)
+    return frozenset(kept)
 
 
 LIST_TEXT_CHARS = 48  # a text element of a list is named by its beginning
@@ -373,63 +452,209 @@ def _identity(element: Any) -> Any:
 
 
 def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> str:
-    """About `chars` characters of `text`: its head and tail, and between them the lines
-    that report errors or hold referenced values, each gap marked as elided."""
+    """About `chars` characters of `text`, chosen by TextPlan."""
     if len(text) <= chars:
         return text
-    lines = text.splitlines(keepends=True)
-    scored = _scored_lines(lines, referenced)
-    if not scored:
-        return head_and_tail(text, chars)
-    edge = chars // 5
-    head_end = text.rfind("\n", 0, edge) + 1 or edge
-    tail_start = text.find("\n", len(text) - edge) + 1 or len(text) - edge
-    if tail_start <= head_end:
-        return head_and_tail(text, chars)
-    room = chars - head_end - (len(text) - tail_start)
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line))
-    kept: list[int] = []
-    for _, index in sorted(scored):
-        if offsets[index] < head_end or offsets[index] >= tail_start:
+    return TextPlan.of(text, referenced).render(chars)
+
+
+LINE_CHARS = 300  # a kept line longer than this is cut (marked)
+RARE_COUNT = 2  # a template seen at most this often is rare: its lines are kept verbatim
+INNERMOST_FRAMES = 2  # frames of a stack trace kept with its exception, the innermost
+# A line that starts with a shell or REPL prompt: the command that produced the output.
+COMMAND_LINE = re.compile(r"^\s*(?:\$|>>>|#|>|mysql>|postgres=#|sqlite>)\s+\S")
+FRAME_LINE = re.compile(r"^\s+(?:at |File \")|^\s*#\d+\s|^\s*" + _PATH)
+# The mark of a collapsed template in an excerpt; a digest reads the count back.
+COLLAPSED = re.compile(r" \(x(\d+) lines like this, elided by threadkeeper(?:; [^\n]*)?\)$")
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """A line kept by a plan: its rank (tier, then the rarity of its template), and for a
+    frequent template the note standing for its other lines."""
+
+    tier: int
+    rarity: int
+    index: int
+    note: str = ""
+    template: int = -1
+
+
+class TextPlan:
+    """What to keep of a text result, by the templates of its lines (issue 22, item 1).
+
+    The lines of a template seen at most RARE_COUNT times are kept verbatim; a frequent
+    template becomes one example line with its count and the range of its variable parts.
+    Under a budget, in this order: the command that produced the output and the lines
+    holding values referenced later; a stack trace's exception and innermost frames; the
+    error and warning lines of rare templates, the rarest first (not the first ones); the
+    first and the last line; the frequent error templates, the rarer first; the other rare
+    lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
+    in their order, every gap marked as elided; room left over shows the other lines in
+    order. Built once (linear in the text), rendered
+    at any size."""
+
+    __slots__ = ("_command", "_entries", "_lines", "_text")
+
+    def __init__(self, text: str, lines: list[str], entries: list[_Entry], command: int) -> None:
+        self._text = text
+        self._lines = lines
+        self._entries = entries
+        self._command = command
+
+    @classmethod
+    def of(cls, text: str, referenced: frozenset[str] = frozenset()) -> TextPlan:
+        lines = text.splitlines()
+        mined, owner = mine(lines)
+        counts = [_collapsed_count(line) or 1 for line in lines]
+        total = [0] * len(mined)
+        for index, number in enumerate(owner):
+            if number >= 0:
+                total[number] += counts[index]
+        errors = [
+            owner[i] >= 0 and ERROR_LINE.search(line) is not None for i, line in enumerate(lines)
+        ]
+        entries: list[_Entry] = []
+        taken: set[int] = set()
+
+        def keep(tier: int, index: int, note: str = "") -> None:
+            if index not in taken and owner[index] >= 0:
+                taken.add(index)
+                entries.append(_Entry(tier, total[owner[index]], index, note, owner[index]))
+
+        first = next((i for i, t in enumerate(owner) if t >= 0), -1)
+        command = first if first >= 0 and COMMAND_LINE.match(lines[first]) else -1
+        if command >= 0:
+            keep(0, command)
+        named = singling_out(referenced, lines)
+        if named:
+            for index, line in enumerate(lines):
+                if any(token in line for token in named):
+                    keep(0, index)
+        for index in _trace_heads(lines, errors):
+            keep(1, index)
+        for index in range(len(lines)):
+            if errors[index] and total[owner[index]] <= RARE_COUNT:
+                keep(2, index)
+        last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
+        for index in (first, last):
+            if index >= 0:
+                keep(3, index)
+        for number, template in enumerate(mined):
+            if total[number] > RARE_COUNT and template.example not in taken:
+                example = template.example
+                note = f" (x{total[number]} lines like this, {ELIDED}"
+                ranges = template.ranges()
+                note += f"; {ranges})" if ranges else ")"
+                keep(4 if errors[example] else 7, example, note)
+        for index in range(len(lines)):
+            if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
+                keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
+        for index in range(len(lines)):  # what room is left: the other lines, in order
+            keep(8, index)
+        entries.sort(key=_rank)
+        return cls(text, lines, entries, command)
+
+    def render(self, chars: int) -> str:
+        """At most about `chars` characters (a kept line costs its length and a gap mark)."""
+        if len(self._text) <= chars:
+            return self._text
+        chosen: dict[int, _Entry] = {}
+        room = chars
+        for entry in self._entries:
+            cost = len(self._shown(entry)) + GAP_CHARS
+            if cost <= room:
+                room -= cost
+                chosen[entry.index] = entry
+        if len([line for line in self._lines if line.strip()]) <= 2 or not chosen:
+            return head_and_tail(self._text, chars)
+        parts: list[str] = []
+        position = 0
+        for index in sorted(chosen):
+            if index > position:
+                parts.append(_gap(index - position))
+            parts.append(self._shown(chosen[index]))
+            position = index + 1
+        if position < len(self._lines):
+            parts.append(_gap(len(self._lines) - position))
+        return "\n".join(parts)
+
+    def ranked_lines(self, limit: int) -> list[str]:
+        """The first `limit` error lines (not the command), one per template, the rarest
+        template first, then by rank and position: what a digest of the text leads with."""
+        found = [
+            e
+            for e in self._entries
+            if e.index != self._command and ERROR_LINE.search(self._lines[e.index])
+        ]
+        found.sort(key=lambda e: (e.rarity, not e.note, e.tier, e.index))
+        shown: list[str] = []
+        templates: set[int] = set()
+        for entry in found:  # one line per template: a collapsed one by its example
+            if entry.template not in templates and len(shown) < limit:
+                templates.add(entry.template)
+                shown.append(self._shown(entry))
+        return shown
+
+    def command(self) -> str:
+        """The command line that produced the output, if it starts with one."""
+        return self._lines[self._command] if self._command >= 0 else ""
+
+    def _shown(self, entry: _Entry) -> str:
+        return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _rank(entry: _Entry) -> tuple[int, int, int]:
+    """Rarer first; the frequent templates larger first; the last tier in order."""
+    if entry.tier == 7:
+        return (entry.tier, -entry.rarity, entry.index)
+    if entry.tier == 8:
+        return (entry.tier, 0, entry.index)
+    return (entry.tier, entry.rarity, entry.index)
+
+
+GAP_CHARS = 40  # what a gap mark costs, about
+
+
+def _gap(lines: int) -> str:
+    return f"[... {lines} line{'s' if lines != 1 else ''} {ELIDED} ...]"
+
+
+def _collapsed_count(line: str) -> int:
+    """The count a collapsed template's example line carries (an excerpt read again)."""
+    match = COLLAPSED.search(line)
+    return int(match.group(1)) if match else 0
+
+
+def _trace_heads(lines: list[str], errors: list[bool]) -> list[int]:
+    """For each stack trace: its exception line and its INNERMOST_FRAMES innermost frames.
+
+    A Python trace ("Traceback ...") lists the innermost frame last and ends with the
+    exception; a Java or Node trace starts with the exception and lists the innermost
+    frame first ("at ...")."""
+    found: list[int] = []
+    index = 0
+    while index < len(lines):
+        if not FRAME_LINE.match(lines[index]):
+            index += 1
             continue
-        line = _elide_string(lines[index].rstrip("\n"), 300)
-        if len(line) + 1 <= room:
-            room -= len(line) + 1
-            kept.append(index)
-    parts = [text[:head_end]]
-    position = head_end
-    for index in sorted(kept):
-        if offsets[index] > position:
-            parts.append(f"[... {offsets[index] - position} characters {ELIDED} ...]\n")
-        parts.append(_elide_string(lines[index].rstrip("\n"), 300) + "\n")
-        position = offsets[index + 1]
-    if tail_start > position:
-        parts.append(f"[... {tail_start - position} characters {ELIDED} ...]\n")
-    parts.append(text[tail_start:])
-    return "".join(parts)
-
-
-def _scored_lines(lines: list[str], referenced: frozenset[str]) -> list[tuple[int, int]]:
-    """(rank, index) of the lines worth keeping, a lower rank first: code locations and
-    referenced values, then other error lines, then the lines around them (the code of
-    a traceback frame, the message after it)."""
-    ranks: dict[int, int] = {}
-    for index, line in enumerate(lines):
-        if LOCATION_LINE.search(line) or (referenced and any(t in line for t in referenced)):
-            ranks[index] = 0
-        elif ERROR_LINE.search(line):
-            ranks[index] = 1
-    for index, rank in list(ranks.items()):
-        for distance in range(1, CONTEXT_LINES + 1):
-            for neighbour in (index - distance, index + distance):
-                if 0 <= neighbour < len(lines) and lines[neighbour].strip():
-                    ranks[neighbour] = min(ranks.get(neighbour, 99), rank + 1 + distance)
-    return sorted((rank, index) for index, rank in ranks.items())
-
-
-CONTEXT_LINES = 2
+        start = index
+        while index < len(lines) and (
+            FRAME_LINE.match(lines[index]) or lines[index].startswith("    ")
+        ):
+            index += 1
+        frames = [i for i in range(start, index) if FRAME_LINE.match(lines[i])]
+        before = start - 1
+        if before >= 0 and lines[before].startswith("Traceback"):
+            after = index if index < len(lines) else -1
+            if after >= 0 and errors[after]:
+                found.append(after)
+            for frame in frames[-INNERMOST_FRAMES:]:
+                found += [frame, frame + 1] if frame + 1 < index else [frame]
+        elif before >= 0 and errors[before]:
+            found.append(before)
+            found += frames[:INNERMOST_FRAMES]
+    return found
 
 
 def _is_scalar(value: Any) -> bool:

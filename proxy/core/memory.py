@@ -29,9 +29,11 @@ from proxy.core.compress import (
     COMPRESSED_KEY,
     ERROR_LINE,
     LOCATION_LINE,
+    TextPlan,
     json_container,
     key_values,
     output_text,
+    singling_out,
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
@@ -276,11 +278,11 @@ OPEN_TASK = re.compile(
 )
 
 # Entities: e-mail addresses, amounts with a currency, identifiers and reference codes.
-EMAIL = r"[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
+EMAIL = r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
 CURRENCY = r"(?:EUR|USD|GBP|CNY|RMB|JPY|CHF|CAD|AUD|INR|SEK|NOK|DKK|PLN|euros?|dollars?|€|\$|£|¥)"
 AMOUNT = (
     r"(?:[$€£¥]\s?\d[\d,]*(?:\.\d+)?(?:\s?(?:k|m|bn))?"
-    r"|\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
+    r"|(?<!\d,)\b\d[\d,]*(?:\.\d+)?\s?" + CURRENCY + r"(?![A-Za-z]))"
 )
 IDENT = (
     r"(?<![\w./-])(?!\d{4}-\d\d-\d\d)(?=[A-Z0-9_/-]*\d)(?=[A-Z0-9_/-]*[A-Z])[A-Z0-9]+(?:[-_/][A-Z0-9]+)+\b"
@@ -297,18 +299,72 @@ def entities_in(text: str) -> list[str]:
     return list(dict.fromkeys(f for f in found if f))
 
 
+# Values a message may name besides entities (issue 22, item 3): a code span, a quoted
+# phrase, a file:line, a number with its unit, a code identifier (snake_case, camelCase).
+SALIENT = re.compile(
+    r"`([^`\n]{3,120})`"
+    r"|[\"“]([^\"”\n]{4,120})[\"”]"
+    r"|(?<![\w./-])([\w./-]+\.\w{1,5}:\d+)"
+    r"|(?<![\w.])(\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|min|minutes|h|hours|days|%|[kmgt]b))\b"
+    r"|\b([a-z][a-z0-9]*(?:_[a-z0-9]+)+|[a-z]+(?:[A-Z][a-z0-9]+)+)\b"
+)
+ARGUMENT_CHARS = (3, 200)  # a string argument of a call this long names a value
+
+
+def salient_in(text: str) -> list[str]:
+    """The entities of a message and the other values it names (SALIENT), in order."""
+    found = entities_in(text)
+    for match in SALIENT.finditer(text):
+        value = next(g for g in match.groups() if g is not None).strip()
+        if len(value) >= 3:
+            found.append(value)
+    return list(dict.fromkeys(found))
+
+
 def referenced_values(items: Iterable[Item]) -> frozenset[str]:
-    """The ids, e-mails and amounts that `items` mention (user and assistant text, call
-    arguments): compress_tool_output keeps the lines and elements of older tool results
-    that hold them."""
+    """What `items` mention (user and assistant text: ids, amounts, code spans, quoted
+    phrases, file:line, identifiers; a call's argument values): compress_tool_output and
+    the digest keep the lines and elements of tool results that hold them. Only the
+    items given count, so a result is compressed the same way for as long as they do
+    not change (the prompt cache)."""
     found: set[str] = set()
     for item in items:
         if item.kind == "message":
-            found.update(entities_in(item.text()))
+            found.update(salient_in(item.text()))
         elif item.kind == "tool_calls":
-            found.update(entities_in(item.text() + " " + json.dumps(item.raw.get("tool_calls"))))
-            found.update(entities_in(str(item.raw.get("arguments", ""))))
+            found.update(salient_in(item.text()))
+            for arguments in _call_arguments(item):
+                found.update(_argument_values(arguments))
     return frozenset(found)
+
+
+def _call_arguments(item: Item) -> list[str]:
+    found = [str(item.raw.get("arguments") or item.raw.get("input") or "")]
+    for tool_call in item.raw.get("tool_calls") or []:
+        function = tool_call.get("function") if isinstance(tool_call, Mapping) else None
+        if isinstance(function, Mapping):
+            found.append(str(function.get("arguments") or ""))
+    return [a for a in found if a]
+
+
+def _argument_values(arguments: str) -> list[str]:
+    """The string and number values of a call's arguments (the keys are not values)."""
+    parsed = json_container(arguments)
+    if parsed is None:
+        return salient_in(arguments)
+    values: list[str] = []
+    stack: list[Any] = [parsed]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str) and ARGUMENT_CHARS[0] <= len(node) <= ARGUMENT_CHARS[1]:
+            values.append(node)
+        elif isinstance(node, int | float) and not isinstance(node, bool) and abs(node) >= 100:
+            values.append(str(node))
+    return values
 
 
 def is_rule(sentence: str) -> bool:
@@ -406,13 +462,16 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     waiting = {p.call_id: p.text for p in builder.pending if p.call_id in answered}
     builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
-    for item in items:
+    later = _referenced_after(items)
+    for position, item in enumerate(items):
         calls.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
         if item.is_user_message:
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact, named = _fact(item, call, waiting.get(item.output_for or ""))
+            fact, named = _fact(
+                item, call, waiting.get(item.output_for or ""), later.get(position, frozenset())
+            )
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
@@ -428,6 +487,18 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
         elif item.kind == "message" and item.role == "assistant":
             _assistant_message(builder, item.text())
     return builder.state()
+
+
+def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
+    """For each tool result, what the items after it name (referenced_values), in one
+    backward pass."""
+    found: dict[int, frozenset[str]] = {}
+    seen: set[str] = set()
+    for position in range(len(items) - 1, -1, -1):
+        if items[position].kind == "tool_output":
+            found[position] = frozenset(seen)
+        seen.update(referenced_values([items[position]]))
+    return found
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
@@ -486,7 +557,12 @@ def _assistant_message(builder: _Builder, text: str) -> None:
     builder.add("entities", entities_in(text)[:ENTITIES_PER_ITEM])
 
 
-def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, list[str]]:
+def _fact(
+    output: Item,
+    call: Item | None,
+    described: str | None,
+    referenced: frozenset[str] = frozenset(),
+) -> tuple[str, list[str]]:
     """tool(arguments) -> the values that matter in its result; and its entities: the ids
     and amounts of the arguments and of the result's own values, not those of every
     element of a list it returned. `described` is the call's text when the call itself
@@ -503,15 +579,38 @@ def _fact(output: Item, call: Item | None, described: str | None) -> tuple[str, 
             parsed = parsed.get("verified_facts") or {}
     if parsed is not None:
         # An error or a warning first: the fact is cut at FACT_CHARS.
-        pairs = sorted(key_values(parsed), key=lambda pair: not _reports_error(str(pair[1])))
+        pairs = sorted(
+            key_values(parsed, referenced=referenced, shapes=False),
+            key=lambda pair: not _reports_error(str(pair[1])),
+        )
+        errors = sum(_reports_error(str(value)) for _, value in pairs)
+        pairs[errors:errors] = _outlier_pairs(parsed)
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
-        named = " ".join(str(value) for _, value in pairs if not isinstance(value, list))
+        named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
         found = entities_in(head) + entities_in(named) + amounts + _amounts(pairs)
     else:
-        shown = json.dumps(_text_gist(text), ensure_ascii=False)
+        shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
+
+
+def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
+    """The outliers and anomalies of a result's lists (their shapes, proxy/core/shapes.py):
+    after the errors, before the other values, since one odd value among many routine
+    ones is what the shape alone would hide."""
+    found: list[tuple[str, Any]] = []
+    for label, shape in key_values(parsed, max_values=64, list_items=0):
+        if not label.endswith("_shape") or not isinstance(shape, dict):
+            continue
+        for column, described in shape.items():
+            if isinstance(described, dict):
+                for kind in ("outliers", "anomalies"):
+                    if described.get(kind):
+                        found.append(
+                            (f"{label[: -len('_shape')]}.{column} {kind}", described[kind])
+                        )
+    return found
 
 
 AMOUNT_KEY = re.compile(r"(?:^|[._-])(?:amount|total|price|cost|fee|balance|sum)$", re.I)
@@ -550,14 +649,39 @@ def _value_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _text_gist(text: str) -> str:
-    """A text result: its lines with errors or code locations first (a log's one failure
-    among thousands of routine lines), then lines with entities, else its beginning."""
-    stripped = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in stripped if ERROR_LINE.search(line) or LOCATION_LINE.search(line)]
-    named = [line for line in stripped if entities_in(line) and line not in errors]
-    lines = (errors + named)[:4]
+def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
+    """A text result: its error and code-location lines, the rarest template first (a log's
+    one failure among many routine errors, wherever it sits), the lines holding values
+    the later conversation names right after the first of them, then lines with
+    entities, else its beginning."""
+    plan = TextPlan.of(text)
+    errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
+    named_by = singling_out(referenced, text.splitlines())
+    if named_by:
+        named_later = [
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and any(t in line for t in named_by)
+        ]
+        named_later = [line for line in named_later if line not in errors][:GIST_LINES]
+        errors = [*errors[:1], *named_later, *errors[1:]][:GIST_LINES]
+    errors += [
+        line.strip()
+        for line in text.splitlines()
+        if LOCATION_LINE.search(line) and line.strip() not in errors
+    ][: max(0, GIST_LINES - len(errors))]
+    named: list[str] = []
+    for line in text.splitlines():
+        if len(errors) + len(named) >= GIST_LINES:
+            break
+        stripped = line.strip()
+        if stripped and stripped not in errors and entities_in(stripped):
+            named.append(stripped)
+    lines = (errors + named)[:GIST_LINES]
     return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
+
+
+GIST_LINES = 4
 
 
 def _pending_calls(builder: _Builder, item: Item, answered: set[str], label: str = "") -> None:
@@ -598,7 +722,7 @@ def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
         arguments = json.dumps(arguments, ensure_ascii=False)
     parsed = json_container(arguments)
     if isinstance(parsed, dict):
-        pairs = key_values(parsed, max_values=8)
+        pairs = key_values(parsed, max_values=8, shapes=False)
         return _pairs_text(pairs), _amounts(pairs)
     return _cut(arguments, STATEMENT_CHARS), []
 

@@ -60,6 +60,7 @@ from proxy.core.memory import (
     SUMMARY_MARKER,
     Summarizer,
     is_summary,
+    referenced_values,
     summarize_turns,
     summary_item,
 )
@@ -886,11 +887,12 @@ def _history(state: _State) -> int:
 
 def _compress(state: _State, policy: ProjectionPolicy) -> None:
     """Step 1: every tool result of the kept closed turns above tool_result_max_tokens,
-    each with the call last made before it (clients may reuse a call id in later turns)."""
+    each with the call last made before it (clients may reuse a call id in later turns),
+    keeping what the rest of its turn refers to (issue 22, item 3)."""
     calls = _calls_by_id(state.closed)
     for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
-        for position, item in zip(block.positions, block.items, strict=True):
+        for index, (position, item) in enumerate(zip(block.positions, block.items, strict=True)):
             calls.update(dict.fromkeys(item.call_ids, item))
             if position in state.replaced or not is_compressible(item):
                 continue
@@ -902,6 +904,8 @@ def _compress(state: _State, policy: ProjectionPolicy) -> None:
                 calls.get(item.output_for or ""),
                 policy.tool_result_max_tokens,
                 state.counter,
+                # what the rest of its closed turn names: fixed once the turn is closed
+                referenced_values(block.items[index + 1 :]),
             )
             after = state.counter.item(smaller)
             if after < before:

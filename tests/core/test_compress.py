@@ -189,7 +189,7 @@ def test_a_long_log_keeps_its_traceback_and_mid_log_failure(counter: TokenCounte
     assert "connection pool exhausted (max_connections=200 reached)" in excerpt
     assert "E       ZeroDivisionError: integer division or modulo by zero" in excerpt
     assert excerpt.startswith("=====") and excerpt.endswith("in 38.21s ==================")
-    assert "characters elided by threadkeeper" in excerpt
+    assert "lines elided by threadkeeper" in excerpt
 
 
 def test_a_log_keeps_its_errors_even_at_a_quarter_of_the_room(counter: TokenCounter) -> None:

@@ -1,0 +1,125 @@
+"""Salience from the conversation itself (issue 22, item 3): a value that a later message
+of the same turn names (a code span, a quoted phrase, a file:line, a number with its
+unit, an identifier) or a later call takes as an argument is kept in the compressed
+result and in the digest. Only the closed turn counts, so the bytes stay the same from
+one request to the next (the prompt cache)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.core.compress import compress_tool_output
+from proxy.core.items import Item, chat_item
+from proxy.core.memory import extract, referenced_values
+from proxy.core.projection import ProjectionPolicy, ProjectionRequest, project_context
+from proxy.core.tokens import TokenCounter
+
+BUG = "    days_in_year = 365"
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.for_model("gpt-4o")
+
+
+def listing() -> str:
+    lines = []
+    for block in range(60):
+        lines += [
+            f"def helper_{block}(value, factor={block + 2}):",
+            f'    """Scale value by factor (helper {block})."""',
+            f"    scaled = value * factor + {block}",
+            "    return scaled",
+            "",
+        ]
+    lines.insert(151, BUG)
+    return "\n".join(f"{n + 1:4d}  {line}" for n, line in enumerate(lines))
+
+
+def call(call_id: str, name: str, arguments: dict[str, object]) -> Item:
+    function = {"name": name, "arguments": json.dumps(arguments)}
+    return chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+        }
+    )
+
+
+def reading_turn(n: int, said: str) -> list[Item]:
+    return [
+        chat_item({"role": "user", "content": f"Read src/billing/calendar_{n}.py"}),
+        call(f"call_{n}", "read_file", {"path": f"src/billing/calendar_{n}.py"}),
+        chat_item({"role": "tool", "tool_call_id": f"call_{n}", "content": listing()}),
+        chat_item({"role": "assistant", "content": said}),
+    ]
+
+
+SAID = "Found it: `days_in_year = 365` ignores leap years."
+
+
+def test_a_code_span_the_assistant_names_is_salient() -> None:
+    found = referenced_values([chat_item({"role": "assistant", "content": SAID})])
+    assert "days_in_year = 365" in found
+
+
+@pytest.mark.parametrize(
+    ("said", "value"),
+    [
+        ('The error says "connection reset by peer".', "connection reset by peer"),
+        ("See src/billing/proration.py:88 for the division.", "src/billing/proration.py:88"),
+        ("Latency went to 870ms at peak.", "870ms"),
+        ("The flag retry_budget is wrong.", "retry_budget"),
+    ],
+)
+def test_quoted_phrases_locations_units_and_identifiers_are_salient(said: str, value: str) -> None:
+    assert value in referenced_values([chat_item({"role": "user", "content": said})])
+
+
+def test_a_later_calls_argument_values_are_salient_not_its_keys() -> None:
+    found = referenced_values([call("c2", "restart", {"service": "checkout-api", "port": 8443})])
+    assert {"checkout-api", "8443"} <= found and "service" not in found
+
+
+def test_the_line_the_turn_names_survives_compression(counter: TokenCounter) -> None:
+    output = reading_turn(0, SAID)[2]
+    referenced = referenced_values(reading_turn(0, SAID)[3:])
+    small = compress_tool_output(output, None, 300, counter, referenced)
+    assert BUG in json.loads(small.raw["content"])["excerpt"]
+    assert counter.item(small) <= 300
+
+
+def test_the_projection_keeps_what_the_rest_of_the_turn_names(counter: TokenCounter) -> None:
+    items = [chat_item({"role": "system", "content": "You are a coding agent."})]
+    for n in range(4):
+        items += reading_turn(n, SAID if n == 0 else f"Calendar {n} looks fine.")
+    items.append(chat_item({"role": "user", "content": "Fix it."}))
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+    request = ProjectionRequest(items, window=counter.items(items) // 2, output=500, epsilon=100)
+    first = project_context(request, counter, policy)
+    [compressed] = [i for i in first.items if i.output_for == "call_0"]
+    assert "threadkeeper_compressed" in compressed.raw["content"]
+    assert BUG in compressed.raw["content"]
+    again = project_context(request, counter, policy)
+    assert [i.raw for i in again.items] == [i.raw for i in first.items]  # same bytes
+
+
+def test_the_digest_keeps_the_line_the_turn_names() -> None:
+    state = extract(reading_turn(0, SAID))
+    fact = next(f for f in state.facts if f.startswith("read_file"))
+    assert "days_in_year = 365" in fact
+
+
+def test_a_value_every_line_holds_singles_none_out(counter: TokenCounter) -> None:
+    """The flight named in every fare line says nothing about which line matters: the
+    lines are not all kept for it (the result would grow past its room), the one line
+    holding a value named once is."""
+    lines = [f"fare {i} for LH-103: class {i % 5}, seat map row {i}" for i in range(300)]
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": "\n".join(lines)})
+    referenced = frozenset({"LH-103", "row 217"})
+    shown = json.loads(compress_tool_output(output, None, 300, counter, referenced).raw["content"])
+    assert "fare 217 for LH-103: class 2, seat map row 217" in shown["excerpt"]
+    assert shown["excerpt"].count("LH-103") < 40

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,10 +218,11 @@ async def test_sigterm_is_a_clean_shutdown_that_retires_every_process(
         await server.wait_ready()
         store = await open_store(server.store_url)
         try:
-            for _ in range(500):
-                if len(await store.heartbeats()) == int(count):
-                    break
-                await asyncio.sleep(0.02)
+
+            async def all_beat() -> bool:
+                return len(await store.heartbeats()) == int(count)
+
+            await until(all_beat)
             assert len(await store.heartbeats()) == int(count)
             assert await stop(server) == 0, server.output()
             assert len(await store.heartbeats()) == 0
@@ -244,6 +246,16 @@ async def test_sigterm_while_the_workers_start_is_a_clean_shutdown(
         assert await store.heartbeats() == ()
     finally:
         await store.close()
+
+
+async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+    """Until `condition` holds or READY_TIMEOUT passes (a worker process starts in
+    seconds on a loaded machine); the caller asserts the condition after."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not await condition():
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
 
 
 async def logged(server: Server, event: str) -> None:
@@ -284,10 +296,11 @@ async def test_workers_do_not_outlive_a_killed_supervisor(
     server = workers(tmp_path, provider)
     with running(server):
         await server.wait_ready()
-        for _ in range(500):
-            if len(worker_pids(server)) == 2:
-                break
-            await asyncio.sleep(0.02)
+
+        async def both_listen() -> bool:
+            return len(worker_pids(server)) == 2
+
+        await until(both_listen)
         pids = worker_pids(server)
         assert len(pids) == 2
         server.kill()

@@ -11,8 +11,9 @@ is the edge that reads the request, talks to the store and records the response.
   JSON body canonically, so key order and whitespace do not count).
 - **First request** inserts a `running` record, runs, then stores the status, the headers
   and the body. For a stream the body is the exact bytes the client received (the SSE
-  events, proxy ids included), so a replay is byte-identical. The response carries
-  `Idempotent-Replayed: false`.
+  events, proxy ids included), so a replay is byte-identical, and the record is stored
+  before the stream's end reaches the client (a retry sent at once is replayed, never
+  answered 409). The response carries `Idempotent-Replayed: false`.
 - **Retry, same body, done:** the stored status, headers and body, with
   `Idempotent-Replayed: true`; the provider is not called. A stream replays as one
   `text/event-stream` body.
@@ -68,7 +69,7 @@ from proxy.core.idempotency import (
 from proxy.periodic import every, running
 from proxy.server.api import for_route
 from proxy.server.errors import ApiError, Handler
-from proxy.server.relay import HOP_BY_HOP, STREAM_TAP
+from proxy.server.relay import HOP_BY_HOP, STREAM_TAP, end_tapped_stream
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
 from proxy.store.base import IdempotencyRecord, Store
 
@@ -168,6 +169,7 @@ async def run_and_record(
             thread_id=thread_of(request),
         )
         await _shielded(finish)
+    await end_tapped_stream(response)  # only now may the client see the end of a stream
     return response
 
 

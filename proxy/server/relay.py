@@ -111,18 +111,35 @@ def stream_response(
 
 
 class _TappedStream(web.StreamResponse):
+    """Its end (the chunked terminator) is held back until `end_tapped_stream`: the
+    middleware stores the idempotency record first, so a client that saw the whole
+    stream and retries at once gets the replay, never a 409."""
+
     def __init__(self, tap: list[bytes], *, status: int, headers: CIMultiDict[str]) -> None:
         super().__init__(status=status, headers=headers)
         self._tap = tap
+        self._end_held = True
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         await super().write(data)
         self._tap.append(bytes(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
-        await super().write_eof(data)
         if data:
-            self._tap.append(bytes(data))
+            await self.write(data)
+        if not self._end_held:
+            await super().write_eof()
+
+    async def end(self) -> None:
+        self._end_held = False
+        if self.prepared:
+            await self.write_eof()
+
+
+async def end_tapped_stream(response: web.StreamResponse) -> None:
+    """Send the end a tapped stream held back (see _TappedStream); others have ended."""
+    if isinstance(response, _TappedStream):
+        await response.end()
 
 
 class _SinkStream(web.StreamResponse):

@@ -129,6 +129,18 @@ def _worker(settings: Settings) -> None:
     app_module.run(settings)
 
 
+def start_with_stop_signals_held(start_worker: Callable[[], BaseProcess]) -> BaseProcess:
+    """Fork with SIGTERM and SIGINT blocked, so the worker starts with them pending. Else
+    one that came between the fork and the worker's own blocking ran the supervisor's
+    handler, inherited by the child, and was lost: the worker served on until killed at
+    SHUTDOWN_TIMEOUT (exit 1). The supervisor gets its own once the fork is done."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return start_worker()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class Supervisor:
     """Keeps `count` workers running; see the module docstring for the rules."""
 
@@ -156,7 +168,7 @@ class Supervisor:
         for signum in previous:
             signal.signal(signum, self._on_signal)
         try:
-            self.workers = [self.start_worker() for _ in range(self.count)]
+            self.workers = [self._start() for _ in range(self.count)]
             log.info("workers_started", pids=[w.pid for w in self.workers])
             while not self.stopping:
                 wait([w.sentinel for w in self.workers] + [wake_read], timeout=None)
@@ -171,6 +183,9 @@ class Supervisor:
             wake_read.close()
             wake_write.close()
         return self.exit_code
+
+    def _start(self) -> BaseProcess:
+        return start_with_stop_signals_held(self.start_worker)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
@@ -188,7 +203,7 @@ class Supervisor:
                 log.error("workers_crash_loop", deaths=len(self.deaths), window=RESTART_WINDOW)
                 self.stopping, self.exit_code = True, 1
                 continue
-            replacement = self.start_worker()
+            replacement = self._start()
             self.workers.append(replacement)
             log.info("worker_restarted", pid=replacement.pid, replaced=worker.pid)
 

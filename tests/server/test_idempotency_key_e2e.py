@@ -404,3 +404,33 @@ async def test_a_finished_stream_ending_without_a_blank_line_is_stored(proxy) ->
     assert replayed.headers["Idempotent-Replayed"] == "true"
     assert replayed.content == first.content
     assert len(proxy.provider.model_requests) == 1
+
+
+async def test_a_stream_ends_only_once_its_record_is_stored(proxy, monkeypatch) -> None:
+    # Regression (flaky under load): the stream's end reached the client before the
+    # record was stored, so a retry sent at once got a 409 instead of the replay.
+    store = proxy.app[STORE]
+    finish, stored, saw_done = store.idempotency_finish, asyncio.Event(), asyncio.Event()
+
+    async def finish_after_the_client_read_the_last_event(*args: Any, **kwargs: Any) -> None:
+        await asyncio.wait_for(saw_done.wait(), timeout=30)  # lets the client read on
+        await finish(*args, **kwargs)
+        stored.set()
+
+    monkeypatch.setattr(store, "idempotency_finish", finish_after_the_client_read_the_last_event)
+    body = {**CHAT, "stream": True}
+    received = b""
+    async with proxy.http() as http:
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=body, headers=keyed("at-once")
+        ) as first:
+            async for chunk in first.aiter_raw():
+                received += chunk
+                if b"data: [DONE]" in received:
+                    saw_done.set()
+            stored_before_the_end = stored.is_set()
+    assert b"data: [DONE]" in received
+    assert stored_before_the_end
+    replayed = await post(proxy, "/v1/chat/completions", body, "at-once")
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert replayed.content == received

@@ -11,6 +11,8 @@ import json
 import multiprocessing
 import os
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,14 @@ from structlog.testing import capture_logs
 
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.server.recovery import pid_exists
-from proxy.server.workers import MAX_RESTARTS, Supervisor, serve
+from proxy.server.workers import MAX_RESTARTS, Supervisor, serve, start_with_stop_signals_held
 from proxy.settings import Settings, SettingsError
 from proxy.store import open_store
 from proxy.store.base import Store
 
 from .conftest import TENANT_KEY, write_policies
 from .test_crash_recovery import (
+    READY_TIMEOUT,
     SLOW_TEXT,
     STREAM_TIMEOUT,
     Server,
@@ -215,10 +218,11 @@ async def test_sigterm_is_a_clean_shutdown_that_retires_every_process(
         await server.wait_ready()
         store = await open_store(server.store_url)
         try:
-            for _ in range(500):
-                if len(await store.heartbeats()) == int(count):
-                    break
-                await asyncio.sleep(0.02)
+
+            async def all_beat() -> bool:
+                return len(await store.heartbeats()) == int(count)
+
+            await until(all_beat)
             assert len(await store.heartbeats()) == int(count)
             assert await stop(server) == 0, server.output()
             assert len(await store.heartbeats()) == 0
@@ -234,10 +238,7 @@ async def test_sigterm_while_the_workers_start_is_a_clean_shutdown(
     heartbeat row; the supervisor exited 1)."""
     server = workers(tmp_path, provider)
     with running(server):
-        for _ in range(1000):
-            if any(line.get("event") == "workers_started" for line in log_lines(server)):
-                break
-            await asyncio.sleep(0.005)
+        await logged(server, "workers_started")
         assert not worker_pids(server), "a worker was listening already: too late to test"
         assert await stop(server) == 0, server.output()
     store = await open_store(server.store_url)
@@ -247,6 +248,47 @@ async def test_sigterm_while_the_workers_start_is_a_clean_shutdown(
         await store.close()
 
 
+async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+    """Until `condition` holds or READY_TIMEOUT passes (a worker process starts in
+    seconds on a loaded machine); the caller asserts the condition after."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not await condition():
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def logged(server: Server, event: str) -> None:
+    """Until the server logged `event` (it starts a Python process: seconds on a loaded
+    machine); an AssertionError when it exits first or READY_TIMEOUT passes."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not any(line.get("event") == event for line in log_lines(server)):
+        assert server.process is not None
+        if server.process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no {event} line:\n{server.output()}")
+        await asyncio.sleep(0.005)
+
+
+def _exit_0_when_sigterm_is_blocked() -> None:
+    os._exit(0 if signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, ()) else 3)
+
+
+def test_a_worker_is_forked_with_sigterm_held() -> None:
+    """Regression (flaky under load): a SIGTERM between the fork and the worker's own
+    blocking ran the supervisor's inherited handler and was lost; the worker served on."""
+    context = multiprocessing.get_context("fork")
+
+    def start() -> multiprocessing.process.BaseProcess:
+        process = context.Process(target=_exit_0_when_sigterm_is_blocked)
+        process.start()
+        return process
+
+    process = start_with_stop_signals_held(start)
+    process.join(60)
+    assert process.exitcode == 0
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
 async def test_workers_do_not_outlive_a_killed_supervisor(
     tmp_path: Path, provider: FakeProvider
 ) -> None:
@@ -254,10 +296,11 @@ async def test_workers_do_not_outlive_a_killed_supervisor(
     server = workers(tmp_path, provider)
     with running(server):
         await server.wait_ready()
-        for _ in range(500):
-            if len(worker_pids(server)) == 2:
-                break
-            await asyncio.sleep(0.02)
+
+        async def both_listen() -> bool:
+            return len(worker_pids(server)) == 2
+
+        await until(both_listen)
         pids = worker_pids(server)
         assert len(pids) == 2
         server.kill()

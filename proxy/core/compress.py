@@ -165,7 +165,7 @@ QUERY_CHARS = 400  # characters of each read
 
 def _stem(word: str) -> str:
     """A crude stem, so that a query's "warranties" finds a page's "warranty"."""
-    for suffix in ("ies", "ing", "ed", "es", "s"):
+    for suffix in ("ies", "ing", "ed", "s"):
         if word.endswith(suffix) and len(word) - len(suffix) >= 3:
             return word[: -len(suffix)] + ("y" if suffix == "ies" else "")
     return word

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import pairwise
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -553,8 +554,6 @@ def _append_sentence(found: list[str], piece: str) -> None:
         found.append(piece)
 
 
-
-
 def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> str:
     """About `chars` characters of `text`, chosen by TextPlan."""
     if len(text) <= chars:
@@ -921,9 +920,7 @@ def _numbering(lines: Sequence[str]) -> list[int]:
     nonblank = sum(1 for line in lines if line.strip())
     if len(numbered) < 3 or len(numbered) * 5 < nonblank * 4:
         return []
-    steps = sum(
-        1 for (i, a), (j, b) in zip(numbered, numbered[1:], strict=False) if b - a == j - i
-    )
+    steps = sum(1 for (i, a), (j, b) in pairwise(numbered) if b - a == j - i)
     if steps * 5 < (len(numbered) - 1) * 4:
         return []
     return [int(m.group(1)) if m is not None else 0 for m in found]

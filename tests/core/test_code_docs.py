@@ -81,7 +81,9 @@ def excerpt_of(
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_the_line_of_an_identifier_the_turn_names_survives(counter: TokenCounter, seed: int) -> None:
+def test_the_line_of_an_identifier_the_turn_names_survives(
+    counter: TokenCounter, seed: int
+) -> None:
     """`days_in_year` is used in fifty lines; the line defining it is the one named."""
     lines, _ = source_file(seed)
     shown = excerpt_of("\n".join(lines), "The culprit is `days_in_year`: no leap years.", counter)
@@ -204,7 +206,9 @@ def test_query_terms_are_the_words_of_the_arguments() -> None:
 
 
 def test_a_log_is_neither_code_nor_prose() -> None:
-    log = [f"2024-05-01T10:{i % 60:02d}:00Z ERROR upstream 502 Bad Gateway id={i}" for i in range(99)]
+    log = [
+        f"2024-05-01T10:{i % 60:02d}:00Z ERROR upstream 502 Bad Gateway id={i}" for i in range(99)
+    ]
     assert text_kind(log)[0] == "log"
     retries = [f"WARN worker-{i % 7}: job {i} retry scheduled, backoff in {i}s." for i in range(99)]
     assert text_kind(retries)[0] == "log"

@@ -28,7 +28,9 @@ def history(turns: int) -> list[dict[str, Any]]:
     lines, at = source_file(11)
     numbered = "\n".join(f"{n + 1:6d}\t{line}" for n, line in enumerate(lines))
     query = {"query": "X200 headphones warranty period"}
-    messages = turn("call_src", "read_file", {"path": "billing.py"}, numbered, f"Line {at + 1} is wrong.")
+    messages = turn(
+        "call_src", "read_file", {"path": "billing.py"}, numbered, f"Line {at + 1} is wrong."
+    )
     messages += turn("call_web", "web_search", query, web_page(12), "I read the help page.")
     for step in range(turns):
         messages += [

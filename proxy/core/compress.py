@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import re
-from itertools import pairwise
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item

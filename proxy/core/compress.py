@@ -7,7 +7,9 @@ identifying values wherever they are nested (ids, amounts, statuses; lists by th
 their elements, and their shape: proxy/core/shapes.py), never transport metadata
 (request ids, hosts, generation times); for text the lines by template (TextPlan: rare
 lines verbatim, errors by rarity, frequent templates collapsed with their count and
-ranges) and the lines holding values the rest of the turn refers to. The rest is
+ranges; a file listing by the lines referred to, its diff hunks and signatures; a
+document by the sentences carrying the call's query terms) and the lines holding values
+the rest of the turn refers to. The rest is
 replaced by explicit elision markers. A pure function of its input: the same history always gives the same bytes,
 which keeps the provider's prompt cache warm. Digests of dropped turns live in
 proxy/core/memory.py.
@@ -596,7 +598,14 @@ class TextPlan:
     lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
     in their order, every gap marked as elided; room left over shows the other lines in
     order. Built once (linear in the text), rendered
-    at any size."""
+    at any size.
+
+    A file listing, a diff or a document (text_kind, item 4) has its own classes of lines
+    instead of the log's: for code, the lines referenced by number or defining a
+    referenced identifier, then the signatures (the skeleton, bodies elided); for a diff,
+    its file headers and each hunk's header with its +/- lines, a hunk kept whole or
+    after everything else; for a document, whose units are sentences, the title, the
+    sentences carrying the most query terms, then the headings."""
 
     __slots__ = ("_command", "_entries", "_lines", "_text", "_unit")
 

@@ -3,7 +3,8 @@
     python bench/compress_scale.py
 
 A 1 MB log (routine lines of a few templates, varying numbers and ids, one rare error)
-a 20,000-record JSON list, and a 1 MB text of distinct lines (the miner's worst case), each compressed once to tool_result_max_tokens 800 by
+a 20,000-record JSON list, a 1 MB text of distinct lines (the miner's worst case) and a
+1 MB Python source file (signatures kept as its skeleton), each compressed once to tool_result_max_tokens 800 by
 proxy/core/compress.py; CPU time of the one call (process time: the machine may be shared) (the projection runs it in a worker
 thread for inputs this large, see proxy/server/rebuild.py), and whether the rare line
 and the outlier survive. The same inputs at half the size show the growth factor.
@@ -70,6 +71,27 @@ def distinct(size: int, rng: random.Random) -> str:
     return "\n".join(lines)
 
 
+def source(size: int, rng: random.Random) -> str:
+    """A Python file of distinct functions (few lines share a template): a file listing."""
+    words = ["".join(rng.choice("abcdefghijklmnop") for _ in range(6)) for _ in range(2000)]
+    lines: list[str] = []
+    total = 0
+    block = 0
+    while total < size:
+        a, b, c = (rng.choice(words) for _ in "abc")
+        lines += [
+            f"def {a}_{block}({b}, {c}):",
+            f'    """The {rng.choice(words)} of {rng.choice(words)}."""',
+            f"    {a} = {b} * {c} + {rng.choice(words)}",
+            f"    return {a} / {rng.choice(words)}",
+            "",
+        ]
+        total += sum(len(line) + 1 for line in lines[-5:])
+        block += 1
+    lines.insert(len(lines) // 2 + 1, "    days_in_year = 365")
+    return "\n".join(lines)
+
+
 def timed(text: str, counter: TokenCounter) -> tuple[float, str]:
     compress._compressed.clear()
     item = chat_item({"role": "tool", "tool_call_id": "call_1", "content": text})
@@ -85,6 +107,7 @@ def main() -> int:
         ("log", log, 1_000_000, "max_connections=200"),
         ("json", records, 20_000, "98765"),
         ("distinct lines", distinct, 1_000_000, "GET /api"),
+        ("source file", source, 1_000_000, "def "),
     ):
         half, _ = timed(make(size // 2, random.Random(rng.random())), counter)
         full, body = timed(make(size, random.Random(rng.random())), counter)

@@ -7,7 +7,9 @@ identifying values wherever they are nested (ids, amounts, statuses; lists by th
 their elements, and their shape: proxy/core/shapes.py), never transport metadata
 (request ids, hosts, generation times); for text the lines by template (TextPlan: rare
 lines verbatim, errors by rarity, frequent templates collapsed with their count and
-ranges) and the lines holding values the rest of the turn refers to. The rest is
+ranges; a file listing by the lines referred to, its diff hunks and signatures; a
+document by the sentences carrying the call's query terms) and the lines holding values
+the rest of the turn refers to. The rest is
 replaced by explicit elision markers. A pure function of its input: the same history always gives the same bytes,
 which keeps the provider's prompt cache warm. Digests of dropped turns live in
 proxy/core/memory.py.
@@ -19,6 +21,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
@@ -116,6 +119,61 @@ def tool_name(output: Item, call: Item | None) -> str:
     return "unknown"
 
 
+def call_arguments(output: Item, call: Item | None) -> str:
+    """The arguments (JSON text) of the call that `output` answers."""
+    if call is None:
+        return ""
+    arguments: Any = call.raw.get("arguments", call.raw.get("input", ""))
+    for tool_call in call.raw.get("tool_calls") or []:
+        if isinstance(tool_call, Mapping) and tool_call.get("id") == output.output_for:
+            function = tool_call.get("function")
+            if isinstance(function, Mapping):
+                arguments = function.get("arguments", "")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return arguments
+
+
+# Words of a query that carry no subject: a sentence holding them says nothing of it.
+STOPWORDS = frozenset(
+    "the and for with from that this what which who whom how why when where are was were"
+    " is be been has have had does did not any all can could should would will about into"
+    " over under than then them they their there our your you his her its one out get"
+    " https http www com org html page site search query find show list".split()
+)
+WORD = re.compile(r"[^\W_][\w'-]*[^\W_]|[^\W_]")
+
+
+def query_terms(arguments: str) -> frozenset[str]:
+    """The words of a call's string arguments (its query, its url) that name a subject:
+    lower case, at least three characters, no stop words, in their stem form."""
+    parsed = json_container(arguments)
+    strings: list[str] = []
+    stack: list[Any] = [parsed if parsed is not None else arguments]
+    while stack and len(strings) < QUERY_STRINGS:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            strings.append(node[:QUERY_CHARS])
+    words = (w.lower() for text in strings for w in WORD.findall(text.replace("-", " ")))
+    return frozenset(_stem(w) for w in words if len(w) >= 3 and w not in STOPWORDS)
+
+
+QUERY_STRINGS = 16  # string arguments read for query terms
+QUERY_CHARS = 400  # characters of each read
+
+
+def _stem(word: str) -> str:
+    """A crude stem, so that a query's "warranties" finds a page's "warranty"."""
+    for suffix in ("ies", "ing", "ed", "s"):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            return word[: -len(suffix)] + ("y" if suffix == "ies" else "")
+    return word
+
+
 @dataclass(frozen=True, slots=True)
 class _Limits:
     """How much of a JSON value survives: list items, characters per string, depth."""
@@ -185,7 +243,8 @@ def _compress(
         "original_tokens": counter.item(item),
     }
     candidate = item
-    for body in _bodies(text, source, max_tokens, referenced):
+    query = query_terms(call_arguments(item, call))
+    for body in _bodies(text, source, max_tokens, referenced, query):
         candidate = _with_output(item, json.dumps(body, ensure_ascii=False))
         if _count(candidate, counter) <= max_tokens:
             return candidate
@@ -193,7 +252,11 @@ def _compress(
 
 
 def _bodies(
-    text: str, source: JsonDict, max_tokens: int, referenced: frozenset[str]
+    text: str,
+    source: JsonDict,
+    max_tokens: int,
+    referenced: frozenset[str],
+    query: frozenset[str] = frozenset(),
 ) -> Iterator[JsonDict]:
     """Ever smaller compressed forms, ending with the bare source marker."""
     parsed = json_container(text)
@@ -203,7 +266,7 @@ def _bodies(
         facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
         yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
-    plan = TextPlan.of(text, referenced) if chars >= 16 and len(text) > chars else None
+    plan = TextPlan.of(text, referenced, query) if chars >= 16 and len(text) > chars else None
     while chars >= 16:
         shown = plan.render(chars) if plan is not None else text
         yield {COMPRESSED_KEY: source, "excerpt": shown}
@@ -451,6 +514,48 @@ def _identity(element: Any) -> Any:
 # --- text results ---------------------------------------------------------------------------
 
 
+WHITESPACE = re.compile(r"\s+")
+ABBREVIATIONS = frozenset(
+    "e.g i.e etc mr mrs ms dr prof sr jr st vs approx nr inc ltd co corp fig al cf resp"
+    " dept est no tel ca".split()
+)
+# A sentence ends at ., ! or ? followed by white space (so never inside an e-mail
+# address, a version, a decimal or a URL), at CJK full stops, and at line ends.
+_BOUNDARY = re.compile(r"[.!?]+[\"'’”)\]]*(?=\s)|[。！？]+|\n+")
+_BULLET = re.compile(r"^(?:[-*•·]|\d{1,3}[.)])\s+")
+_LAST_WORD = re.compile(r"([\w.]+)$")
+
+
+def sentences(text: str) -> list[str]:
+    """The sentences of `text`, bullets stripped, white space collapsed."""
+    found: list[str] = []
+    start = 0
+    for match in _BOUNDARY.finditer(text):
+        piece = text[start : match.end()]
+        if match.group().startswith(".") and _is_abbreviation(text[start : match.start()]):
+            continue
+        if re.fullmatch(r"\s*(?:\d{1,3}|[A-Za-z])[.)]\s*", piece):
+            continue  # a list number or an initial, not a sentence
+        _append_sentence(found, piece)
+        start = match.end()
+    _append_sentence(found, text[start:])
+    return found
+
+
+def _is_abbreviation(before: str) -> bool:
+    match = _LAST_WORD.search(before)
+    if match is None:
+        return False
+    word = match.group(1).lower().rstrip(".")
+    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+
+
+def _append_sentence(found: list[str], piece: str) -> None:
+    piece = _BULLET.sub("", WHITESPACE.sub(" ", piece).strip())
+    if piece:
+        found.append(piece)
+
+
 def excerpt(text: str, chars: int, referenced: frozenset[str] = frozenset()) -> str:
     """About `chars` characters of `text`, chosen by TextPlan."""
     if len(text) <= chars:
@@ -478,6 +583,7 @@ class _Entry:
     index: int
     note: str = ""
     template: int = -1
+    group: int = -1  # a diff hunk: its lines are kept all together or after the rest
 
 
 class TextPlan:
@@ -492,38 +598,61 @@ class TextPlan:
     lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
     in their order, every gap marked as elided; room left over shows the other lines in
     order. Built once (linear in the text), rendered
-    at any size."""
+    at any size.
 
-    __slots__ = ("_command", "_entries", "_lines", "_text")
+    A file listing, a diff or a document (text_kind, item 4) has its own classes of lines
+    instead of the log's: for code, the lines referenced by number or defining a
+    referenced identifier, then the signatures (the skeleton, bodies elided); for a diff,
+    its file headers and each hunk's header with its +/- lines, a hunk kept whole or
+    after everything else; for a document, whose units are sentences, the title, the
+    sentences carrying the most query terms, then the headings."""
 
-    def __init__(self, text: str, lines: list[str], entries: list[_Entry], command: int) -> None:
+    __slots__ = ("_command", "_entries", "_lines", "_text", "_unit")
+
+    def __init__(
+        self, text: str, lines: list[str], entries: list[_Entry], command: int, unit: str = "line"
+    ) -> None:
         self._text = text
         self._lines = lines
         self._entries = entries
         self._command = command
+        self._unit = unit
 
     @classmethod
-    def of(cls, text: str, referenced: frozenset[str] = frozenset()) -> TextPlan:
+    def of(
+        cls,
+        text: str,
+        referenced: frozenset[str] = frozenset(),
+        query: frozenset[str] = frozenset(),
+    ) -> TextPlan:
+        """`query` holds the terms of the call that produced the text (query_terms)."""
         lines = text.splitlines()
+        kind, numbers = text_kind(lines)
+        headings: list[bool] = []
+        if kind == "prose":
+            lines, headings = prose_units(lines)
         mined, owner = mine(lines)
         counts = [_collapsed_count(line) or 1 for line in lines]
         total = [0] * len(mined)
         for index, number in enumerate(owner):
             if number >= 0:
                 total[number] += counts[index]
+        logs = kind == "log"
         errors = [
-            owner[i] >= 0 and ERROR_LINE.search(line) is not None for i, line in enumerate(lines)
+            logs and owner[i] >= 0 and ERROR_LINE.search(line) is not None
+            for i, line in enumerate(lines)
         ]
         entries: list[_Entry] = []
         taken: set[int] = set()
 
-        def keep(tier: int, index: int, note: str = "") -> None:
+        def keep(tier: int, index: int, note: str = "", rarity: int | None = None) -> None:
             if index not in taken and owner[index] >= 0:
                 taken.add(index)
-                entries.append(_Entry(tier, total[owner[index]], index, note, owner[index]))
+                rank = total[owner[index]] if rarity is None else rarity
+                entries.append(_Entry(tier, rank, index, note, owner[index]))
 
         first = next((i for i, t in enumerate(owner) if t >= 0), -1)
-        command = first if first >= 0 and COMMAND_LINE.match(lines[first]) else -1
+        command = first if logs and first >= 0 and COMMAND_LINE.match(lines[first]) else -1
         if command >= 0:
             keep(0, command)
         named = singling_out(referenced, lines)
@@ -531,7 +660,33 @@ class TextPlan:
             for index, line in enumerate(lines):
                 if any(token in line for token in named):
                     keep(0, index)
-        for index in _trace_heads(lines, errors):
+        if kind in ("code", "diff"):
+            for index in _referenced_code(lines, numbers, referenced):
+                keep(0, index)
+        if kind == "diff":
+            for group, indexes in enumerate(diff_hunks(lines)):
+                for index in indexes:
+                    if index not in taken and owner[index] >= 0:
+                        taken.add(index)
+                        entries.append(_Entry(1, 0, index, group=group))
+        if kind == "code":
+            for index, line in enumerate(lines):
+                if is_signature(_unnumbered(line, numbers[index])):
+                    keep(2, index, rarity=0)
+        if kind == "prose":
+            if first >= 0:
+                keep(0, first)
+            wanted = min(2, len(query))
+            for index, hits in enumerate(_query_hits(lines, query)):
+                if hits >= wanted > 0:
+                    keep(1, index, rarity=-hits)
+            for index, heading in enumerate(headings):
+                if heading:
+                    keep(2, index, rarity=0)
+            for index, hits in enumerate(_query_hits(lines, query)):
+                if hits:
+                    keep(3, index, rarity=-hits)
+        for index in _trace_heads(lines, errors) if logs else ():
             keep(1, index)
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
@@ -539,21 +694,21 @@ class TextPlan:
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
-                keep(3, index)
-        for number, template in enumerate(mined):
+                keep(3, index, rarity=0 if not logs else None)
+        for number, template in enumerate(mined if logs else ()):
             if total[number] > RARE_COUNT and template.example not in taken:
                 example = template.example
                 note = f" (x{total[number]} lines like this, {ELIDED}"
                 ranges = template.ranges()
                 note += f"; {ranges})" if ranges else ")"
                 keep(4 if errors[example] else 7, example, note)
-        for index in range(len(lines)):
+        for index in range(len(lines)) if logs else ():
             if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
                 keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
-        return cls(text, lines, entries, command)
+        return cls(text, lines, entries, command, "sentence" if kind == "prose" else "line")
 
     def render(self, chars: int) -> str:
         """At most about `chars` characters (a kept line costs its length and a gap mark)."""
@@ -561,7 +716,27 @@ class TextPlan:
             return self._text
         chosen: dict[int, _Entry] = {}
         room = chars
+        hunks: dict[int, int] = {}  # a diff hunk's cost, all its lines
         for entry in self._entries:
+            if entry.group >= 0:
+                hunks[entry.group] = hunks.get(entry.group, 0) + len(self._shown(entry)) + 1
+        taken: dict[int, bool] = {}
+        deferred: list[_Entry] = []
+        for entry in self._entries:
+            if entry.group >= 0:
+                if entry.group not in taken:
+                    taken[entry.group] = hunks[entry.group] + GAP_CHARS <= room
+                    room -= hunks[entry.group] + GAP_CHARS if taken[entry.group] else 0
+                if taken[entry.group]:
+                    chosen[entry.index] = entry
+                else:  # too large whole: its lines compete after all the others
+                    deferred.append(entry)
+                continue
+            cost = len(self._shown(entry)) + GAP_CHARS
+            if cost <= room:
+                room -= cost
+                chosen[entry.index] = entry
+        for entry in deferred:
             cost = len(self._shown(entry)) + GAP_CHARS
             if cost <= room:
                 room -= cost
@@ -572,11 +747,11 @@ class TextPlan:
         position = 0
         for index in sorted(chosen):
             if index > position:
-                parts.append(_gap(index - position))
+                parts.append(_gap(index - position, self._unit))
             parts.append(self._shown(chosen[index]))
             position = index + 1
         if position < len(self._lines):
-            parts.append(_gap(len(self._lines) - position))
+            parts.append(_gap(len(self._lines) - position, self._unit))
         return "\n".join(parts)
 
     def ranked_lines(self, limit: int) -> list[str]:
@@ -616,8 +791,8 @@ def _rank(entry: _Entry) -> tuple[int, int, int]:
 GAP_CHARS = 40  # what a gap mark costs, about
 
 
-def _gap(lines: int) -> str:
-    return f"[... {lines} line{'s' if lines != 1 else ''} {ELIDED} ...]"
+def _gap(count: int, unit: str = "line") -> str:
+    return f"[... {count} {unit}{'s' if count != 1 else ''} {ELIDED} ...]"
 
 
 def _collapsed_count(line: str) -> int:
@@ -655,6 +830,246 @@ def _trace_heads(lines: list[str], errors: list[bool]) -> list[int]:
             found.append(before)
             found += frames[:INNERMOST_FRAMES]
     return found
+
+
+# --- code, diffs and documents (issue 22, item 4) ----------------------------------------
+
+# A unified diff's hunk header, and the lines naming the files it changes.
+DIFF_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
+DIFF_FILE = re.compile(r"^(?:diff --git |--- \S|\+\+\+ \S|index [0-9a-f]+\.\.)")
+# A listing's own line number before each line (`cat -n`, `12: x`, `12 | x`).
+NUMBERED = re.compile(r"^\s*(\d{1,6})(?:[:|]\s?|\t| +)")
+# A declaration: a definition keyword (after modifiers), a decorator, or a C-like
+# signature that opens its body ("public int size() {").
+SIGNATURE = re.compile(
+    r"^\s*(?:@[A-Za-z_]"
+    r"|(?:(?:export|default|pub(?:\([\w:]+\))?|public|private|protected|internal|static|async"
+    r"|abstract|final|override|virtual|inline|extern|unsafe)\s+)*"
+    r"(?:def|class|function|fn|func|interface|struct|enum|trait|impl|module|namespace)\b"
+    r"[\s*]*[\w<(])"
+    r"|^[ \t]*(?!(?:if|for|while|switch|catch|return|else|do|try|await|new)\b)"
+    r"[\w<>\[\],*&:.]+(?: [\w<>\[\],*&:.]+)* \*?\w+\s*\([^;]*\)\s*(?:const\s*)?"
+    r"(?:->\s*[^{;]+|throws [\w., ]+)?\{\s*$"
+)
+# The shape of a line of code: opens or closes a block, ends a statement, starts with a
+# keyword, a comment or an assignment.
+CODE_SHAPE = re.compile(
+    r"[{}();:,\[\]]\s*$|^\s*[}\])]"
+    r"|^\s*(?:#|//|/\*|\*|@|(?:import|from|return|if|elif|else|for|while|try|except|catch"
+    r"|const|let|var|raise|throw|yield|package|using|pass|break|continue)\b)"
+    r"|^\s*[\w.\[\]]+\s*[-+*/|&]?=\s*\S"
+)
+# A reference to a line by its number: "line 212", "lines 40-44", "app.py:212".
+LINE_REFERENCE = re.compile(r"^lines?\s+(\d+)(?:\s*[-–]\s*(\d+))?$|\.\w{1,5}:(\d+)$", re.I)
+LINE_RANGE = 12  # lines kept for one referenced range at most
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{2,}$")
+DEFINITIONS = 3  # lines kept as the definitions of one referenced identifier
+HEADING = re.compile(r"^(?:#{1,6}\s+\S|<h[1-6]\b|<title>|title:\s*\S)", re.I)
+UNDERLINE = re.compile(r"^(?:=+|-+)$")
+PROSE_WORDS = 8  # a line of prose holds at least this many words
+SENTENCE_MARK = re.compile(r"[a-z][,.;!?](?:\s|$)")  # and punctuation after a word
+
+
+def text_kind(lines: Sequence[str]) -> tuple[str, list[int]]:
+    """What a text result is: "diff", "code" (a file listing), "prose" (a document or web
+    page) or "log" (anything else), by its structure; and each line's number in the
+    listing (its own number, its position in a listing, its new-side number in a diff;
+    0 when none)."""
+    numbers = _numbering(lines)
+    blank = [not line.strip() for line in lines]
+    nonblank = len(lines) - sum(blank)
+    if nonblank == 0:
+        return "log", [0] * len(lines)
+    if any(DIFF_HUNK.match(line) for line in lines):
+        return "diff", _diff_numbers(lines)
+    body = [_unnumbered(line, numbers[i] if numbers else 0) for i, line in enumerate(lines)]
+    signatures = sum(1 for line in body if is_signature(line))
+    shaped = sum(
+        1
+        for i, line in enumerate(body)
+        if not blank[i] and (line[:1] in (" ", "\t") or CODE_SHAPE.search(line) is not None)
+    )
+    if signatures and shaped * 2 >= nonblank:
+        return "code", numbers or list(range(1, len(lines) + 1))
+    size = sum(len(line) for line in lines)
+    prose = sum(len(line) for line in lines if _is_prose(line))
+    if prose * 5 >= size * 3 and not _repetitive(lines):
+        return "prose", numbers or [0] * len(lines)
+    return "log", numbers or [0] * len(lines)
+
+
+def _repetitive(lines: Sequence[str]) -> bool:
+    """Whether a fifth of the lines or more share frequent templates: a log, not prose."""
+    mined, owner = mine(lines)
+    sizes = [len(template.lines) for template in mined]
+    return sum(1 for t in owner if t >= 0 and sizes[t] > RARE_COUNT) * 5 >= len(owner)
+
+
+def is_signature(line: str) -> bool:
+    return SIGNATURE.match(line) is not None
+
+
+def _is_prose(line: str) -> bool:
+    stripped = line.strip()
+    if len(stripped) < 40 or stripped[:1].isdigit():
+        return False
+    letters = sum(1 for c in stripped if c.isalpha() or c == " ")
+    return (
+        letters * 10 >= len(stripped) * 8
+        and len(WORD.findall(stripped)) >= PROSE_WORDS
+        and SENTENCE_MARK.search(stripped) is not None
+    )
+
+
+def _numbering(lines: Sequence[str]) -> list[int]:
+    """Each line's own number when the listing numbers its lines (most lines carry a
+    number one more than the line before), else nothing."""
+    found = [NUMBERED.match(line) for line in lines]
+    numbered = [(i, int(m.group(1))) for i, m in enumerate(found) if m is not None]
+    nonblank = sum(1 for line in lines if line.strip())
+    if len(numbered) < 3 or len(numbered) * 5 < nonblank * 4:
+        return []
+    steps = sum(1 for (i, a), (j, b) in pairwise(numbered) if b - a == j - i)
+    if steps * 5 < (len(numbered) - 1) * 4:
+        return []
+    return [int(m.group(1)) if m is not None else 0 for m in found]
+
+
+def _unnumbered(line: str, number: int) -> str:
+    """A line without the listing's own number before it."""
+    match = NUMBERED.match(line) if number else None
+    return line[match.end() :] if match is not None else line
+
+
+def _diff_numbers(lines: Sequence[str]) -> list[int]:
+    """Each line's number on the new side of a diff (0 for removed and header lines)."""
+    numbers: list[int] = []
+    current = 0
+    for line in lines:
+        match = DIFF_HUNK.match(line)
+        if match is not None:
+            current = int(match.group(1))
+            numbers.append(0)
+        elif current and line[:1] in (" ", "+") and not line.startswith("+++ "):
+            numbers.append(current)
+            current += 1
+        else:
+            numbers.append(0)
+    return numbers
+
+
+def diff_hunks(lines: Sequence[str]) -> list[list[int]]:
+    """The lines of a diff kept together: each file's header lines, and each hunk's
+    header with its added and removed lines (its context lines are kept later)."""
+    groups: list[list[int]] = []
+    inside = False
+    for index, line in enumerate(lines):
+        if DIFF_FILE.match(line) and not (inside and line[:1] in "+-" and _in_hunk(lines, index)):
+            if not groups or inside:
+                groups.append([])
+            inside = False
+            groups[-1].append(index)
+        elif DIFF_HUNK.match(line):
+            groups.append([index])
+            inside = True
+        elif inside and line[:1] in ("+", "-", "\\"):
+            groups[-1].append(index)
+        elif inside and line[:1] != " " and line:
+            inside = False
+    return groups
+
+
+def _in_hunk(lines: Sequence[str], index: int) -> bool:
+    """Whether a line that reads like a file header ("--- x") is a removed line: a file
+    header is followed by its "+++" line."""
+    line = lines[index]
+    if line.startswith("--- "):
+        return not (index + 1 < len(lines) and lines[index + 1].startswith("+++ "))
+    if line.startswith("+++ "):
+        return not (index > 0 and lines[index - 1].startswith("--- "))
+    return True
+
+
+def _referenced_code(
+    lines: Sequence[str], numbers: Sequence[int], referenced: frozenset[str]
+) -> list[int]:
+    """The lines of a listing the conversation refers to by number ("line 212", a
+    file:line) or by an identifier it defines (`days_in_year`: the line assigning or
+    declaring it, even when many lines use it)."""
+    wanted: set[int] = set()
+    names: list[str] = []
+    for token in sorted(referenced):
+        match = LINE_REFERENCE.search(token)
+        if match is not None:
+            start = int(match.group(1) or match.group(3))
+            end = int(match.group(2) or start)
+            if 0 <= end - start < LINE_RANGE:
+                wanted.update(range(start, end + 1))
+        elif IDENTIFIER.match(token) and len(names) < QUERY_STRINGS:
+            names.append(token)
+    found = [i for i, number in enumerate(numbers) if number and number in wanted]
+    for name in names:
+        escaped = re.escape(name)
+        definition = re.compile(
+            r"\b(?:def|class|function|fn|func|struct|interface|enum|trait|type|const|let|var"
+            r"|val)\s+" + escaped + r"\b|^\s*(?:[\w.]+\.)?" + escaped + r"\s*(?::[^=]+)?=(?!=)"
+        )
+        hits = 0
+        for index, line in enumerate(lines):
+            if name in line and definition.search(_unnumbered(line, numbers[index])):
+                found.append(index)
+                hits += 1
+                if hits >= DEFINITIONS:
+                    break
+    return found
+
+
+def prose_units(lines: Sequence[str]) -> tuple[list[str], list[bool]]:
+    """A document as its units: headings (markdown, HTML, underlined, or a short line on
+    its own) and the sentences of its paragraphs (lines joined, then split); and which
+    units are headings."""
+    units: list[str] = []
+    headings: list[bool] = []
+    paragraph: list[str] = []
+
+    def flush() -> None:
+        for sentence in sentences(" ".join(paragraph)):
+            units.append(sentence)
+            headings.append(False)
+        paragraph.clear()
+
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        after = lines[index + 1].strip() if index + 1 < len(lines) else ""
+        before = lines[index - 1].strip() if index > 0 else ""
+        if not stripped or UNDERLINE.match(stripped):
+            flush()
+        elif (
+            HEADING.match(stripped)
+            or (UNDERLINE.match(after) and len(stripped) < 120)
+            or (len(stripped) < 80 and not before and not after and stripped[-1:] not in ".,;:")
+        ):
+            flush()
+            units.append(stripped)
+            headings.append(True)
+        elif _BULLET.match(stripped):
+            flush()
+            paragraph.append(stripped)
+            flush()
+        else:
+            paragraph.append(stripped)
+    flush()
+    return units, headings
+
+
+def _query_hits(units: Sequence[str], query: frozenset[str]) -> list[int]:
+    """For each unit, how many of the query's terms it carries."""
+    if not query:
+        return [0] * len(units)
+    return [
+        len(query.intersection(_stem(w.lower()) for w in WORD.findall(unit.replace("-", " "))))
+        for unit in units
+    ]
 
 
 def _is_scalar(value: Any) -> bool:

@@ -33,6 +33,7 @@ from proxy.core.compress import (
     json_container,
     key_values,
     output_text,
+    sentences,
     singling_out,
     tool_name,
 )
@@ -160,47 +161,6 @@ _BY_TITLE = {s.title: s for s in SECTIONS}
 
 # --- sentences and what they state ----------------------------------------------------------
 
-ABBREVIATIONS = frozenset(
-    "e.g i.e etc mr mrs ms dr prof sr jr st vs approx nr inc ltd co corp fig al cf resp"
-    " dept est no tel ca".split()
-)
-# A sentence ends at ., ! or ? followed by white space (so never inside an e-mail
-# address, a version, a decimal or a URL), at CJK full stops, and at line ends.
-_BOUNDARY = re.compile(r"[.!?]+[\"'’”)\]]*(?=\s)|[。！？]+|\n+")
-_BULLET = re.compile(r"^(?:[-*•·]|\d{1,3}[.)])\s+")
-_LAST_WORD = re.compile(r"([\w.]+)$")
-
-
-def sentences(text: str) -> list[str]:
-    """The sentences of `text`, bullets stripped, white space collapsed."""
-    found: list[str] = []
-    start = 0
-    for match in _BOUNDARY.finditer(text):
-        piece = text[start : match.end()]
-        if match.group().startswith(".") and _is_abbreviation(text[start : match.start()]):
-            continue
-        if re.fullmatch(r"\s*(?:\d{1,3}|[A-Za-z])[.)]\s*", piece):
-            continue  # a list number or an initial, not a sentence
-        _append_sentence(found, piece)
-        start = match.end()
-    _append_sentence(found, text[start:])
-    return found
-
-
-def _is_abbreviation(before: str) -> bool:
-    match = _LAST_WORD.search(before)
-    if match is None:
-        return False
-    word = match.group(1).lower().rstrip(".")
-    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
-
-
-def _append_sentence(found: list[str], piece: str) -> None:
-    piece = _BULLET.sub("", WHITESPACE.sub(" ", piece).strip())
-    if piece:
-        found.append(piece)
-
-
 _DAY = (
     r"(?:\d|monday|tuesday|wednesday|thursday|friday|saturday|sunday|tomorrow|tonight|today"
     r"|noon|midnight|eod|cob|end of|the end|next|this|jan|feb|mar|apr|may|jun|jul|aug|sep|oct"
@@ -300,13 +260,15 @@ def entities_in(text: str) -> list[str]:
 
 
 # Values a message may name besides entities (issue 22, item 3): a code span, a quoted
-# phrase, a file:line, a number with its unit, a code identifier (snake_case, camelCase).
+# phrase, a file:line, a number with its unit, a code identifier (snake_case, camelCase),
+# a line by its number ("line 212": kept in a file listing, issue 22 item 4).
 SALIENT = re.compile(
     r"`([^`\n]{3,120})`"
     r"|[\"“]([^\"”\n]{4,120})[\"”]"
     r"|(?<![\w./-])([\w./-]+\.\w{1,5}:\d+)"
     r"|(?<![\w.])(\d+(?:\.\d+)?\s?(?:ms|s|sec|seconds|min|minutes|h|hours|days|%|[kmgt]b))\b"
     r"|\b([a-z][a-z0-9]*(?:_[a-z0-9]+)+|[a-z]+(?:[A-Z][a-z0-9]+)+)\b"
+    r"|\b([Ll]ines?\s\d+(?:\s?[-–]\s?\d+)?)\b"
 )
 ARGUMENT_CHARS = (3, 200)  # a string argument of a call this long names a value
 

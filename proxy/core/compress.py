@@ -21,13 +21,13 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import islice, pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
 from proxy.core.shapes import FEW_IDS, shape
 from proxy.core.templates import mine
-from proxy.core.tokens import TokenCounter
+from proxy.core.tokens import TokenCounter, leaf_texts
 
 COMPRESSED_KEY = "threadkeeper_compressed"
 ELIDED = "elided by threadkeeper"
@@ -148,16 +148,8 @@ def query_terms(arguments: str) -> frozenset[str]:
     """The words of a call's string arguments (its query, its url) that name a subject:
     lower case, at least three characters, no stop words, in their stem form."""
     parsed = json_container(arguments)
-    strings: list[str] = []
-    stack: list[Any] = [parsed if parsed is not None else arguments]
-    while stack and len(strings) < QUERY_STRINGS:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, str):
-            strings.append(node[:QUERY_CHARS])
+    leaves = leaf_texts(parsed if parsed is not None else arguments, numbers=False)
+    strings = [text[:QUERY_CHARS] for text in islice(leaves, QUERY_STRINGS)]
     words = (w.lower() for text in strings for w in WORD.findall(text.replace("-", " ")))
     return frozenset(_stem(w) for w in words if len(w) >= 3 and w not in STOPWORDS)
 

@@ -348,8 +348,9 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
-def leaf_texts(value: Any) -> Iterator[str]:
-    """Every string and number in `value`, as text, walked without recursion."""
+def leaf_texts(value: Any, *, numbers: bool = True) -> Iterator[str]:
+    """Every string (and number, unless `numbers` is false) in `value`, as text, walked
+    without recursion."""
     stack = [value]
     while stack:
         current = stack.pop()
@@ -359,7 +360,7 @@ def leaf_texts(value: Any) -> Iterator[str]:
             stack.extend(current)
         elif isinstance(current, str):
             yield current
-        elif isinstance(current, int | float) and not isinstance(current, bool):
+        elif numbers and isinstance(current, int | float) and not isinstance(current, bool):
             yield str(current)
 
 

@@ -38,7 +38,7 @@ from proxy.server.relay import send_upstream, upstream_base
 from proxy.server.state import LOG_FIELDS, STORE, UPSTREAM_APIS
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_json_event, event_payload
-from proxy.upstream import UpstreamResponse
+from proxy.upstream import ProviderAnswerTooLarge, UpstreamResponse
 
 CHAT_PATH = "/chat/completions"
 NOT_SERVED = frozenset({404, 405})  # what a Chat-only server answers on /v1/responses
@@ -118,6 +118,8 @@ async def send_model(
     )
     if chosen == "responses" or upstream.status not in NOT_SERVED:
         return upstream
+    if await _names_the_model(upstream, sent):
+        return upstream
     try:
         chat = translated(request, policy, sent)
     except ApiError as exc:
@@ -130,6 +132,19 @@ async def send_model(
     await upstream.aclose()
     await learn_chat(request, policy)
     return answer
+
+
+async def _names_the_model(upstream: UpstreamResponse, sent: JsonDict) -> bool:
+    """Whether a 404/405 is about the model, not the endpoint: OpenAI's `model_not_found`,
+    or a body that names the requested model (Ollama's `model "x" not found`). A server
+    without /responses answers its framework's not-found, which names no model."""
+    try:
+        body = await upstream.aread()
+    except ProviderAnswerTooLarge:
+        return False
+    model = sent.get("model")
+    named = isinstance(model, str) and len(model) >= 2 and model.encode() in body
+    return named or b'"model_not_found"' in body
 
 
 async def _send_chat(

@@ -243,12 +243,20 @@ async def test_a_responses_provider_is_not_switched(make_proxy: MakeProxy, tmp_p
     try:
         proxy = await make_proxy(upstream_url=native.base_url)
         await proxy.client().responses.create(model="gpt-4o", input="a")
-        # An unknown model is a 404 on both endpoints: nothing is learnt.
-        native.script += [Reply(status=404, text="The model 'nope' does not exist")] * 2
+        # A 404 that names the model is about the model, not the endpoint: Chat is not
+        # tried and nothing is learnt.
+        native.script += [Reply(status=404, text="The model 'nope' does not exist")]
         with pytest.raises(openai.NotFoundError):
             await proxy.client().responses.create(model="nope", input="b")
         await proxy.client().responses.create(model="gpt-4o", input="c")
-        assert paths(native) == ["/v1/responses"] * 2 + ["/v1/chat/completions", "/v1/responses"]
+        assert paths(native) == ["/v1/responses"] * 3
+        # A 404 that does not (a gateway's own not-found) is tried as Chat, and a Chat 404
+        # too means the endpoint was not the problem: still nothing is learnt.
+        native.script += [Reply(status=404, text="Not Found")] * 2
+        with pytest.raises(openai.NotFoundError):
+            await proxy.client().responses.create(model="gpt-4o", input="d")
+        await proxy.client().responses.create(model="gpt-4o", input="e")
+        assert paths(native)[3:] == ["/v1/responses", "/v1/chat/completions", "/v1/responses"]
     finally:
         await native.stop()
 

@@ -11,6 +11,9 @@ from provider usage (issue 21, item 2) wraps.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 from proxy.core.budget import Learned
 from proxy.core.items import Item
@@ -77,3 +80,48 @@ def provider_count(counter: TokenCounter, learned: Learned | None, counted: int,
     if learned is None or (learned.answers == 0 and learned.ratio <= 1.0):
         return counted
     return learned.provider_count(raw_count(counter, counted, items), items)
+
+
+class ProviderCounter(TokenCounter):
+    """The budget's counter for `tokenizer: provider`: every count in the provider's own
+    tokens. An item the provider counted (`counted`, by digest) costs that; any other
+    item, instructions and tools cost `base`'s estimate as usage corrected it
+    (`Learned.provider_count`), so the window needs no ratio correction
+    (`provider_learned`). `prompt`: what the provider's template adds once per prompt,
+    measured (proxy/server/provider_counts.py); None, the estimate's reply cost."""
+
+    def __init__(
+        self,
+        base: TokenCounter,
+        learned: Learned | None,
+        counted: Mapping[str, int],
+        prompt: int | None,
+    ) -> None:
+        super().__init__(base.model, base.tokenizer)
+        self.base = base
+        self.learned = learned if learned is not None else Learned()
+        self.counted = counted
+        if prompt is not None:
+            self.reply_tokens = prompt
+        # Projection caches keyed by counter (made summaries, replays) must not mix these
+        # counts with the estimate's, nor with an earlier turn's (fewer items counted).
+        self.tokenizer_id = f"provider:{base.tokenizer_id}:{len(counted)}:{prompt}"
+
+    def _lifted(self, estimate: int) -> int:
+        return self.learned.provider_count(estimate, 1) if estimate else 0
+
+    def item(self, item: Item) -> int:
+        found = self.counted.get(item.digest)
+        return found if found is not None else self._lifted(self.base.item(item))
+
+    def instructions(self, text: str | None) -> int:
+        return self._lifted(self.base.instructions(text))
+
+    def tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
+        return self._lifted(self.base.tools(tools))
+
+
+def provider_learned(learned: Learned | None) -> Learned | None:
+    """What the window correction keeps when every count is the provider's: a window a
+    refusal stated, not the ratio (already in the counts)."""
+    return None if learned is None else replace(learned, ratio=1.0, overhead=0.0)

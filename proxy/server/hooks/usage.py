@@ -15,6 +15,7 @@ from aiohttp import web
 from proxy.core.budget import Sample, calibrated
 from proxy.counting import calibrated_counter, raw_count
 from proxy.server.learned import Key
+from proxy.server.provider_counts import counted_by_provider
 from proxy.server.rebuild import learned_key
 from proxy.server.state import CLOCK, LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY
 from proxy.server.turn import Turn, TurnHook, sent_items
@@ -47,6 +48,8 @@ class UsageHook(TurnHook):
         if limits is None:
             return
         model = turn.api.budget_inputs(turn.body).model
+        if counted_by_provider(request, model):
+            return  # the budget counted in the provider's tokens: no sample of the estimate
         key = learned_key(request, model)
         learned = limits.get(key)
         report = turn.projection.report

@@ -11,9 +11,8 @@ from provider usage (issue 21, item 2) wraps.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+import math
+from collections.abc import Mapping
 
 from proxy.core.budget import Learned
 from proxy.core.items import Item
@@ -82,13 +81,15 @@ def provider_count(counter: TokenCounter, learned: Learned | None, counted: int,
     return learned.provider_count(raw_count(counter, counted, items), items)
 
 
-class ProviderCounter(TokenCounter):
-    """The budget's counter for `tokenizer: provider`: every count in the provider's own
-    tokens. An item the provider counted (`counted`, by digest) costs that; any other
-    item, instructions and tools cost `base`'s estimate as usage corrected it
-    (`Learned.provider_count`), so the window needs no ratio correction
-    (`provider_learned`). `prompt`: what the provider's template adds once per prompt,
-    measured (proxy/server/provider_counts.py); None, the estimate's reply cost."""
+class ProviderCounter(CalibratedCounter):
+    """The budget's counter for `tokenizer: provider`. An item the provider counted
+    (`counted`, by digest) costs that count brought to the proxy's scale (divided by the
+    ratio usage taught, as `budget.corrected_window` divides the window by it, so the
+    provider's count is what fills the provider's window); any other item, instructions
+    and tools cost the calibrated estimate (`CalibratedCounter`), which is what the
+    projection's own text counts (summaries, compression) stay consistent with. `prompt`:
+    what the provider's template adds once per prompt (proxy/server/provider_counts.py);
+    None, the estimate's reply cost."""
 
     def __init__(
         self,
@@ -97,31 +98,18 @@ class ProviderCounter(TokenCounter):
         counted: Mapping[str, int],
         prompt: int | None,
     ) -> None:
-        super().__init__(base.model, base.tokenizer)
-        self.base = base
-        self.learned = learned if learned is not None else Learned()
+        super().__init__(base, learned if learned is not None else Learned())
+        self.scale = max(1.0, self.learned.ratio)
         self.counted = counted
         if prompt is not None:
-            self.reply_tokens = prompt
+            self.reply_tokens = self._scaled(prompt)
         # Projection caches keyed by counter (made summaries, replays) must not mix these
-        # counts with the estimate's, nor with an earlier turn's (fewer items counted).
-        self.tokenizer_id = f"provider:{base.tokenizer_id}:{len(counted)}:{prompt}"
+        # counts with the estimate's, nor with a turn's that knew fewer of them.
+        self.tokenizer_id = f"provider:{self.tokenizer_id}:{len(counted)}:{prompt}"
 
-    def _lifted(self, estimate: int) -> int:
-        return self.learned.provider_count(estimate, 1) if estimate else 0
+    def _scaled(self, count: int) -> int:
+        return math.ceil(count / self.scale - 1e-9)
 
     def item(self, item: Item) -> int:
         found = self.counted.get(item.digest)
-        return found if found is not None else self._lifted(self.base.item(item))
-
-    def instructions(self, text: str | None) -> int:
-        return self._lifted(self.base.instructions(text))
-
-    def tools(self, tools: Sequence[Mapping[str, Any]]) -> int:
-        return self._lifted(self.base.tools(tools))
-
-
-def provider_learned(learned: Learned | None) -> Learned | None:
-    """What the window correction keeps when every count is the provider's: a window a
-    refusal stated, not the ratio (already in the counts)."""
-    return None if learned is None else replace(learned, ratio=1.0, overhead=0.0)
+        return self._scaled(found) if found is not None else super().item(item)

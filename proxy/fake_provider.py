@@ -150,8 +150,8 @@ class FakeProvider:
         self.aborted = 0
         # vLLM's `POST /tokenize` and `POST /v1/responses/input_tokens`: "count" answers
         # with this provider's count (ContextWindow.prompt), "missing" is a 404, "hang"
-        # never answers.
-        self.counting: Literal["count", "missing", "hang"] = "count"
+        # never answers, "garbled" is a 200 that is no count (a gateway's HTML page).
+        self.counting: Literal["count", "missing", "hang", "garbled"] = "count"
         self._app = self._build_app()
         self._runner: web.AppRunner | None = None
 
@@ -369,6 +369,8 @@ class FakeProvider:
             return None, web.json_response({"detail": "Not Found"}, status=404)
         if self.counting == "hang":
             await asyncio.Event().wait()  # until the client goes (the proxy's timeout)
+        if self.counting == "garbled":
+            return None, web.Response(text="<html>It works!</html>", content_type="text/html")
         if not isinstance(body, dict):
             return None, error_response(400, "expected a JSON object")
         return body, None

@@ -25,7 +25,7 @@ from proxy.core.projection import (
     project_context,
 )
 from proxy.core.tokens import TokenCounter, is_openai_model
-from proxy.counting import ProviderCounter, calibrated_counter, counter_for, provider_learned
+from proxy.counting import ProviderCounter, calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.discovery import discover
@@ -132,15 +132,14 @@ async def rebuild(
     counter: TokenCounter
     if provider is not None:
         counter = ProviderCounter(base, learned, provider.items, provider.prompt)
-        correction = provider_learned(learned)
     else:
-        counter, correction = calibrated_counter(base, learned), learned
+        counter = calibrated_counter(base, learned)
     limits = policy.limits_for(model)
 
     output = output_reserve(
         requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
     )
-    window = corrected_window(model_window(policy, model, learned)[0], output, correction)
+    window = corrected_window(model_window(policy, model, learned)[0], output, learned)
     if window_cap is not None:
         window = min(window, window_cap)
 

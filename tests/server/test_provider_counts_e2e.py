@@ -97,3 +97,23 @@ async def test_a_wrong_shaped_answer_falls_back(
     provider.counting = "garbled"  # a 200 that is no count: a gateway's page
     await chat_thread(proxy, 3, "t-shape")
     assert tokenize_asks(provider) == 1
+
+
+async def test_a_responses_conversation_is_counted_by_input_tokens(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    window = heavy(provider)
+    client = proxy.client()
+    previous = None
+    for i in range(12):
+        response = await client.responses.create(
+            model=MODEL,
+            input=f"Question {i}: {WORDS}",
+            previous_response_id=previous,
+        )
+        previous = response.id
+    assert window.refusals == 0
+    asked = [r for r in provider.requests if r.path == "/v1/responses/input_tokens"]
+    assert 3 < len(asked) <= 3 + 2 * 12  # the probes, then each new item once
+    assert tokenize_asks(provider) == 0

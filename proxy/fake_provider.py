@@ -385,6 +385,10 @@ class FakeProvider:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return error_response(400, "messages: expected a list", param="messages")
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "tool":
+            # As a chat template that raises on a tool result with no call before it.
+            body = {"object": "error", "message": "Unexpected tool message", "code": 400}
+            return web.json_response(body, status=400)
         prompt = {"model": body.get("model"), "messages": messages}
         count = self.window.prompt(prompt) if self.window else chat_prompt_tokens(prompt)
         window = self.window.tokens if self.window else 0

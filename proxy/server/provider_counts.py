@@ -21,7 +21,9 @@ is count([item]) - P, and P is the prompt's reply cost.
 Every question of a turn shares one bounded timeout (`upstream.count_timeout_seconds`);
 what is not answered by then is counted with the calibrated estimate. A 404 or 405, or an
 answer of the wrong shape, means the provider has no such endpoint: remembered per
-(upstream, API) and never asked again by this process. A timeout stops the asking for
+(upstream, API) and never asked again by this process; so does a refusal of the probes.
+A refusal of one item (a template that will not render a tool result alone) leaves that
+item to the estimate, never asked again. A timeout stops the asking for
 SLOW_BACKOFF_SECONDS."""
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ MAX_ASKS_PER_TURN = 16  # items asked about in one turn (the newest); the rest e
 CONCURRENCY = 4  # questions in flight at once for one turn
 SLOW_BACKOFF_SECONDS = 300.0  # a provider that did not answer in time is left alone this long
 MISSING_STATUSES = frozenset({404, 405})
+UNCOUNTABLE = -1  # kept for an item the provider refused to count alone: not asked again
 
 PROBES: tuple[dict[str, Any], dict[str, Any]] = (
     {"role": "user", "content": "a"},
@@ -70,7 +73,6 @@ class ProviderCounts:
         self._missing: set[Where] = set()
         self._slow_until: dict[Where, float] = {}
         self._now = monotonic
-        self.asked = 0  # questions sent, ever (a metric for tests and logs)
 
     def get(self, key: tuple[str, str, str, str]) -> int | None:
         found = self._counts.get(key)
@@ -134,12 +136,13 @@ async def _count(
     else:
         url = f"{base}/responses/input_tokens"
         body = {"model": model, "input": list(raws)}
-    request.app[PROVIDER_COUNTS].asked += 1
     status, answer = await ask_provider(request, "POST", url, body, deadline)
     if status in MISSING_STATUSES:
         raise _Missing(f"{status}")
-    if status is None or status >= 400:
-        return None  # this item (a template that refuses it), or a passing failure
+    if status is None or status >= 500:
+        return None  # a passing failure: asked again on a later turn
+    if status >= 400:
+        return UNCOUNTABLE  # this request (a template that refuses a lone tool message)
     found = count_in(answer, api)
     if found is None:
         raise _Missing("not a counting answer")
@@ -160,10 +163,13 @@ async def provider_counts(
     found: dict[str, int] = {}
     asks: list[tuple[Where, Item]] = []
     for item in reversed(items):  # the newest first: the ones the projection keeps
+        if not item.digest:
+            continue  # nothing to keep its count by: the estimate counts it
         key = (base, model, item.api, item.digest)
         cached = counts.get(key)
         if cached is not None:
-            found[item.digest] = cached
+            if cached != UNCOUNTABLE:
+                found[item.digest] = cached
         elif counts.usable((base, item.api)) and len(asks) < MAX_ASKS_PER_TURN:
             asks.append(((base, item.api), item))
     prompt_known = {api: counts.prompts.get((base, model, api)) for api in apis}
@@ -172,7 +178,7 @@ async def provider_counts(
         await _ask_all(request, counts, base, model, asks, probes, policy)
         for _, item in asks:
             cached = counts.get((base, model, item.api, item.digest))
-            if cached is not None:
+            if cached is not None and cached != UNCOUNTABLE:
                 found[item.digest] = cached
     api = next(iter(apis)) if len(apis) == 1 else "chat"
     return Counted(found, counts.prompts.get((base, model, api)))
@@ -192,6 +198,7 @@ async def _ask_all(
     gate = asyncio.Semaphore(CONCURRENCY)
 
     async def one(where: Where, raws: Sequence[Any]) -> int | None:
+        """The count; None when the provider did not give one (UNCOUNTABLE: it refused)."""
         async with gate:
             if not counts.usable(where):
                 return None
@@ -207,24 +214,32 @@ async def _ask_all(
         a = await one(where, PROBES[:1])
         b = await one(where, PROBES[1:])
         both = await one(where, PROBES)
-        if a is not None and b is not None and both is not None:
+        if UNCOUNTABLE in (a, b, both):
+            counts.missing(where)  # refused plain user messages: no counting to be had here
+        elif a is not None and b is not None and both is not None:
             counts.prompts[(base, model, api)] = max(0, a + b - both)
 
-    async def item(where: Where, it: Item) -> None:
-        prompt = counts.prompts.get((base, model, it.api))
+    async def item(where: Where, it: Item, prompt: int) -> None:
         alone = await one(where, [it.raw])
-        if alone is None:
-            return
-        if prompt is None:
-            return  # its share of the prompt is not known yet: asked again next turn
-        counts.put((base, model, it.api, it.digest), max(1, alone - prompt))
+        if alone == UNCOUNTABLE:
+            counts.put((base, model, it.api, it.digest), UNCOUNTABLE)
+        elif alone is not None:
+            counts.put((base, model, it.api, it.digest), max(1, alone - prompt))
 
     # The probes first: an item's count means nothing without P.
     probing = [asyncio.ensure_future(probe(api)) for api in probes]
     pending: set[asyncio.Future[None]] = set()
     if probing:
         _, pending = await asyncio.wait(probing, timeout=seconds)
-    tasks = [asyncio.ensure_future(item(w, it)) for w, it in asks] if not pending else []
+    # An item's count means nothing without P: none is asked for before P is known.
+    known = {api: counts.prompts.get((base, model, api)) for api in {w[1] for w, _ in asks}}
+    tasks = [
+        asyncio.ensure_future(item(w, it, prompt))
+        for w, it in asks
+        if (prompt := known[w[1]]) is not None
+    ]
+    if pending:
+        tasks = []
     remaining = max(0.0, deadline.remaining())
     if tasks:
         _, late = await asyncio.wait(tasks, timeout=remaining)

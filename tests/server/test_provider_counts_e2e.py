@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy.fake_provider import ContextWindow, FakeProvider
+from proxy.fake_provider import ContextWindow, FakeProvider, Reply
 from proxy.server.state import LEARNED, PROVIDER_COUNTS
 
 from .conftest import Proxy
@@ -117,3 +117,37 @@ async def test_a_responses_conversation_is_counted_by_input_tokens(
     asked = [r for r in provider.requests if r.path == "/v1/responses/input_tokens"]
     assert 3 < len(asked) <= 3 + 2 * 12  # the probes, then each new item once
     assert tokenize_asks(provider) == 0
+
+
+async def test_an_item_the_template_refuses_alone_is_estimated_and_asked_once(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    heavy(provider)
+    client = proxy.client()
+    thread = {"X-Thread-Id": "t-tool"}
+    tools: Any = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    messages: list[Any] = [{"role": "user", "content": f"Look it up: {WORDS}"}]
+    provider.script += [Reply(tool_calls=[("lookup", "{}")])]
+    first = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, extra_headers=thread
+    )
+    [call] = first.choices[0].message.tool_calls or []
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "found: " + WORDS},
+    ]
+    for i in range(4):
+        completion = await client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, extra_headers=thread
+        )
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": f"And {i}?"},
+        ]
+    lone_tool = [
+        r
+        for r in provider.requests
+        if r.path == "/tokenize" and r.json["messages"][0].get("role") == "tool"
+    ]
+    assert len(lone_tool) == 1  # refused once (a 400), then left to the estimate

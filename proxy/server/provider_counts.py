@@ -38,6 +38,7 @@ import structlog
 from aiohttp import web
 
 from proxy.core.items import Item
+from proxy.policy import Policy
 from proxy.server.discovery import ask_provider
 from proxy.server.relay import upstream_base
 from proxy.server.state import PROVIDER_COUNTS, TENANT_POLICY
@@ -191,7 +192,7 @@ async def _ask_all(
     model: str,
     asks: Sequence[tuple[Where, Item]],
     probes: Sequence[str],
-    policy: Any,
+    policy: Policy,
 ) -> None:
     seconds = policy.upstream.count_timeout_seconds
     deadline = Deadline.after(seconds)

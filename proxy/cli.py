@@ -344,6 +344,8 @@ async def _models(store: Any, args: argparse.Namespace) -> str:
             window, source = model_window(policy, record.model, learned)
             named = policy.tokenizer_for(record.model)
             tokenizer = named.name if named is not None else None
+            if policy.counts_with_provider(record.model):
+                tokenizer = "provider"
         else:
             window, source, tokenizer = learned.window or learned.discovered or 0, "learned", None
         rows.append(

@@ -11,6 +11,8 @@ from provider usage (issue 21, item 2) wraps.
 from __future__ import annotations
 
 import asyncio
+import math
+from collections.abc import Mapping
 
 from proxy.core.budget import Learned
 from proxy.core.items import Item
@@ -77,3 +79,37 @@ def provider_count(counter: TokenCounter, learned: Learned | None, counted: int,
     if learned is None or (learned.answers == 0 and learned.ratio <= 1.0):
         return counted
     return learned.provider_count(raw_count(counter, counted, items), items)
+
+
+class ProviderCounter(CalibratedCounter):
+    """The budget's counter for `tokenizer: provider`. An item the provider counted
+    (`counted`, by digest) costs that count brought to the proxy's scale (divided by the
+    ratio usage taught, as `budget.corrected_window` divides the window by it, so the
+    provider's count is what fills the provider's window); any other item, instructions
+    and tools cost the calibrated estimate (`CalibratedCounter`), which is what the
+    projection's own text counts (summaries, compression) stay consistent with. `prompt`:
+    what the provider's template adds once per prompt (proxy/server/provider_counts.py);
+    None, the estimate's reply cost."""
+
+    def __init__(
+        self,
+        base: TokenCounter,
+        learned: Learned | None,
+        counted: Mapping[str, int],
+        prompt: int | None,
+    ) -> None:
+        super().__init__(base, learned if learned is not None else Learned())
+        self.scale = max(1.0, self.learned.ratio)
+        self.counted = counted
+        if prompt is not None:
+            self.reply_tokens = self._scaled(prompt)
+        # Projection caches keyed by counter (made summaries, replays) must not mix these
+        # counts with the estimate's, nor with a turn's that knew fewer of them.
+        self.tokenizer_id = f"provider:{self.tokenizer_id}:{len(counted)}:{prompt}"
+
+    def _scaled(self, count: int) -> int:
+        return math.ceil(count / self.scale - 1e-9)
+
+    def item(self, item: Item) -> int:
+        found = self.counted.get(item.digest)
+        return self._scaled(found) if found is not None else super().item(item)

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -148,6 +148,10 @@ class FakeProvider:
         self.window: ContextWindow | None = None
         # Answers whose client (the proxy) had gone when their `release` was set.
         self.aborted = 0
+        # vLLM's `POST /tokenize` and `POST /v1/responses/input_tokens`: "count" answers
+        # with this provider's count (ContextWindow.prompt), "missing" is a 404, "hang"
+        # never answers, "garbled" is a 200 that is no count (a gateway's HTML page).
+        self.counting: Literal["count", "missing", "hang", "garbled"] = "count"
         self._app = self._build_app()
         self._runner: web.AppRunner | None = None
 
@@ -192,6 +196,8 @@ class FakeProvider:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/api/show", self._ollama_show)  # Ollama's, beside its /v1
+        app.router.add_post("/tokenize", self._tokenize)  # vLLM's, beside its /v1
+        app.router.add_post("/v1/responses/input_tokens", self._input_tokens)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         return app
 
@@ -356,6 +362,51 @@ class FakeProvider:
             for model in self.models
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def _counting(self, request: web.Request) -> tuple[JsonDict | None, web.Response | None]:
+        body = (await self._record(request)).json
+        if self.counting == "missing":
+            return None, web.json_response({"detail": "Not Found"}, status=404)
+        if self.counting == "hang":
+            await asyncio.Event().wait()  # until the client goes (the proxy's timeout)
+        if self.counting == "garbled":
+            return None, web.Response(text="<html>It works!</html>", content_type="text/html")
+        if not isinstance(body, dict):
+            return None, error_response(400, "expected a JSON object")
+        return body, None
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's TokenizeChatRequest ({"model", "messages"}) -> TokenizeResponse
+        ({"count", "max_model_len", "tokens"}: vllm/entrypoints/openai/protocol.py)."""
+        body, refused = await self._counting(request)
+        if body is None:
+            assert refused is not None
+            return refused
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return error_response(400, "messages: expected a list", param="messages")
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "tool":
+            # As a chat template that raises on a tool result with no call before it.
+            body = {"object": "error", "message": "Unexpected tool message", "code": 400}
+            return web.json_response(body, status=400)
+        prompt = {"model": body.get("model"), "messages": messages}
+        count = self.window.prompt(prompt) if self.window else chat_prompt_tokens(prompt)
+        window = self.window.tokens if self.window else 0
+        return web.json_response(
+            {"count": count, "max_model_len": window, "tokens": list(range(count))}
+        )
+
+    async def _input_tokens(self, request: web.Request) -> web.Response:
+        """OpenAI's TokenCountsBody -> TokenCountsResource."""
+        body, refused = await self._counting(request)
+        if body is None:
+            assert refused is not None
+            return refused
+        prompt = {"model": body.get("model"), "input": body.get("input")}
+        if body.get("instructions"):
+            prompt["instructions"] = body["instructions"]
+        count = self.window.prompt(prompt) if self.window else responses_prompt_tokens(prompt)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": count})
 
     async def _ollama_show(self, request: web.Request) -> web.Response:
         await self._record(request)

@@ -128,12 +128,7 @@ def _tokenizer_spec(value: str) -> str:
     _load_tokenizers, once the policy validated."""
     kind, colon, rest = value.partition(":")
     if value == PROVIDER_TOKENIZER:
-        # SPEC round 3 names it; counting through the provider's /tokenize is not built
-        # yet, and a value that changed nothing would be a silent lie.
-        raise ValueError(
-            "provider counting is not available yet: name the model's tokenizer (hf:<model"
-            " directory>, mistral:<version>) or leave tokenizer out"
-        )
+        return value
     if kind == "tiktoken" and colon:
         if rest not in EXPECTED_SHA256:
             known = ", ".join(EXPECTED_SHA256)
@@ -171,7 +166,7 @@ class ModelLimits(_Frozen):
     max_output_tokens: int | None = Field(default=None, gt=0)
     """The model's output cap; the output reserve never exceeds it."""
     tokenizer: Annotated[str, AfterValidator(_tokenizer_spec)] | None = None
-    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file> or mistral:<version> (see "Token counting" above); absent, tiktoken for OpenAI model names, else the o200k_base estimate."""
+    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file>, mistral:<version>, or provider (the provider's own /tokenize or /responses/input_tokens, each item once, the calibrated estimate when it cannot tell; see "Token counting" above); absent, tiktoken for OpenAI model names, else the o200k_base estimate."""
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -196,6 +191,8 @@ class UpstreamPolicy(_Frozen):
     # together (retries, ledger continuations, headers, the last byte of the body).
     deadline_seconds: float = Field(default=900.0, gt=0)
     """The longest one client request may spend with the provider, retries and continuations included (then a 504, or an error event in a stream)."""
+    count_timeout_seconds: float = Field(default=2.0, gt=0, le=60)
+    """With `tokenizer: provider`: the longest a turn waits for the provider's counts of its new items (then the calibrated estimate counts them)."""
     api: Literal["responses", "chat", "auto"] = "auto"
     """Which API the provider serves Responses turns through: `responses` (its /v1/responses), `chat` (translated to /v1/chat/completions, for Ollama, llama.cpp, TGI...), or `auto`: /v1/responses until the provider answers it 404 or 405, then `chat`, remembered in the store."""
 
@@ -379,6 +376,11 @@ class Policy(_Frozen):
         key = self._entry_for(model)
         return self._tokenizers.get(key) if key is not None else None
 
+    def counts_with_provider(self, model: str) -> bool:
+        """Whether the model's entry says `tokenizer: provider` (proxy/server/provider_counts.py)."""
+        key = self._entry_for(model)
+        return key is not None and self.models[key].tokenizer == PROVIDER_TOKENIZER
+
     def names_model(self, model: str) -> bool:
         """Whether an entry other than "*" matches the model (its window is then the
         policy's, whatever the provider lists)."""
@@ -497,8 +499,8 @@ def _load_tokenizers(path: Path, policy: Policy) -> dict[str, Tokenizer]:
     loaded: dict[str, Tokenizer] = {}
     for key, limits in policy.models.items():
         spec = limits.tokenizer
-        if spec is None:
-            continue
+        if spec is None or spec == PROVIDER_TOKENIZER:
+            continue  # counted by the provider, over the o200k_base estimate
         try:
             if spec.startswith("tiktoken:"):
                 loaded[key] = TiktokenVocabulary(get_encoding(spec.removeprefix("tiktoken:")))

@@ -35,7 +35,12 @@ that cannot render a plain conversation, the cost is 5 tokens per message, 5 per
 and 10 for a request's tools. `mistral:<version>` (v1, v2, v3, v3-tekken, v7) uses the
 tokenizers `mistral-common` ships. `tiktoken:<encoding>` (o200k_base, cl100k_base) names
 an OpenAI encoding for any model name. Nothing is downloaded: a missing path or an
-unknown version refuses the file at load. `provider` is not available yet.
+unknown version refuses the file at load. `provider` asks the provider itself: vLLM's
+and SGLang's `POST /tokenize` for Chat items, `POST /v1/responses/input_tokens` for
+Responses items, each item once (cached by content digest), waiting at most
+`upstream.count_timeout_seconds` per turn; a provider without the endpoint (404, or an
+answer that is not a count) is never asked again, and the calibrated estimate counts
+what it cannot tell.
 
 This page is generated from that schema (`threadkeeper policy schema --markdown`).
 `<name>` stands for a key you choose (a model name, a tool name); `[]` for the items of a

@@ -184,7 +184,6 @@ def policy_with(tmp_path: Path, entry: str) -> Path:
             "expected tiktoken:<encoding>, hf:<path>, mistral:<version> or provider",
         ),
         ("hf:", "expected tiktoken:<encoding>"),
-        ("provider", "provider counting is not available yet"),
     ],
 )
 def test_a_bad_tokenizer_is_a_load_error_naming_file_and_field(

@@ -51,6 +51,7 @@ from proxy.server.auth import auth_middleware
 from proxy.server.errors import Handler, error_middleware, error_response
 from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
 from proxy.server.learned import LearnedLimits
+from proxy.server.provider_counts import ProviderCounts
 from proxy.server.recovery import keep_alive
 from proxy.server.startup import serving_fields
 from proxy.server.state import (
@@ -61,6 +62,7 @@ from proxy.server.state import (
     METRICS,
     OWNER,
     POLICIES,
+    PROVIDER_COUNTS,
     REQUEST_ID,
     SETTINGS,
     STORE,
@@ -198,6 +200,7 @@ def create_app(
     app[POLICIES] = policies if policies is not None else PolicyRegistry.load(settings.policies_dir)
     app[METRICS] = Metrics()
     app[LEARNED] = LearnedLimits()
+    app[PROVIDER_COUNTS] = ProviderCounts()
     app[UPSTREAM_APIS] = {}
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")

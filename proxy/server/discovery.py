@@ -72,11 +72,20 @@ async def _listed_window(request: web.Request, model: str) -> int | None:
 
 async def _ask(request: web.Request, method: str, url: str, body: Any, deadline: Deadline) -> Any:
     """The provider's JSON answer, or None (an error, a timeout, not JSON)."""
+    status, answer = await ask_provider(request, method, url, body, deadline)
+    return answer if status is not None and status < 400 else None
+
+
+async def ask_provider(
+    request: web.Request, method: str, url: str, body: Any, deadline: Deadline
+) -> tuple[int | None, Any]:
+    """One bounded question to the tenant's provider, with its credentials: (the status,
+    the JSON answer or None when it is not JSON); (None, None) when it never answered."""
     policy = request[TENANT_POLICY]
     try:
         key = provider_key(request, policy)
     except ApiError:  # no provider key: the request itself says so
-        return None
+        return None, None
     headers = {"Accept": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
@@ -96,20 +105,21 @@ async def _ask(request: web.Request, method: str, url: str, body: Any, deadline:
     try:
         answer = await request.app[UPSTREAM].send(question, RetrySettings(max_attempts=1))
         try:
-            if answer.status >= 400:
-                return None
+            status = answer.status
+            if status >= 400:
+                return status, None
             text = await answer.aread()
         finally:
             await answer.aclose()
     except (UpstreamUnavailable, OSError) as exc:
-        log.info("provider_window_unasked", url=url, error=str(exc))
-        return None
+        log.info("provider_unasked", url=url, error=str(exc))
+        return None, None
     if len(text) > MAX_ANSWER_BYTES:
-        return None
+        return status, None
     try:
-        return json.loads(text)
+        return status, json.loads(text)
     except (ValueError, RecursionError):
-        return None
+        return status, None
 
 
 def _positive(value: Any) -> int | None:

@@ -25,13 +25,14 @@ from proxy.core.projection import (
     project_context,
 )
 from proxy.core.tokens import TokenCounter, is_openai_model
-from proxy.counting import calibrated_counter, counter_for
+from proxy.counting import ProviderCounter, calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
 from proxy.server.learned import Key, model_window
+from proxy.server.provider_counts import Counted, provider_counts
 from proxy.server.relay import upstream_base
 from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
@@ -112,6 +113,7 @@ async def rebuild(
     verbatim: bool = False,
     learned: Learned | None = None,
     window_cap: int | None = None,
+    provider: Counted | None = None,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
@@ -123,10 +125,15 @@ async def rebuild(
     what the provider taught about the model (a smaller window, a heavier count, a
     per-item overhead, the window it lists), applied to W and to every item's count (the
     report is in those counts); `window_cap`: a W the projection must stay under (the
-    retry after a refusal). The counter returned is the tokenizer's own, uncorrected:
-    what is stored with items."""
+    retry after a refusal). `provider`: the provider's own counts (`tokenizer: provider`):
+    the budget then counts in its tokens. The counter returned is the tokenizer's own,
+    uncorrected: what is stored with items."""
     base = await counter_for(policy, model)
-    counter = calibrated_counter(base, learned)
+    counter: TokenCounter
+    if provider is not None:
+        counter = ProviderCounter(base, learned, provider.items, provider.prompt)
+    else:
+        counter = calibrated_counter(base, learned)
     limits = policy.limits_for(model)
 
     output = output_reserve(
@@ -209,6 +216,7 @@ async def rebuild_turn(
     after a concurrent turn passes False."""
     history = [*loaded.items, *new] if loaded is not None else list(new)
     learned = await learned_for(request, model)
+    provider = await provider_counts(request, model, history)
     with request.app[TRACING].span("projection", {"gen_ai.request.model": model}) as span:
         projection, counter = await rebuild(
             request[TENANT_POLICY],
@@ -228,6 +236,7 @@ async def rebuild_turn(
             verbatim=verbatim,
             learned=learned,
             window_cap=window_cap,
+            provider=provider,
         )
         set_attributes(span, budget_attributes(projection))
     if observe:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -17,6 +18,9 @@ from proxy.threads import ThreadService, WindowCache
 from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
+if TYPE_CHECKING:
+    from proxy.server.provider_counts import ProviderCounts
+
 SETTINGS = web.AppKey("settings", Settings)
 POLICIES = web.AppKey("policies", PolicyRegistry)
 UPSTREAM = web.AppKey("upstream", Upstream)
@@ -27,6 +31,8 @@ CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads ti
 TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
 # What the providers taught about their models (proxy/server/learned.py)
 LEARNED = web.AppKey("learned", LearnedLimits)
+# Item counts in the provider's tokens (`tokenizer: provider`, proxy/server/provider_counts.py)
+PROVIDER_COUNTS: web.AppKey[ProviderCounts] = web.AppKey("provider_counts")
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
 SUMMARIES = web.AppKey("summaries", BackgroundSummaries)

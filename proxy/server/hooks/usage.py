@@ -15,7 +15,8 @@ from aiohttp import web
 from proxy.core.budget import Sample, calibrated
 from proxy.counting import calibrated_counter, raw_count
 from proxy.server.learned import Key
-from proxy.server.rebuild import learned_key
+from proxy.server.provider_counts import counted_by_provider
+from proxy.server.rebuild import is_small, learned_key
 from proxy.server.state import CLOCK, LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY
 from proxy.server.turn import Turn, TurnHook, sent_items
 from proxy.server.validate import JsonDict
@@ -46,13 +47,29 @@ class UsageHook(TurnHook):
         limits = request.app.get(LEARNED)
         if limits is None:
             return
-        model = turn.api.budget_inputs(turn.body).model
+        inputs = turn.api.budget_inputs(turn.body)
+        model = inputs.model
         key = learned_key(request, model)
         learned = limits.get(key)
         report = turn.projection.report
         items = sent_items(turn)
-        counter = calibrated_counter(turn.counter, learned)
-        estimate = raw_count(counter, report.prompt_tokens, items)
+        if counted_by_provider(request, model):
+            # The budget counted in the provider's tokens; the sample is of the estimate
+            # (what counts what the provider could not: summaries made here, late items),
+            # so what was sent is counted again with it (each item's count is cached).
+            sent = turn.projection.items
+            if not is_small(([i.raw for i in sent], inputs.tools, inputs.instructions)):
+                return  # not on the loop: the next small turn is a sample
+            base = turn.counter
+            estimate = (
+                base.items(sent)
+                + base.instructions(inputs.instructions)
+                + base.tools(inputs.tools)
+                + base.reply_tokens
+            )
+        else:
+            counter = calibrated_counter(turn.counter, learned)
+            estimate = raw_count(counter, report.prompt_tokens, items)
         if estimate <= 0:
             return
         if tokens < TRUNCATED_SHARE * estimate:

@@ -164,18 +164,12 @@ class BackgroundRuns:
         response_id: str,
     ) -> Run:
         """Runs the turn in a task of this process; returns once the provider is called.
-        What the turn refuses before that is raised here (the client's 4xx)."""
+        What the turn refuses before that is raised here (the client's 4xx, a 429 past
+        background.max_running)."""
         tenant = request[NAMESPACE]
         limits: BackgroundPolicy = request[TENANT_POLICY].background
-        if await self.store.background_running(tenant) >= limits.max_running:
-            raise ApiError(
-                429,
-                f"Too many background responses running for this tenant (at most "
-                f"{limits.max_running}, policy background.max_running); retry once one ends.",
-                type="rate_limit_error",
-                param="background",
-                code="rate_limit_exceeded",
-            )
+        # background.max_running is checked where the row is inserted, as one unit
+        # (Store.begin_response): the turn's refusal is the 429 raised below.
         run = Run(tenant, response_id, stream=bool(body.get("stream")))
         if run.stream:
             request[EVENT_SINK] = StoredEvents(self, run, limits.max_events)

@@ -269,6 +269,29 @@ async def test_a_tenant_runs_at_most_its_limit(make_proxy: Any) -> None:
     await status_becomes(client, second.id, "completed")
 
 
+async def test_concurrent_creates_never_run_past_the_limit(make_proxy: Any) -> None:
+    """max_running is counted where the row is inserted: of 6 creates sent at once under
+    a limit of 2, exactly 2 run and the others get the 429 (none is stored)."""
+    proxy: Proxy = await make_proxy(acme_extra="background: {max_running: 2}\n")
+    release = asyncio.Event()
+    proxy.provider.script.extend([Reply(text=f"r{n}", release=release) for n in range(6)])
+    client = proxy.client()
+
+    async def create(n: int) -> str | None:
+        try:
+            return (await client.responses.create(model=MODEL, input=f"x{n}", background=True)).id
+        except openai.RateLimitError:
+            return None
+
+    created = await asyncio.gather(*(create(n) for n in range(6)))
+    running = [rid for rid in created if rid is not None]
+    assert len(running) == 2
+    assert await store_of(proxy).background_running(TENANT) == 2
+    release.set()
+    for rid in running:
+        await status_becomes(client, rid, "completed")
+
+
 async def test_a_cancel_racing_the_completion_has_one_winner(proxy: Proxy) -> None:
     """Whichever lands first: a completed response refuses the cancel, a cancelled one
     keeps none of its answer."""

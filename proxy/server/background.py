@@ -71,7 +71,9 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 GRACE_POLLS = 3
 SETTLE_BACKOFF = (0.05, 2.0)
 # Keys of the background turn's log line that are its own, not the request's fields.
-OWN_LOG_KEYS = frozenset({"request_id", "response_id", "status", "duration_ms", "background_status"})  # first and longest wait between tries of a store that is down
+OWN_LOG_KEYS = frozenset(
+    {"request_id", "response_id", "status", "duration_ms", "background_status"}
+)  # first and longest wait between tries of a store that is down
 
 
 class TooManyEvents(ConnectionError):

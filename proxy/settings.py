@@ -50,10 +50,13 @@ class Settings:
     client_header_timeout: float = 60.0  # seconds for a request's headers, and a JSON body
     # Responses WebSocket mode (proxy/server/websocket.py): the largest client message
     # (bytes; larger closes the socket with 1009), seconds a socket may sit with no message
-    # and no response running, and responses running at once on one socket (lanes).
+    # and no response running, and responses running at once on one socket (lanes);
+    # seconds a socket lives at most (OpenAI's 60 minutes): then it closes once its
+    # running responses end.
     websocket_max_message_bytes: int = 16 * 1024 * 1024
     websocket_idle_timeout: float = 600.0
     websocket_max_concurrent_responses: int = 4
+    websocket_max_lifetime: float = 3600.0
     upstream_connect_timeout: float = 10.0
     upstream_read_timeout: float = 600.0
     upstream_pool_size: int = 100
@@ -280,6 +283,12 @@ FIELDS: tuple[_Field, ...] = (
         "websocket.max_concurrent_responses",
         "THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES",
     ),
+    _Field(
+        "websocket_max_lifetime",
+        _positive_number,
+        "websocket.max_lifetime",
+        "THREADKEEPER_WEBSOCKET_MAX_LIFETIME",
+    ),
     _Field("log_level", _log_level, "log_level", "THREADKEEPER_LOG_LEVEL"),
     _Field("upstream_connect_timeout", _positive_number, "upstream.connect_timeout"),
     _Field("upstream_read_timeout", _positive_number, "upstream.read_timeout"),
@@ -406,7 +415,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 # The config file's nested sections, and what each holds (for the error of a non-mapping).
 SECTIONS = {
     "upstream": "(connect_timeout, read_timeout, pool_size); the provider URL is upstream_url",
-    "websocket": "(max_message_bytes, idle_timeout, max_concurrent_responses)",
+    "websocket": "(max_message_bytes, idle_timeout, max_concurrent_responses, max_lifetime)",
 }
 
 

@@ -333,22 +333,29 @@ def test_websocket_limits_from_file_and_environment(tmp_path: Path) -> None:
     assert defaults.websocket_max_message_bytes == 16 * 1024 * 1024
     assert defaults.websocket_idle_timeout == 600
     assert defaults.websocket_max_concurrent_responses == 4
+    assert defaults.websocket_max_lifetime == 3600
     config = write_config(
         tmp_path / "c.yaml",
-        "websocket:\n  max_message_bytes: 1000\n  idle_timeout: 5\n  max_concurrent_responses: 2\n",
+        "websocket:\n  max_message_bytes: 1000\n  idle_timeout: 5\n  max_concurrent_responses: 2\n"
+        "  max_lifetime: 120\n",
     )
     settings = load_settings({"config": str(config)}, {})
     assert settings.websocket_max_message_bytes == 1000
     assert settings.websocket_idle_timeout == 5
     assert settings.websocket_max_concurrent_responses == 2
+    assert settings.websocket_max_lifetime == 120
     env = {
         "THREADKEEPER_WEBSOCKET_MAX_MESSAGE_BYTES": "2000",
         "THREADKEEPER_WEBSOCKET_IDLE_TIMEOUT": "7.5",
         "THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES": "3",
+        "THREADKEEPER_WEBSOCKET_MAX_LIFETIME": "90.5",
     }
     settings = load_settings({"config": str(config)}, env)
     assert settings.websocket_max_message_bytes == 2000
     assert settings.websocket_idle_timeout == 7.5
     assert settings.websocket_max_concurrent_responses == 3
+    assert settings.websocket_max_lifetime == 90.5
+    with pytest.raises(SettingsError, match="THREADKEEPER_WEBSOCKET_MAX_LIFETIME"):
+        load_settings(NO_FLAGS, {"THREADKEEPER_WEBSOCKET_MAX_LIFETIME": "0"})
     with pytest.raises(SettingsError, match="THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES"):
         load_settings(NO_FLAGS, {"THREADKEEPER_WEBSOCKET_MAX_CONCURRENT_RESPONSES": "0"})

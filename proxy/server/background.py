@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,8 +46,17 @@ from proxy.periodic import every, running
 from proxy.policy import BackgroundPolicy
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
+from proxy.server.explain import DEFERRED, record_request
 from proxy.server.relay import EVENT_SINK, STORE_FAILURES
-from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE, TENANT_POLICY
+from proxy.server.state import (
+    CLOCK,
+    LOG_FIELDS,
+    NAMESPACE,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+    TENANT_POLICY,
+)
 from proxy.server.turn import Turn, TurnHook, run_turn
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event
@@ -59,7 +69,11 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 # After its row ended, a follower waits this many polls for the stream's last event
 # (the row is completed before the terminal event is kept), then ends without it.
 GRACE_POLLS = 3
-SETTLE_BACKOFF = (0.05, 2.0)  # first and longest wait between tries of a store that is down
+SETTLE_BACKOFF = (0.05, 2.0)
+# Keys of the background turn's log line that are its own, not the request's fields.
+OWN_LOG_KEYS = frozenset(
+    {"request_id", "response_id", "status", "duration_ms", "background_status"}
+)  # first and longest wait between tries of a store that is down
 
 
 class TooManyEvents(ConnectionError):
@@ -164,18 +178,12 @@ class BackgroundRuns:
         response_id: str,
     ) -> Run:
         """Runs the turn in a task of this process; returns once the provider is called.
-        What the turn refuses before that is raised here (the client's 4xx)."""
+        What the turn refuses before that is raised here (the client's 4xx, a 429 past
+        background.max_running)."""
         tenant = request[NAMESPACE]
         limits: BackgroundPolicy = request[TENANT_POLICY].background
-        if await self.store.background_running(tenant) >= limits.max_running:
-            raise ApiError(
-                429,
-                f"Too many background responses running for this tenant (at most "
-                f"{limits.max_running}, policy background.max_running); retry once one ends.",
-                type="rate_limit_error",
-                param="background",
-                code="rate_limit_exceeded",
-            )
+        # background.max_running is checked where the row is inserted, as one unit
+        # (Store.begin_response): the turn's refusal is the 429 raised below.
         run = Run(tenant, response_id, stream=bool(body.get("stream")))
         if run.stream:
             request[EVENT_SINK] = StoredEvents(self, run, limits.max_events)
@@ -193,6 +201,7 @@ class BackgroundRuns:
             await task  # raises what the turn refused
             raise ApiError(500, "The background response ended before it began.")
         run.begun = True
+        request[DEFERRED] = True  # its record is the turn's, written when it ends (_run)
         return run
 
     async def _run(
@@ -207,8 +216,11 @@ class BackgroundRuns:
         begun = hooks[-1]
         assert isinstance(begun, Begun)
         error: JsonDict | None = None
+        started = time.perf_counter()
+        http_status = 500  # what the turn answered (the record's `status`)
         try:
             answer = await run_turn(request, api, body, raw, hooks)
+            http_status = answer.status
             error = answer_error(answer, run)
         except asyncio.CancelledError:
             if self.closing or not begun.future.done():
@@ -232,6 +244,29 @@ class BackgroundRuns:
             run.notify()
         if begun.future.done():
             await self.settle(run, error)
+            await self.logged(run, request, http_status, started)
+
+    async def logged(
+        self, run: Run, request: web.Request, http_status: int, started: float
+    ) -> None:
+        """The background turn's own log line and explain record (the create's request
+        logged only its start): the response id, its final status, how long it ran."""
+        duration_ms = round((time.perf_counter() - started) * 1000, 3)
+        status = None
+        with contextlib.suppress(*STORE_FAILURES):
+            stored = await self.store.get_response(run.tenant, run.id)
+            status = stored.status if stored is not None else None
+        fields = request[LOG_FIELDS]
+        fields["background_status"] = status
+        log.info(
+            "background_response",
+            request_id=request[REQUEST_ID],
+            response_id=run.id,
+            status=status,
+            duration_ms=duration_ms,
+            **{k: v for k, v in fields.items() if k not in OWN_LOG_KEYS},
+        )
+        record_request(request, http_status, duration_ms, final=True)
 
     async def settle(self, run: Run, error: JsonDict | None) -> None:
         """A run whose row is still `in_progress` ends `failed` with `error` (a stream's

@@ -44,6 +44,9 @@ PURGE_INTERVAL_SECONDS = 600.0
 REPLACED_FIELDS = ("budget", "trimmed_blocks")
 
 PROJECTION = web.RequestKey("projection", Projection)  # set by rebuild_turn when observed
+# The request's turn outlives its handler (a background response): the runner records it
+# when the turn ends (record_request with final=True), not the create's middleware.
+DEFERRED = web.RequestKey("explain_deferred", bool)
 # The provider's error, when it answered a model request with one (set by the relay).
 PROVIDER_ERROR: web.RequestKey[JsonDict] = web.RequestKey("provider_error", dict)
 # A provider's error body is read for its record up to this size (a message is cut).
@@ -177,14 +180,16 @@ def provider_error(status: int, body: bytes) -> JsonDict:
     return {"status": status, **shown}
 
 
-def record_request(request: web.Request, status: int, latency_ms: float) -> None:
+def record_request(
+    request: web.Request, status: int, latency_ms: float, *, final: bool = False
+) -> None:
     """Queues the record of a model request (one whose context was projected) that
     reached the provider, whatever it answered (its 4xx and 5xx too: `provider_error`),
     or that failed in the proxy (5xx). A 4xx the proxy gave before calling the provider
     leaves none: bad input changes nothing in the store."""
     recorder = request.app.get(EXPLAIN)
     projection = request.get(PROJECTION)
-    if recorder is None or projection is None:
+    if recorder is None or projection is None or (request.get(DEFERRED) and not final):
         return
     fields = request[LOG_FIELDS]
     if 400 <= status < 500 and "upstream_status" not in fields:

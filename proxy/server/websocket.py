@@ -19,6 +19,9 @@ event goes out as one text message, unchanged but for the `stream_id` echo.
   `response.steer.failed` (steering_not_supported).
 - A client that leaves cancels its running turns, as an HTTP disconnect does: the
   response ends `incomplete` and nothing of it is committed.
+- A socket lives at most `websocket_max_lifetime` (OpenAI closes its sockets after 60
+  minutes): past it, the responses running finish, what is queued or sent after gets an
+  error event (websocket_connection_limit_reached), and the socket closes with 1000.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import orjson
@@ -40,7 +44,7 @@ from proxy.server import responses
 from proxy.server.auth import auth_middleware
 from proxy.server.errors import ApiError, error_middleware, invalid
 from proxy.server.relay import EVENT_SINK
-from proxy.server.state import SETTINGS
+from proxy.server.state import CLOCK, SETTINGS
 from proxy.server.validate import JsonDict, json_object, missing, unsupported_value, wrong_type
 from proxy.sse import SSEDecoder
 
@@ -88,7 +92,11 @@ async def responses_socket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(max_msg_size=settings.websocket_max_message_bytes)
     await ws.prepare(request)
     socket = Socket(
-        request, ws, settings.websocket_max_concurrent_responses, settings.max_body_bytes
+        request,
+        ws,
+        settings.websocket_max_concurrent_responses,
+        settings.max_body_bytes,
+        settings.websocket_max_lifetime,
     )
     request.app[SOCKETS].add(socket)
     try:
@@ -118,21 +126,44 @@ class Lane:
 
 class Socket:
     def __init__(
-        self, request: web.Request, ws: web.WebSocketResponse, max_lanes: int, keep_bytes: int
+        self,
+        request: web.Request,
+        ws: web.WebSocketResponse,
+        max_lanes: int,
+        keep_bytes: int,
+        max_lifetime: float = float("inf"),
     ) -> None:
         self.request = request
         self.ws = ws
+        self.clock = request.app[CLOCK]
+        self.ends_at = self.clock.now() + timedelta(seconds=min(max_lifetime, 10**9))
         self.max_lanes = max_lanes
         self.keep_bytes = keep_bytes  # most an unstored chain may hold (max_body_bytes)
         self.lanes: dict[str | None, Lane] = {}
         self.unstored: dict[str | None, Unstored] = {}  # by lane
 
+    def lived(self) -> bool:
+        """Past websocket_max_lifetime: no response starts on this socket any more."""
+        return self.clock.now() >= self.ends_at
+
+    async def end_if_lived(self) -> bool:
+        """Closes a socket past its lifetime once no response runs on it."""
+        if not self.lived() or self.lanes:
+            return False
+        await self.ws.close(code=WSCloseCode.OK, message=LIFETIME_REASON)
+        return True
+
     async def serve(self, idle_timeout: float) -> None:
         while not self.ws.closed:
+            # Past its lifetime, the socket waits for its lanes (the last one closes it).
+            left = (self.ends_at - self.clock.now()).total_seconds()
+            wait = min(idle_timeout, left) if left > 0 else idle_timeout
             try:
-                message = await self.ws.receive(timeout=idle_timeout)
+                message = await self.ws.receive(timeout=wait)
             except TimeoutError:
-                if self.lanes:  # a response is running: the client waits, it is not idle
+                if await self.end_if_lived():
+                    return
+                if self.lanes or self.lived():  # a response runs: the client is not idle
                     continue
                 await self.ws.close(code=WSCloseCode.OK, message=b"idle timeout")
                 return
@@ -176,6 +207,8 @@ class Socket:
             if kind == "response.steer":
                 await self.steer(event)
                 return
+            if self.lived():
+                raise lifetime_reached()
             self.enqueue(event)
         except ApiError as exc:
             await self.error(exc, _lane_of(event))
@@ -207,10 +240,15 @@ class Socket:
         """One lane's events, FIFO; the lane is gone once its queue is empty."""
         try:
             while lane.queue:
-                await self.turn(stream_id, lane.queue.popleft())
+                event = lane.queue.popleft()
+                if self.lived():
+                    await self.error(lifetime_reached(), stream_id)
+                    continue
+                await self.turn(stream_id, event)
         finally:
             if self.lanes.get(stream_id) is lane:
                 del self.lanes[stream_id]
+        await self.end_if_lived()
 
     async def turn(self, stream_id: str | None, event: JsonDict) -> None:
         sink = SocketSink(self, stream_id)
@@ -307,6 +345,18 @@ class Socket:
                 "steer": {"input": event["input"], "previous_response_id": previous},
             }
         )
+
+
+LIFETIME_REASON = b"max lifetime reached"
+
+
+def lifetime_reached() -> ApiError:
+    return invalid(
+        "This WebSocket connection has reached its maximum lifetime "
+        "(websocket_max_lifetime); open a new connection and continue with "
+        "previous_response_id.",
+        code="websocket_connection_limit_reached",
+    )
 
 
 class SocketSink:

@@ -56,6 +56,15 @@ class Cancelled(StoreError):
     completion that lost the race wrote nothing."""
 
 
+class TooManyRunning(StoreError):
+    """begin_response refused a background response: the tenant already runs `limit`
+    (policy background.max_running); nothing was written."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} background responses already running")
+        self.limit = limit
+
+
 class StoreUnavailable(StoreError):
     """The store cannot serve now: unreachable, too slow (the store timeouts), or out of
     space. Raised by the backends for these causes only (a bug stays a bug); the HTTP
@@ -404,8 +413,13 @@ class Store(Protocol):
         those no other thread keeps are deleted."""
 
     # responses ------------------------------------------------------------------------
-    async def begin_response(self, response: StoredResponse) -> None:
-        """Record a response `in_progress` before the provider is called."""
+    async def begin_response(
+        self, response: StoredResponse, *, max_running: int | None = None
+    ) -> None:
+        """Record a response `in_progress` before the provider is called. With
+        `max_running`, a background response is recorded only while fewer than that many
+        of the tenant's are `in_progress`, counted and inserted as one unit (concurrent
+        calls, on any replica, never exceed it); TooManyRunning otherwise."""
 
     async def commit_turn(
         self,

@@ -207,6 +207,10 @@ SELECT count(*) AS running FROM responses
 WHERE tenant = $1 AND background AND status = 'in_progress'
 """
 
+# Held to the end of the transaction that counts and inserts a background response
+# (PostgreSQL only): begin_response's check of background.max_running is then atomic.
+LOCK_BACKGROUND_TENANT = "SELECT pg_advisory_xact_lock(hashtext('threadkeeper.background:' || $1))"
+
 INSERT_RESPONSE_EVENT = """
 INSERT INTO response_events (tenant, response_id, seq, event, data, created_at)
 VALUES ($1, $2, $3, $4, $5, $6)

@@ -42,6 +42,7 @@ from proxy.store.base import (
     SummaryKey,
     Thread,
     ThreadKind,
+    TooManyRunning,
     VersionConflict,
     Window,
 )
@@ -256,8 +257,18 @@ class SqlStore:
         return True
 
     # responses ------------------------------------------------------------------------
-    async def begin_response(self, response: StoredResponse) -> None:
+    async def begin_response(
+        self, response: StoredResponse, *, max_running: int | None = None
+    ) -> None:
         async with self.db.write() as conn:
+            if response.background and max_running is not None:
+                # SQLite's write transactions are serial already; PostgreSQL's are not
+                # (each count would miss the other's uncommitted row): the tenant's lock.
+                if self.db.dialect == "postgres":
+                    await conn.execute(sql.LOCK_BACKGROUND_TENANT, response.tenant)
+                row = await conn.fetchrow(sql.COUNT_BACKGROUND_RUNNING, response.tenant)
+                if row is not None and int(row["running"]) >= max_running:
+                    raise TooManyRunning(max_running)
             if await conn.execute(sql.INSERT_RESPONSE, *sql.response_params(response)) == 0:
                 raise AlreadyExists(f"response {response.id!r} exists")
 

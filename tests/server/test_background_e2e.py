@@ -12,13 +12,15 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from structlog.testing import capture_logs
 
 from proxy.fake_provider import Reply
 from proxy.server.background import RUNS
+from proxy.server.explain import EXPLAIN
 from proxy.server.state import STORE
 from proxy.store.base import Store, StoreUnavailable
 
-from .conftest import Proxy
+from .conftest import TENANT_KEY, Proxy
 
 TENANT = "acme"
 MODEL = "gpt-4o-mini"
@@ -267,6 +269,74 @@ async def test_a_tenant_runs_at_most_its_limit(make_proxy: Any) -> None:
     await status_becomes(client, first.id, "completed")
     second = await client.responses.create(model=MODEL, input="y", background=True)
     await status_becomes(client, second.id, "completed")
+
+
+async def test_concurrent_creates_never_run_past_the_limit(make_proxy: Any) -> None:
+    """max_running is counted where the row is inserted: of 6 creates sent at once under
+    a limit of 2, exactly 2 run and the others get the 429 (none is stored)."""
+    proxy: Proxy = await make_proxy(acme_extra="background: {max_running: 2}\n")
+    release = asyncio.Event()
+    proxy.provider.script.extend([Reply(text=f"r{n}", release=release) for n in range(6)])
+    client = proxy.client()
+
+    async def create(n: int) -> str | None:
+        try:
+            return (await client.responses.create(model=MODEL, input=f"x{n}", background=True)).id
+        except openai.RateLimitError:
+            return None
+
+    created = await asyncio.gather(*(create(n) for n in range(6)))
+    running = [rid for rid in created if rid is not None]
+    assert len(running) == 2
+    assert await store_of(proxy).background_running(TENANT) == 2
+    release.set()
+    for rid in running:
+        await status_becomes(client, rid, "completed")
+
+
+async def test_a_background_turn_has_its_own_log_line_and_explain_record(
+    proxy: Proxy,
+) -> None:
+    """The create request logs the turn's start; the turn, once it ends, logs a line of
+    its own (response id, final status, duration) and writes the explain record of its
+    model request under the create's request id, with what the provider answered."""
+    release = asyncio.Event()
+    proxy.provider.script.append(Reply(text="done later", release=release))
+    client = proxy.client()
+    with capture_logs() as logs:
+        raw = await client.responses.with_raw_response.create(
+            model=MODEL, input="x", background=True
+        )
+        created = raw.parse()
+        request_id = raw.headers["x-threadkeeper-request-id"]
+        release.set()
+        await status_becomes(client, created.id, "completed")
+
+        async def logged() -> bool:
+            return any(line["event"] == "background_response" for line in logs)
+
+        await until(logged, "the background turn's log line")
+    line = next(line for line in logs if line["event"] == "background_response")
+    assert (line["request_id"], line["response_id"]) == (request_id, created.id)
+    assert line["status"] == "completed" and line["duration_ms"] > 0
+    assert line["usage_input_tokens"] > 0 and line["upstream_status"] == 200
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+
+    async def written() -> bool:
+        return not recorder._unwritten
+
+    await until(written, "the explain record written")
+    async with proxy.http() as http:
+        shown = await http.get(
+            f"/threadkeeper/v1/requests/{request_id}",
+            headers={"Authorization": f"Bearer {TENANT_KEY}"},
+        )
+    assert shown.status_code == 200
+    record = shown.json()
+    assert record["status"] == 200 and record["upstream_status"] == 200
+    assert record["background_status"] == "completed"
+    assert record["usage_input_tokens"] == line["usage_input_tokens"]
+    assert record["projection"]["blocks"]
 
 
 async def test_a_cancel_racing_the_completion_has_one_winner(proxy: Proxy) -> None:

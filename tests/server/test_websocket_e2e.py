@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import openai
@@ -17,6 +18,7 @@ import websockets
 from agents import Agent, function_tool, responses_websocket_session, set_tracing_disabled
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.clock import ManualClock
 from proxy.fake_provider import Reply, response_object
 from proxy.server.state import POLICIES, STORE
 from proxy.server.websocket import QUEUED_PER_LANE
@@ -450,6 +452,34 @@ async def test_an_idle_socket_is_closed_but_not_while_a_response_runs(
         with pytest.raises(websockets.ConnectionClosedOK) as closed:
             await connection.recv()
     assert closed.value.rcvd is not None and closed.value.rcvd.reason == "idle timeout"
+
+
+async def test_a_socket_past_its_lifetime_closes_after_its_running_response(
+    make_proxy: ProxyFactory,
+) -> None:
+    """websocket_max_lifetime: the response running when it is reached finishes, a
+    create sent after it gets the limit's error event, then the socket closes (1000)."""
+    clock = ManualClock()
+    proxy = await make_proxy(clock=clock, settings={"websocket_max_lifetime": 60})
+    held = asyncio.Event()
+    proxy.provider.script.extend(
+        [Reply(text="served", release=held, release_after=1), Reply(text="never")]
+    )
+    client = proxy.client()
+    async with asyncio.timeout(30), client.responses.connect() as connection:
+        await connection.response.create(model="gpt-4o", input="hello")
+        assert (await connection.recv()).type == "response.created"
+        clock.advance(timedelta(seconds=61))
+        await connection.response.create(model="gpt-4o", input="too late")
+        refused = await connection.recv()
+        assert refused.type == "error"
+        assert refused.error.code == "websocket_connection_limit_reached"
+        held.set()
+        assert final(await events_until_done(connection)).output_text == "served"
+        with pytest.raises(websockets.ConnectionClosedOK) as closed:
+            await connection.recv()
+    assert closed.value.rcvd is not None and closed.value.rcvd.reason == "max lifetime reached"
+    assert len(proxy.provider.model_requests) == 1  # the late create never reached it
 
 
 LOOKUPS: list[str] = []

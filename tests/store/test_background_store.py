@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from proxy.store.base import Cancelled, NotFound, ResponseEvent, Store, StoredResponse
+from proxy.store.base import (
+    Cancelled,
+    NotFound,
+    ResponseEvent,
+    Store,
+    StoredResponse,
+    TooManyRunning,
+)
 from tests.store.conftest import Backend
 from tests.store.test_conformance import T0, T1, T2, items, response, status_of, thread_with
 
@@ -117,6 +124,40 @@ async def test_background_running_counts_the_tenants_running_ones(store: Store) 
     assert await store.background_running("acme") == 1
     assert await store.background_running("beta") == 1
     assert await store.background_running("gamma") == 0
+
+
+async def test_concurrent_begins_past_max_running_yield_exactly_the_limit(
+    backend: Backend,
+) -> None:
+    """The count and the insert are one unit: of N concurrent background begins (on two
+    stores, as two replicas would be) under a limit K, exactly K are recorded."""
+    first, second = await backend.open(), await backend.open()
+    await first.migrate()
+    limit, tried = 3, 12
+    await first.begin_response(background("r_other", tenant="beta"))  # not counted
+
+    async def begin(index: int) -> bool:
+        store = first if index % 2 else second
+        try:
+            await store.begin_response(background(f"r{index}"), max_running=limit)
+        except TooManyRunning as exc:
+            assert exc.limit == limit
+            return False
+        return True
+
+    began = await asyncio.gather(*(begin(index) for index in range(tried)))
+    assert sum(began) == limit
+    assert await first.background_running("acme") == limit
+    kept = [index for index in range(tried) if began[index]]
+    refused = [index for index in range(tried) if not began[index]]
+    assert await status_of(first, "acme", f"r{refused[0]}") is None  # nothing written
+    await first.cancel_response("acme", f"r{kept[0]}")  # one ends: one more may begin
+    await first.begin_response(background("r_next"), max_running=limit)
+    with pytest.raises(TooManyRunning):
+        await first.begin_response(background("r_past"), max_running=limit)
+    # a foreground response, or no limit given, is not counted against it
+    await first.begin_response(response("r_fore"), max_running=limit)
+    await first.begin_response(background("r_unbounded"))
 
 
 async def test_response_events_in_order_after_a_seq(store: Store) -> None:

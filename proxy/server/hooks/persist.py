@@ -26,10 +26,10 @@ from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, thread_service
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, thread_service
 from proxy.server.turn import Turn, TurnHook, project
 from proxy.server.validate import JsonDict, duplicate_item, missing
-from proxy.store.base import NewItem, NotFound, StoredResponse
+from proxy.store.base import NewItem, NotFound, StoredResponse, TooManyRunning
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
 from proxy.upstream import UpstreamResponse
 
@@ -263,6 +263,21 @@ class ResponseChain(StoredTurn):
 
     async def _record_begin(self) -> None:
         assert self.chain is not None
+        limit = self.request[TENANT_POLICY].background.max_running if self.background else None
+        try:
+            await self._insert_begun(limit)
+        except TooManyRunning as exc:
+            raise ApiError(
+                429,
+                f"Too many background responses running for this tenant (at most "
+                f"{exc.limit}, policy background.max_running); retry once one ends.",
+                type="rate_limit_error",
+                param="background",
+                code="rate_limit_exceeded",
+            ) from None
+
+    async def _insert_begun(self, max_running: int | None) -> None:
+        assert self.chain is not None
         await self.threads.store.begin_response(
             StoredResponse(
                 tenant=self.tenant,
@@ -275,7 +290,8 @@ class ResponseChain(StoredTurn):
                 created_at=self.request.app[CLOCK].iso(),
                 owner=self.request.app[OWNER],
                 background=self.background,
-            )
+            ),
+            max_running=max_running,
         )
 
     def rewrite(self, response: JsonDict) -> JsonDict:

@@ -22,7 +22,7 @@ import asyncio
 import hashlib
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +49,39 @@ budget: {{reserve_output_tokens: 1000, safety_margin_tokens: 200}}
 """
 
 
+def mistral_count() -> Callable[[dict[str, Any]], int]:
+    """A Mistral server's count of a prompt: mistral-common's shipped v3 tokenizer for the
+    text, and its instruct format's control tokens (<s>, then [INST] ... [/INST] around
+    each user or system turn and </s> after each answer)."""
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    text_tokenizer = MistralTokenizer.v3().instruct_tokenizer.tokenizer
+
+    def text_of(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        parts = content if isinstance(content, list) else []
+        return " ".join(str(p.get("text") or "") for p in parts if isinstance(p, dict))
+
+    def count(body: dict[str, Any]) -> int:
+        turns: list[tuple[str, str]] = []
+        if "messages" in body:
+            turns = [(m.get("role", ""), text_of(m.get("content"))) for m in body["messages"]]
+        else:
+            if body.get("instructions"):
+                turns.append(("system", str(body["instructions"])))
+            given = body.get("input")
+            items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+            turns += [(i.get("role", "user"), text_of(i.get("content"))) for i in items or []]
+        total = 1  # <s>
+        for role, text in turns:
+            total += len(text_tokenizer.encode(text, bos=False, eos=False))
+            total += 1 if role == "assistant" else 2
+        return total
+
+    return count
+
+
 @dataclass(frozen=True)
 class Provider:
     name: str
@@ -64,6 +97,20 @@ def providers() -> list[Provider]:
             "llama-3-8b",
             ContextWindow(12000, inflation=1.35, per_message=14),
             '\n  "llama-3-8b": {context_window: 12000, max_output_tokens: 1000}',
+        ),
+        Provider(
+            "Mistral (mistral-common's v3 tokenizer and instruct format), window 12k in "
+            "the policy, no tokenizer named",
+            "mistral-small-latest",
+            ContextWindow(12000, count=mistral_count()),
+            '\n  "mistral-small-latest": {context_window: 12000, max_output_tokens: 1000}',
+        ),
+        Provider(
+            "the same Mistral server, `tokenizer: mistral:v3` in the policy",
+            "mistral-small-latest",
+            ContextWindow(12000, count=mistral_count()),
+            '\n  "mistral-small-latest": {context_window: 12000, max_output_tokens: 1000, '
+            'tokenizer: "mistral:v3"}',
         ),
         Provider(
             "vLLM-shaped (1.15x + 8/message), max_model_len 8192 listed, policy only *",

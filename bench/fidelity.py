@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -837,9 +838,13 @@ def responses_outputs(reply: tuple[Call, ...]) -> list[JsonDict]:
     ]
 
 
-def scripted_answer(scenario: Scenario, reply: tuple[Call, ...] | str, index: int) -> JsonDict:
-    """The provider's exact answer, ids fixed so every run sends the same bytes."""
-    if scenario.api == "chat":
+def scripted_answer(
+    scenario: Scenario, reply: tuple[Call, ...] | str, index: int, wire: Api | None = None
+) -> JsonDict:
+    """The provider's exact answer, ids fixed so every run sends the same bytes. `wire`:
+    the API the provider is asked through (a Responses turn over a Chat-only upstream is
+    answered as Chat), the scenario's own by default."""
+    if (wire or scenario.api) == "chat":
         stub = {"model": scenario.model, "messages": []}
         answer = chat_completion(
             stub,
@@ -904,6 +909,17 @@ def strings(value: Any) -> Iterator[str]:
     elif isinstance(value, list):
         for v in value:
             yield from strings(v)
+
+
+def sent_of(turn: int, request: JsonDict, error: str | None) -> Sent:
+    """What a provider request carries, either shape: Chat's `messages` (texts, tool calls'
+    arguments, tool outputs, the system text as a message), or Responses' `input` items and
+    `instructions`."""
+    if "messages" in request:
+        return Sent(turn, list(request.get("messages") or []), error=error)
+    given = request.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    return Sent(turn, list(items or []), request.get("instructions"), error)
 
 
 def visible(sent: Sent) -> str:
@@ -1236,7 +1252,8 @@ BAD_SUMMARY = json.dumps(
 )
 
 
-def policy_text(summarizer: bool) -> str:
+def policy_text(summarizer: bool, chat_upstream: bool = False) -> str:
+    """`chat_upstream`: Responses turns go to the provider translated to Chat."""
     models = "\n".join(
         f'  "{name}": {{context_window: {window}, max_output_tokens: {RESERVE_OUTPUT}}}'
         for name, window in WINDOWS.items()
@@ -1247,6 +1264,8 @@ def policy_text(summarizer: bool) -> str:
             f"memory: {{summarizer: {{model: {SUMMARIZER_MODEL}, max_tokens: 800, "
             "timeout_seconds: 5}}"
         )
+    if chat_upstream:
+        memory += "\nupstream: {api: chat}\n"
     return POLICY.format(models=models, reserve=RESERVE_OUTPUT, margin=SAFETY_MARGIN, memory=memory)
 
 
@@ -1255,8 +1274,10 @@ class ScriptedProvider:
     model request with the answer the client scripts just before it, and summary requests
     (model SUMMARIZER_MODEL, either API) with bad prose, whenever they come."""
 
-    def __init__(self) -> None:
-        self.fake = FakeProvider(models=(*WINDOWS, SUMMARIZER_MODEL))
+    def __init__(self, chat_only: bool = False) -> None:
+        self.fake = FakeProvider(models=(*WINDOWS, SUMMARIZER_MODEL), chat_only=chat_only)
+        # A Chat-only provider is asked every turn through Chat (upstream.api: chat).
+        self.wire: Api | None = "chat" if chat_only else None
         self.summary_requests = 0
         # Told apart by model before the usual routes, so they never take a turn's answer.
         self.fake.app.middlewares.append(self._summaries)
@@ -1392,7 +1413,7 @@ async def run_through_proxy(
                 body["store"] = False
         if index and think:
             await asyncio.sleep(think)
-        provider.answer_next(scripted_answer(scenario, step.reply, index))
+        provider.answer_next(scripted_answer(scenario, step.reply, index, provider.wire))
         before = len(provider.model_requests)
         async with session.post(base + path, json=body, headers=headers) as response:
             status, raw = response.status, await response.text()
@@ -1407,13 +1428,7 @@ async def run_through_proxy(
         ]
         error = None if status == 200 else f"{status} {json.dumps(answer)[:240]}"
         if received:
-            got = received[-1].json
-            if scenario.api == "chat":
-                sent.append(Sent(turn, list(got.get("messages") or []), error=error))
-            else:
-                given = got.get("input")
-                items_in = [{"role": "user", "content": given}] if isinstance(given, str) else given
-                sent.append(Sent(turn, list(items_in or []), got.get("instructions"), error))
+            sent.append(sent_of(turn, received[-1].json, error))
         else:
             sent.append(Sent(turn, [], error=error or "the provider received nothing"))
         if scenario.api == "responses" and isinstance(answer, dict):
@@ -1436,20 +1451,28 @@ MIDDLE_OUT = "cache optimum, first turns kept, cut after them (knows every later
 
 
 async def measure(
-    scenarios: Sequence[Scenario], with_summarizer: bool, tmp: Path, baselines: bool = True
+    scenarios: Sequence[Scenario],
+    with_summarizer: bool,
+    tmp: Path,
+    baselines: bool = True,
+    chat_only: bool = False,
 ) -> tuple[list[Row], list[str]]:
     """Every scenario through the proxy in both modes, then (`baselines`) the baselines and
     cache bounds on the same histories. Family runs skip the baselines (they cost more
-    than the proxy run) and their resent-reuse input (`added` is left zero)."""
+    than the proxy run) and their resent-reuse input (`added` is left zero). `chat_only`:
+    the provider serves Chat only and the policy says `upstream: {api: chat}`; the rows'
+    API is then the provider requests' shape (chat), which their token counts follow."""
     for scenario in scenarios:
         check_facts(scenario)
     rows: list[Row] = []
     notes: list[str] = []
-    provider = ScriptedProvider()
+    provider = ScriptedProvider(chat_only)
     upstream = await provider.fake.start()
-    systems: list[tuple[str, str]] = [("threadkeeper", policy_text(False))]
+    systems: list[tuple[str, str]] = [("threadkeeper", policy_text(False, chat_only))]
     if with_summarizer:
-        systems.append(("threadkeeper + LLM summarizer (answers badly)", policy_text(True)))
+        systems.append(
+            ("threadkeeper + LLM summarizer (answers badly)", policy_text(True, chat_only))
+        )
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for system, policy in systems:
@@ -1480,7 +1503,7 @@ async def measure(
                                     scenario.name,
                                     requests,
                                     scenario.window,
-                                    scenario.api,
+                                    provider.wire or scenario.api,
                                     scenario.model,
                                     scenario.facts,
                                     added,
@@ -2039,6 +2062,121 @@ async def run_families(
     return [r for r in rows if r.system.startswith("threadkeeper")], notes
 
 
+UPSTREAM_COMMAND = "python bench/fidelity.py --upstream chat --write"
+NATIVE = "Responses fake (/v1/responses)"
+TRANSLATED = "Chat-only fake (upstream: {api: chat})"
+
+
+async def run_upstreams(
+    families_: Sequence[str], seeds: Sequence[int], tmp: Path
+) -> tuple[list[Row], list[str]]:
+    """The families' Responses conversations for these seeds twice, in one run: against
+    the Responses fake, then against a Chat-only fake with `upstream: {api: chat}` (issue
+    25). Rows are named NATIVE and TRANSLATED."""
+    scenarios = [s for s in generate(list(families_), list(seeds)) if s.api == "responses"]
+    rows: list[Row] = []
+    notes: list[str] = []
+    for system, chat_only in ((NATIVE, False), (TRANSLATED, True)):
+        where = tmp / ("chat" if chat_only else "responses")
+        where.mkdir()
+        got, said = await measure(scenarios, False, where, baselines=False, chat_only=chat_only)
+        rows += [dataclasses.replace(r, system=system) for r in got]
+        notes += [f"{system}: {n}" for n in said]
+    return rows, notes
+
+
+def upstream_table(rows: Sequence[Row]) -> list[str]:
+    """Per system and mode, over the conversations: the family checker's figures."""
+    lines = [
+        "| provider | mode | conversations | checked requests | must-keep mean "
+        "| must-keep worst request | all facts mean | prefix reuse mean "
+        "| tool-pair violations | provider 400s | failed requests |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in ("stateless", "previous_response_id"):
+        for system in (NATIVE, TRANSLATED):
+            group = [r for r in rows if r.system == system and r.mode == mode]
+            must = [
+                v
+                for r in group
+                for v in recall(r.checked(), [f for f in r.facts if f.kind == "must"])
+            ]
+            every = [v for r in group for v in recall(r.checked(), r.facts)]
+            reuse = [v for r in group for v in family_reuse(r)]
+            violations = sum(sum(tool_pair_violations(s.items) for s in r.checked()) for r in group)
+            lines.append(
+                f"| {system} | {mode} | {len(group)} | {sum(len(r.checked()) for r in group)} "
+                f"| {_pct(must, 1)} | {_worst(must)} | {_pct(every, 1)} | {_pct(reuse, 1)} "
+                f"| {violations} | {sum(r.provider_400s() for r in group)} "
+                f"| {sum(r.errors() for r in group)} |"
+            )
+    return lines
+
+
+def upstream_differences(rows: Sequence[Row]) -> list[str]:
+    """Per conversation and mode where the two providers' figures differ: which."""
+    out: list[str] = []
+    native = {(r.scenario, r.mode): r for r in rows if r.system == NATIVE}
+    for row in rows:
+        other = native.get((row.scenario, row.mode))
+        if row.system != TRANSLATED or other is None:
+            continue
+        said: list[str] = []
+        for what, figure in (
+            ("must-keep", lambda r: recall(r.checked(), [f for f in r.facts if f.kind == "must"])),
+            ("all facts", lambda r: recall(r.checked(), r.facts)),
+            ("prefix reuse", family_reuse),
+        ):
+            a, b = figure(other), figure(row)
+            if a != b:
+                said.append(f"{what} {_pct(a, 1)} -> {_pct(b, 1)}")
+        if len(other.checked()) != len(row.checked()):
+            said.append(f"checked requests {len(other.checked())} -> {len(row.checked())}")
+        if said:
+            out.append(f"- {row.scenario} ({row.mode}): " + ", ".join(said))
+    return out
+
+
+def upstream_section(
+    seeds: Sequence[int], rows: Sequence[Row], notes: Sequence[str], seconds: float
+) -> str:
+    conversations = sorted({r.scenario for r in rows})
+    parts = [
+        "## Fidelity over a Chat-only upstream (issue 25)",
+        "",
+        f"`{UPSTREAM_COMMAND}`, proxy/ as of `{commit()}`, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}, {seconds:.0f} s. The tuning set's "
+        f"Responses conversations (seeds {seeds[0]}-{seeds[-1]} of bench/families.py, those "
+        f"whose API the seed made Responses: {len(conversations)}), each run stateless "
+        "(`store: false`, whole history) and stateful (`previous_response_id`) through "
+        "`python -m proxy serve` with the default memory policy, twice in one run: against "
+        "the fake provider serving /v1/responses (policy `upstream.api` default, auto), and "
+        "against `FakeProvider(chat_only=True)` (/v1/responses a 404, Chat's rules enforced) "
+        "with `upstream: {api: chat}` in the policy, scripted with the same answers as Chat "
+        "completions. Checked as in ## Fidelity families: every request from the first "
+        "whose whole history overflows the window; the facts are read from the provider "
+        "request's `instructions` and `input` items, or from the Chat request's `messages` "
+        "(every message's text, tool calls' arguments, tool outputs). Prefix reuse is "
+        "counted on the request the provider received, so over Chat it is measured on "
+        "messages (the system text a leading message) with Chat's token counter.",
+        "",
+        *upstream_table(rows),
+        "",
+    ]
+    differences = upstream_differences(rows)
+    parts += (
+        ["Where the two differ (native -> translated):", "", *differences, ""]
+        if differences
+        else ["Every conversation gives the same figures both ways.", ""]
+    )
+    failed = failures(rows)
+    if failed:
+        parts += ["Requests that failed:", "", *failed, ""]
+    if notes:
+        parts += ["Notes:", "", *(f"- {n}" for n in notes), ""]
+    return "\n".join(parts)
+
+
 def _ints(text: str) -> list[int]:
     """`1,2,5` or `100-119` (or both, comma separated)."""
     out: list[int] = []
@@ -2078,7 +2216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="one seed per family, the set's first (with --set)"
     )
+    parser.add_argument(
+        "--upstream",
+        choices=("chat",),
+        help="chat: the families' Responses conversations (tuning seeds, or --seeds) "
+        "against the Responses fake and against a Chat-only fake with upstream.api: chat, "
+        "in one run (issue 25)",
+    )
     args = parser.parse_args(argv)
+    if args.upstream:
+        return main_upstream(args)
     if args.set or args.families or args.seeds or args.quick:
         return main_families(args)
     scenarios = [SCENARIOS[name]() for name in args.only or SCENARIOS]
@@ -2115,6 +2262,26 @@ def main_families(args: argparse.Namespace) -> int:
             from results import write_section
 
             write_section(text.splitlines()[0].removeprefix("## "), text)
+    return 0
+
+
+def main_upstream(args: argparse.Namespace) -> int:
+    chosen = args.families.split(",") if args.families else list(FAMILIES)
+    unknown = [f for f in chosen if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    seeds = _ints(args.seeds) if args.seeds else list(SETS["tuning"])
+    if args.quick:
+        seeds = seeds[:1]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="fidelity-") as tmp:
+        rows, notes = asyncio.run(run_upstreams(chosen, seeds, Path(tmp)))
+    text = upstream_section(seeds, rows, notes, time.monotonic() - started)
+    print(text)
+    if args.write:
+        from results import write_section
+
+        write_section(text.splitlines()[0].removeprefix("## "), text)
     return 0
 
 

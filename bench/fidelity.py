@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import itertools
 import json
@@ -1456,12 +1457,14 @@ async def measure(
     tmp: Path,
     baselines: bool = True,
     chat_only: bool = False,
+    paths_note: bool = False,
 ) -> tuple[list[Row], list[str]]:
     """Every scenario through the proxy in both modes, then (`baselines`) the baselines and
     cache bounds on the same histories. Family runs skip the baselines (they cost more
     than the proxy run) and their resent-reuse input (`added` is left zero). `chat_only`:
     the provider serves Chat only and the policy says `upstream: {api: chat}`; the rows'
-    API is then the provider requests' shape (chat), which their token counts follow."""
+    API is then the provider requests' shape (chat), which their token counts follow.
+    `paths_note`: a note says which endpoints the provider's model requests went to."""
     for scenario in scenarios:
         check_facts(scenario)
     rows: list[Row] = []
@@ -1515,6 +1518,12 @@ async def measure(
                         proxy.stop()
                     if any(r.errors() for r in rows if r.system == system):
                         notes.append(f"{system}: the proxy's log ends with `{proxy.last_error()}`")
+                if paths_note:
+                    paths = collections.Counter(r.path for r in provider.model_requests)
+                    notes.append(
+                        f"{system}: the provider received, both modes, "
+                        + ", ".join(f"{n} `{path}`" for path, n in sorted(paths.items()))
+                    )
                 if name == "summarizer":
                     calls = provider.summary_requests - summaries_before
                     notes.append(f"{system}: the provider received {calls} summary requests")
@@ -2079,9 +2088,11 @@ async def run_upstreams(
     for system, chat_only in ((NATIVE, False), (TRANSLATED, True)):
         where = tmp / ("chat" if chat_only else "responses")
         where.mkdir()
-        got, said = await measure(scenarios, False, where, baselines=False, chat_only=chat_only)
+        got, said = await measure(
+            scenarios, False, where, baselines=False, chat_only=chat_only, paths_note=True
+        )
         rows += [dataclasses.replace(r, system=system) for r in got]
-        notes += [f"{system}: {n}" for n in said]
+        notes += [n.replace("threadkeeper:", f"{system}:", 1) for n in said]
     return rows, notes
 
 

@@ -123,11 +123,11 @@ async def test_a_client_gone_while_its_response_is_recorded_leaves_it_incomplete
     begun: list[StoredResponse] = []
     original = store.begin_response
 
-    async def held_begin(response: StoredResponse) -> None:
+    async def held_begin(response: StoredResponse, **options: Any) -> None:
         begun.append(response)
         writing.set()
         await gate.wait()
-        await original(response)
+        await original(response, **options)
 
     store.begin_response = held_begin  # type: ignore[method-assign]
     created = await proxy.client().conversations.create()

@@ -4,6 +4,7 @@ holds Chat requests to Chat's rules (roles, tool pairing, known params)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import cache
@@ -625,3 +626,42 @@ async def test_auto_refuses_a_hosted_tool_found_chat_only_and_keeps_nothing(
     answer = await client.responses.create(model="gpt-4o", input="hi", conversation=conversation.id)
     assert answer.output_text == "ok"
     assert paths(provider)[1:] == ["/v1/responses", "/v1/chat/completions"]
+
+
+# -- background mode on top ------------------------------------------------------------------
+
+
+async def test_background_mode_runs_over_a_chat_only_provider(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    """Background mode is the proxy's own: over a Chat-only provider it polls to completed,
+    streams with sequence numbers, resumes after the last event seen, and the provider
+    gets Chat requests without `background`."""
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.script.append(Reply(text="the long answer"))
+    created = await client.responses.create(model="gpt-4o", input="think hard", background=True)
+    assert (created.status, created.background) == ("in_progress", True)
+    for _ in range(1000):  # bounded: a response left in_progress fails the test
+        polled = await client.responses.retrieve(created.id)
+        if polled.status != "in_progress":
+            break
+        await asyncio.sleep(0.02)
+    assert polled.status == "completed" and polled.output_text == "the long answer"
+    assert paths(provider) == ["/v1/chat/completions"]
+    assert "background" not in last_chat(provider)
+
+    provider.script.append(Reply(text="one two three four"))
+    stream = await client.responses.create(
+        model="gpt-4o", input="go on", previous_response_id=created.id, background=True, stream=True
+    )
+    seen = [event async for event in stream]
+    assert [e.sequence_number for e in seen] == list(range(len(seen)))
+    assert seen[-1].type == "response.completed"
+    assert seen[-1].response.output_text == "one two three four"
+    resumed = await client.responses.retrieve(seen[-1].response.id, stream=True, starting_after=1)
+    rest = [event async for event in resumed]
+    assert [e.sequence_number for e in rest] == list(range(2, len(seen)))
+    assert paths(provider) == ["/v1/chat/completions"] * 2
+    texts = json.dumps(last_chat(provider)["messages"])
+    assert "think hard" in texts and "the long answer" in texts

@@ -41,8 +41,11 @@ class Sample:
 
 
 # Samples a correction is fitted over: the most recent ones (a provider's tokenizer or
-# template can change with a deploy; a bounded window forgets the old one).
+# template can change with a deploy; a bounded window forgets the old one), at most
+# PER_BAND of each prompt size (a power of two of the estimate), so that a run of long
+# prompts does not evict the short ones, the only ones that show a per-item cost.
 MAX_SAMPLES = 32
+PER_BAND = 4
 # The share of recent samples the fitted correction bounds from above (nearest rank): with
 # fewer than 20 samples, every one of them.
 QUANTILE = 0.95
@@ -82,17 +85,28 @@ class Learned:
 
 def fit(samples: tuple[Sample, ...]) -> tuple[float, float]:
     """(ratio, overhead) with ratio * estimate + overhead * items at or above the actual
-    count of QUANTILE of `samples`: least squares through the origin on the two columns
-    (a mean), then scaled up to the high quantile of actual / fitted (the bound). Too few
-    or too alike samples for two columns: a ratio alone."""
+    count of QUANTILE of `samples`: least squares through the origin on the two columns,
+    then scaled up to the high quantile of actual / fitted (the bound). Too few or too
+    alike samples for two columns: a ratio alone.
+
+    The squares are of relative errors (each sample weighted by 1 / actual^2). In real
+    traffic text and items grow together (a turn adds both), so on long prompts a ratio
+    and a per-item term trade against each other freely, and an absolute fit lets the
+    longest prompts' vocabulary drift (summaries, digits, code: tens of tokens) decide a
+    per-item cost of one or two: 9 tokens per item where a format costs 1-2 (issue 21).
+    The per-item term shows only where items are many for their text, in short prompts;
+    weighting by relative error gives each answer the same say whatever its size, which
+    is also what the budget and input_tokens promise (a share of the count), and the
+    sample window keeps short prompts (PER_BAND) for it to see."""
     points = [s for s in samples if s.estimate > 0 and s.actual > 0]
     if not points:
         return 1.0, 0.0
-    srr = sum(s.estimate * s.estimate for s in points)
-    snn = sum(s.items * s.items for s in points)
-    srn = sum(s.estimate * s.items for s in points)
-    sry = sum(s.estimate * s.actual for s in points)
-    sny = sum(s.items * s.actual for s in points)
+    weights = [1.0 / (s.actual * s.actual) for s in points]
+    srr = sum(w * s.estimate * s.estimate for w, s in zip(weights, points, strict=True))
+    snn = sum(w * s.items * s.items for w, s in zip(weights, points, strict=True))
+    srn = sum(w * s.estimate * s.items for w, s in zip(weights, points, strict=True))
+    sry = sum(w * s.estimate * s.actual for w, s in zip(weights, points, strict=True))
+    sny = sum(w * s.items * s.actual for w, s in zip(weights, points, strict=True))
     ratio, overhead = sry / srr, 0.0
     det = srr * snn - srn * srn
     if len(points) >= 3 and snn > 0 and det > MIN_SPREAD * srr * snn:
@@ -105,11 +119,22 @@ def fit(samples: tuple[Sample, ...]) -> tuple[float, float]:
     return ratio * scale, overhead * scale
 
 
+def kept_samples(samples: tuple[Sample, ...], sample: Sample) -> tuple[Sample, ...]:
+    """The window with `sample` added: the oldest of its size band leaves when the band
+    holds PER_BAND, then the oldest of all beyond MAX_SAMPLES."""
+    band = sample.estimate.bit_length()
+    same = [s for s in samples if s.estimate.bit_length() == band]
+    if len(same) >= PER_BAND:
+        drop = same[0]
+        samples = tuple(s for s in samples if s is not drop)
+    return (*samples, sample)[-MAX_SAMPLES:]
+
+
 def calibrated(previous: Learned | None, sample: Sample) -> Learned:
     """`previous` with one more answer's usage: the correction fitted again over the recent
     samples. A refusal's window and the discovered one are kept."""
     base = previous if previous is not None else Learned()
-    samples = (*base.samples, sample)[-MAX_SAMPLES:]
+    samples = kept_samples(base.samples, sample)
     ratio, overhead = fit(samples)
     return replace(base, ratio=ratio, overhead=overhead, answers=base.answers + 1, samples=samples)
 

@@ -326,6 +326,7 @@ async def _models(store: Any, args: argparse.Namespace) -> str:
     holds something about, read with the tenant's policy (its window and tokenizer)."""
     from proxy import admin
     from proxy.core.tokens import encoding_name_for_model
+    from proxy.native_tokenizers import is_mistral_name, mistral_default
     from proxy.policy import PolicyError, PolicyRegistry
     from proxy.server.learned import from_state, model_window
     from proxy.settings import load_settings
@@ -343,6 +344,8 @@ async def _models(store: Any, args: argparse.Namespace) -> str:
         if policy is not None:
             window, source = model_window(policy, record.model, learned)
             named = policy.tokenizer_for(record.model)
+            if named is None and is_mistral_name(record.model):
+                named = mistral_default(record.model)
             tokenizer = named.name if named is not None else None
             if policy.counts_with_provider(record.model):
                 tokenizer = "provider"

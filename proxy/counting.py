@@ -3,8 +3,9 @@
     counter = await counter_for(policy, "Qwen/Qwen2.5-7B-Instruct")
 
 A model entry's tokenizer (tiktoken:, hf:, mistral:, loaded with the policy) counts for
-it; an entry that names none counts OpenAI model names with their tiktoken encoding and
-every other name with the o200k_base estimate. That estimate is the seam the calibration
+it; an entry that names none counts a Mistral API model name with the tokenizer
+mistral-common maps it to (proxy/native_tokenizers.py, `mistral_default`), OpenAI model
+names with their tiktoken encoding and every other name with the o200k_base estimate. That estimate is the seam the calibration
 from provider usage (issue 21, item 2) wraps.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from proxy.core.budget import Learned
 from proxy.core.items import Item
 from proxy.core.tokens import TokenCounter, vocabulary_loaded
+from proxy.native_tokenizers import is_mistral_name, mistral_default, mistral_default_known
 from proxy.policy import Policy
 
 
@@ -27,10 +29,17 @@ def estimate_counter(model: str) -> TokenCounter:
 
 async def counter_for(policy: Policy | None, model: str) -> TokenCounter:
     """The model's counter under `policy` (None: no tenant, the default rule). The first
-    use of a bundled tiktoken vocabulary loads it (a third of a second): not on the loop."""
+    use of a bundled tiktoken vocabulary or a Mistral default loads it (a third of a
+    second): not on the loop."""
     named = policy.tokenizer_for(model) if policy is not None else None
     if named is not None:
         return TokenCounter(model, named)
+    if is_mistral_name(model):
+        known, native = mistral_default_known(model)
+        if not known:
+            native = await asyncio.to_thread(mistral_default, model)
+        if native is not None:
+            return TokenCounter(model, native)
     if vocabulary_loaded(model):
         return estimate_counter(model)
     return await asyncio.to_thread(estimate_counter, model)

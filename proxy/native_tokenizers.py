@@ -12,6 +12,10 @@ same way with mistral-common's own encoder. Nothing is ever downloaded: a path t
 not exist or a version that is not shipped is a `TokenizerError`, which policy loading
 turns into an error naming the file and the field.
 
+A Mistral API model name whose policy entry names no tokenizer (`mistral-large-2407`,
+`open-mistral-nemo`, `codestral-latest`...) counts with the tokenizer mistral-common maps
+its release to (`mistral_default`): an explicit `tokenizer:` always wins.
+
 The core (proxy/core/tokens.py) gets a `NativeTokenizer`: a name that identifies the
 tokenizer's content (so cached and stored counts never mix tokenizers), a counting
 function and the measured costs.
@@ -19,8 +23,10 @@ function and the measured costs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -235,7 +241,6 @@ def _mistral(version: str) -> NativeTokenizer:
 
 
 def _build_mistral(version: str) -> NativeTokenizer:
-    from mistral_common.protocol.instruct.request import ChatCompletionRequest
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
     method, options = MISTRAL_VERSIONS[version]
@@ -243,6 +248,12 @@ def _build_mistral(version: str) -> NativeTokenizer:
         mistral = getattr(MistralTokenizer, method)(**options)
     except Exception as exc:  # e.g. sentencepiece missing for the non-tekken versions
         raise TokenizerError(f"mistral-common cannot load {version}: {exc}") from None
+    return _mistral_native(version, mistral)
+
+
+def _mistral_native(version: str, mistral: Any) -> NativeTokenizer:
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
     text_tokenizer = mistral.instruct_tokenizer.tokenizer
 
     def count(text: str) -> int:
@@ -258,3 +269,118 @@ def _build_mistral(version: str) -> NativeTokenizer:
         return len(mistral.encode_chat_completion(request).tokens)
 
     return NativeTokenizer(f"mistral:{version}", count, measure_template(render_count, count))
+
+
+# -- Mistral model names ---------------------------------------------------------------------
+
+# The API's model families (mistral-common's table names releases of these). A cheap test
+# first: the table itself is behind a heavy import, off the event loop.
+MISTRAL_FAMILIES = (
+    "mistral-",
+    "open-mistral-",
+    "open-mixtral-",
+    "mixtral-",
+    "ministral-",
+    "pixtral-",
+    "codestral-",
+)
+# A release's date (mistral-large-2407) or the API's alias for the newest one (-latest).
+_RELEASE_SUFFIX = re.compile(r"-(?:(\d{4})|latest)$")
+_MAX_DEFAULTS = 1024  # model names come from clients: a bounded map
+_defaults: dict[str, NativeTokenizer | None] = {}
+
+
+def _api_name(model: str) -> str:
+    return model.rsplit("/", 1)[-1].lower()  # a provider prefix (mistralai/...) aside
+
+
+def is_mistral_name(model: str) -> bool:
+    """Whether `model` looks like a Mistral API model name (`mistral_default` then tells)."""
+    return _api_name(model).startswith(MISTRAL_FAMILIES)
+
+
+def mistral_default_known(model: str) -> tuple[bool, NativeTokenizer | None]:
+    """(True, `mistral_default(model)`) when that is a dictionary lookup; (False, None)
+    while it would still import or load something."""
+    with _loaded_lock:
+        if model in _defaults:
+            return True, _defaults[model]
+    return False, None
+
+
+def mistral_default(model: str) -> NativeTokenizer | None:
+    """The tokenizer mistral-common maps a Mistral API model name to, as the
+    `mistral:<version>` a policy could name; None for a name it does not know (the model
+    keeps the estimate and its calibration) or a tokenizer it cannot load (logged).
+    Imports and loads on first use: not on the event loop."""
+    found, native = mistral_default_known(model)
+    if found:
+        return native
+    release = mistral_release(model)
+    version = _release_version(release) if release is not None else None
+    native = _mistral(version) if version is not None else None
+    with _loaded_lock:
+        if len(_defaults) >= _MAX_DEFAULTS:
+            _defaults.clear()
+        _defaults[model] = native
+    return native
+
+
+def mistral_release(model: str) -> str | None:
+    """The release in mistral-common's table that `model` names: the release itself
+    (`mistral-large-2407`), or, for a family's alias (`mistral-large-latest`,
+    `mistral-large`) or a release the table does not list (`mistral-large-2501`), the
+    family's latest listed release at or before that date (else its first). None: not a
+    family the table knows (`open-mistral-7b`, or a Hugging Face repository name such as
+    `Mistral-7B-Instruct-v0.3`, which a policy names with `hf:` or `mistral:<version>`)."""
+    try:
+        from mistral_common.tokens.tokenizers.mistral import MODEL_NAME_TO_TOKENIZER_CLS
+    except ImportError:  # a mistral-common without the table
+        return None
+    name = _api_name(model)
+    if name in MODEL_NAME_TO_TOKENIZER_CLS:
+        return name
+    match = _RELEASE_SUFFIX.search(name)
+    family = name[: match.start()] if match else name
+    date = match.group(1) if match and match.group(1) else "9999"
+    dated = sorted(
+        (when, release)
+        for release in MODEL_NAME_TO_TOKENIZER_CLS
+        for stem, _, when in [release.rpartition("-")]
+        if stem == family and when.isdigit()
+    )
+    earlier = [release for when, release in dated if when <= date]
+    if earlier:
+        return earlier[-1]
+    return dated[0][1] if dated else None
+
+
+_versions: dict[str, str | None] = {}  # release -> MISTRAL_VERSIONS key (a fixed table)
+
+
+def _release_version(release: str) -> str | None:
+    """The MISTRAL_VERSIONS key of the tokenizer the table builds for `release` (built
+    once; its loaded tokenizer is kept for that version)."""
+    if release in _versions:
+        return _versions[release]
+    from mistral_common.tokens.tokenizers.mistral import MODEL_NAME_TO_TOKENIZER_CLS
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    version: str | None
+    try:
+        mistral = MODEL_NAME_TO_TOKENIZER_CLS[release]()
+    except Exception as exc:  # sentencepiece missing, an entry that no longer loads
+        log.warning("mistral_default_unavailable", release=release, error=str(exc))
+        version = None
+    else:
+        text_tokenizer = mistral.instruct_tokenizer.tokenizer
+        version = text_tokenizer.version.value
+        if isinstance(text_tokenizer, Tekkenizer):
+            version = f"{version}-tekken"
+        if version in MISTRAL_VERSIONS:
+            _cached(("mistral", version), lambda: _mistral_native(str(version), mistral))
+        else:
+            log.warning("mistral_default_unavailable", release=release, version=version)
+            version = None
+    _versions[release] = version
+    return version

@@ -166,7 +166,7 @@ class ModelLimits(_Frozen):
     max_output_tokens: int | None = Field(default=None, gt=0)
     """The model's output cap; the output reserve never exceeds it."""
     tokenizer: Annotated[str, AfterValidator(_tokenizer_spec)] | None = None
-    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file>, mistral:<version>, or provider (the provider's own /tokenize or /responses/input_tokens, each item once, the calibrated estimate when it cannot tell; see "Token counting" above); absent, tiktoken for OpenAI model names, else the o200k_base estimate."""
+    """How this model's tokens are counted: tiktoken:<encoding>, hf:<tokenizer.json or model directory, relative to this file>, mistral:<version>, or provider (the provider's own /tokenize or /responses/input_tokens, each item once, the calibrated estimate when it cannot tell; see "Token counting" above); absent, tiktoken for OpenAI model names, the tokenizer mistral-common maps a Mistral API name to (mistral-large-2407, codestral-latest...), else the o200k_base estimate."""
 
     @field_validator("max_output_tokens")
     @classmethod

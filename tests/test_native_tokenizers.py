@@ -14,7 +14,14 @@ from tokenizers import Tokenizer
 
 from proxy.core.items import chat_item
 from proxy.core.tokens import DEFAULT_TEMPLATE_COST, TokenCounter
-from proxy.native_tokenizers import MISTRAL_VERSIONS, TokenizerError, load_native
+from proxy.counting import counter_for
+from proxy.native_tokenizers import (
+    MISTRAL_VERSIONS,
+    TokenizerError,
+    load_native,
+    mistral_default,
+    mistral_release,
+)
 from proxy.policy import PolicyError, load_policy_file
 from tests.tokenizer_files import byte_bpe, template_count, word_level
 
@@ -157,6 +164,57 @@ def test_mistral_counts_within_its_format_of_mistral_commons_own(version: str) -
     # Errs high, by at most a token per message (the role the counter encodes and
     # mistral's format does not spell out).
     assert theirs <= ours <= theirs + len(CONVERSATION)
+
+
+@pytest.mark.parametrize(
+    ("model", "release", "version"),
+    [
+        ("mistral-large-2407", "mistral-large-2407", "v3"),  # a release the table lists
+        ("mistral-large-latest", "mistral-large-2411", "v7"),  # an alias: the latest listed
+        ("mistral-large", "mistral-large-2411", "v7"),
+        ("mistral-small-2402", "mistral-small-2402", "v2"),
+        ("mistral-small-2501", "mistral-small-2409", "v3-tekken"),  # the latest before it
+        ("open-mistral-nemo", "open-mistral-nemo-2407", "v3-tekken"),
+        ("codestral-latest", "codestral-2405", "v3"),
+        ("mistralai/mistral-large-2407", "mistral-large-2407", "v3"),  # a gateway's prefix
+    ],
+)
+def test_a_mistral_api_name_maps_to_mistral_commons_tokenizer_for_it(
+    model: str, release: str, version: str
+) -> None:
+    from mistral_common.tokens.tokenizers.mistral import MODEL_NAME_TO_TOKENIZER_CLS
+
+    assert mistral_release(model) == release
+    native = mistral_default(model)
+    assert native is not None and native.name == f"mistral:{version}"
+    # The very tokenizer mistral-common builds for that release counts the text.
+    theirs = MODEL_NAME_TO_TOKENIZER_CLS[release]().instruct_tokenizer.tokenizer
+    text = "Order 4711 shipped on 2024-07-18; refund 12.50 EUR?"
+    assert native.count(text) == len(theirs.encode(text, bos=False, eos=False))
+
+
+@pytest.mark.parametrize(
+    "model", ["Mistral-7B-Instruct-v0.3", "open-mistral-7b", "gpt-4o", "llama3.1:8b"]
+)
+def test_names_mistral_common_does_not_map_keep_the_estimate(model: str) -> None:
+    assert mistral_default(model) is None
+
+
+async def test_a_policy_that_names_no_tokenizer_counts_a_mistral_name_natively(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "acme.yaml"
+    path.write_text(
+        "tenant: acme\napi_keys: []\nmodels:\n"
+        '  "*": {context_window: 128000}\n'
+        '  "mistral-large-2407": {context_window: 32000}\n'
+        '  "codestral-2405": {context_window: 32000, tokenizer: "tiktoken:o200k_base"}\n'
+    )
+    policy = load_policy_file(path)
+    assert (await counter_for(policy, "mistral-large-2407")).tokenizer_id == "mistral:v3"
+    assert (await counter_for(policy, "mistral-small-latest")).tokenizer_id == "mistral:v3-tekken"
+    # An explicit tokenizer always wins.
+    assert (await counter_for(policy, "codestral-2405")).tokenizer_id == "o200k_base"
 
 
 def test_unknown_mistral_version_is_an_error() -> None:

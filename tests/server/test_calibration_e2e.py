@@ -294,3 +294,54 @@ async def test_a_streamed_answers_usage_calibrates_too(
     learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
     assert learned is not None and learned.answers == 1
     assert learned.ratio * learned.samples[0].estimate >= usage[0].prompt_tokens
+
+
+def mistral_v3_count(body: dict[str, Any]) -> int:
+    """A Mistral server's count of a Responses request: mistral-common's v3 encoding of
+    the messages in its instruct format (the real tokenizer, shipped with the package)."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    messages = (
+        [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
+    )
+    given = body["input"]
+    messages += [{"role": "user", "content": given}] if isinstance(given, str) else given
+    request = ChatCompletionRequest.model_validate({"messages": messages})
+    return len(MistralTokenizer.v3().encode_chat_completion(request).tokens)
+
+
+@pytest.mark.parametrize(
+    ("entry", "off_by_at_most"),
+    [
+        # No tokenizer named: mistral-common's v3, which it maps mistral-large-2407 to.
+        ('"mistral-large-2407": {context_window: 32000}', 0.03),
+        # An explicit tokenizer wins: o200k, as far off as the vocabularies are.
+        ('"mistral-large-2407": {context_window: 32000, tokenizer: "tiktoken:o200k_base"}', None),
+    ],
+)
+async def test_a_mistral_model_name_counts_with_its_shipped_tokenizer_before_any_answer(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    provider: FakeProvider,
+    entry: str,
+    off_by_at_most: float | None,
+) -> None:
+    proxy = await make_proxy(models_extra="\n  " + entry)
+    provider.window = ContextWindow(32000, count=mistral_v3_count)
+    client = proxy.client()
+    given = [
+        {"role": "user", "content": f"Order 4711, question 12: {WORDS}"},
+        {"role": "assistant", "content": "Refund 12.50 EUR on 2024-07-18."},
+        {"role": "user", "content": "And order 4712?"},
+    ]
+    counted = await client.responses.input_tokens.count(
+        model="mistral-large-2407",
+        input=given,  # type: ignore[arg-type]
+        instructions="Be brief.",
+    )
+    truth = mistral_v3_count({"input": given, "instructions": "Be brief."})
+    error = abs(counted.input_tokens - truth) / truth
+    if off_by_at_most is not None:
+        assert error <= off_by_at_most, (counted.input_tokens, truth)
+    else:
+        assert error > 0.08, (counted.input_tokens, truth)  # o200k splits digits otherwise

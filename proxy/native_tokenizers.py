@@ -23,7 +23,6 @@ function and the measured costs.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re

@@ -84,7 +84,11 @@ def raw_count(counter: TokenCounter, counted: int, items: int) -> int:
 
 def provider_count(counter: TokenCounter, learned: Learned | None, counted: int, items: int) -> int:
     """The provider's count of a prompt `counter` counted as `counted` over `items` items:
-    the proxy's own count until usage or a refusal taught a correction."""
+    the proxy's own count until usage or a refusal taught a correction. A
+    `ProviderCounter`'s counts are the provider's (and the calibrated estimate's) divided
+    by its scale: multiplied back."""
+    if isinstance(counter, ProviderCounter):
+        return math.ceil(counted * counter.scale - 1e-9)
     if learned is None or (learned.answers == 0 and learned.ratio <= 1.0):
         return counted
     return learned.provider_count(raw_count(counter, counted, items), items)

@@ -62,14 +62,15 @@ from proxy.core.compaction import (
 )
 from proxy.core.items import Item, JsonDict
 from proxy.core.tokens import TokenCounter
-from proxy.counting import counter_for
+from proxy.counting import counter_for, provider_count
 from proxy.ids import new_id
 from proxy.namespaces import fields
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.hooks.summaries import kept_for, summarizer_target
-from proxy.server.rebuild import off_the_loop
+from proxy.server.provider_counts import budget_counter
+from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
@@ -579,9 +580,14 @@ class Compactions(TurnHook):
         known, new = list(turn.known), turn.new
         everything = [*known, *new]
         read = raws(everything)
-        tokens = await off_the_loop(
-            lambda: counter.responses_prompt(everything, inputs.instructions, inputs.tools), read
+        # The threshold is in the model's tokens, as input_tokens counts them.
+        learned = await learned_for(self.request, inputs.model)
+        budgeted = await budget_counter(self.request, inputs.model, counter, learned, everything)
+        counted = await off_the_loop(
+            lambda: budgeted.responses_prompt(everything, inputs.instructions, inputs.tools), read
         )
+        items = len(everything) + (1 if inputs.instructions else 0)
+        tokens = provider_count(budgeted, learned, counted, items)
         if tokens <= self.threshold:
             return
         key = await request_key(self.request)

@@ -37,7 +37,10 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.core.budget import Learned
 from proxy.core.items import Item
+from proxy.core.tokens import TokenCounter
+from proxy.counting import ProviderCounter, calibrated_counter
 from proxy.policy import Policy
 from proxy.server.discovery import ask_provider
 from proxy.server.relay import upstream_base
@@ -251,6 +254,24 @@ async def _ask_all(
         await asyncio.gather(*pending, return_exceptions=True)
         for api in {*probes, *(w[1] for w, _ in asks)}:
             counts.slow((base, api))
+
+
+async def budget_counter(
+    request: web.Request,
+    model: str,
+    base: TokenCounter,
+    learned: Learned | None,
+    items: Sequence[Item],
+) -> TokenCounter:
+    """The counter a prompt of `items` is counted with where nothing is projected
+    (`POST /responses/input_tokens`, a compaction threshold): the provider's counts for
+    `tokenizer: provider` (asked and cached as for a budget, same timeout, the calibrated
+    estimate for what it does not tell), else the calibrated estimate. Its counts are
+    brought to the provider's by `proxy.counting.provider_count`."""
+    provider = await provider_counts(request, model, items)
+    if provider is not None:
+        return ProviderCounter(base, learned, provider.items, provider.prompt)
+    return calibrated_counter(base, learned)
 
 
 def counted_by_provider(request: web.Request, model: str) -> bool:

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from proxy.core import fastjson
 from proxy.core.validate import validate_input_item
-from proxy.counting import calibrated_counter, counter_for, provider_count
+from proxy.counting import counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
 from proxy.server.chat_upstream import check_translatable
@@ -41,6 +41,7 @@ from proxy.server.hooks.ledger import LedgerHook
 from proxy.server.hooks.persist import ResponseChain, resolve_chain
 from proxy.server.hooks.summaries import SummaryHook
 from proxy.server.hooks.usage import UsageHook
+from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
@@ -197,21 +198,24 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     if is_local(request):  # compaction items count as the summary the provider would get
         await Compactions(request, None).restore(turn)
     inputs = RESPONSES.budget_inputs(body)
+    learned = await learned_for(request, inputs.model)
     projected = turn.loaded is not None and not turn.verbatim
     if projected:
-        # The provider does not know our conversations: count what would be sent.
-        projection, counter = await project(turn)
-        counted, sent_count = projection.report.prompt_tokens, len(projection.items)
+        # The provider does not know our conversations: count what would be sent, with
+        # the counter the budget counted it with.
+        projection, base = await project(turn)
+        sent = list(projection.items)
+        counter = await budget_counter(request, inputs.model, base, learned, sent)
+        counted = projection.report.prompt_tokens
     else:
-        counter = await counter_for(request[TENANT_POLICY], inputs.model)
+        base = await counter_for(request[TENANT_POLICY], inputs.model)
         sent = [*turn.known, *turn.new]
+        counter = await budget_counter(request, inputs.model, base, learned, sent)
         counted = await off_the_loop(
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
-        sent_count = len(sent)
-    # In the provider's count, as its answers' usage taught it (proxy/server/learned.py).
-    learned = await learned_for(request, inputs.model)
-    sent_items = sent_count + (1 if inputs.instructions else 0)
-    budgeted = calibrated_counter(counter, learned) if projected else counter
-    count = provider_count(budgeted, learned, counted, sent_items)
+    # In the provider's count: its own counts (`tokenizer: provider`), else as its
+    # answers' usage taught it (proxy/server/learned.py).
+    sent_items = len(sent) + (1 if inputs.instructions else 0)
+    count = provider_count(counter, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

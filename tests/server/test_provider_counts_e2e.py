@@ -151,3 +151,63 @@ async def test_an_item_the_template_refuses_alone_is_estimated_and_asked_once(
         if r.path == "/tokenize" and r.json["messages"][0].get("role") == "tool"
     ]
     assert len(lone_tool) == 1  # refused once (a 400), then left to the estimate
+
+
+def estimate_of(body: dict[str, Any]) -> int:
+    """The o200k estimate of a Responses request, as the proxy counts it without help."""
+    return ContextWindow(0).prompt(body)
+
+
+async def test_input_tokens_is_the_providers_count_before_any_answer(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    window = heavy(provider)
+    client = proxy.client()
+    given: Any = [
+        {"role": "user", "content": f"Question: {WORDS}"},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "And now?"},
+    ]
+    counted = await client.responses.input_tokens.count(model=MODEL, input=given)
+    body = {"model": MODEL, "input": given}
+    truth = window.prompt(body)
+    # Each item counted by the provider (instructions would be the estimate's): within a
+    # token or two of its whole count, where the estimate alone is a quarter under.
+    assert abs(counted.input_tokens - truth) <= 0.02 * truth, (counted.input_tokens, truth)
+    assert estimate_of(body) < 0.8 * truth
+    assert [r for r in provider.requests if r.path == "/v1/responses/input_tokens"]
+
+
+async def test_input_tokens_falls_back_to_the_estimate_without_a_counting_endpoint(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    heavy(provider)
+    provider.counting = "missing"
+    given: Any = [{"role": "user", "content": f"Question: {WORDS}"}]
+    counted = await proxy.client().responses.input_tokens.count(model=MODEL, input=given)
+    assert counted.input_tokens == estimate_of({"model": MODEL, "input": given})
+
+
+async def test_a_compaction_threshold_is_compared_with_the_providers_count(
+    make_proxy: Callable[..., Awaitable[Proxy]], provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    window = heavy(provider)
+    given: Any = []
+    for i in range(4):
+        given += [
+            {"role": "user", "content": f"Question {i}: {WORDS}"},
+            {"role": "assistant", "content": f"Noted {i}."},
+        ]
+    given.append({"role": "user", "content": "And now?"})
+    body = {"model": MODEL, "input": given}
+    # Over the threshold by the provider's count, under it by the estimate's.
+    threshold = (estimate_of(body) + window.prompt(body)) // 2
+    answer = await proxy.client().responses.create(
+        model=MODEL,
+        input=given,
+        extra_body={"context_management": [{"type": "compaction", "compact_threshold": threshold}]},
+    )
+    assert answer.output[0].type == "compaction"

@@ -99,11 +99,20 @@ def providers() -> list[Provider]:
             '\n  "llama-3-8b": {context_window: 12000, max_output_tokens: 1000}',
         ),
         Provider(
-            "Mistral (mistral-common's v3 tokenizer and instruct format), window 12k in "
-            "the policy, no tokenizer named",
-            "mistral-small-latest",
+            "Mistral (mistral-common's v3 tokenizer and instruct format) served as "
+            "`mistralai/Mistral-7B-Instruct-v0.3` (a name mistral-common does not map), "
+            "window 12k in the policy, no tokenizer named",
+            "mistralai/Mistral-7B-Instruct-v0.3",
             ContextWindow(12000, count=mistral_count()),
-            '\n  "mistral-small-latest": {context_window: 12000, max_output_tokens: 1000}',
+            '\n  "mistralai/Mistral-7B-Instruct-v0.3": {context_window: 12000, '
+            "max_output_tokens: 1000}",
+        ),
+        Provider(
+            "the same Mistral server as `mistral-large-2407`, no tokenizer named "
+            "(mistral-common maps it to v3)",
+            "mistral-large-2407",
+            ContextWindow(12000, count=mistral_count()),
+            '\n  "mistral-large-2407": {context_window: 12000, max_output_tokens: 1000}',
         ),
         Provider(
             "the same Mistral server, `tokenizer: mistral:v3` in the policy",

@@ -46,7 +46,13 @@ from proxy.policy import hash_key
 from proxy.server import explain, inspector_html
 from proxy.server.auth import bearer_token, is_utf8
 from proxy.server.state import CLOCK, POLICIES, SETTINGS, STORE
-from proxy.store.base import InspectorSession, StoreUnavailable, Thread
+from proxy.store.base import (
+    InspectorSession,
+    InspectorSessionStore,
+    StoreUnavailable,
+    Thread,
+    ThreadStore,
+)
 
 log = structlog.get_logger("threadkeeper.inspector")
 
@@ -121,7 +127,7 @@ async def new_session(app: web.Application, tenant: str | None, key_hash: str | 
     """Stores a session and returns its cookie value, `<session id>.<hmac>`."""
     session_id = secrets.token_urlsafe(32)
     now = app[CLOCK].now()
-    store = app[STORE]
+    store: InspectorSessionStore = app[STORE]
     await store.inspector_sessions_purge(now=utc_iso(now))  # the expired: rows stay few
     await store.inspector_session_create(
         InspectorSession(
@@ -426,7 +432,7 @@ def _redirect(location: str) -> web.Response:
 async def threads_page(request: web.Request, viewer: Viewer) -> web.Response:
     """Threads, newest first; `q` finds a thread by id; operators filter by `tenant` (its
     passthrough callers included) or `namespace` (one caller's)."""
-    store = request.app[STORE]
+    store: ThreadStore = request.app[STORE]
     values = query_values(request, THREADS_PARAMS)
     query = _text(values, "q")
     scope = viewer.scope(_text(values, "tenant") or None, _text(values, "namespace") or None)
@@ -449,7 +455,7 @@ async def threads_page(request: web.Request, viewer: Viewer) -> web.Response:
 
 
 async def _find(request: web.Request, thread_id: str, scope: Scope) -> list[Thread]:
-    store = request.app[STORE]
+    store: ThreadStore = request.app[STORE]
     if scope.namespace is not None:
         thread = await store.get_thread(scope.namespace, thread_id)
         return [thread] if thread is not None else []

@@ -23,7 +23,7 @@ from proxy.server.conversations import item_object
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE
-from proxy.store.base import Store, StoredItem, StoredResponse
+from proxy.store.base import ResponseStore, StoredItem, StoredResponse
 
 log = structlog.get_logger("threadkeeper.responses")
 
@@ -139,7 +139,7 @@ async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[St
     return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
 
 
-async def purge_expired(store: Store, clock: Clock, retention: timedelta) -> int:
+async def purge_expired(store: ResponseStore, clock: Clock, retention: timedelta) -> int:
     """Deletes the responses created more than `retention` ago, in bounded batches; how
     many went."""
     before = utc_iso(clock.now() - retention)

@@ -10,18 +10,17 @@ CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, Protocol, TypeVar
 
+from proxy import operations
 from proxy.clock import utc_now
 from proxy.core.blocks import compile_pins, pinned_flags
 from proxy.core.checkpoint import state_to_cut
 from proxy.core.compress import COMPRESSED_KEY
 from proxy.core.items import Item, JsonDict, content_digest, item_of, message_text
-from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
 from proxy.core.validate import (
     ApiError,
@@ -44,7 +43,6 @@ from proxy.store.base import (
     LedgerStatus,
     LedgerStore,
     NewItem,
-    NotFound,
     ResponseStore,
     StoredItem,
     StoredResponse,
@@ -350,24 +348,14 @@ async def fork_thread(
     """A copy of the thread's items up to and including `at_item` (all when None): an
     item id, or the sequence number `threads show` prints."""
     thread = await resolve_thread(store, thread_id, tenant)
-    through = thread.next_seq - 1
-    if at_item is not None:
-        stored = await store.get_item(thread.tenant, thread.id, at_item)
-        if stored is not None:
-            through = stored.seq
-        elif re.fullmatch("[0-9]{1,18}", at_item) and int(at_item) < thread.next_seq:
-            through = int(at_item)
-        else:
-            raise AdminError(
-                f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
-                f"seq from 0 to {thread.next_seq - 1})"
-            )
-    fork_id = new_id("conv" if thread.kind == "conversation" else "thread")
     try:
-        fork = await store.fork_thread(
-            thread.tenant, thread.id, fork_id, through_seq=through, now=utc_now()
-        )
-    except NotFound:
+        fork = await operations.fork_thread(store, thread, at_item, now=utc_now(), by_seq=True)
+    except operations.NoForkPoint:
+        raise AdminError(
+            f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
+            f"seq from 0 to {thread.next_seq - 1})"
+        ) from None
+    except operations.ThreadGone:
         raise AdminError(f"thread {thread.id!r} was deleted meanwhile") from None
     return thread_json(fork)
 
@@ -689,16 +677,17 @@ async def ledger_resolve(
     result: str | None,
 ) -> JsonDict:
     """Settles an entry whose outcome the client never reported (only an `issued` one)."""
-    entry = await store.ledger_get(tenant, scope, key)
-    if entry is None:
-        raise AdminError(f"no ledger entry {scope}/{key} for tenant {tenant!r}")
-    kept = None if result is None else ledger_result(result)
-    resolved = await store.ledger_resolve(
-        tenant, scope, key, status=status, result=kept, now=utc_now()
-    )
-    if not resolved:
-        raise AdminError(f"ledger entry {scope}/{key} is {entry.status!r}; only 'issued' resolves")
-    return await ledger_show(store, tenant, scope, key)
+    try:
+        entry = await operations.resolve_ledger_entry(
+            store, tenant, scope, key, status=status, result=result, now=utc_now()
+        )
+    except operations.NoLedgerEntry:
+        raise AdminError(f"no ledger entry {scope}/{key} for tenant {tenant!r}") from None
+    except operations.LedgerEntryNotIssued as exc:
+        raise AdminError(
+            f"ledger entry {scope}/{key} is {exc.entry.status!r}; only 'issued' resolves"
+        ) from None
+    return ledger_json(entry)
 
 
 # --- helpers ------------------------------------------------------------------------------

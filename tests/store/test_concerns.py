@@ -53,6 +53,6 @@ def test_the_sql_store_implements_every_concern_with_its_signatures() -> None:
             implemented = getattr(SqlStore, name)
             assert inspect.iscoroutinefunction(implemented), name
             declared = inspect.signature(getattr(concern, name))
-            assert list(inspect.signature(implemented).parameters) == list(
-                declared.parameters
-            ), name
+            assert list(inspect.signature(implemented).parameters) == list(declared.parameters), (
+                name
+            )

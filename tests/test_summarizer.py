@@ -4,17 +4,14 @@ through proxy/upstream.py as in production."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
@@ -22,8 +19,12 @@ from proxy.core import memory
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
-from proxy.summarizer import LlmSummarizer, Target, answer_limits
+from proxy.summarizer import CHAT_PATH, LlmSummarizer, Target, answer_limits
 from tests.core.test_llm_summary import REFUND, RULE, good_answer, support_items
+from tests.test_upstream import Handler, Provider, provider
+from tests.test_upstream import reply as upstream_reply
+
+__all__ = ["provider"]  # test_upstream's fixture, used here: the tenant's upstream
 
 KEY = "sk-tenant-provider-key-0123456789"
 
@@ -39,56 +40,11 @@ def policy(**summarizer: Any) -> Policy:
     )
 
 
-Answer = Callable[[web.Request], Awaitable[web.StreamResponse]]
+def reply(status: int, body: bytes, content_type: str = "application/json") -> Handler:
+    return upstream_reply(status, body, {"content-type": content_type})
 
 
-@dataclass(frozen=True)
-class Seen:
-    """A request the provider received."""
-
-    path: str
-    headers: CIMultiDict[str]
-    content: bytes
-
-
-class Provider:
-    """The tenant's upstream: answers each call with the next of `answers` (the last one
-    repeats) and records what it received."""
-
-    def __init__(self) -> None:
-        self.answers: list[Answer] = []
-        self.calls: list[Seen] = []
-        self.release = asyncio.Event()  # what waits forever waits for this (teardown)
-        self.base = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.base = f"http://127.0.0.1:{self._runner.addresses[0][1]}/v1"
-
-    async def stop(self) -> None:
-        self.release.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        self.calls.append(Seen(request.path, CIMultiDict(request.headers), await request.read()))
-        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-        return await answer(request)
-
-
-def reply(status: int, body: bytes, content_type: str = "application/json") -> Answer:
-    async def answer(request: web.Request) -> web.StreamResponse:
-        return web.Response(status=status, body=body, headers={"content-type": content_type})
-
-    return answer
-
-
-def as_json(status: int, value: Any) -> Answer:
+def as_json(status: int, value: Any) -> Handler:
     return reply(status, json.dumps(value).encode())
 
 
@@ -109,16 +65,8 @@ def completion_body(content: str | None, prompt: int = 321, answer: int = 54) ->
     }
 
 
-def completion(content: str | None, prompt: int = 321, answer: int = 54) -> Answer:
+def completion(content: str | None, prompt: int = 321, answer: int = 54) -> Handler:
     return as_json(200, completion_body(content, prompt, answer))
-
-
-@pytest.fixture(name="provider")
-async def provider_fixture() -> AsyncIterator[Provider]:
-    provider = Provider()
-    await provider.start()
-    yield provider
-    await provider.stop()
 
 
 @pytest.fixture
@@ -151,21 +99,25 @@ async def write(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, **settings: Any
 ) -> Any:
     return await summarizer.write(
-        policy(**settings), Target(provider.base, KEY), support_items(), counter, 1000
+        policy(**settings),
+        Target(provider.url.removesuffix(CHAT_PATH), KEY),
+        support_items(),
+        counter,
+        1000,
     )
 
 
 async def test_a_good_answer_is_used_and_the_call_is_stateless_chat_completions(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    provider.answers = [completion(good_answer())]
+    provider.script = [completion(good_answer())]
     with capture_logs() as logs:
         written = await write(summarizer, counter, provider, instructions="Keep ticket numbers.")
     assert written is not None and written.appended == ()
     request = provider.calls[-1]
-    assert request.path == "/v1/chat/completions"
+    assert request.path_qs == "/v1/chat/completions"
     assert request.headers["authorization"] == f"Bearer {KEY}"
-    body = json.loads(request.content)
+    body = json.loads(request.body)
     assert body["model"] == "gpt-4.1-mini"
     assert body["response_format"] == {"type": "json_object"}
     assert body["max_tokens"] == 1200  # twice the summary's size, for the JSON around it
@@ -193,10 +145,10 @@ async def test_a_reasoning_model_gets_max_completion_tokens_and_its_default_temp
 ) -> None:
     """OpenAI's reasoning models answer 400 to `max_tokens` and to a temperature other
     than the default: the call must not carry either, or every summary falls back."""
-    provider.answers = [completion(good_answer())]
+    provider.script = [completion(good_answer())]
     written = await write(summarizer, counter, provider, model=model)
     assert written is not None
-    body = json.loads(provider.calls[-1].content)
+    body = json.loads(provider.calls[-1].body)
     assert body["model"] == model
     assert body["max_completion_tokens"] == 1200
     assert "max_tokens" not in body and "temperature" not in body
@@ -207,9 +159,9 @@ async def test_another_model_keeps_max_tokens_and_temperature_zero(
 ) -> None:
     """Providers other than OpenAI behind the same API may not know
     `max_completion_tokens`: a non-reasoning model keeps `max_tokens`."""
-    provider.answers = [completion(good_answer())]
+    provider.script = [completion(good_answer())]
     assert await write(summarizer, counter, provider, model="gpt-4o-mini") is not None
-    body = json.loads(provider.calls[-1].content)
+    body = json.loads(provider.calls[-1].body)
     assert body["max_tokens"] == 1200 and body["temperature"] == 0
     assert "max_completion_tokens" not in body
 
@@ -250,7 +202,7 @@ async def test_an_answer_that_drops_must_keep_facts_is_guarded(
     dropped: str,
     outcome: str,
 ) -> None:
-    provider.answers = [completion(good_answer(**changes))]
+    provider.script = [completion(good_answer(**changes))]
     written = await write(summarizer, counter, provider)
     assert written is not None and dropped in written.appended
     assert all(kept in written.item.text() for kept in memory.must_keep(support_items()))
@@ -264,7 +216,7 @@ async def test_an_answer_that_drops_must_keep_facts_is_guarded(
 async def test_prose_invalid_json_or_no_answer_keeps_the_digest(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, content: str | None
 ) -> None:
-    provider.answers = [completion(content)]
+    provider.script = [completion(content)]
     assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "unparseable") == 1
 
@@ -276,7 +228,7 @@ async def test_a_provider_that_never_answers_times_out(
         await provider.release.wait()
         raise AssertionError("unreachable")
 
-    provider.answers = [hang]
+    provider.script = [hang]
     assert await write(summarizer, counter, provider, timeout_seconds=0.05) is None
     assert calls(summarizer.metrics, "timeout") == 1
 
@@ -284,7 +236,7 @@ async def test_a_provider_that_never_answers_times_out(
 async def test_retries_are_bounded_by_the_tenant_policy(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    provider.answers = [as_json(500, {"error": {}})]
+    provider.script = [as_json(500, {"error": {}})]
     with capture_logs() as logs:
         assert await write(summarizer, counter, provider) is None
     assert len(provider.calls) == 2  # retry.max_attempts
@@ -297,7 +249,7 @@ async def test_retries_are_bounded_by_the_tenant_policy(
 async def test_a_500_then_an_answer_is_retried(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    provider.answers = [as_json(500, {"error": {}}), completion(good_answer())]
+    provider.script = [as_json(500, {"error": {}}), completion(good_answer())]
     assert await write(summarizer, counter, provider) is not None
     assert len(provider.calls) == 2 and calls(summarizer.metrics, "ok") == 1
 
@@ -309,7 +261,7 @@ async def test_a_500_then_an_answer_is_retried(
 async def test_a_refusal_is_not_retried_and_is_logged_by_its_status(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, status: int, logged: str
 ) -> None:
-    provider.answers = [as_json(status, {"error": {"message": f"no, {KEY}"}})]
+    provider.script = [as_json(status, {"error": {"message": f"no, {KEY}"}})]
     with capture_logs() as logs:
         assert await write(summarizer, counter, provider) is None
     assert len(provider.calls) == 1 and calls(summarizer.metrics, "error") == 1
@@ -320,7 +272,7 @@ async def test_a_refusal_is_not_retried_and_is_logged_by_its_status(
 # --- hostile answers (issue 20, item 5): each a counted outcome, never a traceback ---------
 
 
-def hostile(**changes: Any) -> Answer:
+def hostile(**changes: Any) -> Handler:
     """A chat completion with some of its fields replaced."""
     body = completion_body(good_answer())
     for path, value in changes.items():
@@ -363,10 +315,10 @@ async def test_a_hostile_answer_is_a_counted_outcome(
     summarizer: LlmSummarizer,
     counter: TokenCounter,
     provider: Provider,
-    response: Answer,
+    response: Handler,
     outcome: str,
 ) -> None:
-    provider.answers = [response]
+    provider.script = [response]
     with capture_logs() as logs:
         assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, outcome) == 1
@@ -390,7 +342,7 @@ async def test_usage_that_is_not_token_counts_keeps_the_summary(
     summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, usage: Any
 ) -> None:
     """The summary was written and then thrown away by a TypeError counting its tokens."""
-    provider.answers = [hostile(usage=usage)]
+    provider.script = [hostile(usage=usage)]
     with capture_logs() as logs:
         written = await write(summarizer, counter, provider)
     assert written is not None
@@ -421,7 +373,7 @@ async def test_reading_the_answer_is_inside_the_timeout(
         return None
 
     monkeypatch.setattr(module, "summary_from_answer", slow)
-    provider.answers = [completion(good_answer())]
+    provider.script = [completion(good_answer())]
     try:
         assert await write(summarizer, counter, provider, timeout_seconds=0.5) is None
         assert reading.is_set()
@@ -445,7 +397,7 @@ async def test_an_unexpected_failure_is_still_one_counted_call(
         raise IndexError("a bug")
 
     monkeypatch.setattr(module, "summary_from_answer", broken)
-    provider.answers = [completion(good_answer())]
+    provider.script = [completion(good_answer())]
     with capture_logs() as logs:
         assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "error") == 1
@@ -457,7 +409,7 @@ async def test_an_injected_answer_is_used_with_its_claims_as_notes_and_counted(
 ) -> None:
     from tests.core.test_llm_summary import INJECTION, injected_answer
 
-    provider.answers = [completion(injected_answer())]
+    provider.script = [completion(injected_answer())]
     written = await write(summarizer, counter, provider)
     assert written is not None and INJECTION in written.unverified
     assert calls(summarizer.metrics, "unverified") == 1 and calls(summarizer.metrics, "ok") == 0
@@ -468,7 +420,7 @@ async def test_a_body_longer_than_any_answer_asked_for_is_not_read_whole(
 ) -> None:
     """Parsed by the SDK on the event loop before; now it stops at max_body_bytes."""
     answer = json.dumps({"constraints": ["x" * 5_000_000]})
-    provider.answers = [completion(answer)]
+    provider.script = [completion(answer)]
     with capture_logs() as logs:
         assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "invalid") == 1

@@ -1,25 +1,13 @@
-"""The operator actions both doors share (proxy/operations.py), on a real SQLite store:
-what each refuses is an OperationError naming what the door needs for its message."""
+"""The operator actions both doors share (proxy/operations.py), on both databases: what
+each refuses is an OperationError naming what the door needs for its message."""
 
 from __future__ import annotations
-
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from proxy import operations
-from proxy.store import open_store
 from proxy.store.base import Store, Thread
 from tests.store.test_conformance import T1, ledger_entry, thread_with
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    store = await open_store(f"sqlite:///{tmp_path}/threadkeeper.db")
-    await store.migrate()
-    yield store
-    await store.close()
 
 
 async def test_resolving_an_issued_entry_keeps_any_json_result_and_returns_it(

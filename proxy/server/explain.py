@@ -250,7 +250,10 @@ async def find_record(
     """The tenant's record (any tenant's for None), from the queue while it is unwritten."""
     recorder = app.get(EXPLAIN)
     found = recorder.unwritten(tenant, request_id) if recorder is not None else None
-    return found if found is not None else await app[STORE].explain_get(tenant, request_id)
+    if found is not None:
+        return found
+    store: ExplainStore = app[STORE]
+    return await store.explain_get(tenant, request_id)
 
 
 async def get_record(request: web.Request) -> web.Response:

@@ -93,7 +93,8 @@ async def idempotency_middleware(request: web.Request, handler: Handler) -> web.
     if key is None or request.method != "POST" or not request.path.startswith(KEYED_PREFIXES):
         return await handler(request)
     record = await new_record(request, key)
-    existing = await request.app[STORE].idempotency_begin(record)
+    store: IdempotencyStore = request.app[STORE]
+    existing = await store.idempotency_begin(record)
     found = None if existing is None else (existing.fingerprint, existing.status)
     match verdict(found, record.fingerprint):
         case Verdict.RUN:

@@ -47,6 +47,7 @@ from proxy.server import explain, inspector_html
 from proxy.server.auth import bearer_token, is_utf8
 from proxy.server.state import CLOCK, POLICIES, SETTINGS, STORE
 from proxy.store.base import (
+    ExplainStore,
     InspectorSession,
     InspectorSessionStore,
     StoreUnavailable,
@@ -159,7 +160,8 @@ async def _session_viewer(request: web.Request, value: str) -> Viewer | None:
     session_id = _session_id(request, value)
     if session_id is None:
         return None
-    session = await request.app[STORE].inspector_session_get(_id_hash(session_id))
+    store: InspectorSessionStore = request.app[STORE]
+    session = await store.inspector_session_get(_id_hash(session_id))
     if (
         session is None
         or session.signing_key != _signing_key(request.app)
@@ -486,7 +488,8 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
     ledger = await admin.ledger_for_calls(
         request.app[STORE], tenant, [c for item in shown["log"] for c in item["call_ids"]]
     )
-    records = await request.app[STORE].explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
+    explained: ExplainStore = request.app[STORE]
+    records = await explained.explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
     requests = [r.record for r in records]
     return _html(
         inspector_html.thread_page(
@@ -609,7 +612,8 @@ async def logout(request: web.Request, viewer: Viewer) -> web.Response:
     """Ends the session in the store (every worker and replica), then drops the cookie."""
     _check_csrf(request, viewer, await request.post())
     if viewer.from_cookie:
-        await request.app[STORE].inspector_session_revoke(_id_hash(viewer.session_id))
+        store: InspectorSessionStore = request.app[STORE]
+        await store.inspector_session_revoke(_id_hash(viewer.session_id))
     response = _redirect(f"{PREFIX}/login")
     response.del_cookie(COOKIE, path=f"{PREFIX}/")
     return response
@@ -646,7 +650,8 @@ async def _revoke_other_tokens(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: at start, the sessions of another operator token (and the expired)
     leave the store, so a token changed and changed back does not revive them."""
     try:
-        purged = await app[STORE].inspector_sessions_purge(
+        store: InspectorSessionStore = app[STORE]
+        purged = await store.inspector_sessions_purge(
             now=app[CLOCK].iso(), signing_key=_signing_key(app)
         )
     except StoreUnavailable as exc:  # they are refused anyway: their signing key differs

@@ -20,6 +20,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.summarizer import CHAT_PATH, LlmSummarizer, Target, answer_limits
+from proxy.upstream import RetrySettings, Upstream, UpstreamRequest
 from tests.core.test_llm_summary import REFUND, RULE, good_answer, support_items
 from tests.test_upstream import Handler, Provider, provider
 from tests.test_upstream import reply as upstream_reply
@@ -464,3 +465,19 @@ asyncio.run(main())
     *logged, printed = shown.stdout.strip().splitlines()
     assert printed == "None []", shown.stderr
     assert any("summarizer_error" in line and "APIConnectionError" in line for line in logged)
+
+
+async def test_a_shared_upstream_is_used_and_left_open_for_its_owner(
+    counter: TokenCounter, provider: Provider
+) -> None:
+    upstream = Upstream()
+    try:
+        summarizer = LlmSummarizer(Metrics(), upstream)
+        provider.script = [completion(good_answer())]
+        assert await write(summarizer, counter, provider) is not None
+        assert summarizer.upstream is upstream and upstream.connections_in_use() == 0
+        await summarizer.aclose()
+        again = await upstream.send(UpstreamRequest("GET", provider.url, {}), RetrySettings())
+        assert again.status == 200 and len(provider.calls) == 2
+    finally:
+        await upstream.aclose()

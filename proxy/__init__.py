@@ -37,7 +37,9 @@ clock (proxy/clock.py, app key CLOCK); background loops (heartbeats and recovery
 proxy/server/recovery.py, the idempotency purge, policy reloads) run on proxy/periodic.py.
 What operators see: explain records (proxy/server/explain.py), the threads and ledger CLI
 (proxy/admin.py, proxy/cli.py) and the thread inspector pages built from the same
-functions (proxy/server/inspector.py serves them, inspector_html.py renders them).
+functions (proxy/server/inspector.py serves them, inspector_html.py renders them). What
+operators do (resolve a ledger entry, fork a thread) is written once in
+proxy/operations.py, for the HTTP routes and the CLI alike.
 
 proxy/core/ is pure Python (no network, database, web framework, environment or clock),
 enforced by the banned-import rule in proxy/core/ruff.toml. Everything with I/O sits at

@@ -10,18 +10,17 @@ CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
+from proxy import operations
 from proxy.clock import utc_now
 from proxy.core.blocks import compile_pins, pinned_flags
 from proxy.core.checkpoint import state_to_cut
 from proxy.core.compress import COMPRESSED_KEY
 from proxy.core.items import Item, JsonDict, content_digest, item_of, message_text
-from proxy.core.ledger import ledger_result
 from proxy.core.tokens import TokenCounter
 from proxy.core.validate import (
     ApiError,
@@ -39,15 +38,17 @@ from proxy.ids import item_id_for, new_id
 from proxy.namespaces import SEPARATOR, Scope, fields, label
 from proxy.store.base import (
     AlreadyExists,
+    ExplainStore,
     LedgerEntry,
     LedgerStatus,
+    LedgerStore,
     NewItem,
-    NotFound,
-    Store,
+    ResponseStore,
     StoredItem,
     StoredResponse,
     Thread,
     ThreadKind,
+    ThreadStore,
 )
 from proxy.threads import first_orphan
 
@@ -56,6 +57,10 @@ TEXT_PREVIEW = 72  # characters of an item's text in `threads show`
 STOOD_FOR_MAX_ITEMS = 10_000  # items stood_for_tokens reads at most (else: unknown)
 _T = TypeVar("_T")
 THREAD_KINDS: tuple[ThreadKind, ...] = ("conversation", "chat", "responses")
+
+
+class FindStore(ThreadStore, ResponseStore, ExplainStore, Protocol):
+    """What `threads find` reads: a response's or a request's thread."""
 
 
 class AdminError(Exception):
@@ -84,7 +89,7 @@ def table(data: Row) -> str:
 # --- threads ------------------------------------------------------------------------------
 
 
-async def resolve_thread(store: Store, thread_id: str, tenant: str | None) -> Thread:
+async def resolve_thread(store: ThreadStore, thread_id: str, tenant: str | None) -> Thread:
     """The thread with this id; without --tenant the id must exist in exactly one
     namespace. `tenant` is a namespace (`default:<hash>`), or a tenant, which includes its
     passthrough callers' namespaces (proxy/namespaces.py)."""
@@ -120,7 +125,7 @@ def thread_json(thread: Thread) -> JsonDict:
     }
 
 
-async def list_threads(store: Store, scope: Scope, limit: int) -> list[JsonDict]:
+async def list_threads(store: ThreadStore, scope: Scope, limit: int) -> list[JsonDict]:
     """Newest first, in the scope: one namespace, or a tenant with its passthrough callers."""
     if scope.namespace is not None:
         found = await store.list_threads(scope.namespace, limit=limit)
@@ -148,7 +153,7 @@ def threads_table(threads: Sequence[JsonDict]) -> Row:
 
 
 async def show_thread(
-    store: Store,
+    store: ThreadStore,
     thread_id: str,
     tenant: str | None,
     *,
@@ -246,7 +251,7 @@ def show_text(shown: JsonDict) -> str:
     return "\n".join(lines).rstrip()
 
 
-async def find_thread(store: Store, some_id: str, tenant: str | None) -> JsonDict:
+async def find_thread(store: FindStore, some_id: str, tenant: str | None) -> JsonDict:
     """The thread behind a response id (resp_...) or a request id (the
     x-threadkeeper-request-id header): where to point `threads show`."""
     found = await _owners(store, some_id, tenant)
@@ -269,7 +274,7 @@ async def find_thread(store: Store, some_id: str, tenant: str | None) -> JsonDic
 
 
 async def _owners(
-    store: Store, some_id: str, tenant: str | None
+    store: FindStore, some_id: str, tenant: str | None
 ) -> list[tuple[str, str, str | None]]:
     """(tenant, "response" or "request", thread id) of each record with this id."""
     if tenant is not None:
@@ -298,13 +303,13 @@ def find_text(found: JsonDict) -> str:
     return f"{head}  on no thread (a stateless request, or store: false)"
 
 
-async def delete_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
+async def delete_thread(store: ThreadStore, thread_id: str, tenant: str | None) -> JsonDict:
     thread = await resolve_thread(store, thread_id, tenant)
     await store.delete_thread(thread.tenant, thread.id)
     return {"object": f"{EXPORT_OBJECT}.deleted", **fields(thread.tenant), "id": thread.id}
 
 
-async def erase_thread(store: Store, thread_id: str, tenant: str | None) -> JsonDict:
+async def erase_thread(store: ThreadStore, thread_id: str, tenant: str | None) -> JsonDict:
     """The thread and everything derived from it (Store.erase_thread). A thread already
     deleted (DELETE of its conversation) is erased by id with --tenant: what it left."""
     if tenant is None:
@@ -338,35 +343,25 @@ ERASED_ROWS = (
 
 
 async def fork_thread(
-    store: Store, thread_id: str, tenant: str | None, at_item: str | None
+    store: ThreadStore, thread_id: str, tenant: str | None, at_item: str | None
 ) -> JsonDict:
     """A copy of the thread's items up to and including `at_item` (all when None): an
     item id, or the sequence number `threads show` prints."""
     thread = await resolve_thread(store, thread_id, tenant)
-    through = thread.next_seq - 1
-    if at_item is not None:
-        stored = await store.get_item(thread.tenant, thread.id, at_item)
-        if stored is not None:
-            through = stored.seq
-        elif re.fullmatch("[0-9]{1,18}", at_item) and int(at_item) < thread.next_seq:
-            through = int(at_item)
-        else:
-            raise AdminError(
-                f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
-                f"seq from 0 to {thread.next_seq - 1})"
-            )
-    fork_id = new_id("conv" if thread.kind == "conversation" else "thread")
     try:
-        fork = await store.fork_thread(
-            thread.tenant, thread.id, fork_id, through_seq=through, now=utc_now()
-        )
-    except NotFound:
+        fork = await operations.fork_thread(store, thread, at_item, now=utc_now(), by_seq=True)
+    except operations.NoForkPoint:
+        raise AdminError(
+            f"no item {at_item!r} in thread {thread.id!r} (--at takes an item id or a "
+            f"seq from 0 to {thread.next_seq - 1})"
+        ) from None
+    except operations.ThreadGone:
         raise AdminError(f"thread {thread.id!r} was deleted meanwhile") from None
     return thread_json(fork)
 
 
 async def export_thread(
-    store: Store, thread_id: str, tenant: str | None, fmt: Literal["jsonl", "openai"]
+    store: ThreadStore, thread_id: str, tenant: str | None, fmt: Literal["jsonl", "openai"]
 ) -> list[JsonDict]:
     """jsonl: the thread's header line, then each item as stored (re-importable).
     openai: the log as Responses input items, to replay as `input=`."""
@@ -385,7 +380,7 @@ async def export_thread(
 
 
 async def import_thread(
-    store: Store,
+    store: ThreadStore,
     text: str,
     *,
     tenants: Collection[str],
@@ -488,7 +483,7 @@ def responses_input(items: Iterable[Item]) -> list[JsonDict]:
     return converted
 
 
-async def explain_request(store: Store, request_id: str, tenant: str | None) -> JsonDict:
+async def explain_request(store: ExplainStore, request_id: str, tenant: str | None) -> JsonDict:
     """The explain record of one model request (the x-threadkeeper-request-id header)."""
     found = await store.explain_get(tenant, request_id)
     if found is None:
@@ -497,7 +492,7 @@ async def explain_request(store: Store, request_id: str, tenant: str | None) -> 
 
 
 async def stood_for_tokens(
-    store: Store, tenant: str, thread_id: str, last_seq: int, pin_patterns: tuple[str, ...]
+    store: ThreadStore, tenant: str, thread_id: str, last_seq: int, pin_patterns: tuple[str, ...]
 ) -> int | None:
     """What the items a summary block of a stored thread stands for weigh: the thread's
     non-pinned items up to `last_seq`, at the tokens stored with each (as `threads show`
@@ -644,7 +639,7 @@ def ledger_table(entries: Sequence[JsonDict]) -> Row:
 
 
 async def ledger_list(
-    store: Store, scope: Scope, status: LedgerStatus | None, limit: int
+    store: LedgerStore, scope: Scope, status: LedgerStatus | None, limit: int
 ) -> list[JsonDict]:
     """Oldest first, in the scope: one namespace, or a tenant with its passthrough callers."""
     if scope.namespace is not None:
@@ -654,7 +649,9 @@ async def ledger_list(
     return [ledger_json(e) for e in found]
 
 
-async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -> list[JsonDict]:
+async def ledger_for_calls(
+    store: LedgerStore, tenant: str, call_ids: Iterable[str]
+) -> list[JsonDict]:
     """The ledger entries of these tool calls (a thread's), in call order."""
     entries = []
     for call_id in dict.fromkeys(call_ids):
@@ -664,7 +661,7 @@ async def ledger_for_calls(store: Store, tenant: str, call_ids: Iterable[str]) -
     return entries
 
 
-async def ledger_show(store: Store, tenant: str, scope: str, key: str) -> JsonDict:
+async def ledger_show(store: LedgerStore, tenant: str, scope: str, key: str) -> JsonDict:
     entry = await store.ledger_get(tenant, scope, key)
     if entry is None:
         raise AdminError(f"no ledger entry {scope}/{key} for tenant {tenant!r}")
@@ -672,7 +669,7 @@ async def ledger_show(store: Store, tenant: str, scope: str, key: str) -> JsonDi
 
 
 async def ledger_resolve(
-    store: Store,
+    store: LedgerStore,
     tenant: str,
     scope: str,
     key: str,
@@ -680,23 +677,24 @@ async def ledger_resolve(
     result: str | None,
 ) -> JsonDict:
     """Settles an entry whose outcome the client never reported (only an `issued` one)."""
-    entry = await store.ledger_get(tenant, scope, key)
-    if entry is None:
-        raise AdminError(f"no ledger entry {scope}/{key} for tenant {tenant!r}")
-    kept = None if result is None else ledger_result(result)
-    resolved = await store.ledger_resolve(
-        tenant, scope, key, status=status, result=kept, now=utc_now()
-    )
-    if not resolved:
-        raise AdminError(f"ledger entry {scope}/{key} is {entry.status!r}; only 'issued' resolves")
-    return await ledger_show(store, tenant, scope, key)
+    try:
+        entry = await operations.resolve_ledger_entry(
+            store, tenant, scope, key, status=status, result=result, now=utc_now()
+        )
+    except operations.NoLedgerEntry:
+        raise AdminError(f"no ledger entry {scope}/{key} for tenant {tenant!r}") from None
+    except operations.LedgerEntryNotIssued as exc:
+        raise AdminError(
+            f"ledger entry {scope}/{key} is {exc.entry.status!r}; only 'issued' resolves"
+        ) from None
+    return ledger_json(entry)
 
 
 # --- helpers ------------------------------------------------------------------------------
 
 
 async def _log(
-    store: Store, thread: Thread, first: int = 0, last: int | None = None
+    store: ThreadStore, thread: Thread, first: int = 0, last: int | None = None
 ) -> tuple[StoredItem, ...]:
     """The log (the part before the cut included), whole unless bounded."""
     last = thread.next_seq - 1 if last is None else last

@@ -2,10 +2,12 @@
 
 Never on a turn's path: proxy/server/summaries.py runs it in the background and the
 projection uses what it stored. A compaction (proxy/server/compaction.py) is the one
-request that waits for it, at most `timeout_seconds`, through the same object. The call is the `openai` SDK's `AsyncOpenAI`
-pointed at the tenant's provider (its base URL and key, as a turn would use them), with
-the SDK's bounded retries (the tenant's `retry.max_attempts`) inside one overall
-`timeout_seconds`, which bounds reading the answer too (in a thread, off the loop).
+request that waits for it, at most `timeout_seconds`, through the same object. The call
+goes to the tenant's provider (its base URL and key, as a turn would use them) through
+the provider seam a turn uses (proxy/upstream.py: aiohttp, its retry policy with the
+tenant's `retry` settings, its key scrubbing), on a pool of the summarizer's own, inside
+one overall `timeout_seconds`, which bounds the retries and reading the answer too (its
+parsing runs in a thread, off the loop).
 What it answers passes proxy/core/llm_summary.py (parse into the memory state, check
 it against the chunk, render, guard); anything else is None and the deterministic
 digest stands. Every call is logged and counted per tenant, by one outcome:
@@ -22,7 +24,7 @@ digest stands. Every call is logged and counted per tenant, by one outcome:
 - unparseable: no answer, or one that is not the state asked for (not JSON, nested past
   the parser's depth, wrong types), or whose must-keep strings do not fit.
 
->>> summarizer = LlmSummarizer(metrics)
+>>> summarizer = LlmSummarizer(metrics)  # or LlmSummarizer(metrics, upstream) to share one
 >>> written = await summarizer.write(policy, Target(base_url, key), items, counter, 1000)
 >>> await summarizer.aclose()
 """
@@ -30,11 +32,12 @@ digest stands. Every call is logged and counted per tenant, by one outcome:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 
@@ -53,9 +56,14 @@ from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.tracing import NO_TRACING, Tracing, set_attributes
-
-if TYPE_CHECKING:  # the SDK and httpx load with the first summary (tens of MB)
-    import httpx
+from proxy.upstream import (
+    Deadline,
+    RetrySettings,
+    Upstream,
+    UpstreamRequest,
+    UpstreamResponse,
+    UpstreamUnavailable,
+)
 
 log = structlog.get_logger("threadkeeper.summarizer")
 
@@ -63,6 +71,8 @@ Outcome = Literal["ok", "guarded", "unverified", "error", "timeout", "unparseabl
 # The model may spend this many times the summary's size on the JSON it answers with
 # (keys, quotes): the call's token limit. The rendering is cut to max_tokens.
 ANSWER_ALLOWANCE = 2
+POOL_SIZE = 32  # summarizer calls in flight at once, every tenant together
+CHAT_PATH = "/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,14 @@ class Target:
 
     base_url: str
     api_key: str = field(repr=False)
+
+
+class ProviderError(Exception):
+    """The provider answered the summarizer call with an error status."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status_error(status))
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -84,28 +102,27 @@ class Call:
 
 
 class LlmSummarizer:
-    """Writes summaries with the tenant's summarizer model. One HTTP pool serves every
-    tenant (an SDK client per call is only a view on it); `aclose` closes it."""
+    """Writes summaries with the tenant's summarizer model. One provider client serves
+    every tenant: `upstream` when given (its owner closes it), else a pool of its own,
+    opened by the first call and closed by `aclose`."""
 
     def __init__(
         self,
         metrics: Metrics,
-        http: httpx.AsyncClient | None = None,
+        upstream: Upstream | None = None,
         tracing: Tracing = NO_TRACING,
     ) -> None:
         self.metrics = metrics
-        self._http = http
+        self._upstream = upstream
+        self._owns_upstream = upstream is None
         self.tracing = tracing
 
     @property
-    def http(self) -> httpx.AsyncClient:
-        """The one pool, opened by the first call: a proxy with no summarizer configured
-        never loads the SDK nor httpx."""
-        if self._http is None:
-            import httpx
-
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=32))
-        return self._http
+    def upstream(self) -> Upstream:
+        """The provider client; a proxy with no summarizer configured never opens one."""
+        if self._upstream is None:
+            self._upstream = Upstream(pool_size=POOL_SIZE)
+        return self._upstream
 
     async def write(
         self,
@@ -156,36 +173,31 @@ class LlmSummarizer:
         previous: Item | None,
         base: MemoryState | None = None,
     ) -> Call:
-        import httpx
-        import openai
-
         settings = policy.memory.summarizer
         assert settings is not None
-        client = openai.AsyncOpenAI(
-            base_url=target.base_url,
-            api_key=target.api_key,
-            http_client=self.http,  # type: ignore[arg-type]  # the SDK takes httpx's too
-            max_retries=policy.retry.max_attempts - 1,
-            timeout=settings.timeout_seconds,
-        )
-        messages: Any = summary_messages(items, settings.instructions, previous)
         asked = settings.max_tokens * ANSWER_ALLOWANCE
+        request = summary_request(
+            target,
+            settings.model,
+            summary_messages(items, settings.instructions, previous),
+            asked,
+            Deadline.after(settings.timeout_seconds),
+        )
         # One deadline for the call and for reading its answer: a compaction waits for both.
         deadline = asyncio.get_running_loop().time() + settings.timeout_seconds
+        retry = RetrySettings(**policy.retry.model_dump())  # the same fields
         try:
             async with asyncio.timeout_at(deadline):
-                # Streamed, so that a huge body is not read whole, nor parsed on the loop.
-                async with client.chat.completions.with_streaming_response.create(
-                    model=settings.model,
-                    messages=messages,
-                    response_format={"type": "json_object"},
-                    **answer_limits(settings.model, asked),
-                ) as response:
-                    body = await _body(response, max_body_bytes(asked))
-        except (TimeoutError, openai.APITimeoutError):
+                body = await self._fetch(request, retry, max_body_bytes(asked))
+        except TimeoutError:
             return Call("timeout", None)
-        except (openai.OpenAIError, httpx.HTTPError, ValueError) as exc:
-            log.warning("summarizer_error", tenant=policy.tenant, error=_error(exc))
+        except UpstreamUnavailable as exc:
+            if exc.status == 504:  # the request's deadline, or a read that timed out
+                return Call("timeout", None)
+            log.warning("summarizer_error", tenant=policy.tenant, error=CONNECTION_ERROR)
+            return Call("error", None)
+        except ProviderError as exc:
+            log.warning("summarizer_error", tenant=policy.tenant, error=status_error(exc.status))
             return Call("error", None)
         if body is None:
             log.warning("summarizer_invalid", tenant=policy.tenant, problem="body too large")
@@ -214,6 +226,20 @@ class LlmSummarizer:
             log.warning("summarizer_invalid", tenant=policy.tenant, problem="answer too long")
         return Call(outcome, written, *tokens)
 
+    async def _fetch(
+        self, request: UpstreamRequest, retry: RetrySettings, limit: int
+    ) -> bytes | None:
+        """The answer's body, None past `limit` bytes (the rest is not read: streamed, so a
+        huge body is neither read whole nor parsed on the loop); ProviderError for an
+        answer that is not a 2xx once the retries are spent."""
+        response = await self.upstream.send(request, retry)
+        try:
+            if not 200 <= response.status < 300:
+                raise ProviderError(response.status)
+            return await _body(response, limit)
+        finally:
+            await response.aclose()
+
     def _observe(self, policy: Policy, call: Call, seconds: float, items: int) -> None:
         tenant = policy.tenant
         self.metrics.summarizer_calls.labels(tenant, call.outcome).inc()
@@ -234,8 +260,35 @@ class LlmSummarizer:
         )
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+        if self._owns_upstream and self._upstream is not None:
+            await self._upstream.aclose()
+
+
+def summary_request(
+    target: Target, model: str, messages: Any, asked: int, deadline: Deadline
+) -> UpstreamRequest:
+    """The stateless Chat Completions call: the chunk, JSON mode, the answer's limit;
+    nothing of the client's turn. The provider key is scrubbed wherever it is echoed."""
+    body = {
+        "model": model,
+        "messages": messages,
+        "response_format": {"type": "json_object"},
+        **answer_limits(model, asked),
+    }
+    headers = {
+        "authorization": f"Bearer {target.api_key}",
+        "content-type": "application/json",
+        "accept": "application/json",
+    }
+    return UpstreamRequest(
+        "POST",
+        target.base_url.rstrip("/") + CHAT_PATH,
+        headers,
+        json.dumps(body).encode(),
+        stream=True,
+        deadline=deadline,
+        secrets=(target.api_key,),
+    )
 
 
 def _parsed(body: bytes) -> Any:
@@ -268,15 +321,18 @@ def _read(
     return ("guarded" if written.appended else "ok"), written
 
 
-async def _body(response: Any, limit: int) -> bytes | None:
+async def _body(response: UpstreamResponse, limit: int) -> bytes | None:
     """The response body, or None past `limit` bytes (the rest is not read)."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.iter_bytes():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
+    # aiter_bytes is an async generator (typed as an iterator): closed here, not by the GC.
+    chunks_of = cast(AsyncGenerator[bytes], response.aiter_bytes())
+    async with contextlib.aclosing(chunks_of) as body:
+        async for chunk in body:
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
@@ -330,7 +386,23 @@ def answer_limits(model: str, max_tokens: int) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "temperature": 0}
 
 
-def _error(exc: BaseException) -> str:
-    """What went wrong, without the request (which may quote the provider key)."""
-    status = getattr(exc, "status_code", None)
-    return f"{type(exc).__name__}" + (f" {status}" if status is not None else "")
+# What the log calls a failed call: the names the openai SDK gave these errors, which this
+# module used before it went through proxy/upstream.py, so the log reads as it did.
+CONNECTION_ERROR = "APIConnectionError"
+STATUS_ERRORS = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
+
+
+def status_error(status: int) -> str:
+    """What went wrong, by the provider's status (never the request: it quotes the key)."""
+    name = STATUS_ERRORS.get(status)
+    if name is None:
+        name = "InternalServerError" if status >= 500 else "APIStatusError"
+    return f"{name} {status}"

@@ -1,18 +1,17 @@
-"""The LLM summarizer's call through the tenant's upstream (proxy/summarizer.py), mocked
-with respx: the openai SDK sends through the httpx pool the summarizer hands it."""
+"""The LLM summarizer's call through the tenant's upstream (proxy/summarizer.py): the
+upstream is a small aiohttp app on port 0 that answers from a script, so the call goes
+through proxy/upstream.py as in production."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import pytest
-import respx
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
@@ -20,11 +19,14 @@ from proxy.core import memory
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
-from proxy.summarizer import LlmSummarizer, Target, answer_limits
+from proxy.summarizer import CHAT_PATH, LlmSummarizer, Target, answer_limits
+from proxy.upstream import RetrySettings, Upstream, UpstreamRequest
 from tests.core.test_llm_summary import REFUND, RULE, good_answer, support_items
+from tests.test_upstream import Handler, Provider, provider
+from tests.test_upstream import reply as upstream_reply
 
-BASE = "http://tenant-upstream.test/v1"
-URL = f"{BASE}/chat/completions"
+__all__ = ["provider"]  # test_upstream's fixture, used here: the tenant's upstream
+
 KEY = "sk-tenant-provider-key-0123456789"
 
 
@@ -39,8 +41,16 @@ def policy(**summarizer: Any) -> Policy:
     )
 
 
-def completion(content: str | None, prompt: int = 321, answer: int = 54) -> httpx.Response:
-    body = {
+def reply(status: int, body: bytes, content_type: str = "application/json") -> Handler:
+    return upstream_reply(status, body, {"content-type": content_type})
+
+
+def as_json(status: int, value: Any) -> Handler:
+    return reply(status, json.dumps(value).encode())
+
+
+def completion_body(content: str | None, prompt: int = 321, answer: int = 54) -> dict[str, Any]:
+    return {
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "created": 1,
@@ -54,7 +64,10 @@ def completion(content: str | None, prompt: int = 321, answer: int = 54) -> http
         ],
         "usage": {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": 1},
     }
-    return httpx.Response(200, json=body)
+
+
+def completion(content: str | None, prompt: int = 321, answer: int = 54) -> Handler:
+    return as_json(200, completion_body(content, prompt, answer))
 
 
 @pytest.fixture
@@ -83,23 +96,29 @@ def calls(metrics: Metrics, outcome: str) -> float:
     return samples(metrics).get(key, 0.0)
 
 
-async def write(summarizer: LlmSummarizer, counter: TokenCounter, **settings: Any) -> Any:
+async def write(
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, **settings: Any
+) -> Any:
     return await summarizer.write(
-        policy(**settings), Target(BASE, KEY), support_items(), counter, 1000
+        policy(**settings),
+        Target(provider.url.removesuffix(CHAT_PATH), KEY),
+        support_items(),
+        counter,
+        1000,
     )
 
 
-@respx.mock
 async def test_a_good_answer_is_used_and_the_call_is_stateless_chat_completions(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    route = respx.post(URL).mock(return_value=completion(good_answer()))
+    provider.script = [completion(good_answer())]
     with capture_logs() as logs:
-        written = await write(summarizer, counter, instructions="Keep ticket numbers.")
+        written = await write(summarizer, counter, provider, instructions="Keep ticket numbers.")
     assert written is not None and written.appended == ()
-    request = route.calls.last.request
+    request = provider.calls[-1]
+    assert request.path_qs == "/v1/chat/completions"
     assert request.headers["authorization"] == f"Bearer {KEY}"
-    body = json.loads(request.content)
+    body = json.loads(request.body)
     assert body["model"] == "gpt-4.1-mini"
     assert body["response_format"] == {"type": "json_object"}
     assert body["max_tokens"] == 1200  # twice the summary's size, for the JSON around it
@@ -121,31 +140,29 @@ async def test_a_good_answer_is_used_and_the_call_is_stateless_chat_completions(
     assert KEY not in json.dumps(logs, default=str)
 
 
-@respx.mock
 @pytest.mark.parametrize("model", ["o1", "o3-mini", "o4-mini", "gpt-5-mini"])
 async def test_a_reasoning_model_gets_max_completion_tokens_and_its_default_temperature(
-    summarizer: LlmSummarizer, counter: TokenCounter, model: str
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, model: str
 ) -> None:
     """OpenAI's reasoning models answer 400 to `max_tokens` and to a temperature other
     than the default: the call must not carry either, or every summary falls back."""
-    route = respx.post(URL).mock(return_value=completion(good_answer()))
-    written = await write(summarizer, counter, model=model)
+    provider.script = [completion(good_answer())]
+    written = await write(summarizer, counter, provider, model=model)
     assert written is not None
-    body = json.loads(route.calls.last.request.content)
+    body = json.loads(provider.calls[-1].body)
     assert body["model"] == model
     assert body["max_completion_tokens"] == 1200
     assert "max_tokens" not in body and "temperature" not in body
 
 
-@respx.mock
 async def test_another_model_keeps_max_tokens_and_temperature_zero(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
     """Providers other than OpenAI behind the same API may not know
     `max_completion_tokens`: a non-reasoning model keeps `max_tokens`."""
-    route = respx.post(URL).mock(return_value=completion(good_answer()))
-    assert await write(summarizer, counter, model="gpt-4o-mini") is not None
-    body = json.loads(route.calls.last.request.content)
+    provider.script = [completion(good_answer())]
+    assert await write(summarizer, counter, provider, model="gpt-4o-mini") is not None
+    body = json.loads(provider.calls[-1].body)
     assert body["max_tokens"] == 1200 and body["temperature"] == 0
     assert "max_completion_tokens" not in body
 
@@ -166,7 +183,6 @@ def test_answer_limits_by_model_family(model: str, limits: dict[str, int]) -> No
     assert answer_limits(model, 10) == limits
 
 
-@respx.mock
 @pytest.mark.parametrize(
     ("changes", "dropped", "outcome"),
     [
@@ -182,86 +198,93 @@ def test_answer_limits_by_model_family(model: str, limits: dict[str, int]) -> No
 async def test_an_answer_that_drops_must_keep_facts_is_guarded(
     summarizer: LlmSummarizer,
     counter: TokenCounter,
+    provider: Provider,
     changes: dict[str, Any],
     dropped: str,
     outcome: str,
 ) -> None:
-    respx.post(URL).mock(return_value=completion(good_answer(**changes)))
-    written = await write(summarizer, counter)
+    provider.script = [completion(good_answer(**changes))]
+    written = await write(summarizer, counter, provider)
     assert written is not None and dropped in written.appended
     assert all(kept in written.item.text() for kept in memory.must_keep(support_items()))
     assert calls(summarizer.metrics, outcome) == 1
 
 
-@respx.mock
 @pytest.mark.parametrize(
     "content",
     ["The refund was approved and the customer is happy.", '{"constraints": [', None, "{}"],
 )
 async def test_prose_invalid_json_or_no_answer_keeps_the_digest(
-    summarizer: LlmSummarizer, counter: TokenCounter, content: str | None
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, content: str | None
 ) -> None:
-    respx.post(URL).mock(return_value=completion(content))
-    assert await write(summarizer, counter) is None
+    provider.script = [completion(content)]
+    assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "unparseable") == 1
 
 
-@respx.mock
 async def test_a_provider_that_never_answers_times_out(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    never = asyncio.Event()
-
-    async def hang(request: httpx.Request) -> httpx.Response:
-        await never.wait()
+    async def hang(request: web.Request) -> web.StreamResponse:
+        await provider.release.wait()
         raise AssertionError("unreachable")
 
-    respx.post(URL).mock(side_effect=hang)
-    assert await write(summarizer, counter, timeout_seconds=0.05) is None
+    provider.script = [hang]
+    assert await write(summarizer, counter, provider, timeout_seconds=0.05) is None
     assert calls(summarizer.metrics, "timeout") == 1
 
 
-@respx.mock
 async def test_retries_are_bounded_by_the_tenant_policy(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    route = respx.post(URL).mock(return_value=httpx.Response(500, json={"error": {}}))
+    provider.script = [as_json(500, {"error": {}})]
     with capture_logs() as logs:
-        assert await write(summarizer, counter) is None
-    assert route.call_count == 2  # retry.max_attempts
+        assert await write(summarizer, counter, provider) is None
+    assert len(provider.calls) == 2  # retry.max_attempts
     assert calls(summarizer.metrics, "error") == 1
     assert [e["error"] for e in logs if e["event"] == "summarizer_error"] == [
         "InternalServerError 500"
     ]
 
 
-@respx.mock
 async def test_a_500_then_an_answer_is_retried(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
-    route = respx.post(URL).mock(
-        side_effect=[httpx.Response(500, json={"error": {}}), completion(good_answer())]
-    )
-    assert await write(summarizer, counter) is not None
-    assert route.call_count == 2 and calls(summarizer.metrics, "ok") == 1
+    provider.script = [as_json(500, {"error": {}}), completion(good_answer())]
+    assert await write(summarizer, counter, provider) is not None
+    assert len(provider.calls) == 2 and calls(summarizer.metrics, "ok") == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "logged"),
+    [(400, "BadRequestError 400"), (401, "AuthenticationError 401"), (418, "APIStatusError 418")],
+)
+async def test_a_refusal_is_not_retried_and_is_logged_by_its_status(
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, status: int, logged: str
+) -> None:
+    provider.script = [as_json(status, {"error": {"message": f"no, {KEY}"}})]
+    with capture_logs() as logs:
+        assert await write(summarizer, counter, provider) is None
+    assert len(provider.calls) == 1 and calls(summarizer.metrics, "error") == 1
+    assert [e["error"] for e in logs if e["event"] == "summarizer_error"] == [logged]
+    assert KEY not in json.dumps(logs, default=str)
 
 
 # --- hostile answers (issue 20, item 5): each a counted outcome, never a traceback ---------
 
 
-def hostile(**changes: Any) -> httpx.Response:
+def hostile(**changes: Any) -> Handler:
     """A chat completion with some of its fields replaced."""
-    body = json.loads(completion(good_answer()).content)
+    body = completion_body(good_answer())
     for path, value in changes.items():
         target = body
         *parents, last = path.split("__")
         for key in parents:
             target = target[int(key)] if isinstance(target, list) else target[key]
         target[last] = value
-    return httpx.Response(200, json=body)
+    return as_json(200, body)
 
 
-@respx.mock
 @pytest.mark.parametrize(
     ("response", "outcome"),
     [
@@ -271,10 +294,10 @@ def hostile(**changes: Any) -> httpx.Response:
         (hostile(choices=None), "invalid"),
         (hostile(choices__0__message__content={"constraints": []}), "invalid"),
         (hostile(choices__0__message__content=["a", "b"]), "invalid"),
-        (httpx.Response(200, json=["not", "a", "completion"]), "invalid"),
-        (httpx.Response(200, text="<html>busy</html>"), "invalid"),
-        (httpx.Response(200, content=b"[" * 100_000), "invalid"),
-        (httpx.Response(200, content=b'{"choices": "' + b"x" * 5_000_000 + b'"}'), "invalid"),
+        (as_json(200, ["not", "a", "completion"]), "invalid"),
+        (reply(200, b"<html>busy</html>", "text/html"), "invalid"),
+        (reply(200, b"[" * 100_000), "invalid"),
+        (reply(200, b'{"choices": "' + b"x" * 5_000_000 + b'"}'), "invalid"),
         # Nested past the parser's depth: within the answer's limit, then past it.
         (hostile(choices__0__message__content="[" * 2_000 + "]" * 2_000), "unparseable"),
         (hostile(choices__0__message__content="[" * 200_000 + "]" * 200_000), "invalid"),
@@ -290,11 +313,15 @@ def hostile(**changes: Any) -> httpx.Response:
     ],
 )
 async def test_a_hostile_answer_is_a_counted_outcome(
-    summarizer: LlmSummarizer, counter: TokenCounter, response: httpx.Response, outcome: str
+    summarizer: LlmSummarizer,
+    counter: TokenCounter,
+    provider: Provider,
+    response: Handler,
+    outcome: str,
 ) -> None:
-    respx.post(URL).mock(return_value=response)
+    provider.script = [response]
     with capture_logs() as logs:
-        assert await write(summarizer, counter) is None
+        assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, outcome) == 1
     assert sum(calls(summarizer.metrics, o) for o in OUTCOMES) == 1
     assert not [e for e in logs if e.get("log_level") in ("error", "critical")], logs
@@ -303,7 +330,6 @@ async def test_a_hostile_answer_is_a_counted_outcome(
 OUTCOMES = ("ok", "guarded", "unverified", "error", "timeout", "unparseable", "invalid")
 
 
-@respx.mock
 @pytest.mark.parametrize(
     "usage",
     [
@@ -314,12 +340,12 @@ OUTCOMES = ("ok", "guarded", "unverified", "error", "timeout", "unparseable", "i
     ],
 )
 async def test_usage_that_is_not_token_counts_keeps_the_summary(
-    summarizer: LlmSummarizer, counter: TokenCounter, usage: Any
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider, usage: Any
 ) -> None:
     """The summary was written and then thrown away by a TypeError counting its tokens."""
-    respx.post(URL).mock(return_value=hostile(usage=usage))
+    provider.script = [hostile(usage=usage)]
     with capture_logs() as logs:
-        written = await write(summarizer, counter)
+        written = await write(summarizer, counter, provider)
     assert written is not None
     assert calls(summarizer.metrics, "ok") == 1
     tokens = samples(summarizer.metrics)
@@ -328,9 +354,11 @@ async def test_usage_that_is_not_token_counts_keeps_the_summary(
     assert [e["problem"] for e in logs if e["event"] == "summarizer_invalid"] == ["usage"]
 
 
-@respx.mock
 async def test_reading_the_answer_is_inside_the_timeout(
-    summarizer: LlmSummarizer, counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+    summarizer: LlmSummarizer,
+    counter: TokenCounter,
+    provider: Provider,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The guard's work ran after the timeout, unbounded: a compaction waited for it."""
     import threading
@@ -346,9 +374,9 @@ async def test_reading_the_answer_is_inside_the_timeout(
         return None
 
     monkeypatch.setattr(module, "summary_from_answer", slow)
-    respx.post(URL).mock(return_value=completion(good_answer()))
+    provider.script = [completion(good_answer())]
     try:
-        assert await write(summarizer, counter, timeout_seconds=0.5) is None
+        assert await write(summarizer, counter, provider, timeout_seconds=0.5) is None
         assert reading.is_set()
         assert calls(summarizer.metrics, "timeout") == 1
         tokens = samples(summarizer.metrics)
@@ -358,9 +386,11 @@ async def test_reading_the_answer_is_inside_the_timeout(
         done.set()
 
 
-@respx.mock
 async def test_an_unexpected_failure_is_still_one_counted_call(
-    summarizer: LlmSummarizer, counter: TokenCounter, monkeypatch: pytest.MonkeyPatch
+    summarizer: LlmSummarizer,
+    counter: TokenCounter,
+    provider: Provider,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from proxy import summarizer as module
 
@@ -368,47 +398,86 @@ async def test_an_unexpected_failure_is_still_one_counted_call(
         raise IndexError("a bug")
 
     monkeypatch.setattr(module, "summary_from_answer", broken)
-    respx.post(URL).mock(return_value=completion(good_answer()))
+    provider.script = [completion(good_answer())]
     with capture_logs() as logs:
-        assert await write(summarizer, counter) is None
+        assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "error") == 1
     assert [e["event"] for e in logs if e.get("log_level") == "error"] == ["summarizer_failed"]
 
 
-@respx.mock
 async def test_an_injected_answer_is_used_with_its_claims_as_notes_and_counted(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
     from tests.core.test_llm_summary import INJECTION, injected_answer
 
-    respx.post(URL).mock(return_value=completion(injected_answer()))
-    written = await write(summarizer, counter)
+    provider.script = [completion(injected_answer())]
+    written = await write(summarizer, counter, provider)
     assert written is not None and INJECTION in written.unverified
     assert calls(summarizer.metrics, "unverified") == 1 and calls(summarizer.metrics, "ok") == 0
 
 
-@respx.mock
 async def test_a_body_longer_than_any_answer_asked_for_is_not_read_whole(
-    summarizer: LlmSummarizer, counter: TokenCounter
+    summarizer: LlmSummarizer, counter: TokenCounter, provider: Provider
 ) -> None:
     """Parsed by the SDK on the event loop before; now it stops at max_body_bytes."""
     answer = json.dumps({"constraints": ["x" * 5_000_000]})
-    respx.post(URL).mock(return_value=completion(answer))
+    provider.script = [completion(answer)]
     with capture_logs() as logs:
-        assert await write(summarizer, counter) is None
+        assert await write(summarizer, counter, provider) is None
     assert calls(summarizer.metrics, "invalid") == 1
     problems = [e["problem"] for e in logs if e["event"] == "summarizer_invalid"]
     assert problems == ["body too large"]
 
 
-def test_a_summarizer_never_called_loads_neither_the_sdk_nor_httpx() -> None:
-    """They load with the first summary: a proxy with no summarizer configured does not
-    carry their tens of MB (issue 23, resident memory)."""
-    code = (
-        "import sys; import proxy.server.app; from proxy.metrics import Metrics; "
-        "from proxy.summarizer import LlmSummarizer; import asyncio; "
-        "s = LlmSummarizer(Metrics()); asyncio.run(s.aclose()); "
-        "print(sorted(m for m in ('openai', 'httpx') if m in sys.modules))"
-    )
+def test_a_summarizer_call_loads_neither_the_sdk_nor_httpx() -> None:
+    """The call goes through proxy/upstream.py (aiohttp): neither the openai SDK nor httpx
+    is loaded, not even by a call (issue 23: one provider client, resident memory). The
+    call here finds no provider (a port just closed) and is counted as an error."""
+    code = """
+import asyncio, socket, sys
+import proxy.server.app
+from proxy.core.items import item_of
+from proxy.core.tokens import TokenCounter
+from proxy.metrics import Metrics
+from proxy.policy import Policy
+from proxy.summarizer import LlmSummarizer, Target
+
+free = socket.socket()
+free.bind(("127.0.0.1", 0))
+port = free.getsockname()[1]
+free.close()
+policy = Policy.model_validate({
+    "tenant": "acme", "memory": {"summarizer": {"model": "m", "timeout_seconds": 5}},
+    "retry": {"max_attempts": 1},
+})
+items = [item_of("chat", {"role": "user", "content": "hello"})]
+
+async def main():
+    summarizer = LlmSummarizer(Metrics())
+    target = Target(f"http://127.0.0.1:{port}/v1", "sk-x")
+    written = await summarizer.write(policy, target, items, TokenCounter.for_model("gpt-4o-mini"), 100)
+    await summarizer.aclose()
+    print(written, sorted(m for m in ("openai", "httpx") if m in sys.modules))
+
+asyncio.run(main())
+"""
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert shown.stdout.strip() == "[]"
+    *logged, printed = shown.stdout.strip().splitlines()
+    assert printed == "None []", shown.stderr
+    assert any("summarizer_error" in line and "APIConnectionError" in line for line in logged)
+
+
+async def test_a_shared_upstream_is_used_and_left_open_for_its_owner(
+    counter: TokenCounter, provider: Provider
+) -> None:
+    upstream = Upstream()
+    try:
+        summarizer = LlmSummarizer(Metrics(), upstream)
+        provider.script = [completion(good_answer())]
+        assert await write(summarizer, counter, provider) is not None
+        assert summarizer.upstream is upstream and upstream.connections_in_use() == 0
+        await summarizer.aclose()
+        again = await upstream.send(UpstreamRequest("GET", provider.url, {}), RetrySettings())
+        assert again.status == 200 and len(provider.calls) == 2
+    finally:
+        await upstream.aclose()

@@ -38,6 +38,7 @@ from proxy.server.relay import send_upstream, upstream_base
 from proxy.server.state import LOG_FIELDS, STORE, UPSTREAM_APIS
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_json_event, event_payload
+from proxy.store.base import UpstreamApiStore
 from proxy.upstream import ProviderAnswerTooLarge, UpstreamResponse
 
 CHAT_PATH = "/chat/completions"
@@ -64,13 +65,15 @@ async def upstream_api(request: web.Request, policy: Policy) -> str:
     key = (policy.tenant, upstream_base(request, policy))
     known = request.app[UPSTREAM_APIS]
     if key not in known:
-        known[key] = await request.app[STORE].upstream_api_get(*key)
+        store: UpstreamApiStore = request.app[STORE]
+        known[key] = await store.upstream_api_get(*key)
     return known[key] or "auto"
 
 
 async def learn_chat(request: web.Request, policy: Policy) -> None:
     key = (policy.tenant, upstream_base(request, policy))
-    learnt = await request.app[STORE].upstream_api_set(*key, "chat", utc_now())
+    store: UpstreamApiStore = request.app[STORE]
+    learnt = await store.upstream_api_set(*key, "chat", utc_now())
     request.app[UPSTREAM_APIS][key] = learnt
 
 

@@ -30,6 +30,7 @@ from proxy.core.items import Item, responses_item
 from proxy.core.tokens import TokenCounter
 from proxy.core.validate import metadata_param, validate_stored_item
 from proxy.ids import item_id_for, new_id
+from proxy.operations import NoForkPoint, ThreadGone, fork_id_for, fork_thread
 from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.explain import EXPLAIN
@@ -195,20 +196,19 @@ async def fork_conversation(request: web.Request) -> web.Response:
     if item_id is not None and not isinstance(item_id, str):
         raise wrong_type("item_id", "a string", item_id)
     thread = await conversation(request)
-    store = request.app[STORE]
-    through_seq = thread.next_seq - 1
-    if item_id:
-        stored = await store.get_item(thread.tenant, thread.id, item_id)
-        if stored is None:
-            raise item_not_found(item_id, param="item_id")
-        through_seq = stored.seq
-    fork_id = new_id("conv")
+    fork_id = fork_id_for(thread)
     request[LOG_FIELDS]["conversation_id"] = fork_id
     try:
-        fork = await store.fork_thread(
-            thread.tenant, thread.id, fork_id, through_seq=through_seq, now=request.app[CLOCK].iso()
+        fork = await fork_thread(
+            request.app[STORE],
+            thread,
+            item_id or None,
+            now=request.app[CLOCK].iso(),
+            fork_id=fork_id,
         )
-    except NotFound:
+    except NoForkPoint as exc:
+        raise item_not_found(exc.at_item, param="item_id") from None
+    except ThreadGone:
         raise conversation_not_found(thread.id) from None
     return web.json_response(conversation_object(fork))
 

@@ -33,7 +33,7 @@ from proxy.periodic import every, running
 from proxy.server.errors import ApiError
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, REQUEST_ID, SETTINGS, STORE
 from proxy.server.validate import JsonDict
-from proxy.store.base import ExplainRecord, Store, StoreError
+from proxy.store.base import ExplainRecord, ExplainStore, StoreError
 
 log = structlog.get_logger("threadkeeper.explain")
 
@@ -72,7 +72,7 @@ class PendingRecord:
 class ExplainRecorder:
     """A bounded queue of records and the one task that writes them."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ExplainStore) -> None:
         self.store = store
         self.dropped = 0
         self._queue: asyncio.Queue[PendingRecord] = asyncio.Queue(QUEUE_MAX)
@@ -250,7 +250,10 @@ async def find_record(
     """The tenant's record (any tenant's for None), from the queue while it is unwritten."""
     recorder = app.get(EXPLAIN)
     found = recorder.unwritten(tenant, request_id) if recorder is not None else None
-    return found if found is not None else await app[STORE].explain_get(tenant, request_id)
+    if found is not None:
+        return found
+    store: ExplainStore = app[STORE]
+    return await store.explain_get(tenant, request_id)
 
 
 async def get_record(request: web.Request) -> web.Response:

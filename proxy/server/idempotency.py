@@ -71,7 +71,7 @@ from proxy.server.api import for_route
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP, end_tapped_stream
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
-from proxy.store.base import IdempotencyRecord, Store
+from proxy.store.base import IdempotencyRecord, IdempotencyStore
 
 log = structlog.get_logger("threadkeeper.idempotency")
 
@@ -93,7 +93,8 @@ async def idempotency_middleware(request: web.Request, handler: Handler) -> web.
     if key is None or request.method != "POST" or not request.path.startswith(KEYED_PREFIXES):
         return await handler(request)
     record = await new_record(request, key)
-    existing = await request.app[STORE].idempotency_begin(record)
+    store: IdempotencyStore = request.app[STORE]
+    existing = await store.idempotency_begin(record)
     found = None if existing is None else (existing.fingerprint, existing.status)
     match verdict(found, record.fingerprint):
         case Verdict.RUN:
@@ -145,7 +146,7 @@ async def run_and_record(
     request: web.Request, handler: Handler, record: IdempotencyRecord
 ) -> web.StreamResponse:
     """Run the handler; store its answer when it may be replayed, else drop the record."""
-    store = request.app[STORE]
+    store: IdempotencyStore = request.app[STORE]
     tap: list[bytes] = []
     request[STREAM_TAP] = tap
     try:
@@ -254,7 +255,7 @@ def key_in_progress(key: str) -> ApiError:
     )
 
 
-async def purge_expired(store: Store, clock: Clock) -> int:
+async def purge_expired(store: IdempotencyStore, clock: Clock) -> int:
     """Delete the records expired by `clock`'s now; how many went."""
     return await store.idempotency_purge(clock.iso())
 

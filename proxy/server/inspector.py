@@ -46,7 +46,14 @@ from proxy.policy import hash_key
 from proxy.server import explain, inspector_html
 from proxy.server.auth import bearer_token, is_utf8
 from proxy.server.state import CLOCK, POLICIES, SETTINGS, STORE
-from proxy.store.base import InspectorSession, StoreUnavailable, Thread
+from proxy.store.base import (
+    ExplainStore,
+    InspectorSession,
+    InspectorSessionStore,
+    StoreUnavailable,
+    Thread,
+    ThreadStore,
+)
 
 log = structlog.get_logger("threadkeeper.inspector")
 
@@ -121,7 +128,7 @@ async def new_session(app: web.Application, tenant: str | None, key_hash: str | 
     """Stores a session and returns its cookie value, `<session id>.<hmac>`."""
     session_id = secrets.token_urlsafe(32)
     now = app[CLOCK].now()
-    store = app[STORE]
+    store: InspectorSessionStore = app[STORE]
     await store.inspector_sessions_purge(now=utc_iso(now))  # the expired: rows stay few
     await store.inspector_session_create(
         InspectorSession(
@@ -153,7 +160,8 @@ async def _session_viewer(request: web.Request, value: str) -> Viewer | None:
     session_id = _session_id(request, value)
     if session_id is None:
         return None
-    session = await request.app[STORE].inspector_session_get(_id_hash(session_id))
+    store: InspectorSessionStore = request.app[STORE]
+    session = await store.inspector_session_get(_id_hash(session_id))
     if (
         session is None
         or session.signing_key != _signing_key(request.app)
@@ -426,7 +434,7 @@ def _redirect(location: str) -> web.Response:
 async def threads_page(request: web.Request, viewer: Viewer) -> web.Response:
     """Threads, newest first; `q` finds a thread by id; operators filter by `tenant` (its
     passthrough callers included) or `namespace` (one caller's)."""
-    store = request.app[STORE]
+    store: ThreadStore = request.app[STORE]
     values = query_values(request, THREADS_PARAMS)
     query = _text(values, "q")
     scope = viewer.scope(_text(values, "tenant") or None, _text(values, "namespace") or None)
@@ -449,7 +457,7 @@ async def threads_page(request: web.Request, viewer: Viewer) -> web.Response:
 
 
 async def _find(request: web.Request, thread_id: str, scope: Scope) -> list[Thread]:
-    store = request.app[STORE]
+    store: ThreadStore = request.app[STORE]
     if scope.namespace is not None:
         thread = await store.get_thread(scope.namespace, thread_id)
         return [thread] if thread is not None else []
@@ -480,7 +488,8 @@ async def thread_page(request: web.Request, viewer: Viewer) -> web.Response:
     ledger = await admin.ledger_for_calls(
         request.app[STORE], tenant, [c for item in shown["log"] for c in item["call_ids"]]
     )
-    records = await request.app[STORE].explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
+    explained: ExplainStore = request.app[STORE]
+    records = await explained.explain_for_thread(tenant, thread_id, limit=RECENT_REQUESTS)
     requests = [r.record for r in records]
     return _html(
         inspector_html.thread_page(
@@ -603,7 +612,8 @@ async def logout(request: web.Request, viewer: Viewer) -> web.Response:
     """Ends the session in the store (every worker and replica), then drops the cookie."""
     _check_csrf(request, viewer, await request.post())
     if viewer.from_cookie:
-        await request.app[STORE].inspector_session_revoke(_id_hash(viewer.session_id))
+        store: InspectorSessionStore = request.app[STORE]
+        await store.inspector_session_revoke(_id_hash(viewer.session_id))
     response = _redirect(f"{PREFIX}/login")
     response.del_cookie(COOKIE, path=f"{PREFIX}/")
     return response
@@ -640,7 +650,8 @@ async def _revoke_other_tokens(app: web.Application) -> AsyncIterator[None]:
     """cleanup_ctx: at start, the sessions of another operator token (and the expired)
     leave the store, so a token changed and changed back does not revive them."""
     try:
-        purged = await app[STORE].inspector_sessions_purge(
+        store: InspectorSessionStore = app[STORE]
+        purged = await store.inspector_sessions_purge(
             now=app[CLOCK].iso(), signing_key=_signing_key(app)
         )
     except StoreUnavailable as exc:  # they are refused anyway: their signing key differs

@@ -21,7 +21,7 @@ import structlog
 
 from proxy.core.budget import MAX_SAMPLES, Learned, Sample
 from proxy.policy import Policy
-from proxy.store.base import LearnedRecord, Store, StoreError
+from proxy.store.base import LearnedRecord, LearnedStore, StoreError
 
 log = structlog.get_logger("threadkeeper.learned")
 
@@ -73,7 +73,7 @@ class LearnedLimits:
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
-    async def load(self, key: Key, store: Store | None) -> Learned | None:
+    async def load(self, key: Key, store: LearnedStore | None) -> Learned | None:
         """The entry, read from the store on first use and once its copy is older than the
         TTL (what another replica learnt since). Changes not yet written stay this
         process's; a store that fails is logged and the copy in memory serves."""
@@ -113,7 +113,9 @@ class LearnedLimits:
             return False
         return entry.pending >= WRITE_EVERY or changed(entry.written, entry.learned)
 
-    async def save(self, key: Key, store: Store | None, now: str, *, force: bool = False) -> None:
+    async def save(
+        self, key: Key, store: LearnedStore | None, now: str, *, force: bool = False
+    ) -> None:
         """Writes the entry when a write is due (or `force`, with anything unwritten)."""
         entry = self._entries.get(key)
         if store is None or entry is None or entry.pending == 0:
@@ -128,7 +130,7 @@ class LearnedLimits:
             return
         entry.written, entry.pending = learned, 0
 
-    async def flush(self, store: Store | None, now: str) -> None:
+    async def flush(self, store: LearnedStore | None, now: str) -> None:
         """Everything not yet written (at shutdown)."""
         for key in [k for k, e in self._entries.items() if e.pending]:
             await self.save(key, store, now, force=True)

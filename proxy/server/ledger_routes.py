@@ -19,12 +19,12 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.core.ledger import ledger_result
+from proxy.operations import LedgerEntryNotIssued, NoLedgerEntry, resolve_ledger_entry
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import limit_param
 from proxy.server.state import CLOCK, NAMESPACE, STORE
 from proxy.server.validate import JsonDict, read_json_object, unsupported_value
-from proxy.store.base import LedgerEntry, LedgerStatus
+from proxy.store.base import LedgerEntry, LedgerStatus, LedgerStore
 
 log = structlog.get_logger("threadkeeper.ledger")
 
@@ -61,17 +61,23 @@ async def list_entries(request: web.Request) -> web.Response:
     status_value = request.query.get("status")
     status = None if status_value is None else status_param(status_value, "status")
     limit = limit_param(request.query.get("limit"))
-    entries = await request.app[STORE].ledger_list(tenant, status=status, limit=limit)
+    store: LedgerStore = request.app[STORE]
+    entries = await store.ledger_list(tenant, status=status, limit=limit)
     return web.json_response({"object": "list", "data": [entry_json(e) for e in entries]})
 
 
 async def _entry_or_404(request: web.Request) -> LedgerEntry:
     tenant = request[NAMESPACE]
     scope, key = request.match_info["scope"], request.match_info["key"]
-    entry = await request.app[STORE].ledger_get(tenant, scope, key)
+    store: LedgerStore = request.app[STORE]
+    entry = await store.ledger_get(tenant, scope, key)
     if entry is None:
-        raise ApiError(404, f"No ledger entry with scope '{scope}' and key '{key}'.")
+        raise _not_found(scope, key)
     return entry
+
+
+def _not_found(scope: str, key: str) -> ApiError:
+    return ApiError(404, f"No ledger entry with scope '{scope}' and key '{key}'.")
 
 
 async def get_entry(request: web.Request) -> web.Response:
@@ -84,27 +90,29 @@ async def resolve_entry(request: web.Request) -> web.Response:
     status = status_param(body.get("status"), "status")
     if status == "issued":
         raise invalid("'status' must be 'completed' or 'failed'.", "status", "invalid_value")
-    result = body.get("result")
-    if result is not None:
-        result = ledger_result(result)
-    entry = await _entry_or_404(request)
-    resolved = await request.app[STORE].ledger_resolve(
-        entry.tenant,
-        entry.scope,
-        entry.key,
-        status=status,
-        result=result,
-        now=request.app[CLOCK].iso(),
-    )
-    if not resolved:
+    scope, key = request.match_info["scope"], request.match_info["key"]
+    store: LedgerStore = request.app[STORE]
+    try:
+        entry = await resolve_ledger_entry(
+            store,
+            request[NAMESPACE],
+            scope,
+            key,
+            status=status,
+            result=body.get("result"),
+            now=request.app[CLOCK].iso(),
+        )
+    except NoLedgerEntry:
+        raise _not_found(scope, key) from None
+    except LedgerEntryNotIssued as exc:
         raise ApiError(
             409,
-            f"Ledger entry '{entry.key}' is '{entry.status}'; only an 'issued' entry can be "
+            f"Ledger entry '{key}' is '{exc.entry.status}'; only an 'issued' entry can be "
             "resolved.",
             code="ledger_entry_not_issued",
-        )
+        ) from None
     log.warning("ledger_resolved_by_operator", tenant=entry.tenant, key=entry.key, status=status)
-    return web.json_response(entry_json(await _entry_or_404(request)))
+    return web.json_response(entry_json(entry))
 
 
 def add_routes(app: web.Application) -> None:

@@ -34,7 +34,7 @@ import structlog
 
 from proxy.clock import Clock, utc_iso
 from proxy.periodic import every, running
-from proxy.store.base import Heartbeat, Store
+from proxy.store.base import Heartbeat, HeartbeatStore
 
 log = structlog.get_logger("threadkeeper.recovery")
 
@@ -71,12 +71,12 @@ def died_here(beat: Heartbeat) -> bool:
     return beat.host == this_host() and beat.pid > 0 and not pid_exists(beat.pid)
 
 
-async def heartbeat(store: Store, owner: str, *, now: datetime) -> None:
+async def heartbeat(store: HeartbeatStore, owner: str, *, now: datetime) -> None:
     await store.heartbeat(owner, utc_iso(now), host=this_host(), pid=os.getpid())
 
 
 async def sweep(
-    store: Store, owner: str, *, now: datetime, stale_after: timedelta = STALE_AFTER
+    store: HeartbeatStore, owner: str, *, now: datetime, stale_after: timedelta = STALE_AFTER
 ) -> int:
     """Mark the responses of dead owners incomplete (dead on this host, or silent since
     `now - stale_after`); returns how many. `owner` (this process) is never swept."""
@@ -93,7 +93,7 @@ async def sweep(
 
 
 @asynccontextmanager
-async def keep_alive(store: Store, owner: str, clock: Clock) -> AsyncIterator[None]:
+async def keep_alive(store: HeartbeatStore, owner: str, clock: Clock) -> AsyncIterator[None]:
     """While the body runs, `owner` heartbeats and sweeps dead owners; on exit it retires.
     Times and intervals come from `clock` (the app's CLOCK)."""
     await heartbeat(store, owner, now=clock.now())

@@ -23,7 +23,7 @@ from proxy.server.conversations import item_object
 from proxy.server.errors import ApiError, invalid
 from proxy.server.pagination import page_params
 from proxy.server.state import CLOCK, NAMESPACE, SETTINGS, STORE
-from proxy.store.base import Store, StoredItem, StoredResponse
+from proxy.store.base import ResponseStore, StoredItem, StoredResponse, ThreadStore
 
 log = structlog.get_logger("threadkeeper.responses")
 
@@ -43,7 +43,8 @@ def add_routes(app: web.Application) -> None:
 
 async def _stored(request: web.Request, response_id: str | None = None) -> StoredResponse:
     response_id = response_id or request.match_info["response_id"]
-    stored = await request.app[STORE].get_response(request[NAMESPACE], response_id)
+    store: ResponseStore = request.app[STORE]
+    stored = await store.get_response(request[NAMESPACE], response_id)
     if stored is None:
         raise ApiError(404, f"Response with id '{response_id}' not found.")
     return stored
@@ -102,7 +103,8 @@ async def cancel_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     stored = await _stored(request)
-    await request.app[STORE].delete_response(stored.tenant, stored.id)
+    store: ResponseStore = request.app[STORE]
+    await store.delete_response(stored.tenant, stored.id)
     return web.json_response({"id": stored.id, "object": "response", "deleted": True})
 
 
@@ -135,11 +137,12 @@ async def _input_items(request: web.Request, stored: StoredResponse) -> tuple[St
     first, last = stored.input_first_seq, stored.output_last_seq
     if stored.thread_id is None or first is None or last is None:
         return ()
-    items = await request.app[STORE].items_between(stored.tenant, stored.thread_id, first, last)
+    store: ThreadStore = request.app[STORE]
+    items = await store.items_between(stored.tenant, stored.thread_id, first, last)
     return tuple(i for i in items if i.role == "input" and i.response_id == stored.id)
 
 
-async def purge_expired(store: Store, clock: Clock, retention: timedelta) -> int:
+async def purge_expired(store: ResponseStore, clock: Clock, retention: timedelta) -> int:
     """Deletes the responses created more than `retention` ago, in bounded batches; how
     many went."""
     before = utc_iso(clock.now() - retention)

@@ -1,6 +1,7 @@
-"""Thread storage: one `Store` contract (base.py), backends for SQLite and PostgreSQL.
+"""Thread storage: one contract (base.py), backends for SQLite and PostgreSQL.
 
-    base.py       the contract: Store protocol, row dataclasses, errors
+    base.py       the contract: a Protocol per concern, `Store` their union, row
+                  dataclasses, errors
     sql.py        SQL text and pure row <-> dataclass helpers (no I/O)
     sqlstore.py   SqlStore: the contract's logic over a small connection seam
     sqlite.py     aiosqlite, WAL, one writer queue per process

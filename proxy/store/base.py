@@ -1,4 +1,8 @@
-"""The storage contract: one async `Store` protocol, implemented for SQLite and PostgreSQL.
+"""The storage contract: one async Protocol per concern (threads and items, responses,
+background responses, heartbeats, ledger, idempotency, summaries, explain records,
+secrets, upstream APIs, inspector sessions, learned limits) and `Store`, their union,
+which the SQL store implements for SQLite and PostgreSQL. A consumer takes the narrow
+protocol it uses, so its annotation says which tables it can touch.
 
 Layers (SPEC section 2): the event log (`items`, append-only per thread, with a sequence
 number), the thread state / checkpoint (`threads.state` with a `version` for optimistic
@@ -279,15 +283,9 @@ MAX_SUMMARY_DIGESTS = 100  # digests one summaries_get reads at most
 SummaryKey = tuple[str, str, str, str]  # (tenant, model, api, digest)
 
 
-class Store(Protocol):
-    """Async storage contract shared by the SQLite and PostgreSQL backends.
+class StoreLifecycle(Protocol):
+    """Opening, migrating and probing the store (the app's start, /readyz, the CLI)."""
 
-    Times are ISO-8601 strings passed in by the caller (the core has no clock). All
-    methods are tenant-scoped. Methods returning `X | None` return None for a row that
-    does not exist *for this tenant*.
-    """
-
-    # lifecycle ------------------------------------------------------------------------
     async def migrate(self) -> None:
         """Apply pending numbered migrations (under an advisory lock on PostgreSQL)."""
 
@@ -298,7 +296,11 @@ class Store(Protocol):
         unreachable, or a write failed for lack of space within the last
         FULL_REMEMBERED_SECONDS (readiness probe; /readyz also writes a heartbeat)."""
 
-    # threads --------------------------------------------------------------------------
+
+class ThreadStore(Protocol):
+    """Threads and their items: the event log, its checkpoint state, and the one
+    write of a turn (`commit_turn`: items, state and the response's completion at once)."""
+
     async def create_thread(
         self,
         tenant: str,
@@ -349,20 +351,12 @@ class Store(Protocol):
         many rows went, per table ("threads": 0 when the thread row was gone already)."""
         ...
 
-    async def responses_purge(self, before: str, *, limit: int = 1000) -> int:
-        """Delete at most `limit` of the oldest finished responses created before
-        `before` (one transaction; the caller repeats while it gets `limit`), and the
-        response chains (threads of kind "responses") left without a response, which no
-        request can reach any more, as delete_thread deletes them. How many responses."""
-        ...
-
     async def fork_thread(
         self, tenant: str, source_id: str, new_id: str, *, through_seq: int, now: str
     ) -> Thread:
         """A new thread holding copies of the source's items with seq <= through_seq.
         Writes to either thread never touch the other. NotFound if the source is absent."""
 
-    # items ----------------------------------------------------------------------------
     async def append_items(
         self,
         tenant: str,
@@ -376,6 +370,23 @@ class Store(Protocol):
         """Append items (and optionally replace the state) in one transaction, bumping the
         version. With expected_version, VersionConflict if the thread moved on. NotFound
         if the thread does not exist. Returns the updated thread."""
+
+    async def commit_turn(
+        self,
+        tenant: str,
+        thread_id: str,
+        *,
+        expected_version: int,
+        items: Sequence[NewItem],
+        state: JsonDict,
+        now: str,
+        response_id: str | None = None,
+        response: JsonDict | None = None,
+    ) -> Thread:
+        """One transaction: append the turn's input + output items, replace the state,
+        bump the version and (when response_id is given) mark that response completed
+        with its final object, seq range and the thread's head. VersionConflict leaves
+        everything untouched; so does a response cancelled meanwhile (Cancelled)."""
 
     async def load_window(self, tenant: str, thread_id: str, *, from_seq: int = 0) -> Window | None:
         """The thread plus its items with seq >= state["window_start"] (0 when absent)
@@ -412,7 +423,10 @@ class Store(Protocol):
         summaries kept for the thread stop being kept for it (they may quote the item):
         those no other thread keeps are deleted."""
 
-    # responses ------------------------------------------------------------------------
+
+class ResponseStore(Protocol):
+    """Stored responses (`previous_response_id`, GET/DELETE /v1/responses/{id})."""
+
     async def begin_response(
         self, response: StoredResponse, *, max_running: int | None = None
     ) -> None:
@@ -420,23 +434,6 @@ class Store(Protocol):
         `max_running`, a background response is recorded only while fewer than that many
         of the tenant's are `in_progress`, counted and inserted as one unit (concurrent
         calls, on any replica, never exceed it); TooManyRunning otherwise."""
-
-    async def commit_turn(
-        self,
-        tenant: str,
-        thread_id: str,
-        *,
-        expected_version: int,
-        items: Sequence[NewItem],
-        state: JsonDict,
-        now: str,
-        response_id: str | None = None,
-        response: JsonDict | None = None,
-    ) -> Thread:
-        """One transaction: append the turn's input + output items, replace the state,
-        bump the version and (when response_id is given) mark that response completed
-        with its final object, seq range and the thread's head. VersionConflict leaves
-        everything untouched; so does a response cancelled meanwhile (Cancelled)."""
 
     async def finish_response(
         self,
@@ -462,7 +459,18 @@ class Store(Protocol):
         """The response and its stored events."""
         ...
 
-    # background responses (proxy/server/background.py) ---------------------------------
+    async def responses_purge(self, before: str, *, limit: int = 1000) -> int:
+        """Delete at most `limit` of the oldest finished responses created before
+        `before` (one transaction; the caller repeats while it gets `limit`), and the
+        response chains (threads of kind "responses") left without a response, which no
+        request can reach any more, as delete_thread deletes them. How many responses."""
+        ...
+
+
+class BackgroundStore(Protocol):
+    """Background responses (proxy/server/background.py): cancellation and their
+    stored stream events."""
+
     async def cancel_response(self, tenant: str, response_id: str) -> bool:
         """Conditional update: a background response still `in_progress` becomes
         `cancelled`. True if it did; of a cancel and a commit_turn/finish_response racing,
@@ -487,7 +495,10 @@ class Store(Protocol):
     async def response_events_purge(self, before: str) -> int:
         """Delete the events kept before `before` (their retention); returns how many."""
 
-    # process owners (replica-safe recovery, SPEC sections 7 and 8) -----------------------
+
+class HeartbeatStore(Protocol):
+    """Process owners (replica-safe recovery, SPEC sections 7 and 8)."""
+
     async def heartbeat(self, owner: str, now: str, *, host: str = "", pid: int = 0) -> None:
         """Record that process instance `owner` is alive at `now` (upsert; `host` and
         `pid` are kept from the first beat and let a process on the same host tell at
@@ -512,7 +523,10 @@ class Store(Protocol):
         its `running` idempotency records are deleted and its owner row goes, in one
         transaction. Returns how many responses."""
 
-    # side-effect ledger (issue: idempotency) -----------------------------------------------
+
+class LedgerStore(Protocol):
+    """The side-effect ledger (SPEC 6): one entry per rendered idempotency key."""
+
     async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
         """Insert the entry unless (tenant, scope, key) exists: first write wins.
         Returns (the entry now stored, True if this call created it)."""
@@ -552,39 +566,10 @@ class Store(Protocol):
         `callers`, also those of the tenant's passthrough callers (`<tenant>:<hash>`)."""
         ...
 
-    # explain records ----------------------------------------------------------------------
-    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
-        """Insert in one transaction; a request id already kept stays as it is."""
 
-    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
-        """The tenant's record; with tenant None (operators), the one record with this id."""
+class IdempotencyStore(Protocol):
+    """Request idempotency records (the Idempotency-Key header)."""
 
-    async def explain_for_thread(
-        self, tenant: str, thread_id: str, *, limit: int
-    ) -> tuple[ExplainRecord, ...]:
-        """The thread's most recent records, newest first (the inspector's thread page)."""
-        ...
-
-    async def explain_purge(self, before: str) -> int:
-        """Delete the records created before `before`; how many went."""
-
-    # server secrets (not tenant data: one value per name for every replica) -----------
-    async def secret(self, name: str) -> str | None:
-        """The secret stored under `name`, or None."""
-
-    async def create_secret(self, name: str, value: str, now: str) -> str:
-        """Stores `value` under `name` unless a value is there already, and returns the
-        stored one: replicas racing to create it all get the first write's value."""
-
-    # upstream APIs (policy upstream.api: auto) ------------------------------------------
-    async def upstream_api_get(self, tenant: str, base_url: str) -> str | None:
-        """The API learnt for this tenant's upstream at `base_url` ("chat"), or None."""
-
-    async def upstream_api_set(self, tenant: str, base_url: str, api: str, now: str) -> str:
-        """Records `api` for the upstream unless one is recorded already; returns the
-        recorded one (the first write wins, as replicas may learn it together)."""
-
-    # request idempotency ------------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
         """Insert a `running` record unless one exists for (tenant, key) and is not
         expired; return the existing one (None when this call inserted)."""
@@ -608,7 +593,10 @@ class Store(Protocol):
     async def idempotency_purge(self, now: str) -> int:
         """Delete expired records. Returns how many."""
 
-    # LLM summaries, by chunk digest (proxy/server/summaries.py) ----------------------
+
+class SummaryStore(Protocol):
+    """LLM summaries, by chunk digest (proxy/server/summaries.py)."""
+
     async def summary_put(self, summary: StoredSummary, *, thread_id: str | None = None) -> bool:
         """Stores a summary; the first write of a (tenant, model, api, digest) wins and
         a later one returns False, changing nothing else. With `thread_id`, the summary
@@ -639,7 +627,51 @@ class Store(Protocol):
         """Deletes the summaries last used before `before`, and those whose threads are
         all deleted; how many went."""
 
-    # inspector sessions (proxy/server/inspector.py) -----------------------------------
+
+class ExplainStore(Protocol):
+    """Explain records: what one model request sent and why."""
+
+    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+        """Insert in one transaction; a request id already kept stays as it is."""
+
+    async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
+        """The tenant's record; with tenant None (operators), the one record with this id."""
+
+    async def explain_for_thread(
+        self, tenant: str, thread_id: str, *, limit: int
+    ) -> tuple[ExplainRecord, ...]:
+        """The thread's most recent records, newest first (the inspector's thread page)."""
+        ...
+
+    async def explain_purge(self, before: str) -> int:
+        """Delete the records created before `before`; how many went."""
+
+
+class SecretStore(Protocol):
+    """Server secrets (not tenant data: one value per name for every replica)."""
+
+    async def secret(self, name: str) -> str | None:
+        """The secret stored under `name`, or None."""
+
+    async def create_secret(self, name: str, value: str, now: str) -> str:
+        """Stores `value` under `name` unless a value is there already, and returns the
+        stored one: replicas racing to create it all get the first write's value."""
+
+
+class UpstreamApiStore(Protocol):
+    """The API learnt for a tenant's upstream (policy upstream.api: auto)."""
+
+    async def upstream_api_get(self, tenant: str, base_url: str) -> str | None:
+        """The API learnt for this tenant's upstream at `base_url` ("chat"), or None."""
+
+    async def upstream_api_set(self, tenant: str, base_url: str, api: str, now: str) -> str:
+        """Records `api` for the upstream unless one is recorded already; returns the
+        recorded one (the first write wins, as replicas may learn it together)."""
+
+
+class InspectorSessionStore(Protocol):
+    """Signed-in inspector browsers (proxy/server/inspector.py)."""
+
     async def inspector_session_create(self, session: InspectorSession) -> None:
         """Stores a new session (ids are random: AlreadyExists only on a reused id)."""
 
@@ -653,7 +685,10 @@ class Store(Protocol):
         """Deletes the sessions expired at `now` and, given `signing_key`, those signed
         under another key (the operator token was changed); how many went."""
 
-    # learned limits (proxy/server/learned.py) -------------------------------------------
+
+class LearnedStore(Protocol):
+    """What the proxy learnt per (tenant, upstream, model) (proxy/server/learned.py)."""
+
     async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
         """What was learnt about the model on this tenant and upstream, if anything."""
 
@@ -664,3 +699,30 @@ class Store(Protocol):
         self, tenant: str | None, *, limit: int = 1000
     ) -> tuple[LearnedRecord, ...]:
         """The records of `tenant` (None: every tenant), by tenant, upstream and model."""
+
+
+class Store(
+    StoreLifecycle,
+    ThreadStore,
+    ResponseStore,
+    BackgroundStore,
+    HeartbeatStore,
+    LedgerStore,
+    IdempotencyStore,
+    SummaryStore,
+    ExplainStore,
+    SecretStore,
+    UpstreamApiStore,
+    InspectorSessionStore,
+    LearnedStore,
+    Protocol,
+):
+    """Async storage contract shared by the SQLite and PostgreSQL backends: the union of
+    the concerns above. A consumer takes the narrow protocol of the concern it uses
+    (`LedgerStore`, `SummaryStore`, ...); only what opens, runs or tests the whole store
+    takes `Store`.
+
+    Times are ISO-8601 strings passed in by the caller (the core has no clock). All
+    methods are tenant-scoped. Methods returning `X | None` return None for a row that
+    does not exist *for this tenant*.
+    """

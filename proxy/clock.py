@@ -49,6 +49,7 @@ class ManualClock(Clock):
     def __init__(self, start: datetime | None = None) -> None:
         self._now = start if start is not None else datetime.now(UTC)
         self._sleepers: list[tuple[datetime, asyncio.Future[None]]] = []
+        self._settling: list[tuple[int, asyncio.Future[None]]] = []  # advance_settled's
 
     def now(self) -> datetime:
         return self._now
@@ -65,6 +66,21 @@ class ManualClock(Clock):
                 future.set_result(None)
         self._sleepers = waiting
 
+    async def advance_settled(self, by: timedelta | float, within: float = 10.0) -> None:
+        """`advance`, then wait until as many sleepers wait as before: every periodic step
+        the jump woke has run and slept again, so a test can assert what that step left,
+        and the next jump is not merged into it. TimeoutError after `within` seconds."""
+        asleep = len(self._sleepers)
+        self.advance(by)
+        if len(self._sleepers) >= asleep:
+            return
+        settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._settling.append((asleep, settled))
+        try:
+            await asyncio.wait_for(settled, within)
+        finally:
+            self._settling.remove((asleep, settled))
+
     async def sleep(self, seconds: float) -> None:
         if seconds <= 0:
             await asyncio.sleep(0)
@@ -72,6 +88,9 @@ class ManualClock(Clock):
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (self._now + timedelta(seconds=seconds), future)
         self._sleepers.append(entry)
+        for asleep, settled in self._settling:
+            if len(self._sleepers) >= asleep and not settled.done():
+                settled.set_result(None)
         try:
             await future
         finally:

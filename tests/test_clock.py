@@ -40,3 +40,27 @@ async def test_a_cancelled_sleeper_is_forgotten() -> None:
     await asyncio.gather(sleeper, return_exceptions=True)
     assert clock._sleepers == []
     clock.advance(60)  # nothing left to wake
+
+
+async def test_advance_settled_returns_once_the_step_it_woke_has_run() -> None:
+    """A periodic step that takes real time (a store write) is finished, and its loop
+    asleep again, when advance_settled returns; a bare advance leaves it running."""
+    clock = ManualClock(START)
+    steps: list[datetime] = []
+
+    async def loop() -> None:
+        while True:
+            await clock.sleep(600)
+            await asyncio.sleep(0.05)  # the step's own I/O
+            steps.append(clock.now())
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    await clock.advance_settled(timedelta(minutes=10))
+    assert steps == [START + timedelta(minutes=10)]
+    await clock.advance_settled(timedelta(seconds=1))  # wakes nobody: returns at once
+    assert len(steps) == 1
+    clock.advance(timedelta(minutes=10))
+    await asyncio.sleep(0)
+    assert len(steps) == 1  # a bare advance: the step is still running
+    task.cancel()

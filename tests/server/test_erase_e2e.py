@@ -352,8 +352,7 @@ async def test_stored_responses_are_purged_after_the_retention(
         model="gpt-4o-mini", input=f"gone {MARK}", conversation=deleted.id
     )
     await client.conversations.delete(deleted.id)
-    clock.advance(timedelta(minutes=50))  # a purge step: all younger than the retention
-    await asyncio.sleep(0.05)
+    await clock.advance_settled(timedelta(minutes=50))  # a purge step: all too young
     for response in (chained, in_conversation, of_deleted):
         assert (await client.responses.retrieve(response.id)).id == response.id
     later = await client.responses.create(

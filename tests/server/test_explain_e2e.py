@@ -147,8 +147,7 @@ async def test_records_past_their_retention_are_purged(
     answer = await chat(proxy, [{"role": "user", "content": "Hi"}])
     request_id = answer.headers["x-threadkeeper-request-id"]
     await written(proxy)
-    clock.advance(timedelta(minutes=50))  # a purge runs (every 10 minutes); too young
-    await asyncio.sleep(0.05)
+    await clock.advance_settled(timedelta(minutes=50))  # a purge (every 10 min): too young
     assert (await explain(proxy, request_id)).status_code == 200
     clock.advance(timedelta(minutes=20))
     for _ in range(500):

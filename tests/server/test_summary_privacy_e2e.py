@@ -126,14 +126,13 @@ async def test_a_stateless_requests_summaries_are_left_to_the_retention(
     await client.conversations.delete(conversation.id)  # another thread goes
     rows = await stored_summaries(proxy)
     assert rows
-    clock.advance(timedelta(minutes=50))  # a purge step runs; the summaries are too young
-    await asyncio.sleep(0.05)
+    await clock.advance_settled(timedelta(minutes=50))  # a purge step: all too young
     assert await stored_summaries(proxy) == rows
     # Used now (the resend reads them), so the step at 70 minutes, which deletes what
     # was unused since minute 10, keeps them.
     await client.chat.completions.create(model="gpt-4o", messages=history)
-    clock.advance(timedelta(minutes=20))
-    await asyncio.sleep(0.05)
+    await background(proxy).idle()  # a summary it starts is written now, not after the jump
+    await clock.advance_settled(timedelta(minutes=20))
     assert await stored_summaries(proxy) == rows
     clock.advance(timedelta(minutes=70))
     for _ in range(500):

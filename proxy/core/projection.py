@@ -6,9 +6,11 @@ are history H with budget B_H (proxy/core/budget.py). While H <= B_H nothing cha
 the turns are sent as the cut left them, so the prefix repeats. When H > B_H, it is
 relieved in this order (SPEC 5):
 
-1. compress every large tool result of the closed turns at once (the prefix changes
-   from the first one on anyway, and H then grows from the smaller size); if H fits,
-   nothing else changes;
+1. compress the large tool results of the closed turns from the end of the prefix back
+   (the provider caches an exact prefix: a result rewritten at position p costs every
+   token after p): those after the last one compressed, the newest turn first, until
+   one more turn like the recent ones fits; when they are not enough, every large
+   result at once (`_compress`). If H fits, nothing else changes;
 2. otherwise cut: replace the oldest closed turns but keep_recent_turns by a summary
    block appended to the summary chain (`[pinned][summary 1][summary 2]...` keeps its
    bytes from one cut to the next), down to target_fill * B_H at once (cache-aware), or

@@ -6,9 +6,11 @@ are history H with budget B_H (proxy/core/budget.py). While H <= B_H nothing cha
 the turns are sent as the cut left them, so the prefix repeats. When H > B_H, it is
 relieved in this order (SPEC 5):
 
-1. compress every large tool result of the closed turns at once (the prefix changes
-   from the first one on anyway, and H then grows from the smaller size); if H fits,
-   nothing else changes;
+1. compress the large tool results of the closed turns from the end of the prefix back
+   (the provider caches an exact prefix: a result rewritten at position p costs every
+   token after p): those after the last one compressed, the newest turn first, until
+   one more turn like the recent ones fits; when they are not enough, every large
+   result at once (`_compress`). If H fits, nothing else changes;
 2. otherwise cut: replace the oldest closed turns but keep_recent_turns by a summary
    block appended to the summary chain (`[pinned][summary 1][summary 2]...` keeps its
    bytes from one cut to the next), down to target_fill * B_H at once (cache-aware), or
@@ -68,6 +70,8 @@ from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
 # A cut leaves room for this many more turns the size of the recent ones.
 HEADROOM_TURNS = 2
+# Compressing the newest results stops when it leaves room for this many more.
+COMPRESS_HEADROOM_TURNS = 1
 # A summary block gets this share of B_H (the budget without the current turn), never
 # more than SUMMARY_MAX_TOKENS; a summary is never given less than SUMMARY_MIN_TOKENS
 # (if that cannot fit, the request is refused rather than the summary dropped).
@@ -841,16 +845,15 @@ def _expand_deferred(state: _State, budget: int) -> None:
 def _relieve(state: _State, budget: int, policy: ProjectionPolicy) -> bool:
     """Compresses and cuts when the history does not fit; True when anything changed.
 
-    Step 1 compresses every large tool result of the closed turns at once: the prefix
-    changes from the first one on anyway, and the history then grows from its compressed
-    size, so the next change comes later. Only a history that still does not fit is
-    cut, down to _cut_target at once (SPEC 5, cache-aware): the older turns give way
-    first; only a history that still does not fit loses recent turns too, the oldest
-    first."""
+    Step 1 compresses large tool results of the closed turns from the end of the prefix
+    back (`_compress`): the provider caches an exact prefix, so a result rewritten at
+    position p costs every token after p. Only a history that still does not fit is cut,
+    down to _cut_target at once (SPEC 5, cache-aware): the older turns give way first;
+    only a history that still does not fit loses recent turns too, the oldest first."""
     if _history(state) <= budget:
         return False
     turns = len(state.closed)
-    _compress(state, policy)
+    _compress(state, policy, budget)
     if _history(state) <= budget:
         return True
     older = max(0, turns - policy.keep_recent_turns)
@@ -885,32 +888,74 @@ def _history(state: _State) -> int:
     return kept
 
 
-def _compress(state: _State, policy: ProjectionPolicy) -> None:
-    """Step 1: every tool result of the kept closed turns above tool_result_max_tokens,
-    each with the call last made before it (clients may reuse a call id in later turns),
-    keeping what the rest of its turn refers to (issue 22, item 3)."""
+@dataclass(frozen=True)
+class _Large:
+    """A tool result of a kept closed turn above tool_result_max_tokens, not yet compressed."""
+
+    turn: int  # index in state.closed
+    index: int  # in its turn's items
+    position: int
+    item: Item
+    call: Item | None  # the call last made before it (clients may reuse a call id)
+
+
+def _compress(state: _State, policy: ProjectionPolicy, budget: int) -> None:
+    """Step 1, in chunks that keep the cached prefix: first the large results after the
+    last one compressed (the turns closed since the last relief), the newest turn first,
+    until the history leaves room for COMPRESS_HEADROOM_TURNS more turns like the recent
+    ones; the prefix then changes only from the oldest of them on, near its end. When
+    they are not enough, every large result of the kept closed turns at once: the
+    change must then reach back to the oldest one anyway, and one change there is
+    cheaper than one a little earlier at every relief."""
+    large = _large_results(state, policy)
+    last = max((p for p in state.replaced if p >= state.start), default=-1)
+    tail = [result for result in large if result.position > last]
+    kept, count = _recent(state)
+    goal = budget - COMPRESS_HEADROOM_TURNS * kept // max(1, count)
+    for turn in sorted({result.turn for result in tail}, reverse=True):
+        if _history(state) <= goal:
+            return
+        for result in tail:
+            if result.turn == turn:
+                _compress_one(state, policy, result)
+    if _history(state) > budget:
+        for result in large:
+            if result.position not in state.replaced:
+                _compress_one(state, policy, result)
+
+
+def _large_results(state: _State, policy: ProjectionPolicy) -> list[_Large]:
+    """The kept closed turns' large results still whole, in log order."""
     calls = _calls_by_id(state.closed)
+    found: list[_Large] = []
     for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
         for index, (position, item) in enumerate(zip(block.positions, block.items, strict=True)):
             calls.update(dict.fromkeys(item.call_ids, item))
             if position in state.replaced or not is_compressible(item):
                 continue
-            before = state.tokens(position)
-            if before <= policy.tool_result_max_tokens:
-                continue
-            smaller = compress_tool_output(
-                item,
-                calls.get(item.output_for or ""),
-                policy.tool_result_max_tokens,
-                state.counter,
-                # what the rest of its closed turn names: fixed once the turn is closed
-                referenced_values(block.items[index + 1 :]),
-            )
-            after = state.counter.item(smaller)
-            if after < before:
-                state.replaced[position] = smaller
-                state.turn_tokens[turn] -= before - after
+            if state.tokens(position) > policy.tool_result_max_tokens:
+                found.append(_Large(turn, index, position, item, calls.get(item.output_for or "")))
+    return found
+
+
+def _compress_one(state: _State, policy: ProjectionPolicy, result: _Large) -> None:
+    """One result in its place, keeping what the rest of its turn refers to (issue 22,
+    item 3); kept whole when its compressed form is not smaller."""
+    block = state.closed[result.turn]
+    before = state.tokens(result.position)
+    smaller = compress_tool_output(
+        result.item,
+        result.call,
+        policy.tool_result_max_tokens,
+        state.counter,
+        # what the rest of its closed turn names: fixed once the turn is closed
+        referenced_values(block.items[result.index + 1 :]),
+    )
+    after = state.counter.item(smaller)
+    if after < before:
+        state.replaced[result.position] = smaller
+        state.turn_tokens[result.turn] -= before - after
 
 
 def _calls_by_id(blocks: Sequence[Block]) -> dict[str, Item]:

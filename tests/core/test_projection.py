@@ -88,21 +88,63 @@ def test_budget_breakdown_adds_up(counter: TokenCounter) -> None:
     assert r.current == counter.item(items[-1])
 
 
-def test_old_tool_results_are_compressed_first(counter: TokenCounter) -> None:
+def compressed_calls(projection: Projection) -> list[str | None]:
+    return [i.output_for for i in projection.items if "threadkeeper_compressed" in str(i.raw)]
+
+
+def test_large_results_are_compressed_from_the_end_of_the_prefix(counter: TokenCounter) -> None:
+    """The prompt cache keys an exact prefix: a result rewritten at position p costs
+    everything after it, so the newest results are compressed first, as many as leave
+    room for one more turn like the recent ones; the older ones stay whole."""
     items = chat_history(6, rows=40)
     total = recount(counter, items, request(items, 0))
     projection = project_context(request(items, total - 400 + 600), counter, POLICY)
     assert projection.changed and projection.report.compressed >= 1
     assert projection.report.summarized == 0 and projection.report.dropped == 0
-    # Every large result outside the current turn at once, the recent turns' too: the
-    # prefix changes from the first one on anyway, and the next change comes later.
-    compressed = [i.output_for for i in projection.items if "threadkeeper_compressed" in str(i.raw)]
-    assert compressed == [f"call_{n}" for n in range(6)]
+    assert compressed_calls(projection) == ["call_4", "call_5"]
+    report = projection.report
+    typical = (counter.items(chat_turn(4, rows=40)) + counter.items(chat_turn(5, rows=40))) // 2
+    assert report.history_after <= report.history_budget - typical
+    # The prefix up to the first compressed result is sent as it was.
+    first = next(n for n, i in enumerate(projection.items) if i.output_for == "call_4")
+    assert projection.items[:first] == tuple(items[:first])
     # Everything else is sent as it was, in its place.
     assert [i for i in projection.items if i.kind != "tool_output"] == [
         i for i in items if i.kind != "tool_output"
     ]
     assert projection.cut is not None and projection.cut.start == 0
+
+
+def test_a_later_relief_compresses_only_the_results_after_the_last_compressed(
+    counter: TokenCounter,
+) -> None:
+    """The turns closed since the last relief are compressed, not the older results still
+    whole: the prefix keeps everything up to the first of the new ones."""
+    items = chat_history(6, rows=40)
+    window = recount(counter, items, request(items, 0)) + 200
+    first = project_context(request(items, window), counter, POLICY)
+    assert compressed_calls(first) == ["call_4", "call_5"]
+    later = [*items[:-1], *chat_turn(6, rows=40), *chat_turn(7, rows=40), *chat_turn(8)[:1]]
+    second = project_context(request(later, window, cut=first.cut), counter, POLICY)
+    assert second.report.summarized == 0
+    assert compressed_calls(second) == ["call_4", "call_5", "call_6", "call_7"]
+    # All the first request sent but its current turn (the question answered since).
+    assert second.items[: len(first.items) - 1] == first.items[:-1]
+
+
+def test_all_large_results_are_compressed_at_once_when_the_newest_are_not_enough(
+    counter: TokenCounter,
+) -> None:
+    """When the results after the last compressed one do not bring the history under its
+    budget, every large result is compressed in the same request: the change reaches the
+    oldest one anyway, once, instead of a little earlier at every relief."""
+    items = chat_history(6, rows=40)
+    window = recount(counter, items, request(items, 0)) + 200
+    first = project_context(request(items, window), counter, POLICY)
+    later = [*items[:-1], *chat_turn(6, rows=40), *chat_turn(7, rows=40), *chat_turn(8)[:1]]
+    second = project_context(request(later, window - 1500, cut=first.cut), counter, POLICY)
+    assert second.report.summarized == 0
+    assert compressed_calls(second) == [f"call_{n}" for n in range(8)]
 
 
 def test_old_turns_are_summarized_down_to_the_target(counter: TokenCounter) -> None:

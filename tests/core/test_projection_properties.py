@@ -347,3 +347,81 @@ def test_a_stateless_history_is_cut_as_its_earlier_requests_left_it(case: Case) 
     assert (got is None) == (expected is None)
     if got is not None and expected is not None:
         assert [i.raw for i in got.items] == [i.raw for i in expected.items]
+
+
+def _compressed(projection: Projection | None) -> set[int]:
+    cut = projection.cut if projection is not None else None
+    return {position for position, _ in cut.compressed} if cut is not None else set()
+
+
+def _relief_event(first: Projection | None, second: Projection, later: Sequence[Item]) -> str:
+    """Checks one request against the one before it (same window, the cut carried) and
+    names what happened between them."""
+    before, after = first.cut if first is not None else None, second.cut
+    if after is None or after.start != (before.start if before is not None else 0):
+        return "no relief, or a cut"
+    if after.summary != (before.summary if before is not None else ()):
+        return "the summary changed"
+    old, new = _compressed(first), _compressed(second) - _compressed(first)
+    if not new:
+        return "nothing newly compressed"
+    if min(new) > max(old, default=-1):
+        # Sent: the cut's prefix, then the log from its start, results in their places.
+        assert first is not None
+        unchanged = min(len(first.items), len(after.summary) + min(new) - after.start)
+        assert second.items[:unchanged] == first.items[:unchanged]
+        return "only the results after the last compressed one"
+    for block in segment(later, POLICY.pin_patterns):
+        if block.kind != "turn" or block.first < after.start:
+            continue
+        for position, item in zip(block.positions, block.items, strict=True):
+            if is_compressible(item) and COUNTER.item(item) > POLICY.tool_result_max_tokens:
+                assert position in _compressed(second), position
+    return "every large result at once"
+
+
+@st.composite
+def agent_cases(draw: st.DrawFn) -> Case:
+    """An agent run: many turns, most with a large tool result, under a window that the
+    history outgrows several times (so reliefs follow one another)."""
+    api: Api = draw(st.sampled_from(["chat", "responses"]))
+    builder = Builder(api)
+    items = [builder.message("system", "You are a careful agent.")]
+    for _ in range(draw(st.integers(4, 14))):
+        items.append(builder.message("user", "please check the order"))
+        for _ in range(draw(st.integers(0, 2))):
+            calls = builder.calls(draw(st.integers(1, 2)))
+            words = st.sampled_from([20, 200, 400, 900, 1500])
+            items += calls
+            items += [
+                builder.output(i, draw(words), draw(st.booleans()))
+                for c in calls
+                for i in c.call_ids
+            ]
+        items.append(builder.message("assistant", "done " * draw(st.integers(1, 40))))
+    items.append(builder.message("user", "and now?"))
+    share = draw(st.integers(20, 90)) / 100
+    return Case(items, [], share, api, False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(cases(), agent_cases()))
+def test_a_relief_rewrites_the_newest_results_or_every_one_at_once(case: Case) -> None:
+    """Issue 22 item 6: the provider caches an exact prefix, so a relief that only
+    compresses rewrites the results after the last one compressed (the prefix before
+    them is sent as it was), or, when those are not enough, every large result of the
+    closed turns in the same request: never a little earlier at every relief. Checked
+    at every request of the history, each with the cut the one before left."""
+    window = window_for(case)
+    items = [*case.items, *case.next_turn]
+    previous: Projection | None = None
+    for end in range(1, len(items) + 1):
+        if not _asks(items[end - 1]) or (end < len(items) and _asks(items[end])):
+            continue
+        try:
+            projection = project(items[:end], window, previous.cut if previous else None)
+        except ContextLengthExceeded:
+            event("a request refused")
+            continue
+        event(_relief_event(previous, projection, items[:end]))
+        previous = projection

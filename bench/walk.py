@@ -6,15 +6,19 @@ Starts the provider stub (proxy/fake_provider.py) and the proxy (SQLite) in this
 process on loopback, seeds a `previous_response_id` chain with one turn, then sends the
 next turn of the chain through the real socket under `sys.setprofile`: every Python
 call whose code lives under proxy/ (the stub's own file left out: it is the provider)
-is recorded in call order, from the handler's entry (responses.create_response; the
-middlewares before it are left out) to the answer, which arrives after the commit.
+is recorded in call order while the handler runs (responses.create_response, from its
+entry to its return, which comes after the commit: the middlewares around it are left
+out).
 
+A coroutine resumed after an await is not a call (the profiler reports each resume as
+one, in every frame of the awaiting chain: the middlewares around the handler included).
 Two scopes are counted: the request path's own modules (proxy/server/, proxy/store/,
 proxy/threads.py: where a reader follows the turn) and everything under proxy/ (the
 pure core and shared helpers such as proxy/sse.py included). Printed for each: the
 calls, the distinct files, the visits (consecutive calls in one file are one visit) and
 the re-entries (visits to a file the walk had left); then the request path's files in
-the order first visited.
+the order first visited, and the files the stem (the handler's module and
+proxy/server/turn.py, where a reader starts) calls into directly.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -51,6 +56,8 @@ HEADERS = {"Authorization": "Bearer sk-walk", "Content-Type": "application/json"
 
 HANDLER = ("create_response", str(PROXY_DIR / "server" / "responses.py"))
 REQUEST_PATH = ("proxy/server/", "proxy/store/", "proxy/threads.py")
+# The stem a reader starts from: the handler's module and the turn's.
+STEM = {str(PROXY_DIR / "server" / "responses.py"), str(PROXY_DIR / "server" / "turn.py")}
 
 
 class Walk:
@@ -58,20 +65,40 @@ class Walk:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.entered = False
+        self.stages: list[str] = []  # the files the stem (the handler, run_turn) calls into
+        self.handler: FrameType | None = None
+        self.done = False
+        self.frames: dict[int, FrameType] = {}  # held, so an id is never reused meanwhile
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call":
-            return
         code = frame.f_code
+        if event == "return" and frame is self.handler and isinstance(arg, web.StreamResponse):
+            self.done = True  # returned (not suspended): what follows is the middlewares'
+        if event != "call" or self.done:
+            return
+        if id(frame) in self.frames:
+            return  # a coroutine resumed after an await: not a call
+        self.frames[id(frame)] = frame
         path = code.co_filename
-        self.entered = self.entered or (code.co_name, path) == HANDLER
-        if self.entered and path.startswith(str(PROXY_DIR)) and path != str(PROVIDER_FILE):
-            self.calls.append(str(Path(path).relative_to(ROOT)))
+        if self.handler is None and (code.co_name, path) == HANDLER:
+            self.handler = frame
+        if self.handler is None or not path.startswith(str(PROXY_DIR)):
+            return
+        if path == str(PROVIDER_FILE):
+            return
+        here = str(Path(path).relative_to(ROOT))
+        self.calls.append(here)
+        caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+        if caller in STEM and here != str(Path(caller).relative_to(ROOT)):
+            self.stages.append(here)
 
     def summary(self) -> dict[str, Any]:
         path = [f for f in self.calls if f.startswith(REQUEST_PATH)]
-        return {"request_path": counted(path), "all_proxy": counted(self.calls)}
+        return {
+            "request_path": counted(path),
+            "all_proxy": counted(self.calls),
+            "stages": list(dict.fromkeys(self.stages)),
+        }
 
 
 def counted(calls: list[str]) -> dict[str, Any]:
@@ -118,6 +145,7 @@ async def walk() -> dict[str, Any]:
                 warm = {"model": "gpt-4o-mini", "input": "Again.", "previous_response_id": ""}
                 warm["previous_response_id"] = first["id"]
                 second = await turn(session, url, warm)  # warms caches the walk should not see
+                await asyncio.sleep(0.5)  # the middlewares finish the warm turn's tail
                 body = {"model": "gpt-4o-mini", "input": "And once more."}
                 body["previous_response_id"] = second["id"]
                 tracer = Walk()
@@ -151,6 +179,9 @@ def lines(summary: dict[str, Any]) -> Iterator[str]:
         )
     yield "request path files in the order first visited:"
     for index, path in enumerate(summary["request_path"]["order"], 1):
+        yield f"  {index:2d}. {path}"
+    yield "files the stem (responses.py, turn.py) calls into, in order:"
+    for index, path in enumerate(summary["stages"], 1):
         yield f"  {index:2d}. {path}"
 
 

@@ -156,7 +156,7 @@ class BackgroundSummaries:
         self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
         self._failed: dict[Key, datetime] = {}
         # Per (namespace, thread): the cut a next cut was last predicted after; predicting
-        # again before that cut changes would find the same chunk (hooks/summaries.py).
+        # again before that cut changes would find the same chunk (observe.SummariesAhead).
         self.predicted: dict[tuple[str, str], int] = {}
         self._closed = False  # after aclose nothing starts (a request ending late)
 

@@ -11,12 +11,13 @@ nothing.
   `in_progress` before the provider is called (`begin`) and finished `incomplete` when
   the turn ends without being kept (`finish`).
 
-A stored mode's commit is reached through its keeper (`Kept`, relay's Keeper): `rewrite`
+A stored mode's commit is reached through its keeper (`Kept`, transform.Keeper): `rewrite`
 is the answer as the client sees it, `keep` commits it. A turn whose thread was deleted
 (or erased) while the provider answered keeps nothing, its response row included: a
 non-streamed client gets a 4xx naming what went, a stream ends with the relay's
 `store_error` event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,8 @@ class Stateless:
 
 @dataclass(frozen=True)
 class Kept:
-    """A stored turn's keeper (relay.Keeper): the mode's rewrite, and its commit of the
-    turn's values."""
+    """A stored turn's keeper (transform.Keeper): the mode's rewrite, and its commit of
+    the turn's values."""
 
     mode: StoredTurn
     turn: Turn

@@ -17,6 +17,7 @@ proxy cannot finish ends with one error event (`stream_failure`). A model endpoi
 error body reaches the client in OpenAI's envelope (`in_envelope`); a passthrough
 endpoint's, byte for byte.
 """
+
 from __future__ import annotations
 
 import json

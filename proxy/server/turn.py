@@ -24,8 +24,8 @@ graph applies it):
 Observers (proxy/server/observe.py: usage, summaries ahead, a background run's start)
 are the only hooks: they are shown the values and never change them.
 
-    >>> plan = Plan(Stateless(), rewriters=CHAT_REWRITES, observers=[Usage()])
-    >>> await run_turn(request, CHAT, body, raw, plan)    # a stateless Chat turn
+    >>> plan = Plan(Stateless(), REWRITERS, [Usage()])  # modes, rewrite, observe
+    >>> await run_turn(request, CHAT, body, raw, plan)   # a stateless Chat turn
 """
 
 from __future__ import annotations
@@ -437,7 +437,11 @@ async def relay(
     extra = context_headers(projected.projection)
     with request.app[TRACING].span("relay"):
         return await relay_answer(
-            request, forwarded.upstream, turn.api, transformer, extra_headers=extra,
+            request,
+            forwarded.upstream,
+            turn.api,
+            transformer,
+            extra_headers=extra,
             on_answer=answered,
         )
 

@@ -34,7 +34,7 @@ from bench.results import write_section
 from proxy.core.budget import Learned, Sample
 from proxy.fake_provider import ContextWindow, FakeProvider
 from proxy.logs import configure_logging
-from proxy.server import hooks, overflow, rebuild
+from proxy.server import observe, overflow, rebuild
 from proxy.server.app import bound_port, create_app, start
 from proxy.settings import Settings
 
@@ -153,14 +153,14 @@ def as_main() -> Iterator[None]:
     async def nothing(request: Any, model: str, key: Any, limits: Any) -> Learned | None:
         return limits.get(key)
 
-    saved = (hooks.usage.calibrated, overflow.calibrated, rebuild.discover)
-    hooks.usage.calibrated = known  # type: ignore[attr-defined]
+    saved = (observe.calibrated, overflow.calibrated, rebuild.discover)
+    observe.calibrated = known  # type: ignore[attr-defined]
     overflow.calibrated = known  # type: ignore[attr-defined]
     rebuild.discover = nothing  # type: ignore[assignment]
     try:
         yield
     finally:
-        hooks.usage.calibrated, overflow.calibrated, rebuild.discover = saved  # type: ignore[attr-defined,assignment]
+        observe.calibrated, overflow.calibrated, rebuild.discover = saved  # type: ignore[attr-defined,assignment]
 
 
 async def run_one(spec: Provider, tmp: Path) -> dict[str, Any]:

@@ -5,29 +5,31 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     auth (bearer -> tenant policy)            proxy/server/auth.py, proxy/policy.py
     Idempotency-Key (a retry gets the first   proxy/server/idempotency.py,
       answer)                                 proxy/core/idempotency.py
-    parse + validate, pick API + hooks        proxy/server/chat.py, proxy/server/responses.py
-    the turn, once for every API and mode     proxy/server/turn.py (run_turn), hooks in
-                                              proxy/server/hooks/, API shapes in api.py
+    parse + validate, pick API, mode, plan    proxy/server/chat.py, proxy/server/responses.py
+    the turn, once for every API and mode     proxy/server/turn.py (run_turn: load, rewrite,
+                                              project, forward, relay, commit over frozen
+                                              values), API shapes in api.py
     items view of the history                 proxy/core/items.py
-    load the thread (X-Thread-Id, stored      proxy/threads.py, proxy/server/hooks/persist.py
+    load the thread (X-Thread-Id, stored      proxy/threads.py, proxy/server/modes.py
       responses, conversations)
-    side-effect ledger: restore calls, judge  proxy/server/hooks/ledger.py, server/ledger.py,
+    side-effect ledger: restore calls, judge  proxy/server/rewrite.py, server/ledger.py,
       repeated calls, record tool outputs     proxy/core/ledger.py, server/holdback.py
-    compaction items -> their summary text;   proxy/server/compaction.py (Compactions hook),
+    compaction items -> their summary text;   proxy/server/compaction.py (its rewriters),
       context_management compacts the turn    proxy/core/compaction.py, proxy/core/memory.py
-    orphan check (output for an unknown call) proxy/threads.py (first_orphan)
+    orphan check (output for an unknown call) proxy/threads.py (first_orphan), rewrite.py
     budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress,
                                               memory)
     invariant check (never send a broken one) proxy/core/invariants.py
     forward upstream, retries                 proxy/upstream.py
     check the answer's shape (else 502)       proxy/core/answers.py
-    relay (one loop, pluggable transformers)  proxy/sse.py, proxy/server/relay.py
-    commit the turn (new items + reply, OCC)  proxy/threads.py, ChatThread / ResponseChain
-                                              in proxy/server/hooks/persist.py
+    relay (one loop, pluggable transformers)  proxy/sse.py, proxy/server/relay.py,
+                                              proxy/server/transform.py
+    commit the turn (new items + reply, OCC)  proxy/threads.py, ChatThread / ResponseChain /
+                                              Conversation in proxy/server/modes.py
     log the budget breakdown, metrics         proxy/server/rebuild.py, proxy/logs.py,
                                               proxy/metrics.py
-    after the answer: LLM summaries of the    proxy/server/hooks/summaries.py,
+    observers (usage, summaries ahead): read  proxy/server/observe.py,
       chunks cut (or about to be), in the     proxy/server/summaries.py, proxy/summarizer.py,
       background, stored by chunk digest      proxy/core/llm_summary.py, memory.guard
 

@@ -2,9 +2,12 @@
 
 Everything the turn path does is the same for both APIs except the shapes: which body
 field holds the history, how an answer names its calls, what a stream's events look like
-and when a stream has said its last word. Those live here, behind `ApiShape`; the rest
-of proxy/server asks the adapter and never tests which API it serves. The choice is made
-once, when a handler picks `CHAT` or `RESPONSES` (or `for_route` for a stored stream).
+and when a stream has said its last word. Those live here, behind `ApiShape`; the turn
+path asks the adapter and never tests which API it serves. The choice is made once, when
+a handler picks `CHAT` or `RESPONSES` (or `for_route` for a stored stream). What is not
+a shape stays with its feature: Responses-only endpoints and items (conversations,
+compaction, `item_reference`) read stored rows of their API by its `name`. This module
+imports nothing of proxy/server that imports it (a leaf of the turn path).
 
 >>> CHAT.usage_input_tokens({"usage": {"prompt_tokens": 7}})
 7
@@ -16,7 +19,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from proxy.core.answers import check_chat_completion, check_response
 from proxy.core.items import (
@@ -40,10 +43,6 @@ from proxy.sse import (
     encode_event,
     stream_finished,
 )
-
-if TYPE_CHECKING:
-    from proxy.server.holdback import Guarded
-    from proxy.server.relay import EventTransformer
 
 ARGUMENTS_FIELD: Mapping[CallKind, str] = {"function": "arguments", "custom": "input"}
 # Fields of a Chat assistant reply that a later request may carry (the rest is response-only).
@@ -177,10 +176,6 @@ class ApiShape(ABC):
     def error_event(self, message: str, code: str) -> bytes:
         """The error event that ends a stream, in the shape this API's clients parse."""
 
-    @abstractmethod
-    def holdback(self, guarded: Guarded) -> EventTransformer:
-        """The stream transformer that holds back guarded calls (proxy/server/holdback.py)."""
-
     def stream_finished(self, body: bytes) -> bool:
         """Whether a whole SSE body (as a client received it) is a finished answer."""
         return stream_finished(self.name, body)
@@ -291,11 +286,6 @@ class ChatApi(ApiShape):
         error = error_body(message, "server_error", None, code)["error"]
         return encode_event(json.dumps({"error": error}))
 
-    def holdback(self, guarded: Guarded) -> EventTransformer:
-        from proxy.server.holdback import ChatHoldback  # holdback imports this module
-
-        return ChatHoldback(guarded)
-
 
 class ResponsesApi(ApiShape):
     def items(self, history: Any) -> list[Item]:
@@ -390,11 +380,6 @@ class ResponsesApi(ApiShape):
             "error": error,
         }
         return encode_event(json.dumps(payload), event="error")
-
-    def holdback(self, guarded: Guarded) -> EventTransformer:
-        from proxy.server.holdback import ResponsesHoldback  # holdback imports this module
-
-        return ResponsesHoldback(guarded)
 
 
 def _unstreamed(sent: JsonDict) -> JsonDict:

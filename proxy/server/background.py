@@ -9,7 +9,7 @@
                                             the live ones to the end (`follow`)
     POST /v1/responses/{id}/cancel          `cancelled`, the provider request aborted
 
-The task runs the one turn pipeline (turn.run_turn) with the request's hooks; only where
+The task runs the one turn pipeline (turn.run_turn) with the request's plan; only where
 its answer goes differs: a stream's events go to `StoredEvents` (relay.EVENT_SINK), which
 numbers them (`sequence_number`) and keeps them in the store, instead of a connection
 The turn is started in the handler's presence: whatever it refuses before the provider
@@ -33,7 +33,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -57,7 +57,7 @@ from proxy.server.state import (
     STORE,
     TENANT_POLICY,
 )
-from proxy.server.turn import Turn, TurnHook, run_turn
+from proxy.server.turn import Observer, Plan, Turn, run_turn
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event
 from proxy.store.base import Cancelled, ResponseEvent, Store, StoredResponse
@@ -101,13 +101,13 @@ class Run:
         self.changed = asyncio.Event()
 
 
-class Begun(TurnHook):
+class Begun(Observer):
     """The turn reached the provider: its response row exists, the handler may answer."""
 
     def __init__(self) -> None:
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def before_forward(self, turn: Turn) -> None:
+    def forwarding(self, turn: Turn) -> None:
         if not self.future.done():
             self.future.set_result(None)
 
@@ -174,7 +174,7 @@ class BackgroundRuns:
         api: ApiShape,
         body: JsonDict,
         raw: bytes,
-        hooks: Sequence[TurnHook],
+        plan: Plan,
         response_id: str,
     ) -> Run:
         """Runs the turn in a task of this process; returns once the provider is called.
@@ -188,7 +188,8 @@ class BackgroundRuns:
         if run.stream:
             request[EVENT_SINK] = StoredEvents(self, run, limits.max_events)
         begun = Begun()
-        task = asyncio.create_task(self._run(run, request, api, body, raw, [*hooks, begun]))
+        plan = replace(plan, observers=[*plan.observers, begun])
+        task = asyncio.create_task(self._run(run, request, api, body, raw, plan, begun))
         run.task = task
         self.runs[(tenant, response_id)] = run
         try:
@@ -211,15 +212,14 @@ class BackgroundRuns:
         api: ApiShape,
         body: JsonDict,
         raw: bytes,
-        hooks: Sequence[TurnHook],
+        plan: Plan,
+        begun: Begun,
     ) -> None:
-        begun = hooks[-1]
-        assert isinstance(begun, Begun)
         error: JsonDict | None = None
         started = time.perf_counter()
         http_status = 500  # what the turn answered (the record's `status`)
         try:
-            answer = await run_turn(request, api, body, raw, hooks)
+            answer = await run_turn(request, api, body, raw, plan)
             http_status = answer.status
             error = answer_error(answer, run)
         except asyncio.CancelledError:

@@ -1,7 +1,7 @@
-"""POST /v1/chat/completions: validate, pick the hooks, run the turn (proxy/server/turn.py).
+"""POST /v1/chat/completions: validate, pick the mode, run the turn (proxy/server/turn.py).
 
 Stateless as at OpenAI, unless the request carries `X-Thread-Id`: then the thread (kind
-"chat", created on first use, tenant-scoped) keeps the history (hooks/persist.py,
+"chat", created on first use, tenant-scoped) keeps the history (proxy/server/modes.py,
 ChatThread): the request's messages are reconciled with it, the context is rebuilt from
 the thread under the budget, and the new messages commit with the assistant's reply in
 one turn once the reply is complete.
@@ -15,12 +15,11 @@ from proxy.core.validate import validate_chat_message
 from proxy.policy import Policy
 from proxy.server.api import CHAT
 from proxy.server.errors import invalid
-from proxy.server.hooks.ledger import LedgerHook
-from proxy.server.hooks.persist import THREAD_HEADER, ChatThread
-from proxy.server.hooks.summaries import SummaryHook
-from proxy.server.hooks.usage import UsageHook
+from proxy.server.modes import THREAD_HEADER, ChatThread, Stateless
+from proxy.server.observe import SummariesAhead, Usage
+from proxy.server.rewrite import REWRITERS
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY
-from proxy.server.turn import TurnHook, run_turn
+from proxy.server.turn import Mode, Plan, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -66,11 +65,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     validate_chat(body)
     refuse_unguarded_choices(body, request[TENANT_POLICY])
     request[LOG_FIELDS].update(model=body["model"])
-    hooks: list[TurnHook] = [LedgerHook(request, CHAT)]
     thread_id = request.headers.get(THREAD_HEADER)
+    mode: Mode = Stateless()
     if thread_id is not None:
-        hooks.append(ChatThread(request, thread_id_param(thread_id)))
-    return await run_turn(request, CHAT, body, raw, [*hooks, SummaryHook(request), UsageHook()])
+        mode = ChatThread(request, thread_id_param(thread_id))
+    plan = Plan(mode, REWRITERS, [SummariesAhead(request), Usage()])
+    return await run_turn(request, CHAT, body, raw, plan)
 
 
 def refuse_unguarded_choices(body: JsonDict, policy: Policy) -> None:

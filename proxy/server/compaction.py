@@ -5,7 +5,7 @@
   becomes OpenAI's `response.compaction` object: the user messages verbatim, then one
   compaction item whose `encrypted_content` is threadkeeper's own sealed summary
   (proxy/core/compaction.py), bound to the tenant.
-- `Compactions`, a turn hook of `POST /v1/responses`: a compaction item in the input, or
+- the rewriters of a `POST /v1/responses` turn (`rewriters`): a compaction item in the input, or
   in a stored thread, reaches the provider as its summary text (a developer message),
   never as the opaque item; with `context_management: [{"type": "compaction",
   "compact_threshold": N}]` a turn whose input crosses N tokens is compacted before it
@@ -14,7 +14,7 @@
 - A final `{"type": "compaction_trigger"}` input item (OpenAI: "must be the final input
   item"; elsewhere a 400 naming it) is answered here with a Response whose one output is
   the compaction `responses/compact` makes of the whole history (`compaction_of`); the
-  provider gets no request (`Compactions.local_answer`), and the response is stored
+  provider gets no request (`serve_compaction_trigger`), and the response is stored
   and chained like any other. `responses/compact` of no input at all is 200 too.
 - The summary is the tenant's LLM summarizer's when its policy sets `memory.summarizer`
   (`llm_summary`: the app's one summarizer, guarded, stored by the compaction's digest,
@@ -34,17 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.clock import Clock
-from proxy.core import fastjson
 from proxy.core.compaction import (
     SUMMARY_TOKENS,
     CompactionError,
@@ -68,9 +65,16 @@ from proxy.namespaces import fields
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
-from proxy.server.hooks.summaries import kept_for, summarizer_target
+from proxy.server.modes import last_seq, previous_response
+from proxy.server.observe import summarizer_target
 from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
+from proxy.server.rewrite import (
+    answer_dangling_calls,
+    attach_ready_summaries,
+    refuse_orphans,
+    restore_ledger_calls,
+)
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
@@ -81,8 +85,8 @@ from proxy.server.state import (
     TENANT_POLICY,
     thread_service,
 )
-from proxy.server.summaries import Job
-from proxy.server.turn import Turn, TurnHook
+from proxy.server.summaries import Job, kept_for
+from proxy.server.turn import New, Rewriter, Turn, Window
 from proxy.server.validate import (
     list_of_objects,
     missing,
@@ -92,9 +96,7 @@ from proxy.server.validate import (
     too_long,
     wrong_type,
 )
-from proxy.sse import SSEDecoder, encode_event
 from proxy.store.base import Store
-from proxy.upstream import UpstreamResponse
 
 SECRET_NAME = "compaction"
 CONTEXT_MANAGEMENT = "context_management"
@@ -439,28 +441,18 @@ def _input_items(body: JsonDict) -> list[Item]:
 
 
 async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | None, list[Item]]:
-    """The thread of the chain that `previous_response_id` ends and every item of it, from
-    the thread's log (the log keeps what the live window no longer sends, SPEC 2)."""
+    """The thread of the chain that `previous_response_id` ends (the one rule,
+    modes.previous_response) and every item of it, from the thread's log (the log keeps
+    what the live window no longer sends, SPEC 2)."""
     previous = body.get("previous_response_id")
     if previous is None:
         return None, []
-    store, tenant = request.app[STORE], request[NAMESPACE]
-    stored = await store.get_response(tenant, previous)
-    if (
-        stored is None
-        or stored.status != "completed"
-        or stored.thread_id is None
-        or stored.output_last_seq is None
-    ):
-        raise ApiError(
-            400,
-            f"Previous response with id '{previous}' not found.",
-            param="previous_response_id",
-            code="previous_response_not_found",
-        )
+    tenant = request[NAMESPACE]
+    stored, _ = await previous_response(thread_service(request.app), tenant, previous)
+    assert stored.thread_id is not None
     request[LOG_FIELDS]["thread_id"] = stored.thread_id  # its answer is the thread's data
-    rows = await store.items_between(tenant, stored.thread_id, 0, stored.output_last_seq)
-    return stored.thread_id, [RESPONSES.item(row.raw) for row in rows if row.api == "responses"]
+    rows = await request.app[STORE].items_between(tenant, stored.thread_id, 0, last_seq(stored))
+    return stored.thread_id, [RESPONSES.item(row.raw) for row in rows if row.api == RESPONSES.name]
 
 
 def _usage(input_tokens: int, output_tokens: int) -> JsonDict:
@@ -473,276 +465,156 @@ def _usage(input_tokens: int, output_tokens: int) -> JsonDict:
     }
 
 
-# -- the turn hook of POST /v1/responses -----------------------------------------------------
+# -- the rewriters of a POST /v1/responses turn (proxy/server/turn.py) ------------------------
 
 
-class Compactions(TurnHook):
-    """Compaction items reach the provider as text; `context_management` compacts a turn
-    that crosses its threshold; a final `compaction_trigger` item makes the answer one
-    compaction of the whole history, served here (the provider gets no request). Runs
-    before the other hooks' `restore` (ledger)."""
+def rewriters(threshold: int | None) -> tuple[Rewriter, ...]:
+    """A Responses turn's rewriters with local compaction, in order: compaction items
+    reach the provider as text, a final `compaction_trigger` makes the answer one
+    compaction of the whole history (the provider gets no request), and
+    `context_management` compacts a turn that crosses its threshold (before the dangling
+    calls are answered)."""
+    past = (compact_past(threshold),) if threshold is not None else ()
+    return (
+        serve_compaction_trigger,
+        expand_compactions,
+        restore_ledger_calls,
+        refuse_orphans,
+        *past,
+        answer_dangling_calls,
+        attach_ready_summaries,
+    )
 
-    def __init__(self, request: web.Request, threshold: int | None) -> None:
-        self.request = request
-        self.threshold = threshold
-        self.tenant = request[NAMESPACE]
-        self.summary: JsonDict | None = None  # the last compaction the turn's items hold
-        self.item: JsonDict | None = None  # the compaction this turn made (output[0])
-        self.triggered: JsonDict | None = None  # the Response a compaction_trigger gets
 
-    async def restore(self, turn: Turn) -> None:
-        if turn.new and turn.new[-1].type == TRIGGER:
-            await self._triggered(turn)
-        if CONTEXT_MANAGEMENT in turn.body:
-            turn.rewritten = True  # the provider does not get context_management
-        loaded = turn.loaded
-        has_new = any(item.kind == "compaction" for item in turn.new)
-        has_kept = loaded is not None and any(i.kind == "compaction" for i in loaded.items)
-        if not (has_new or has_kept):
-            return
-        key = await request_key(self.request)
-        counter = await counter_for(
-            self.request[TENANT_POLICY], turn.api.budget_inputs(turn.body).model
+async def serve_compaction_trigger(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """The compaction a final trigger asks for: of the thread's whole log (what the
+    window no longer sends included, as `responses/compact` reads a chain) and the
+    input before the trigger, which is the turn's input as it is kept. It is the answer
+    (`New.served`); the trigger itself is neither sent nor kept."""
+    if not new.items or new.items[-1].type != TRIGGER:
+        return window, new
+    request, items = turn.request, new.items[:-1]
+    counter = await counter_for(request[TENANT_POLICY], turn.inputs.model)
+    known: Sequence[Item] = ()
+    if window.loaded is not None:
+        known = (await thread_service(request.app).whole(window.loaded)).items
+    key, tenant = await request_key(request), request[NAMESPACE]
+    made = await compaction_of(request, key, [*known, *items], counter, kept_for(window.loaded))
+    instructions = turn.body.get("instructions")
+    usage = await off_the_loop(
+        lambda: made.usage(key, tenant, counter, instructions), raws(made.items)
+    )
+    request[LOG_FIELDS]["compaction"] = made.item["id"]
+    served = triggered_response(request, turn.body, made.item, usage)
+    return window, replace(new, items=items, served=served)
+
+
+def triggered_response(
+    request: web.Request, body: JsonDict, item: JsonDict, usage: JsonDict
+) -> JsonDict:
+    """The Response a trigger is answered with, shaped as the provider's would be (the
+    response keeper gives it this proxy's id and chain)."""
+    now = int(request.app[CLOCK].now().timestamp())
+    return {
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": now,
+        "completed_at": now,
+        "status": "completed",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "model": body.get("model"),
+        "output": [item],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "temperature": body.get("temperature"),
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p"),
+        "usage": usage,
+    }
+
+
+async def expand_compactions(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """Compaction items, in the stored window or the input, become the summary text the
+    provider reads (`expand`); `New.summary` is the last one's content."""
+    loaded = window.loaded
+    has_new = any(item.kind == "compaction" for item in new.items)
+    has_kept = loaded is not None and any(i.kind == "compaction" for i in loaded.items)
+    if not (has_new or has_kept):
+        return window, new
+    request = turn.request
+    key, tenant = await request_key(request), request[NAMESPACE]
+    counter = await counter_for(request[TENANT_POLICY], turn.inputs.model)
+    summary = new.summary
+    if has_kept and loaded is not None:
+        # Only a changed key fails here: stored items were checked when they came in.
+        where = "conversation" if turn.body.get("conversation") else "previous_response_id"
+        kept = await off_the_loop(
+            lambda: expand(key, tenant, loaded.items, counter, where), raws(loaded.items)
         )
-        if has_kept and loaded is not None:
-            # Only a changed key fails here: stored items were checked when they came in.
-            where = "conversation" if turn.body.get("conversation") else "previous_response_id"
-            window = await off_the_loop(
-                lambda: expand(key, self.tenant, loaded.items, counter, where), raws(loaded.items)
-            )
-            turn.loaded = _window(loaded, window.kept, window.items)
-            self.summary = window.summary
-        if has_new:
-            given = await off_the_loop(
-                lambda: expand(key, self.tenant, turn.new, counter, turn.api.history),
-                raws(turn.new),
-            )
-            turn.new, turn.given, turn.rewritten = given.items, len(given.items), True
-            self.summary = given.summary or self.summary
-
-    async def _triggered(self, turn: Turn) -> None:
-        """The compaction a final trigger asks for: of the thread's whole log (what the
-        window no longer sends included, as `responses/compact` reads a chain) and the
-        input before the trigger, which is the turn's input as it is kept."""
-        turn.new, turn.rewritten = turn.new[:-1], True
-        turn.given = len(turn.new)
-        model = turn.api.budget_inputs(turn.body).model
-        counter = await counter_for(self.request[TENANT_POLICY], model)
-        known: Sequence[Item] = ()
-        if turn.loaded is not None:
-            known = (await thread_service(self.request.app).whole(turn.loaded)).items
-        key = await request_key(self.request)
-        made = await compaction_of(self.request, key, [*known, *turn.new], counter, kept_for(turn))
-        instructions = turn.body.get("instructions")
-        usage = await off_the_loop(
-            lambda: made.usage(key, self.tenant, counter, instructions), raws(made.items)
+        window = replace(window, loaded=_window(loaded, kept.kept, kept.items))
+        summary = kept.summary
+    if has_new:
+        items = new.items
+        given = await off_the_loop(
+            lambda: expand(key, tenant, items, counter, turn.api.history), raws(items)
         )
-        self.triggered = self._response(turn.body, made.item, usage)
-        self.request[LOG_FIELDS]["compaction"] = made.item["id"]
+        new = replace(new, items=tuple(given.items))
+        summary = given.summary or summary
+    return window, replace(new, summary=summary)
 
-    def local_answer(self, turn: Turn) -> UpstreamResponse | None:
-        if self.triggered is None:
-            return None
-        stream = bool(turn.body.get("stream"))
-        return LocalAnswer(self.triggered, stream)  # type: ignore[return-value]
 
-    def _response(self, body: JsonDict, item: JsonDict, usage: JsonDict) -> JsonDict:
-        """The Response a trigger is answered with, shaped as the provider's would be (the
-        response keeper gives it this proxy's id and chain)."""
-        now = int(self.request.app[CLOCK].now().timestamp())
-        return {
-            "id": new_id("resp"),
-            "object": "response",
-            "created_at": now,
-            "completed_at": now,
-            "status": "completed",
-            "background": False,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": body.get("metadata") or {},
-            "model": body.get("model"),
-            "output": [item],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "temperature": body.get("temperature"),
-            "tool_choice": body.get("tool_choice", "auto"),
-            "tools": body.get("tools") or [],
-            "top_p": body.get("top_p"),
-            "usage": usage,
-        }
+def compact_past(threshold: int) -> Rewriter:
+    """`context_management`'s compaction: a turn whose input crosses `threshold` tokens
+    is compacted before it is forwarded; the compaction item leads the answer's output
+    (`New.compaction`), and the new items it covers are kept as what was sent."""
 
-    async def close_calls(self, turn: Turn) -> None:
-        if self.threshold is None or self.triggered is not None:
-            return
-        inputs = turn.api.budget_inputs(turn.body)
-        counter = await counter_for(self.request[TENANT_POLICY], inputs.model)
-        known, new = list(turn.known), turn.new
-        everything = [*known, *new]
-        read = raws(everything)
+    async def compact_past_threshold(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+        if new.served is not None:
+            return window, new
+        request, inputs = turn.request, turn.inputs
+        counter = await counter_for(request[TENANT_POLICY], inputs.model)
+        known = list(window.items)
+        everything = [*known, *new.items]
         # The threshold is in the model's tokens, as input_tokens counts them.
-        learned = await learned_for(self.request, inputs.model)
-        budgeted = await budget_counter(self.request, inputs.model, counter, learned, everything)
+        learned = await learned_for(request, inputs.model)
+        budgeted = await budget_counter(request, inputs.model, counter, learned, everything)
         counted = await off_the_loop(
-            lambda: budgeted.responses_prompt(everything, inputs.instructions, inputs.tools), read
+            lambda: budgeted.responses_prompt(everything, inputs.instructions, inputs.tools),
+            raws(everything),
         )
-        items = len(everything) + (1 if inputs.instructions else 0)
-        tokens = provider_count(budgeted, learned, counted, items)
-        if tokens <= self.threshold:
-            return
-        key = await request_key(self.request)
+        sent_items = len(everything) + (1 if inputs.instructions else 0)
+        tokens = provider_count(budgeted, learned, counted, sent_items)
+        if tokens <= threshold:
+            return window, new
+        key = await request_key(request)
         end = current_turn_start(everything)
         made = await compact_items(
-            self.request, key, everything, end, counter, self.summary, kept_for(turn)
+            request, key, everything, end, counter, new.summary, kept_for(window.loaded)
         )
         if made is None:
-            return
-        self.item, pairs = made
-        self.request[LOG_FIELDS]["compaction"] = self.item["id"]
-        turn.rewritten = True
+            return window, new
+        item, pairs = made
+        request[LOG_FIELDS]["compaction"] = item["id"]
         held = len(known)
-        if turn.loaded is not None and held:
-            window = [(index, item) for index, item in pairs if index < held]
-            turn.loaded = _window(turn.loaded, [i for i, _ in window], [x for _, x in window])
-        # New items it covers are committed as what was sent: the summary, not them.
-        turn.new = [item for index, item in pairs if index >= held]
-        turn.given = len(turn.new)
+        if window.loaded is not None and held:
+            kept = [(index, x) for index, x in pairs if index < held]
+            loaded = _window(window.loaded, [i for i, _ in kept], [x for _, x in kept])
+            window = replace(window, loaded=loaded)
+        items = tuple(x for index, x in pairs if index >= held)
+        return window, replace(new, items=items, compaction=item)
 
-    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
-        body.pop(CONTEXT_MANAGEMENT, None)
-        return body
-
-    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
-        if self.item is None:
-            return upstream
-        return WithCompaction(upstream, self.item)  # type: ignore[return-value]
+    return compact_past_threshold
 
 
 def _window(loaded: Any, kept: Sequence[int], items: Sequence[Item]) -> Any:
     """A stored window as the projection reads it: its rows kept in step with `items`
     (positions stay those of the thread's log, so the sticky cut maps back, SPEC 5)."""
     return replace(loaded, stored=tuple(loaded.stored[i] for i in kept), items=tuple(items))
-
-
-# -- the compaction item in the answer -------------------------------------------------------
-
-
-LEADING_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
-
-
-class WithCompaction:
-    """The provider's answer with the turn's compaction item first in its `output`, as
-    OpenAI returns it; a stream gets the item's output_item.added and .done events before
-    the provider's first output event, and the provider's output indexes and sequence
-    numbers move up to make room. Everything else is the provider's answer."""
-
-    def __init__(self, upstream: UpstreamResponse, item: JsonDict) -> None:
-        self._upstream = upstream
-        self._item = item
-        self._sent = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._upstream, name)
-
-    async def aread(self) -> bytes:
-        body = await self._upstream.aread()
-        if self._upstream.status >= 400:
-            return body
-        try:
-            answer = json.loads(body)
-        except ValueError:
-            return body  # the relay reports the provider's malformed answer
-        if isinstance(answer, dict) and isinstance(answer.get("output"), list):
-            answer["output"] = [self._item, *answer["output"]]
-            return fastjson.dumps(answer)
-        return body
-
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        decoder = SSEDecoder()
-        async for chunk in self._upstream.aiter_bytes():
-            frames = [self._frames(event.event, event.data) for event in decoder.feed(chunk)]
-            yield b"".join(frame for group in frames for frame in group)
-        for event in decoder.flush():
-            yield b"".join(self._frames(event.event, event.data))
-
-    def _frames(self, name: str | None, data: str) -> list[bytes]:
-        try:
-            payload = json.loads(data)
-        except ValueError:
-            return [encode_event(data, event=name)]
-        if not isinstance(payload, dict):
-            return [encode_event(data, event=name)]
-        kind = payload.get("type", name)
-        out = []
-        if not self._sent and kind not in LEADING_EVENTS:
-            out.extend(self._item_events(payload.get("sequence_number")))
-            self._sent = True
-        out.append(encode_event(fastjson.dumps(self._moved(payload)).decode(), event=name))
-        return out
-
-    def _item_events(self, sequence: Any) -> list[bytes]:
-        events = []
-        for offset, kind in enumerate(("response.output_item.added", "response.output_item.done")):
-            event: JsonDict = {"type": kind, "output_index": 0, "item": self._item}
-            if isinstance(sequence, int):
-                event["sequence_number"] = sequence + offset
-            events.append(encode_event(fastjson.dumps(event).decode(), event=kind))
-        return events
-
-    def _moved(self, payload: JsonDict) -> JsonDict:
-        if not self._sent:
-            return payload
-        moved = dict(payload)
-        if isinstance(moved.get("output_index"), int):
-            moved["output_index"] += 1
-        if isinstance(moved.get("sequence_number"), int):
-            moved["sequence_number"] += 2
-        response = moved.get("response")
-        if isinstance(response, dict) and isinstance(response.get("output"), list):
-            moved["response"] = {**response, "output": [self._item, *response["output"]]}
-        return moved
-
-
-class LocalAnswer:
-    """A Response served by the proxy, read by the turn as the provider's answer would be
-    (relay, keeper, usage): whole, or as OpenAI's event stream of it."""
-
-    status = 200
-    attempts = 1
-    retries = 0
-
-    def __init__(self, response: JsonDict, stream: bool) -> None:
-        self._response = response
-        self.is_event_stream = stream
-        kind = "text/event-stream" if stream else "application/json"
-        self.headers = [("Content-Type", kind)]
-        self.provider_headers = CIMultiDictProxy(CIMultiDict(self.headers))
-        self.closed = False
-
-    async def aread(self) -> bytes:
-        return fastjson.dumps(self._response)
-
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        for event in response_events(self._response):
-            yield encode_event(fastjson.dumps(event).decode(), event=event["type"])
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-def response_events(response: JsonDict) -> list[JsonDict]:
-    """OpenAI's event sequence for a completed Response whose items come whole (no
-    deltas): created, in_progress, each item's added and done, completed."""
-    started = {**response, "status": "in_progress", "output": [], "usage": None}
-    events: list[JsonDict] = [
-        {"type": "response.created", "response": started},
-        {"type": "response.in_progress", "response": started},
-    ]
-    for index, item in enumerate(response["output"]):
-        for kind in ("response.output_item.added", "response.output_item.done"):
-            events.append({"type": kind, "output_index": index, "item": item})
-    events.append({"type": "response.completed", "response": response})
-    return [{**event, "sequence_number": n} for n, event in enumerate(events)]
 
 
 # -- operators ---------------------------------------------------------------------------------

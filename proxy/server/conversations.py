@@ -31,6 +31,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.core.validate import metadata_param, validate_stored_item
 from proxy.ids import item_id_for, new_id
 from proxy.operations import NoForkPoint, ThreadGone, fork_id_for, fork_thread
+from proxy.server.api import RESPONSES
 from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.explain import EXPLAIN
@@ -47,7 +48,7 @@ from proxy.server.validate import (
     wrong_type,
 )
 from proxy.store.base import AlreadyExists, NewItem, NotFound, StoredItem, Thread
-from proxy.threads import Loaded, stored_item_view
+from proxy.threads import Loaded, first_orphan, stored_item_view
 
 MAX_ITEMS_PER_REQUEST = 20  # OpenAI: "You may add up to 20 items at a time."
 # Items are counted once at write time with this model's encoding, so rebuilds never
@@ -81,7 +82,7 @@ async def create_conversation(request: web.Request) -> web.Response:
     body, _ = await read_json_object(request)
     metadata = metadata_param(body.get("metadata"))
     raws = items_param(body.get("items"), required=False)
-    check_outputs_answer_calls(raws, known_calls=frozenset())
+    check_outputs_answer_calls((), raws)
     await check_stored_compactions(request, raws)
     thread_id = new_id("conv")
     await check_ids_free(request, Loaded(tenant_of(request), thread_id, "conversation", None), raws)
@@ -154,7 +155,7 @@ async def create_items(request: web.Request) -> web.Response:
     thread = await conversation(request)
     store = request.app[STORE]
     history = await all_items(request, thread) if needs_history(raws) else ()
-    check_outputs_answer_calls(raws, known_calls=call_ids_in(stored_item_view(i) for i in history))
+    check_outputs_answer_calls([stored_item_view(i) for i in history], raws)
     await check_stored_compactions(request, raws)
     await check_ids_free(request, Loaded(thread.tenant, thread.id, thread.kind, thread), raws)
     items = items_to_add(raws)
@@ -283,29 +284,20 @@ def items_param(value: Any, *, required: bool) -> list[JsonDict]:
     return raws
 
 
-def call_ids_in(items: Iterable[Item]) -> frozenset[str]:
-    return frozenset(call_id for item in items for call_id in item.call_ids)
-
-
 def needs_history(raws: Sequence[JsonDict]) -> bool:
     """Only an output whose call is not in the request itself needs the stored log."""
     views = [responses_item(raw) for raw in raws]
-    own_calls = call_ids_in(views)
+    own_calls = {call_id for view in views for call_id in view.call_ids}
     return any(v.output_for is not None and v.output_for not in own_calls for v in views)
 
 
-def check_outputs_answer_calls(raws: Sequence[JsonDict], *, known_calls: frozenset[str]) -> None:
+def check_outputs_answer_calls(known: Iterable[Item], raws: Sequence[JsonDict]) -> None:
     """An output must answer a call already in the conversation or earlier in the request
-    (SPEC section 6: an output for an unknown call id is a 400)."""
-    calls = set(known_calls)
-    for raw in raws:
-        view = responses_item(raw)
-        calls.update(view.call_ids)
-        if view.kind == "tool_output" and view.output_for not in calls:
-            raise invalid(
-                f"No tool call found for function call output with call_id {view.output_for}.",
-                param="items",
-            )
+    (SPEC section 6: an output for an unknown call id is a 400; threads.first_orphan, the
+    one rule a turn applies too)."""
+    orphan = first_orphan(known, [responses_item(raw) for raw in raws])
+    if orphan is not None:
+        raise invalid(RESPONSES.orphan_message(orphan), param="items")
 
 
 async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[JsonDict]) -> None:

@@ -1,6 +1,6 @@
 """What the proxy has learnt about each (tenant, upstream, model): one small place that
 every budget reads (proxy/server/rebuild.py), that a context-length refusal writes
-(proxy/server/overflow.py), that every answer's usage calibrates (hooks/usage.py) and
+(proxy/server/overflow.py), that every answer's usage calibrates (observe.Usage) and
 that window discovery fills in (proxy/server/discovery.py).
 
 Kept in memory, per process, bounded (the least recently used entry goes first), and in

@@ -209,7 +209,7 @@ async def rebuild_turn(
     """One request's context: a stored thread's live window plus the new items (with its
     position in the log and its sticky cut), or the request alone when stateless.
     `small`: everything projected came from a small client body (`small_body`).
-    `summaries`: LLM summaries ready for the chunks it may cut (hooks/summaries.py).
+    `summaries`: LLM summaries ready for the chunks it may cut (rewrite.attach_ready_summaries).
 
     When `observe`, the projection is the request's own: it goes to the metrics and its
     budget breakdown to the request's log line (every flow, stateless or not); a restate

@@ -31,21 +31,22 @@ from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
 from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
-    Compactions,
+    CONTEXT_MANAGEMENT,
     compaction_threshold,
     ends_with_trigger,
+    expand_compactions,
     is_local,
+    rewriters,
 )
 from proxy.server.errors import ApiError, invalid
-from proxy.server.hooks.ledger import LedgerHook
-from proxy.server.hooks.persist import ResponseChain, resolve_chain
-from proxy.server.hooks.summaries import SummaryHook
-from proxy.server.hooks.usage import UsageHook
+from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
+from proxy.server.observe import SummariesAhead, Usage
 from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
+from proxy.server.rewrite import REWRITERS
 from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
-from proxy.server.turn import Turn, TurnHook, project, run_turn
+from proxy.server.turn import Mode, New, Plan, Turn, Window, projected_once, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -122,25 +123,39 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     (proxy/server/websocket.py): the one pipeline both run."""
     validate_responses(body)
     request[LOG_FIELDS].update(model=body.get("model"))
-    # The provider never gets `background`: the proxy serves it (proxy/server/background.py).
+    # The provider never gets what the proxy serves: `background` (proxy/server/
+    # background.py), and `context_management` when compaction is the proxy's.
     background = body.pop("background", None)
-    if await resolve_references(request, body) or background is not None:
+    local = is_local(request)  # else compaction is the provider's (policy compaction.mode)
+    threshold = compaction_threshold(body)
+    managed = local and CONTEXT_MANAGEMENT in body
+    if managed:
+        del body[CONTEXT_MANAGEMENT]
+    if await resolve_references(request, body) or background is not None or managed:
         raw = fastjson.dumps(body)
     await check_translatable(request, request[TENANT_POLICY], body)
-    hooks: list[TurnHook] = [LedgerHook(request, RESPONSES)]
-    if is_local(request):  # else compaction is the provider's (policy compaction.mode)
-        hooks.insert(0, Compactions(request, compaction_threshold(body)))
-    chain = None
-    if body.get("store") is not False or is_stateful(body):
-        chain = ResponseChain(request, body, background=background is True)
-        hooks.append(chain)
-    hooks = [*hooks, SummaryHook(request), UsageHook()]
-    if chain is None or not chain.background:
-        return await run_turn(request, RESPONSES, body, raw, hooks)
-    run = await request.app[RUNS].start(request, RESPONSES, body, raw, hooks, chain.id)
+    mode = responses_mode(request, body, background=background is True)
+    plan = Plan(
+        mode,
+        rewriters(threshold) if local else REWRITERS,
+        [SummariesAhead(request), Usage()],
+    )
+    if not isinstance(mode, ResponseChain) or not mode.background:
+        return await run_turn(request, RESPONSES, body, raw, plan)
+    run = await request.app[RUNS].start(request, RESPONSES, body, raw, plan, mode.id)
     if run.stream:
         return await follow(request, run.tenant, run.id, after=-1)
     return await get_response(request, run.id)
+
+
+def responses_mode(request: web.Request, body: JsonDict, *, background: bool) -> Mode:
+    """A conversation's turn, a chain's (a previous response, or `store` not false: a
+    new chain), else a stateless one (`store: false` and nothing to continue)."""
+    if body.get("conversation") is not None:
+        return Conversation(request, body, background=background)
+    if body.get("store") is not False or is_stateful(body):
+        return ResponseChain(request, body, background=background)
+    return Stateless()
 
 
 # Stored items that need their id as input (a reasoning item is replayed by id).
@@ -168,7 +183,7 @@ async def resolve_references(request: web.Request, body: JsonDict) -> bool:
         if not isinstance(item_id, str):
             raise missing(f"input[{index}].id")
         stored = await store.find_item(tenant, item_id)
-        if stored is None or stored.api != "responses":
+        if stored is None or stored.api != RESPONSES.name:
             raise ApiError(404, f"Item with id '{item_id}' not found.", param=f"input[{index}]")
         keep_id = stored.raw.get("type") in REFERENCE_KEEPS_ID
         resolved.append({k: v for k, v in stored.raw.items() if keep_id or k != "id"})
@@ -192,24 +207,25 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     loaded = None
     if is_stateful(body):
         loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
-    turn = Turn(request, RESPONSES, body, b"", loaded, new=items)
-    if turn.verbatim and turn.loaded is not None:  # the whole thread would be sent
-        turn.loaded = await thread_service(request.app).whole(turn.loaded)
+    turn = Turn(request, RESPONSES, body, b"", Stateless(), None, (), tuple(items))
+    if loaded is not None and turn.verbatim:  # the whole thread would be sent
+        loaded = await thread_service(request.app).whole(loaded)
+    window, new = Window(loaded), New(tuple(items))
     if is_local(request):  # compaction items count as the summary the provider would get
-        await Compactions(request, None).restore(turn)
-    inputs = RESPONSES.budget_inputs(body)
+        window, new = await expand_compactions(turn, window, new)
+    inputs = turn.inputs
     learned = await learned_for(request, inputs.model)
-    projected = turn.loaded is not None and not turn.verbatim
+    projected = window.loaded is not None and not turn.verbatim
     if projected:
         # The provider does not know our conversations: count what would be sent, with
         # the counter the budget counted it with.
-        projection, base = await project(turn)
-        sent = list(projection.items)
-        counter = await budget_counter(request, inputs.model, base, learned, sent)
-        counted = projection.report.prompt_tokens
+        made = await projected_once(turn, window, new)
+        sent = list(made.projection.items)
+        counter = await budget_counter(request, inputs.model, made.counter, learned, sent)
+        counted = made.projection.report.prompt_tokens
     else:
         base = await counter_for(request[TENANT_POLICY], inputs.model)
-        sent = [*turn.known, *turn.new]
+        sent = [*window.items, *new.items]
         counter = await budget_counter(request, inputs.model, base, learned, sent)
         counted = await off_the_loop(
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body

@@ -53,12 +53,13 @@ import structlog
 from proxy.clock import Clock, utc_iso
 from proxy.core.items import Item, item_of
 from proxy.core.memory import MemoryState
-from proxy.core.projection import SummaryChunk
+from proxy.core.projection import Projection, SummaryChunk
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.store.base import MAX_SUMMARY_DIGESTS, Store, StoredSummary
 from proxy.summarizer import LlmSummarizer, Target
+from proxy.threads import Loaded
 
 log = structlog.get_logger("threadkeeper.summaries")
 
@@ -155,7 +156,7 @@ class BackgroundSummaries:
         self._running: dict[tuple[str, ...], asyncio.Task[None]] = {}
         self._failed: dict[Key, datetime] = {}
         # Per (namespace, thread): the cut a next cut was last predicted after; predicting
-        # again before that cut changes would find the same chunk (hooks/summaries.py).
+        # again before that cut changes would find the same chunk (observe.SummariesAhead).
         self.predicted: dict[tuple[str, str], int] = {}
         self._closed = False  # after aclose nothing starts (a request ending late)
 
@@ -417,3 +418,26 @@ async def _logged(work: Coroutine[Any, Any, None], tenant: str) -> None:
         await work
     except Exception:
         log.exception("background_summary_failed", tenant=tenant)
+
+
+def kept_for(loaded: Loaded | None, committed: bool = False) -> str | None:
+    """The thread a turn's summaries are kept for (deleted with it): the stored thread,
+    or the one the turn's commit created (`committed`); None for a stateless request and
+    for one that stored nothing (a Responses `store: false` request starting no chain)."""
+    if loaded is None or (loaded.thread is None and not committed):
+        return None
+    return loaded.thread_id
+
+
+def sent_chunks(projection: Projection) -> list[SummaryChunk]:
+    """The blocks the projection sends as the deterministic digest (Projection.chunks
+    lists only blocks sent; `ready` ones are LLM summaries already)."""
+    return [chunk for chunk in projection.chunks if not chunk.ready]
+
+
+def replayed(loaded: Loaded | None) -> bool:
+    """Whether the turn's history is the client's alone, its cut replayed with no
+    stored cut: no thread, or one not stored yet (a Responses `store: false` request
+    without a previous response is sent again whole; a new thread that is stored is not,
+    and only wastes one summary when it arrives over budget)."""
+    return loaded is None or loaded.thread is None

@@ -1,46 +1,55 @@
-"""One model turn, the SPEC's request path written once for both APIs and every mode.
+"""One model turn, the SPEC's request path (seed section 13) written once for both APIs
+and every thread mode. Each stage is a function over frozen values; `run_turn` applies
+them in order and nothing else writes them (LangGraph's nodes return an update, the
+graph applies it):
 
-    load the thread (when stored)     hooks: load
-    restore ledger calls              hooks: restore
-    orphan check (SPEC 6)             here, on a stored thread
-    answer dangling calls             hooks: close_calls
-    budget + projection (SPEC 4-5)    rebuild.rebuild_turn (logs the budget breakdown)
-                                      hooks: projected
-    the provider's body               here; hooks: upstream_body
-    ledger outputs, begin the turn    hooks: before_forward
-    forward                           relay.send_upstream (hooks: local_answer, an answer
-                                      served here instead); a context-length refusal is
-                                      projected again and sent once more (overflow.py)
-                                      hooks: upstream_response
-    relay (+ commit)                  relay.relay_answer with the hooks' transformer
-    always, at the end                hooks: finished
+    load      the mode's seam reads the thread (proxy/server/modes.py: Stateless,
+              ChatThread, ResponseChain, Conversation)                 -> Turn, Window
+    rewrite   the ordered item rewriters, (window, new) -> (window, new), named for
+              what they do (proxy/server/rewrite.py; compaction's in compaction.py)
+                                                                       -> Window, New
+    project   budget + projection (SPEC 4-5, rebuild.rebuild_turn, which logs the
+              budget breakdown), again with LLM summaries other processes wrote
+                                                                       -> Projected
+    forward   the provider's body; the client's tool outputs into the ledger; the
+              mode's begin; the provider's answer (chat_upstream.send_model), or one the
+              proxy serves itself; a context-length refusal is projected again and sent
+              once more (overflow.py)                                  -> Forwarded
+    relay     the answer through a transformer (relay.py): the ledger's holdback when a
+              tool is guarded, else Keep (a stored turn) or Passthrough
+    commit    the mode's commit, which the relay calls before the answer's end reaches
+              the client (modes.Kept)
+    finish    the mode's finish, then the observers'
 
-What differs between Chat and Responses is the adapter's (proxy/server/api.py). What
-differs between modes is which hooks a handler passes: the ledger guard
-(hooks/ledger.py), a persistence hook for a stored thread (hooks/persist.py), usage
-logging (hooks/usage.py). Hooks are plain objects like mitmproxy's addons: each method
-is a named point of the turn, called on every hook in the order given.
+Observers (proxy/server/observe.py: usage, summaries ahead, a background run's start)
+are the only hooks: they are shown the values and never change them.
 
-    >>> hooks = [LedgerHook(request, CHAT), UsageHook(request)]   # a stateless Chat turn
-    >>> await run_turn(request, CHAT, body, raw, hooks)
+    >>> plan = Plan(Stateless(), REWRITERS, [Usage()])  # modes, rewrite, observe
+    >>> await run_turn(request, CHAT, body, raw, plan)   # a stateless Chat turn
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Any, Protocol
 
+import structlog
 from aiohttp import web
 
 from proxy.core import fastjson
 from proxy.core.items import Item
 from proxy.core.projection import Projection
 from proxy.core.tokens import TokenCounter
-from proxy.server.api import ApiShape
+from proxy.server.api import ApiShape, BudgetInputs
 from proxy.server.chat_upstream import Untranslatable, send_model
-from proxy.server.errors import ApiError, invalid
+from proxy.server.compacted import LocalAnswer, WithCompaction
+from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
+from proxy.server.holdback import Guarded, holdback
+from proxy.server.ledger import LedgerGuard
 from proxy.server.overflow import (
     Refusal,
     cannot_fit,
@@ -57,145 +66,266 @@ from proxy.server.rebuild import (
     rebuild_turn,
     small_body,
 )
-from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer
-from proxy.server.state import LOG_FIELDS, TENANT_POLICY, TRACING, thread_service
+from proxy.server.relay import relay_answer
+from proxy.server.state import (
+    CLOCK,
+    LOG_FIELDS,
+    SUMMARIES,
+    TENANT_POLICY,
+    TRACING,
+    thread_service,
+)
+from proxy.server.summaries import Ready, replayed, sent_chunks
+from proxy.server.transform import Keep, Keeper, Passthrough, Transformer
 from proxy.server.validate import JsonDict
-from proxy.threads import Loaded, first_orphan
+from proxy.threads import Loaded
 from proxy.tracing import genai_request, genai_response, set_attributes
 from proxy.upstream import UpstreamResponse
 
+log = structlog.get_logger("threadkeeper.summaries")
 
-@dataclass
+# Projections a stateless request makes at most while other processes' summaries for its
+# chunks turn up (each found one may change the digests of the blocks after it).
+CLAIM_ROUNDS = 3
+
+
+# -- the values ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    """What a mode's load returns: the stored window (None: stateless) and the part of
+    the client's history the thread does not hold yet (raw entries)."""
+
+    loaded: Loaded | None
+    history: Any
+
+
+@dataclass(frozen=True)
 class Turn:
-    """One request on its way through run_turn; the hooks read and fill it in."""
+    """What every stage reads and none writes: the request, its API, the client's body
+    and bytes, the mode, and the client's new items as it sent them."""
 
     request: web.Request
     api: ApiShape
-    body: JsonDict  # the client's request (its history replaced before forwarding)
+    body: JsonDict  # the client's request; the provider's is a copy (sent_body)
     raw: bytes  # the client's bytes: forwarded as they are when nothing changed
-    loaded: Loaded | None = None  # the stored thread's window; None: stateless
-    history: Any = None  # the client's history entries that are new (raw)
-    new: list[Item] = field(default_factory=list)  # the request's new items
-    given: int = 0  # how many items the client's history held
-    outputs: Sequence[JsonDict] | str = ()  # where the client's new tool outputs are
-    projection: Projection | None = None
-    sent: JsonDict | None = None  # the provider's request (a continuation extends it)
-    counter: TokenCounter | None = None
-    keeper: Keeper | None = None  # a stored turn's commit (hooks/persist.py)
-    committed: bool = False  # the turn's items were written to `loaded`'s thread
-    response_id: str | None = None  # the proxy's own id of this answer, when it has one
-    # LLM summaries ready for the projection's chunks, by chunk digest (hooks/summaries.py)
-    summaries: Mapping[str, Item] = field(default_factory=dict)
-    rewritten: bool = False  # a hook changed what the provider gets: never the client's bytes
+    mode: Mode
+    thread_id: str | None  # the stored thread; None: stateless
+    outputs: Sequence[JsonDict] | str  # where the client's new tool outputs are
+    given: tuple[Item, ...]  # the client's new items as it sent them
+
+    @cached_property
+    def inputs(self) -> BudgetInputs:
+        return self.api.budget_inputs(self.body)
 
     @property
     def verbatim(self) -> bool:
         """Responses `truncation: "disabled"`: the whole history is sent as it is, or the
         request is refused (OpenAI's 400 context_length_exceeded); nothing is trimmed."""
-        return not self.api.budget_inputs(self.body).truncate
+        return not self.inputs.truncate
+
+    @cached_property
+    def guard(self) -> LedgerGuard:
+        """The side-effect ledger's rules for this request (SPEC 6)."""
+        now = self.request.app[CLOCK].iso
+        return LedgerGuard(self.request, api=self.api, thread_id=self.thread_id, now=now)
+
+
+@dataclass(frozen=True)
+class Window:
+    """What the turn's new items follow: the stored thread's live window (None:
+    stateless) and the LLM summaries ready for the projection's chunks."""
+
+    loaded: Loaded | None = None
+    summaries: Mapping[str, Item] = field(default_factory=dict)
 
     @property
-    def known(self) -> Sequence[Item]:
-        """The stored window the new items follow (empty when stateless)."""
+    def items(self) -> Sequence[Item]:
         return self.loaded.items if self.loaded is not None else ()
 
 
-class TurnHook:
-    """A cross-cutting step of the turn. Every method is optional (these do nothing)."""
+@dataclass(frozen=True)
+class New:
+    """The turn's new items, and what a rewriter decided about the answer: the
+    compaction item it leads with (`compaction`), or a Response the proxy serves itself
+    so the provider gets no request (`served`, a compaction_trigger's)."""
 
-    async def load(self, turn: Turn) -> None:
-        """Read the stored thread into `turn.loaded`; `turn.history` may become the part
-        of the client's history the thread does not hold yet."""
+    items: tuple[Item, ...]
+    summary: JsonDict | None = None  # the last compaction the items hold, opened
+    compaction: JsonDict | None = None
+    served: JsonDict | None = None
 
-    async def restore(self, turn: Turn) -> None:
-        """Put back calls the thread lost before their outputs (before the orphan check)."""
 
-    async def close_calls(self, turn: Turn) -> None:
-        """Answer calls that would otherwise reach the provider without an output."""
+# An item rewriter: the window and new items in, the window and new items out.
+Rewriter = Callable[[Turn, Window, New], Awaitable[tuple[Window, New]]]
 
-    async def projected(self, turn: Turn) -> None:
-        """The projection is made; a hook may make it again (`project`) with what it
-        learnt from it (summaries read since)."""
 
-    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
+@dataclass(frozen=True)
+class Projected:
+    """The turn's items and what the provider is sent of them."""
+
+    window: Window
+    new: New
+    projection: Projection
+    counter: TokenCounter
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """The provider's answer (or the proxy's), the projection it answers, what it got."""
+
+    upstream: UpstreamResponse
+    projected: Projected
+    sent: JsonDict
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What the observers are shown once the turn is over (relayed, refused or failed):
+    the values it reached (None where it stopped before), and whether it committed."""
+
+    turn: Turn | None
+    projected: Projected | None
+    committed: bool
+
+
+Restate = Callable[[Loaded], Awaitable[JsonDict]]
+
+
+class Mode(Protocol):
+    """One thread mode's seam (proxy/server/modes.py): how a turn's thread is read and
+    its items written."""
+
+    response_id: str | None  # the proxy's own id of this answer, when it has one
+
+    async def load(self, api: ApiShape, body: JsonDict) -> Load: ...
+
+    def provider_body(self, body: JsonDict) -> JsonDict:
         """The provider's request, once its history is the projection's."""
-        return body
+        ...
 
-    async def before_forward(self, turn: Turn) -> None:
-        """The last step before the provider is called (record outputs, begin a turn)."""
+    async def begin(self) -> None:
+        """The last step before the provider is called (a Responses row `in_progress`)."""
+        ...
 
-    def local_answer(self, turn: Turn) -> UpstreamResponse | None:
-        """An answer the proxy serves itself in place of the provider's, which then gets
-        no request (a compaction_trigger's compaction)."""
-        return None
+    def keeper(self, turn: Turn, projected: Projected, restate: Restate) -> Keeper | None:
+        """What commits the answer (relay.Keeper); None: nothing is kept."""
+        ...
 
-    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
-        """The provider's answer as the rest of the turn reads it (relay, keeper, ledger)."""
-        return upstream
+    def provider_answered(self, status: int) -> None:
+        """The provider's (last) answer had this status."""
+        ...
 
-    def transformer(self, turn: Turn, current: Transformer) -> Transformer:
-        """The relay's transformer; `current` is what the hooks before chose."""
-        return current
+    async def finish(self) -> None:
+        """Always, once the turn is over."""
+        ...
 
-    def answered(self, turn: Turn, answer: JsonDict) -> None:
+    @property
+    def committed(self) -> bool: ...
+
+
+class Observer:
+    """A hook that reads the turn's values and never writes them. Every method is
+    optional (these do nothing)."""
+
+    def forwarding(self, turn: Turn) -> None:
+        """The provider is about to be called (the ledger and the mode are ready)."""
+
+    def answered(self, turn: Turn, projected: Projected, answer: JsonDict) -> None:
         """A whole answer, or a stream's usage holder, as the provider sent it."""
 
-    async def finished(self, turn: Turn) -> None:
-        """Always, once the turn is over (relayed, refused or failed)."""
+    async def finished(self, finished: Finished) -> None:
+        """Always, once the turn is over."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a handler chooses for one turn: its mode, its rewriters in order, its
+    observers."""
+
+    mode: Mode
+    rewriters: Sequence[Rewriter]
+    observers: Sequence[Observer] = ()
+
+
+# -- the stem ---------------------------------------------------------------------------------
 
 
 async def run_turn(
-    request: web.Request, api: ApiShape, body: JsonDict, raw: bytes, hooks: Sequence[TurnHook]
+    request: web.Request, api: ApiShape, body: JsonDict, raw: bytes, plan: Plan
 ) -> web.StreamResponse:
     """The request path (SPEC 3-7) for a validated body of `api`."""
-    turn = Turn(request, api, body, raw)
+    turn: Turn | None = None
+    projected: Projected | None = None
     try:
-        await _prepare(turn, hooks)
-        return await _forward(turn, hooks)
+        turn, window = await load(request, api, body, raw, plan.mode)
+        window, new = await rewrite(turn, window, New(turn.given), plan.rewriters)
+        projected = await project(turn, window, new)
+        sent, raw = sent_body(turn, projected)
+        await before_forward(turn, plan.observers)
+        with model_call(turn, sent) as span:
+            forwarded = await forward(turn, projected, sent, raw)
+            projected = forwarded.projected
+            return await relay(turn, forwarded, plan.observers, span)
     finally:
-        for hook in hooks:
-            await hook.finished(turn)
+        await plan.mode.finish()
+        finished = Finished(turn, projected, plan.mode.committed)
+        for observer in plan.observers:
+            await observer.finished(finished)
 
 
-async def _prepare(turn: Turn, hooks: Sequence[TurnHook]) -> None:
-    """Everything before the provider's body: the turn's items and their projection."""
-    turn.history = turn.body.get(turn.api.history)
-    for hook in hooks:
-        await hook.load(turn)
-    if turn.verbatim and turn.loaded is not None:
-        turn.loaded = await thread_service(turn.request.app).whole(turn.loaded)
-    history = turn.outputs = turn.history if turn.history is not None else []
-    small = small_body(turn.raw)
-    turn.new = await off_the_loop(lambda: turn.api.items(history), history, small=small)
-    turn.given = len(turn.new)
-    for hook in hooks:
-        await hook.restore(turn)
-    orphan = first_orphan(turn.known, turn.new, stateless=turn.loaded is None)
-    if orphan is not None:
-        raise invalid(turn.api.orphan_message(orphan), param=turn.api.history)
-    for hook in hooks:
-        await hook.close_calls(turn)
-    turn.projection, turn.counter = await project(turn)
-    for hook in hooks:
-        await hook.projected(turn)
+async def load(
+    request: web.Request, api: ApiShape, body: JsonDict, raw: bytes, mode: Mode
+) -> tuple[Turn, Window]:
+    """The thread the mode reads (the whole log when nothing may be trimmed), and the
+    client's new history entries as items."""
+    loaded = await mode.load(api, body)
+    window = loaded.loaded
+    history = loaded.history if loaded.history is not None else []
+    given = await off_the_loop(lambda: api.items(history), history, small=small_body(raw))
+    thread_id = window.thread_id if window is not None else None
+    turn = Turn(request, api, body, raw, mode, thread_id, history, tuple(given))
+    if turn.verbatim and window is not None:
+        window = await thread_service(request.app).whole(window)
+    return turn, Window(window)
 
 
-async def project(
+async def rewrite(
+    turn: Turn, window: Window, new: New, rewriters: Sequence[Rewriter]
+) -> tuple[Window, New]:
+    """The rewriters in their order, each given what the one before returned."""
+    for rewriter in rewriters:
+        window, new = await rewriter(turn, window, new)
+    return window, new
+
+
+async def project(turn: Turn, window: Window, new: New) -> Projected:
+    """The projection of the window plus the new items (SPEC 3-5), made again while the
+    LLM summaries it lacked turn up in the store (another process wrote them)."""
+    projected = await projected_once(turn, window, new)
+    if isinstance(window.summaries, Ready):
+        projected = await with_found_summaries(turn, projected, window.summaries)
+    return projected
+
+
+async def projected_once(
     turn: Turn,
-    loaded: Loaded | None = None,
+    window: Window,
+    new: New,
     *,
     observe: bool = True,
     window_cap: int | None = None,
-) -> tuple[Projection, TokenCounter]:
-    """The projection of the window plus the new items (SPEC 3-5); `loaded` replaces the
-    turn's window (a restate after a lost race, which is not observed); `window_cap`: the
-    smaller W of a retry after a context-length refusal."""
-    inputs = turn.api.budget_inputs(turn.body)
-    return await rebuild_turn(
+) -> Projected:
+    """One projection; `observe` False: not the request's own (a restate after a lost
+    race, a projection made again); `window_cap`: the smaller W of a retry after a
+    context-length refusal."""
+    inputs = turn.inputs
+    projection, counter = await rebuild_turn(
         turn.request,
         inputs.model,
-        turn.new,
-        loaded or turn.loaded,
+        new.items,
+        window.loaded,
         tools=inputs.tools,
         requested_output=inputs.requested_output,
         instructions=inputs.instructions,
@@ -203,133 +333,205 @@ async def project(
         route=turn.api.route,
         observe=observe,
         small=small_body(turn.raw),
-        summaries=turn.summaries,
+        summaries=window.summaries,
         verbatim=not inputs.truncate,
         window_cap=window_cap,
     )
+    return Projected(window, new, projection, counter)
 
 
-def sent_body(turn: Turn, hooks: Sequence[TurnHook]) -> tuple[JsonDict, bytes]:
-    """The provider's request: the client's own bytes when the projection changed
-    nothing on a stateless request, else the body with the projection as its history."""
-    assert turn.projection is not None
-    unchanged = turn.loaded is None and not turn.projection.changed and not turn.rewritten
-    if unchanged and len(turn.new) == turn.given:
+async def with_found_summaries(turn: Turn, projected: Projected, ready: Ready) -> Projected:
+    """Digests the projection asked for and lacked are read from the store; when some
+    were there, the projection is made again with them. A stateless request then stores
+    the deterministic digests it sends as their chunks' summaries (`claim`: once sent,
+    no process may send an LLM summary for the same chunk later, which would change the
+    replayed cut's prefix); a summary stored first is sent instead, and may change the
+    digests of the blocks after it, which are claimed in turn. A store failure here is
+    logged and the projection stands."""
+    background = turn.request.app.get(SUMMARIES)
+    if background is None:
+        return projected
+    try:
+        if ready.missing() and await background.fetch(ready):
+            projected = await projected_again(turn, projected)
+        for _ in range(CLAIM_ROUNDS if replayed(projected.window.loaded) else 0):
+            chunks = sent_chunks(projected.projection)
+            if not chunks or not await background.claim(ready, chunks):
+                break
+            projected = await projected_again(turn, projected)
+    except Exception:
+        log.exception("summaries_store_failed", tenant=turn.request[TENANT_POLICY].tenant)
+    return projected
+
+
+async def projected_again(turn: Turn, projected: Projected) -> Projected:
+    """Made again (observed once): the request's log line gets the projection it sends."""
+    again = await projected_once(turn, projected.window, projected.new, observe=False)
+    turn.request[LOG_FIELDS].update(budget_log_fields(again.projection))
+    return again
+
+
+def sent_body(turn: Turn, projected: Projected) -> tuple[JsonDict, bytes]:
+    """The provider's request: the client's own bytes when nothing changed on a
+    stateless request, else a copy of the body with the projection as its history."""
+    new = projected.new.items
+    same = len(new) == len(turn.given) and all(a is b for a, b in zip(new, turn.given, strict=True))
+    if projected.window.loaded is None and not projected.projection.changed and same:
         return turn.body, turn.raw
-    sent = turn.api.with_items(turn.body, turn.projection.items)
-    for hook in hooks:
-        sent = hook.upstream_body(turn, sent)
+    sent = turn.api.with_items(dict(turn.body), projected.projection.items)
+    sent = turn.mode.provider_body(sent)
     return sent, fastjson.dumps(sent)
 
 
-async def _forward(turn: Turn, hooks: Sequence[TurnHook]) -> web.StreamResponse:
-    assert turn.projection is not None
-    sent, raw = sent_body(turn, hooks)
-    turn.sent = sent
-    for hook in hooks:
-        await hook.before_forward(turn)
-    request, api = turn.request, turn.api
-    tracing = request.app[TRACING]
-    thread_id = turn.loaded.thread_id if turn.loaded is not None else None
-    attributes = genai_request(sent, thread_id) if tracing.on else {}
-    name = f"chat {sent.get('model')}"
-    with tracing.span(name, kind="client") as span:  # the model call, retries included
+@contextmanager
+def model_call(turn: Turn, sent: JsonDict) -> Iterator[Any]:
+    """The tracing span of the model call (retries and the relay included)."""
+    tracing = turn.request.app[TRACING]
+    attributes = genai_request(sent, turn.thread_id) if tracing.on else {}
+    with tracing.span(f"chat {sent.get('model')}", kind="client") as span:
         set_attributes(span, attributes)
-        local = next((a for h in hooks if (a := h.local_answer(turn)) is not None), None)
-        upstream = local or await _send(turn, hooks, raw)
-        refusal = await context_refusal(upstream)
-        if refusal is not None:
-            upstream = await _retry_smaller(turn, hooks, upstream, refusal)
-        for hook in hooks:
-            upstream = hook.upstream_response(turn, upstream)
-        transformer: Transformer = (
-            Keep(api, turn.keeper) if turn.keeper is not None else Passthrough(api)
+        yield span
+
+
+async def before_forward(turn: Turn, observers: Sequence[Observer]) -> None:
+    """The client's tool outputs complete their ledger entries, the mode begins (a
+    Responses row `in_progress`), the observers hear the provider is called."""
+    await turn.guard.record_outputs(turn.outputs)
+    await turn.mode.begin()
+    for observer in observers:
+        observer.forwarding(turn)
+
+
+async def forward(turn: Turn, projected: Projected, sent: JsonDict, raw: bytes) -> Forwarded:
+    """The provider's answer to `sent` (or the one the proxy serves itself), retried once
+    smaller after a context-length refusal."""
+    served = projected.new.served
+    if served is not None:
+        upstream: UpstreamResponse = LocalAnswer(served, bool(turn.body.get("stream")))  # type: ignore[assignment]
+    else:
+        upstream = await _send(turn, sent, raw)
+    refusal = await context_refusal(upstream)
+    if refusal is not None:
+        upstream, projected, sent = await _retry_smaller(turn, projected, sent, upstream, refusal)
+    turn.mode.provider_answered(upstream.status)
+    if projected.new.compaction is not None:
+        upstream = WithCompaction(upstream, projected.new.compaction)  # type: ignore[assignment]
+    return Forwarded(upstream, projected, sent)
+
+
+async def relay(
+    turn: Turn, forwarded: Forwarded, observers: Sequence[Observer], span: Any
+) -> web.StreamResponse:
+    """The answer to the client through the transformer the turn calls for; the mode's
+    commit is the keeper's."""
+    projected = forwarded.projected
+
+    def answered(answer: JsonDict) -> None:
+        for observer in observers:
+            observer.answered(turn, projected, answer)
+        if span is not None:
+            set_attributes(span, genai_response(answer))
+
+    request = turn.request
+    transformer = _transformer(turn, forwarded)
+    extra = context_headers(projected.projection)
+    with request.app[TRACING].span("relay"):
+        return await relay_answer(
+            request,
+            forwarded.upstream,
+            turn.api,
+            transformer,
+            extra_headers=extra,
+            on_answer=answered,
         )
-        for hook in hooks:
-            transformer = hook.transformer(turn, transformer)
-
-        def answered(answer: JsonDict) -> None:
-            for hook in hooks:
-                hook.answered(turn, answer)
-            if span is not None:
-                set_attributes(span, genai_response(answer))
-
-        extra = context_headers(turn.projection)
-        with tracing.span("relay"):
-            return await relay_answer(
-                request, upstream, api, transformer, extra_headers=extra, on_answer=answered
-            )
 
 
-async def _send(turn: Turn, hooks: Sequence[TurnHook], raw: bytes) -> UpstreamResponse:
+def _transformer(turn: Turn, forwarded: Forwarded) -> Transformer:
+    projected = forwarded.projected
+
+    async def restate(fresh: Loaded) -> JsonDict:
+        """The state after a lost race: the cut recomputed over the new window."""
+        window = replace(projected.window, loaded=fresh)
+        try:
+            again = await projected_once(turn, window, projected.new, observe=False)
+        except ApiError:
+            return fresh.state
+        return fresh.state_after(again.projection.cut)
+
+    keeper = turn.mode.keeper(turn, projected, restate)
+    if turn.guard.active:
+        guarded = Guarded(
+            turn.request, turn.api, turn.guard, forwarded.sent, keeper, turn.mode.response_id
+        )
+        return holdback(guarded)
+    return Keep(turn.api, keeper) if keeper is not None else Passthrough(turn.api)
+
+
+async def _send(turn: Turn, sent: JsonDict, raw: bytes) -> UpstreamResponse:
     """The provider's answer, through the API its upstream serves (chat_upstream.py)."""
-    assert turn.sent is not None
-    request, sent = turn.request, turn.sent
+    request = turn.request
+    stream = bool(sent.get("stream"))
     try:
-        return await send_model(
-            request, request[TENANT_POLICY], turn.api, sent, raw, stream=bool(sent.get("stream"))
-        )
+        return await send_model(request, request[TENANT_POLICY], turn.api, sent, raw, stream=stream)
     except Untranslatable as exc:
-        raise await _refused(turn, hooks, exc.upstream, exc.error) from None
+        raise await _refused(turn, exc.upstream, exc.error) from None
 
 
 async def _retry_smaller(
-    turn: Turn, hooks: Sequence[TurnHook], refused: UpstreamResponse, refusal: Refusal
-) -> UpstreamResponse:
+    turn: Turn,
+    projected: Projected,
+    sent: JsonDict,
+    refused: UpstreamResponse,
+    refusal: Refusal,
+) -> tuple[UpstreamResponse, Projected, JsonDict]:
     """The provider refused the request for its length (SPEC round 3): what it states is
     learnt, and the turn is projected again under it and sent once more, before any byte
-    reached the client. Hooks' before_forward is not run again: the client's tool outputs
-    are recorded once, a Responses row begun once. A turn that cannot fit the stated
-    window is a 400 with the breakdown; so is a retry refused in turn (never a third
-    call); `truncation: "disabled"` is never trimmed: its refusal is relayed."""
-    assert turn.projection is not None
+    reached the client. The client's tool outputs are recorded once, a Responses row
+    begun once. A turn that cannot fit the stated window is a 400 with the breakdown; so
+    is a retry refused in turn (never a third call); `truncation: "disabled"` is never
+    trimmed: its refusal is relayed."""
     request, route = turn.request, turn.api.route
-    model = turn.api.budget_inputs(turn.body).model
-    first = turn.projection.report
-    assert turn.counter is not None
-    learned = learn(request, model, refusal.overflow, first, turn.counter, sent_items(turn))
+    model = turn.inputs.model
+    first = projected.projection.report
+    counted = sent_items(turn, projected.projection)
+    learned = learn(request, model, refusal.overflow, first, projected.counter, counted)
     facts = {"refusal": refusal.shown, "refused_estimate": first.prompt_tokens}
     if turn.verbatim:
         observe(request, route, "not_retried", **facts, reason="truncation_disabled")
-        return refused
+        return refused, projected, sent
     window = retry_window(request, model, learned, refusal.overflow, first)
     try:
-        turn.projection, turn.counter = await project(turn, observe=False, window_cap=window)
+        projected = await projected_once(
+            turn, projected.window, projected.new, observe=False, window_cap=window
+        )
     except ApiError as exc:
         observe(request, route, "refused", **facts, window=window)
-        raise await _refused(turn, hooks, refused, cannot_fit(refusal.error, exc)) from None
-    request[PROJECTION] = turn.projection
-    request[LOG_FIELDS].update(budget_log_fields(turn.projection))
+        raise await _refused(turn, refused, cannot_fit(refusal.error, exc)) from None
+    projection = projected.projection
+    request[PROJECTION] = projection
+    request[LOG_FIELDS].update(budget_log_fields(projection))
     await refused.aclose()
-    turn.sent, raw = sent_body(turn, hooks)
-    observe(
-        request, route, "retried", **facts, retried_estimate=turn.projection.report.prompt_tokens
-    )
-    retried = await _send(turn, hooks, raw)
+    sent, raw = sent_body(turn, projected)
+    observe(request, route, "retried", **facts, retried_estimate=projection.report.prompt_tokens)
+    retried = await _send(turn, sent, raw)
     again = await context_refusal(retried)
     if again is None:
-        return retried
-    learn(request, model, again.overflow, turn.projection.report, turn.counter, sent_items(turn))
+        return retried, projected, sent
+    counted = sent_items(turn, projection)
+    learn(request, model, again.overflow, projection.report, projected.counter, counted)
     observe(request, route, "not_retried", **facts, reason="refused_again", again=again.shown)
-    param = turn.api.history
-    raise await _refused(
-        turn, hooks, retried, refused_again(again.error, turn.projection.report, param)
-    )
+    error = refused_again(again.error, projection.report, turn.api.history)
+    raise await _refused(turn, retried, error)
 
 
-def sent_items(turn: Turn) -> int:
+def sent_items(turn: Turn, projection: Projection) -> int:
     """How many items the provider got: the projection's, and instructions as one more."""
-    assert turn.projection is not None
-    instructions = turn.api.budget_inputs(turn.body).instructions
-    return len(turn.projection.items) + (1 if instructions else 0)
+    return len(projection.items) + (1 if turn.inputs.instructions else 0)
 
 
-async def _refused(
-    turn: Turn, hooks: Sequence[TurnHook], upstream: UpstreamResponse, error: ApiError
-) -> ApiError:
-    """The provider's refusal, shown to the hooks (a refused Responses turn leaves no row),
-    then released; `error` is what the client gets."""
-    for hook in hooks:
-        upstream = hook.upstream_response(turn, upstream)
+async def _refused(turn: Turn, upstream: UpstreamResponse, error: ApiError) -> ApiError:
+    """The provider's refusal, shown to the mode (a refused Responses turn leaves no
+    row), then released; `error` is what the client gets."""
+    turn.mode.provider_answered(upstream.status)
     await upstream.aclose()
     return error

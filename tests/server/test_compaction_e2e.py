@@ -429,3 +429,23 @@ async def test_input_tokens_counts_a_compaction_as_the_summary_sent(proxy: Proxy
             assert response.status_code == 200, response.text
             counts.append(response.json()["input_tokens"])
     assert counts[0] == counts[1]
+
+
+async def test_compact_refuses_a_previous_response_whose_thread_is_gone(proxy: Proxy) -> None:
+    """`previous_response_id` follows one rule everywhere (modes.previous_response): a
+    response whose conversation was deleted continues nothing, so it compacts nothing
+    either: both are OpenAI's 400 previous_response_not_found."""
+    client = proxy.client()
+    conversation = await client.conversations.create()
+    answered = await client.responses.create(
+        model="gpt-4o", conversation=conversation.id, input="Ship order ORD-7731 to Lyon."
+    )
+    await client.conversations.delete(conversation.id)
+    with pytest.raises(openai.BadRequestError) as continued:
+        await client.responses.create(
+            model="gpt-4o", previous_response_id=answered.id, input="And then?"
+        )
+    with pytest.raises(openai.BadRequestError) as compacted:
+        await client.responses.compact(model="gpt-4o", previous_response_id=answered.id)
+    for refused in (continued, compacted):
+        assert refused.value.code == "previous_response_not_found"

@@ -1,17 +1,21 @@
-"""A stored turn's persistence (SPEC 7): the thread is loaded before the turn and its new
-items commit with the answer, in one write, before the answer's end reaches the client.
-A cut-off answer adds nothing.
+"""The thread modes, one seam each (proxy/server/turn.py, `Mode`): how a turn's thread is
+read before the turn (`load`) and its new items written with the answer (`commit`), in
+one write, before the answer's end reaches the client (SPEC 7). A cut-off answer adds
+nothing.
 
+- `Stateless`: nothing is read or written; the history is the client's.
 - `ChatThread`: Chat Completions with `X-Thread-Id`; the request's messages are
   reconciled with the thread (proxy/threads.py, new_chat_messages).
-- `ResponseChain`: Responses with `conversation`, `previous_response_id` or `store`
-  not false; the response is recorded `in_progress` before the provider is called and
-  finished `incomplete` when the turn ends without being kept.
+- `ResponseChain`: Responses with `previous_response_id`, or `store` not false (a new
+  chain); `Conversation`: Responses with `conversation`. The response is recorded
+  `in_progress` before the provider is called (`begin`) and finished `incomplete` when
+  the turn ends without being kept (`finish`).
 
-Each is the turn's keeper (relay.Keeper): `rewrite` is the answer as the client sees it,
-`keep` commits it. A turn whose thread was deleted (or erased) while the provider
-answered keeps nothing, its response row included: a non-streamed client gets a 4xx
-naming what went, a stream ends with the relay's `store_error` event.
+A stored mode's commit is reached through its keeper (`Kept`, transform.Keeper): `rewrite`
+is the answer as the client sees it, `keep` commits it. A turn whose thread was deleted
+(or erased) while the provider answered keeps nothing, its response row included: a
+non-streamed client gets a 4xx naming what went, a stream ends with the relay's
+`store_error` event.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ from aiohttp import web
 
 from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
+from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, thread_service
-from proxy.server.turn import Turn, TurnHook, project
+from proxy.server.transform import Keeper
+from proxy.server.turn import Load, Projected, Restate, Turn
 from proxy.server.validate import JsonDict, duplicate_item, missing
 from proxy.store.base import NewItem, NotFound, StoredResponse, TooManyRunning
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
-from proxy.upstream import UpstreamResponse
 
 THREAD_HEADER = "X-Thread-Id"
 # The provider's answers that say the request itself is wrong (a rate limit or an outage
@@ -40,26 +45,75 @@ BAD_INPUT = frozenset({400, 404, 413, 422})
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-class StoredTurn(TurnHook):
-    """What both keepers share: the thread service, and the commit's items and state."""
+class Stateless:
+    """A turn whose history is the client's alone: nothing read, nothing kept."""
+
+    response_id: str | None = None
+    committed = False
+
+    async def load(self, api: ApiShape, body: JsonDict) -> Load:
+        return Load(None, body.get(api.history))
+
+    def provider_body(self, body: JsonDict) -> JsonDict:
+        return body
+
+    async def begin(self) -> None:
+        return None
+
+    def keeper(self, turn: Turn, projected: Projected, restate: Restate) -> Keeper | None:
+        return None
+
+    def provider_answered(self, status: int) -> None:
+        return None
+
+    async def finish(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A stored turn's keeper (transform.Keeper): the mode's rewrite, and its commit of
+    the turn's values."""
+
+    mode: StoredTurn
+    turn: Turn
+    projected: Projected
+    restate: Restate
+
+    def rewrite(self, response: JsonDict) -> JsonDict:
+        return self.mode.rewrite(response)
+
+    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+        await self.mode.keep(self, result, log)
+
+
+class StoredTurn(Stateless):
+    """What the stored modes share: the thread service, and the commit's items and state."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.threads = thread_service(request.app)
-        self.turn: Turn | None = None
+        self.committed = False  # the turn's items were written to its thread
+
+    def keeper(self, turn: Turn, projected: Projected, restate: Restate) -> Keeper | None:
+        return Kept(self, turn, projected, restate)
 
     def rewrite(self, response: JsonDict) -> JsonDict:
         return response
 
+    async def keep(
+        self, kept: Kept, result: JsonDict, log: Sequence[JsonDict] | None = None
+    ) -> None:
+        raise NotImplementedError
+
     async def turn_items(
-        self, turn: Turn, reply: Sequence[JsonDict], response_id: str | None = None
+        self, kept: Kept, reply: Sequence[JsonDict], response_id: str | None = None
     ) -> list[NewItem]:
         """The turn's new items (input) and the reply (output), counted once here."""
-        assert turn.counter is not None
-        counter, api = turn.counter, turn.api
+        counter, api, new = kept.projected.counter, kept.turn.api, kept.projected.new.items
         return await off_the_loop(
             lambda: [
-                *new_items(turn.new, counter, role="input", response_id=response_id),
+                *new_items(new, counter, role="input", response_id=response_id),
                 *new_items(
                     [api.item(raw) for raw in reply],
                     counter,
@@ -70,38 +124,26 @@ class StoredTurn(TurnHook):
             list(reply),
         )
 
-    def state(self, turn: Turn) -> JsonDict:
-        assert turn.loaded is not None and turn.projection is not None
-        return turn.loaded.state_after(turn.projection.cut)
-
     async def commit(
         self,
-        turn: Turn,
+        kept: Kept,
         items: Sequence[NewItem],
         response_id: str | None = None,
         response: JsonDict | None = None,
     ) -> None:
         """The turn's items and state, written to its thread (created by this write when
         it is new)."""
-        assert turn.loaded is not None
+        loaded = kept.projected.window.loaded
+        assert loaded is not None
         await self.threads.commit(
-            turn.loaded,
+            loaded,
             items,
-            state=self.state(turn),
-            restate=self.restate,
+            state=loaded.state_after(kept.projected.projection.cut),
+            restate=kept.restate,
             response_id=response_id,
             response=response,
         )
-        turn.committed = True
-
-    async def restate(self, fresh: Loaded) -> JsonDict:
-        """The state after a lost race: the cut recomputed over the new window."""
-        assert self.turn is not None
-        try:
-            projection, _ = await project(self.turn, fresh, observe=False)
-        except ApiError:
-            return fresh.state
-        return fresh.state_after(projection.cut)
+        self.committed = True
 
 
 class ChatThread(StoredTurn):
@@ -112,7 +154,7 @@ class ChatThread(StoredTurn):
         super().__init__(request)
         self.thread_id = thread_id
 
-    async def load(self, turn: Turn) -> None:
+    async def load(self, api: ApiShape, body: JsonDict) -> Load:
         request, thread_id = self.request, self.thread_id
         request[LOG_FIELDS]["thread_id"] = thread_id
         loaded = await self.threads.load_or_new(request[NAMESPACE], thread_id, "chat")
@@ -123,27 +165,27 @@ class ChatThread(StoredTurn):
                 param=THREAD_HEADER,
                 code="invalid_value",
             )
-        messages = turn.body["messages"]
+        messages = body["messages"]
         new = new_chat_messages(loaded, messages)  # a suffix of the request's messages
         skipped = len(messages) - len(new)
         taken = await self.threads.first_taken_id(loaded, new)
         if taken is not None:
             raise duplicate_item(f"messages[{skipped + taken}].id", new[taken]["id"])
-        turn.history, turn.loaded, turn.keeper, self.turn = new, loaded, self, turn
+        return Load(loaded, new)
 
-    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+    async def keep(
+        self, kept: Kept, result: JsonDict, log: Sequence[JsonDict] | None = None
+    ) -> None:
         """Commits what the client saw; `log` (a ledger-continued turn's trajectory) is
         not kept on Chat threads (see proxy/server/ledger.py)."""
-        turn = self.turn
-        assert turn is not None and turn.loaded is not None
-        reply = turn.api.reply(result)
+        reply = kept.turn.api.reply(result)
         if reply is None:
             return
-        items = await self.turn_items(turn, reply)
+        items = await self.turn_items(kept, reply)
         try:
-            await self.commit(turn, items)
+            await self.commit(kept, items)
         except NotFound:
-            if turn.body.get("stream"):
+            if kept.turn.body.get("stream"):
                 raise  # the headers are sent: the stream ends with its store_error event
             raise ApiError(
                 409,
@@ -187,32 +229,60 @@ def previous_not_found(previous: str) -> ApiError:
 
 
 async def resolve_chain(request: web.Request, threads: ThreadService, body: JsonDict) -> Chain:
-    tenant = request[NAMESPACE]
+    """The thread a Responses request reads: its conversation's, the chain its previous
+    response ends, or a new chain's."""
     conversation = conversation_id(body)
     if conversation is not None:
-        loaded = await threads.load(tenant, conversation)
-        if loaded is None or loaded.kind != "conversation":
-            raise conversation_not_found(conversation)
-        return Chain(loaded, conversation=conversation)
-    previous = body.get("previous_response_id")
+        return await conversation_chain(request, threads, conversation)
+    return await response_chain(request, threads, body.get("previous_response_id"))
+
+
+async def conversation_chain(
+    request: web.Request, threads: ThreadService, conversation: str
+) -> Chain:
+    loaded = await threads.load(request[NAMESPACE], conversation)
+    if loaded is None or loaded.kind != "conversation":
+        raise conversation_not_found(conversation)
+    return Chain(loaded, conversation=conversation)
+
+
+async def response_chain(
+    request: web.Request, threads: ThreadService, previous: str | None
+) -> Chain:
+    tenant = request[NAMESPACE]
     if previous is None:
         return Chain(Loaded(tenant, new_id("thread"), "responses", None))
     return Chain(await _continued(threads, tenant, previous), previous_response_id=previous)
 
 
-async def _continued(threads: ThreadService, tenant: str, previous: str) -> Loaded:
-    """The chain a previous response ends: its own thread while it is the head, else a
-    branch of it (a fork written with the turn) that later responses never see."""
+async def previous_response(
+    threads: ThreadService, tenant: str, previous: str
+) -> tuple[StoredResponse, Loaded]:
+    """The one rule for `previous_response_id` (a turn's chain, responses/compact): a
+    completed response of the tenant whose thread is still there, with that thread's
+    window; anything else is OpenAI's 400 previous_response_not_found."""
     stored = await threads.store.get_response(tenant, previous)
     thread = None
     if stored is not None and stored.status == "completed" and stored.thread_id is not None:
         thread = await threads.load(tenant, stored.thread_id)
     if stored is None or thread is None or thread.thread is None:
         raise previous_not_found(previous)
+    return stored, thread
+
+
+def last_seq(stored: StoredResponse) -> int:
+    """The thread's last seq a response's chain holds (its output's last item)."""
+    return stored.output_last_seq if stored.output_last_seq is not None else -1
+
+
+async def _continued(threads: ThreadService, tenant: str, previous: str) -> Loaded:
+    """The chain a previous response ends: its own thread while it is the head, else a
+    branch of it (a fork written with the turn) that later responses never see."""
+    stored, thread = await previous_response(threads, tenant, previous)
+    assert thread.thread is not None
     if thread.kind == "responses" and thread.thread.head_response_id == previous:
         return thread
-    through = stored.output_last_seq if stored.output_last_seq is not None else -1
-    return await threads.branch(tenant, thread.thread_id, through)
+    return await threads.branch(tenant, thread.thread_id, last_seq(stored))
 
 
 class ResponseChain(StoredTurn):
@@ -226,22 +296,26 @@ class ResponseChain(StoredTurn):
         self.chain: Chain | None = None
         self.tenant = request[NAMESPACE]
         self.id = new_id("resp")
+        self.response_id = self.id
         self.persist = body.get("store") is not False
         self.kept = False
         self.refused = False  # the provider refused the request (4xx): nothing to keep
         self._begun: asyncio.Future[None] | None = None
 
-    async def load(self, turn: Turn) -> None:
-        self.chain = chain = await resolve_chain(self.request, self.threads, turn.body)
+    async def chain_of(self, body: JsonDict) -> Chain:
+        return await response_chain(self.request, self.threads, body.get("previous_response_id"))
+
+    async def load(self, api: ApiShape, body: JsonDict) -> Load:
+        self.chain = chain = await self.chain_of(body)
         self.request[LOG_FIELDS]["thread_id"] = chain.loaded.thread_id
-        given = turn.body.get("input")
+        given = body.get("input")
         raws = given if isinstance(given, list) else []
         taken = await self.threads.first_taken_id(chain.loaded, raws)
         if taken is not None:
             raise duplicate_item(f"input[{taken}].id", raws[taken]["id"])
-        turn.loaded, turn.keeper, turn.response_id, self.turn = chain.loaded, self, self.id, turn
+        return Load(chain.loaded, body.get(api.history))
 
-    def upstream_body(self, turn: Turn, body: JsonDict) -> JsonDict:
+    def provider_body(self, body: JsonDict) -> JsonDict:
         """The stateless request the provider gets (SPEC 3)."""
         sent = {k: v for k, v in body.items() if k not in ("conversation", "previous_response_id")}
         sent["store"] = False
@@ -253,9 +327,9 @@ class ResponseChain(StoredTurn):
             sent["include"] = include
         return sent
 
-    async def before_forward(self, turn: Turn) -> None:
+    async def begin(self) -> None:
         """Records the response `in_progress`, shielded: a client that goes away while the
-        row is written must not leave it behind unfinished (`finished` waits for it)."""
+        row is written must not leave it behind unfinished (`finish` waits for it)."""
         if not self.persist:
             return
         self._begun = asyncio.ensure_future(self._record_begin())
@@ -307,11 +381,11 @@ class ResponseChain(StoredTurn):
             "background": self.background,
         }
 
-    async def keep(self, result: JsonDict, log: Sequence[JsonDict] | None = None) -> None:
+    async def keep(
+        self, kept: Kept, result: JsonDict, log: Sequence[JsonDict] | None = None
+    ) -> None:
         """Commits the turn; `log` replaces the response's output as the thread's items
         when the ledger continued the turn (withheld calls and their synthetic outputs)."""
-        turn = self.turn
-        assert turn is not None and turn.loaded is not None
         if not self.persist:
             self.kept = True
             return
@@ -319,10 +393,10 @@ class ResponseChain(StoredTurn):
         if status != "completed":
             await self._finish(status, result)
             return
-        logged = log if log is not None else turn.api.reply(result) or ()
-        items = await self.turn_items(turn, logged, self.id)
+        logged = log if log is not None else kept.turn.api.reply(result) or ()
+        items = await self.turn_items(kept, logged, self.id)
         try:
-            await self.commit(turn, items, self.id, result)
+            await self.commit(kept, items, self.id, result)
         except NotFound:
             lost = await self._lost()
             if lost is None:
@@ -350,11 +424,10 @@ class ResponseChain(StoredTurn):
             return previous_not_found(self.chain.previous_response_id)
         return ApiError(404, f"Response with id '{self.id}' not found.")
 
-    def upstream_response(self, turn: Turn, upstream: UpstreamResponse) -> UpstreamResponse:
-        self.refused = upstream.status in BAD_INPUT
-        return upstream
+    def provider_answered(self, status: int) -> None:
+        self.refused = status in BAD_INPUT
 
-    async def finished(self, turn: Turn) -> None:
+    async def finish(self) -> None:
         """A response begun and never kept is marked incomplete; one the provider refused
         as bad input is removed (SPEC 1: a 4xx changes nothing in the store)."""
         if self._begun is None or self.kept:
@@ -380,3 +453,13 @@ class ResponseChain(StoredTurn):
         )
         await asyncio.shield(finished)
         self.kept = True
+
+
+class Conversation(ResponseChain):
+    """A Responses turn appended to its `conversation` (a thread of kind "conversation",
+    proxy/server/conversations.py)."""
+
+    async def chain_of(self, body: JsonDict) -> Chain:
+        conversation = conversation_id(body)
+        assert conversation is not None
+        return await conversation_chain(self.request, self.threads, conversation)

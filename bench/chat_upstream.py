@@ -19,10 +19,12 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,10 @@ from overhead import (
     encode,
     env,
     free_port,
+    handler_samples,
     history_items,
     post,
+    profile_report,
     session,
     start_proxy,
 )
@@ -87,11 +91,11 @@ def chat_body(stream: bool) -> dict[str, Any]:
     return chat_request(responses_body(stream), ids=lambda prefix: f"{prefix}_1")
 
 
-def proxy_in_front(stub: Server, api: str, tmp: Path) -> Server:
+def proxy_in_front(stub: Server, api: str, tmp: Path, prefix: Sequence[str] = ()) -> Server:
     home = tmp / api
     (home / "policies").mkdir(parents=True)
     (home / "policies" / "default.yaml").write_text(POLICY.format(api=api))
-    return start_proxy(f"proxy-{api}", stub, home, workers=None)
+    return start_proxy(f"proxy-{api}", stub, home, workers=None, prefix=prefix)
 
 
 async def run(requests: int) -> dict[str, Cell]:
@@ -202,11 +206,41 @@ def render(cells: dict[str, Cell], requests: int) -> str:
     return "\n".join(lines)
 
 
+def profile(requests: int) -> list[str]:
+    """The translated JSON turn sent `requests` times to a proxy under pyinstrument: the
+    heaviest frames of the proxy's own callbacks (bench/overhead.py's report)."""
+    from pyinstrument.session import Session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session_file = Path(tmp, "chat.pyisession")
+        prefix = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session_file)]
+        stub = start_stub("chat")
+        try:
+            proxy = proxy_in_front(stub, "chat", Path(tmp), prefix)
+            try:
+                target = {
+                    "translated json": post(
+                        f"{proxy.base}/v1/responses", encode(responses_body(False))
+                    )
+                }
+                asyncio.run(interleaved(target, requests))
+            finally:
+                proxy.stop(signal.SIGINT)
+        finally:
+            stub.stop()
+        samples = handler_samples(Session.load(str(session_file)).frame_records)
+        return profile_report(samples, requests + WARMUP)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile the translated JSON turn")
     args = parser.parse_args()
+    if args.profile:
+        print("\n".join(profile(args.requests)))
+        return
     cells = asyncio.run(run(args.requests))
     section = render(cells, args.requests)
     print(section)

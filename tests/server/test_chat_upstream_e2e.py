@@ -75,7 +75,11 @@ async def test_a_json_turn_is_sent_as_chat_and_answered_as_a_response(
         {"role": "system", "content": "Answer in English."},
         {"role": "user", "content": "Hi"},
     ]
-    assert sent["max_tokens"] == 50 and sent["temperature"] == 0.5
+    assert (
+        sent["max_completion_tokens"] == 50
+        and "max_tokens" not in sent
+        and sent["temperature"] == 0.5
+    )
     assert sent["reasoning_effort"] == "low" and "metadata" not in sent
     assert response.output_text == "Hello there."
     assert response.status == "completed" and response.id.startswith("resp_")
@@ -665,3 +669,169 @@ async def test_background_mode_runs_over_a_chat_only_provider(
     assert paths(provider) == ["/v1/chat/completions"] * 2
     texts = json.dumps(last_chat(provider)["messages"])
     assert "think hard" in texts and "the long answer" in texts
+
+
+# -- reasoning (vLLM's and DeepSeek's reasoning_content, Ollama's reasoning) ------------------
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+async def test_chat_reasoning_is_a_reasoning_item_and_is_not_sent_back(
+    make_proxy: MakeProxy, provider: FakeProvider, key: str
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.script += [
+        Reply(text="It is 4.", reasoning="Two and two make four.", reasoning_key=key),
+        Reply(text="Still 4."),
+    ]
+    first = await client.responses.create(model="gpt-4o", input="2+2?")
+    thought, answer = first.output
+    assert thought.type == "reasoning" and thought.id.startswith("rs_")
+    assert thought.content is not None
+    assert [(c.type, c.text) for c in thought.content] == [
+        ("reasoning_text", "Two and two make four.")
+    ]
+    assert answer.type == "message" and first.output_text == "It is 4."
+    follow = await client.responses.create(
+        model="gpt-4o", previous_response_id=first.id, input="Sure?"
+    )
+    assert follow.output_text == "Still 4."
+    messages = last_chat(provider)["messages"]
+    assert messages == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    stored = await client.responses.retrieve(first.id)  # the thread keeps it
+    assert [item.type for item in stored.output] == ["reasoning", "message"]
+
+
+async def test_streamed_chat_reasoning_is_the_documented_reasoning_events(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    provider.script.append(
+        Reply(text="It is 4.", reasoning="Two and two", reasoning_key="reasoning")
+    )
+    events = await sse_events(proxy, {"model": "gpt-4o", "input": "2+2?"})
+    shown = [(e["type"], e.get("output_index"), e.get("delta")) for e in events]
+    assert shown == [
+        ("response.created", None, None),
+        ("response.in_progress", None, None),
+        ("response.output_item.added", 0, None),
+        ("response.content_part.added", 0, None),
+        ("response.reasoning_text.delta", 0, "Two"),
+        ("response.reasoning_text.delta", 0, " and"),
+        ("response.reasoning_text.delta", 0, " two"),
+        ("response.reasoning_text.done", 0, None),
+        ("response.content_part.done", 0, None),
+        ("response.output_item.done", 0, None),
+        ("response.output_item.added", 1, None),
+        ("response.content_part.added", 1, None),
+        ("response.output_text.delta", 1, "It"),
+        ("response.output_text.delta", 1, " is"),
+        ("response.output_text.delta", 1, " 4."),
+        ("response.output_text.done", 1, None),
+        ("response.content_part.done", 1, None),
+        ("response.output_item.done", 1, None),
+        ("response.completed", None, None),
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        check_shape(event)
+    assert events[2]["item"] == {
+        "id": events[2]["item"]["id"],
+        "type": "reasoning",
+        "status": "in_progress",
+        "summary": [],
+        "content": [],
+    }
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    assert events[7]["text"] == "Two and two"
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Two and two"}]
+
+
+async def test_the_sdk_reads_streamed_reasoning_and_the_chain_drops_it(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.script += [Reply(text="Four.", reasoning="Adding up."), Reply(text="Yes.")]
+    async with client.responses.stream(model="gpt-4o", input="2+2?") as stream:
+        thoughts = [e.delta async for e in stream if e.type == "response.reasoning_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(thoughts) == "Adding up."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    await client.responses.create(model="gpt-4o", previous_response_id=final.id, input="Sure?")
+    sent = last_chat(provider)["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert all(set(m) <= {"role", "content"} for m in sent)
+
+
+# -- the output cap's field -------------------------------------------------------------------
+
+
+def caps(provider: FakeProvider) -> list[tuple[str, int]]:
+    """The output-cap field and value of each Chat request the provider got."""
+    out = []
+    for request in provider.model_requests:
+        for key in ("max_completion_tokens", "max_tokens"):
+            if key in request.json:
+                out.append((key, request.json[key]))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_refused_cap_field_is_retried_with_the_other_and_remembered(
+    make_proxy: MakeProxy, provider: FakeProvider, stream: bool
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.refused_params = {"max_completion_tokens": "vllm"}  # vLLM before 0.6
+    provider.script += [Reply(text="One."), Reply(text="Two.")]
+    if stream:
+        async with client.responses.stream(
+            model="gpt-4o", input="hi", max_output_tokens=40
+        ) as events:
+            first = await events.get_final_response()
+    else:
+        first = await client.responses.create(model="gpt-4o", input="hi", max_output_tokens=40)
+    assert first.output_text == "One." and first.status == "completed"
+    assert caps(provider) == [("max_completion_tokens", 40), ("max_tokens", 40)]
+    second = await client.responses.create(
+        model="gpt-4o", previous_response_id=first.id, input="more", max_output_tokens=30
+    )
+    assert second.output_text == "Two."
+    assert caps(provider)[2:] == [("max_tokens", 30)]  # remembered: no refused call
+
+
+async def test_an_ignored_cap_field_moves_later_turns_to_max_tokens_and_back_on_openais_400(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    long_text = "word " * 40  # the fake honours no cap: Ollama with max_completion_tokens
+    provider.script += [Reply(text=long_text), Reply(text="ok"), Reply(text="ok again")]
+    first = await client.responses.create(model="gpt-4o", input="talk", max_output_tokens=5)
+    assert first.usage is not None and first.usage.output_tokens > 5
+    await client.responses.create(model="gpt-4o", input="short", max_output_tokens=5)
+    assert caps(provider) == [("max_completion_tokens", 5), ("max_tokens", 5)]
+    provider.refused_params = {"max_tokens": "openai"}  # an OpenAI reasoning model
+    third = await client.responses.create(model="gpt-4o", input="again", max_output_tokens=5)
+    assert third.output_text == "ok again"
+    assert caps(provider)[2:] == [("max_tokens", 5), ("max_completion_tokens", 5)]
+
+
+async def test_another_400_naming_the_cap_is_relayed_not_retried(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    message = "'max_completion_tokens' must be at most 4096."
+    provider.script.append(Reply(status=400, text=message))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client().responses.create(model="gpt-4o", input="hi", max_output_tokens=9000)
+    body: Any = caught.value.body
+    assert body["message"] == message
+    assert caps(provider) == [("max_completion_tokens", 9000)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import cache
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from agents import OpenAIConversationsSession, Runner
 
 from proxy.fake_provider import FakeProvider, Reply
+from proxy.server.state import POLICIES
 from proxy.sse import DONE, encode_event, encode_json_event
 
 from .conftest import TENANT_KEY, Proxy
@@ -835,3 +837,40 @@ async def test_another_400_naming_the_cap_is_relayed_not_retried(
     body: Any = caught.value.body
     assert body["message"] == message
     assert caps(provider) == [("max_completion_tokens", 9000)]
+
+
+# -- docs/integrations.md's Chat-only policies ------------------------------------------------
+
+INTEGRATIONS = Path(__file__).parent.parent.parent / "docs" / "integrations.md"
+
+
+def chat_only_policies() -> list[str]:
+    """The whole-file policies of the section 'Responses and Conversations over a
+    Chat-only provider'."""
+    text = INTEGRATIONS.read_text()
+    section = text.split("### Responses and Conversations over a Chat-only provider", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    found = re.findall(r"^```yaml\n(.*?)^```", section, re.M | re.S)
+    return [policy for policy in found if policy.startswith("# ") and "tenant: default" in policy]
+
+
+@pytest.mark.parametrize("policy", chat_only_policies(), ids=lambda p: p.split(":")[0][2:])
+async def test_each_documented_server_policy_runs_the_agents_snippet_as_it_is(
+    proxy: Proxy, provider: FakeProvider, tmp_path: Path, policy: str
+) -> None:
+    served = re.sub(r'base_url: "[^"]+"', f'base_url: "{provider.base_url}"', policy)
+    (proxy.policies_dir / "default.yaml").write_text(served)
+    assert proxy.app[POLICIES].reload() == []  # type: ignore[index]
+    (snippet,) = [s for s in SNIPPETS if "from agents import" in s.code]
+    # Any key: the documented policy takes unknown keys (and forwards them).
+    ran = await run(snippet.code.replace('"<proxy key>"', '"sk-anything"'), proxy, tmp_path)
+    assert ran.code == 0, ran.output
+    chat = [r for r in provider.model_requests if r.path == "/v1/chat/completions"]
+    assert len(chat) == 2 and chat[0].headers["Authorization"] == "Bearer sk-anything"
+    assert chat[-1].json["model"] == "gpt-4o"
+    assert [m["content"] for m in chat[-1].json["messages"]][-1] == "Refund it."
+
+
+def test_the_documented_policies_are_the_four_servers() -> None:
+    names = [policy.split(":")[0][2:] for policy in chat_only_policies()]
+    assert names == ["Ollama", "llama.cpp", "TGI", "vLLM"]

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core import fastjson
 from proxy.core.answers import BadAnswer, check_chat_chunk, check_response_event
 from proxy.core.events import (
     COMPLETED,
@@ -216,8 +217,8 @@ def event_payload(event: SSEEvent) -> JsonDict | None:
     if not event.data or event.data == DONE:
         return None
     try:
-        payload = json.loads(event.data)
-    except ValueError:
+        payload = fastjson.loads(event.data)
+    except (ValueError, RecursionError):
         raise BadAnswer("a stream event's data is not JSON") from None
     if not isinstance(payload, dict):
         raise BadAnswer("a stream event's data is not a JSON object")
@@ -232,7 +233,7 @@ def encode_event(data: str, event: str | None = None) -> bytes:
 
 
 def encode_json_event(payload: Any, event: str | None = None) -> bytes:
-    return encode_event(json.dumps(payload, ensure_ascii=False, separators=(",", ":")), event)
+    return encode_event(fastjson.dumps(payload).decode(), event)
 
 
 # --- Chat Completions ---------------------------------------------------------------------

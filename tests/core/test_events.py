@@ -12,6 +12,8 @@ from proxy.core import events
 from proxy.core.answers import check_response_event
 from proxy.sse import ResponsesStreamAccumulator
 
+# OpenAI's OpenAPI document, cut to what the proxy serves (tests/reliability/make_spec.py;
+# CI has no copy of the whole one): the Responses stream events are in it.
 SPEC = Path(__file__).parent.parent / "reliability" / "openai-subset.json"
 MESSAGE = events.message_item(
     "msg_1", [events.text_part("Hi there"), events.content_part("refusal", "No.")]
@@ -30,6 +32,7 @@ RESPONSE = {
 
 @cache
 def schemas() -> dict[str, dict[str, Any]]:
+    """Each stream event's schema, by its `type`."""
     spec = json.loads(SPEC.read_text())
     out: dict[str, dict[str, Any]] = {}
     for schema in spec["components"]["schemas"].values():
@@ -37,6 +40,13 @@ def schemas() -> dict[str, dict[str, Any]]:
         if kind and "sequence_number" in schema.get("properties", {}):
             out.setdefault(kind[0], schema)
     return out
+
+
+def check_shape(event: dict[str, Any]) -> None:
+    """The event has every field its schema requires, and no other."""
+    schema = schemas()[event["type"]]
+    assert set(schema.get("required", ())) <= set(event), event
+    assert set(event) <= set(schema["properties"]), event
 
 
 def streamed(response: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,9 +64,7 @@ def test_every_built_event_has_its_documented_fields_and_passes_the_checks() -> 
     sequence = streamed({**RESPONSE, "output": [*RESPONSE["output"], COMPACTION]})
     assert [e["sequence_number"] for e in sequence] == list(range(len(sequence)))
     for event in sequence:
-        schema = schemas()[event["type"]]
-        assert set(schema.get("required", ())) <= set(event), event
-        assert set(event) <= set(schema["properties"]), event
+        check_shape(event)
         check_response_event(event["type"], event)
 
 

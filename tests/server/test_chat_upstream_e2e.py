@@ -8,7 +8,6 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,13 @@ from agents import OpenAIConversationsSession, Runner
 from proxy.fake_provider import FakeProvider, Reply
 from proxy.server.state import POLICIES
 from proxy.sse import DONE, encode_event, encode_json_event
+from tests.core.test_events import check_shape
 
 from .conftest import TENANT_KEY, Proxy
 from .test_agents_sdk_e2e import LOOKUPS, agent_for
 from .test_docs_snippets_e2e import SNIPPETS, run
 
 CHAT = ", api: chat"
-# OpenAI's OpenAPI document, cut to what the proxy serves (tests/reliability/make_spec.py;
-# CI has no copy of the whole one): the Responses stream events are in it.
-SPEC = Path(__file__).parent.parent / "reliability" / "openai-subset.json"
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
 MakeProxy = Callable[..., Awaitable[Proxy]]
 
@@ -295,28 +292,6 @@ async def test_chains_and_conversations_send_the_whole_thread_as_chat(
 
 
 # -- streams --------------------------------------------------------------------------------
-
-
-@cache
-def event_schemas() -> dict[str, dict[str, Any]]:
-    """Each Responses stream event's schema (its `type` enum -> properties, required)."""
-    spec = json.loads(SPEC.read_text())
-    out: dict[str, dict[str, Any]] = {}
-    for schema in spec["components"]["schemas"].values():
-        kind = (schema.get("properties") or {}).get("type", {}).get("enum")
-        if (
-            kind
-            and str(kind[0]).startswith("response.")
-            and "sequence_number" in schema.get("properties", {})
-        ):
-            out.setdefault(kind[0], schema)
-    return out
-
-
-def check_shape(event: dict[str, Any]) -> None:
-    schema = event_schemas()[event["type"]]
-    assert set(schema.get("required", ())) <= set(event), event
-    assert set(event) <= set(schema["properties"]), event
 
 
 async def sse_events(proxy: Proxy, body: dict[str, Any]) -> list[dict[str, Any]]:

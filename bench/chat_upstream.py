@@ -195,7 +195,8 @@ def render(cells: dict[str, Cell], requests: int) -> str:
     lines += [
         "",
         "Translated against the same turn sent by a Chat Completions client through the same"
-        " proxy to the same Chat stub (the translation's own cost, nothing else differs): "
+        " proxy to the same Chat stub (the translation's own cost; the client cell is in the"
+        " references' round): "
         + "; ".join(
             f"{kind} {cells[f'translated {kind}'].p50:.2f} vs"
             f" {cells[f'chat client {kind}'].p50:.2f} ms,"

@@ -7,10 +7,14 @@ the provider's exchange is translated, here, with no I/O:
   thread's window) becomes a `chat.completions` request. What Chat cannot carry (built-in
   or custom tools, a stored `prompt`, items of hosted tools) is a 400 naming the param,
   raised before anything is forwarded; the proxy's own params are dropped.
-- `chat_answer`: a `chat.completion` becomes a Response.
-- `ChatStream`: `chat.completion.chunk`s become the Responses event sequence, numbered by
-  `sequence_number`; nothing is emitted for a stream that never finished, so the relay's
-  cut-off check (proxy/server/relay.py, end_of_stream) ends it as it ends a native one.
+- `chat_answer`: a `chat.completion` becomes a Response (the server's
+  `reasoning_content` / `reasoning` a reasoning item).
+- `ChatStream`: `chat.completion.chunk`s become the Responses event sequence (built by
+  proxy/core/events.py), numbered by `sequence_number`; nothing is emitted for a stream
+  that never finished, so the relay's cut-off check (proxy/server/relay.py,
+  end_of_stream) ends it as it ends a native one.
+- `refuses_field`, `cap_ignored`: what a provider's answer says of the output-cap field
+  it was sent (proxy/server/chat_upstream.py switches fields on it).
 
 Field names follow /work/shared/openapi (CreateResponse, CreateChatCompletionRequest,
 Response, CreateChatCompletionResponse, the Response*Event schemas).

@@ -18,7 +18,7 @@ says it does not take that field (or `max_tokens`), the turn is sent once more w
 other one before any byte reaches the client, and an answer longer than the cap it was
 sent (Ollama drops `max_completion_tokens` without an error) moves later turns to
 `max_tokens`. Either is remembered per tenant and upstream URL, in this process's memory
-(a restart learns it again, at the cost of one refused call).
+(a restart learns it again, at the cost of one refused call or one uncapped answer).
 
 The request's log line (so its explain record) says `upstream_api: chat` when translated,
 and `chat_cap_field` when the cap field was switched.

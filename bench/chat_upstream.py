@@ -7,10 +7,11 @@ Two provider stubs (`FakeProvider`, one with `chat_only=True`), two proxies
 (`python -m proxy serve`, the second with `upstream.api: chat`) and this client, each its
 own process, as in bench/overhead.py. The turn: a stateless `POST /v1/responses` with a
 40-item agent history (questions, function calls and their outputs, answers), JSON and
-streamed (the whole stream read). Each cell is also sent straight to its stub, so the
-proxy's own share is the difference; the cells take turns request by request, so load
-drift hits them alike. --write replaces the "## Chat-only upstreams" section of
-bench/RESULTS.md.
+streamed (the whole stream read). The native and translated cells take turns request by
+request, so load drift hits them alike; then, in a second round of the same kind, each
+turn is sent straight to its stub and as a Chat client's request through the proxy (the
+references). --profile: the translated JSON turn under pyinstrument instead. --write
+replaces the "## Chat-only upstreams" section of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import argparse
 import asyncio
 import json
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,10 @@ from overhead import (
     encode,
     env,
     free_port,
+    handler_samples,
     history_items,
     post,
+    profile_report,
     session,
     start_proxy,
 )
@@ -87,11 +92,11 @@ def chat_body(stream: bool) -> dict[str, Any]:
     return chat_request(responses_body(stream), ids=lambda prefix: f"{prefix}_1")
 
 
-def proxy_in_front(stub: Server, api: str, tmp: Path) -> Server:
+def proxy_in_front(stub: Server, api: str, tmp: Path, prefix: Sequence[str] = ()) -> Server:
     home = tmp / api
     (home / "policies").mkdir(parents=True)
     (home / "policies" / "default.yaml").write_text(POLICY.format(api=api))
-    return start_proxy(f"proxy-{api}", stub, home, workers=None)
+    return start_proxy(f"proxy-{api}", stub, home, workers=None, prefix=prefix)
 
 
 async def run(requests: int) -> dict[str, Cell]:
@@ -103,21 +108,27 @@ async def run(requests: int) -> dict[str, Cell]:
             servers.append(native)
             chat = proxy_in_front(chat_stub, "chat", Path(tmp))
             servers.append(chat)
-            targets = {}
+            compared: dict[str, Request] = {}
+            references: dict[str, Request] = {}
             for stream in (False, True):
                 kind = "stream" if stream else "json"
                 body = encode(responses_body(stream))
                 direct_chat = encode(chat_body(stream))
-                targets |= {
+                compared |= {
+                    f"native {kind}": post(f"{native.base}/v1/responses", body),
+                    f"translated {kind}": post(f"{chat.base}/v1/responses", body),
+                }
+                references |= {
                     f"direct responses {kind}": post(f"{native_stub.base}/v1/responses", body),
                     f"direct chat {kind}": post(
                         f"{chat_stub.base}/v1/chat/completions", direct_chat
                     ),
-                    f"native {kind}": post(f"{native.base}/v1/responses", body),
-                    f"translated {kind}": post(f"{chat.base}/v1/responses", body),
                     f"chat client {kind}": post(f"{chat.base}/v1/chat/completions", direct_chat),
                 }
-            cells = await interleaved(targets, requests)
+            # The compared cells alone, then the references: a reference cell between two
+            # compared ones changed which process had just run and moved the ratio.
+            cells = await interleaved(compared, requests)
+            cells |= await interleaved(references, requests)
             for api, name in (("responses", "native"), ("chat", "translated")):
                 own = proxy_own_ms(Path(tmp) / api / f"proxy-{api}.log")
                 cells[f"{name} json own"] = Cell(own[WARMUP:])
@@ -159,8 +170,10 @@ def render(cells: dict[str, Cell], requests: int) -> str:
         "",
         f"`python bench/chat_upstream.py --requests {requests} --write`"
         f" (Python {sys.version.split()[0]}): a stateless Responses turn with a {ITEMS}-item"
-        " agent history (function calls and outputs included), 1 client, the cells"
-        ' interleaved request by request, p50 of each. "native": threadkeeper in front of a Responses stub;'
+        " agent history (function calls and outputs included), 1 client, p50 of each; the"
+        " native and translated cells interleaved request by request, then the references"
+        ' (each stub direct, the Chat client) likewise. "native": threadkeeper in front of'
+        " a Responses stub;"
         ' "translated": in front of a Chat-only stub (`upstream.api: chat`). "added" is'
         " the proxy's p50 minus its stub's direct p50 (the stubs build different bodies).",
         "",
@@ -182,7 +195,8 @@ def render(cells: dict[str, Cell], requests: int) -> str:
     lines += [
         "",
         "Translated against the same turn sent by a Chat Completions client through the same"
-        " proxy to the same Chat stub (the translation's own cost, nothing else differs): "
+        " proxy to the same Chat stub (the translation's own cost; the client cell is in the"
+        " references' round): "
         + "; ".join(
             f"{kind} {cells[f'translated {kind}'].p50:.2f} vs"
             f" {cells[f'chat client {kind}'].p50:.2f} ms,"
@@ -202,11 +216,41 @@ def render(cells: dict[str, Cell], requests: int) -> str:
     return "\n".join(lines)
 
 
+def profile(requests: int) -> list[str]:
+    """The translated JSON turn sent `requests` times to a proxy under pyinstrument: the
+    heaviest frames of the proxy's own callbacks (bench/overhead.py's report)."""
+    from pyinstrument.session import Session
+
+    with tempfile.TemporaryDirectory() as tmp:
+        session_file = Path(tmp, "chat.pyisession")
+        prefix = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session_file)]
+        stub = start_stub("chat")
+        try:
+            proxy = proxy_in_front(stub, "chat", Path(tmp), prefix)
+            try:
+                target = {
+                    "translated json": post(
+                        f"{proxy.base}/v1/responses", encode(responses_body(False))
+                    )
+                }
+                asyncio.run(interleaved(target, requests))
+            finally:
+                proxy.stop(signal.SIGINT)
+        finally:
+            stub.stop()
+        samples = handler_samples(Session.load(str(session_file)).frame_records)
+        return profile_report(samples, requests + WARMUP)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--write", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile the translated JSON turn")
     args = parser.parse_args()
+    if args.profile:
+        print("\n".join(profile(args.requests)))
+        return
     cells = asyncio.run(run(args.requests))
     section = render(cells, args.requests)
     print(section)

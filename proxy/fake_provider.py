@@ -72,6 +72,10 @@ class Reply:
     body: JsonDict | None = None
     text: str | None = None
     tool_calls: list[tuple[str, str]] | None = None  # (name, arguments JSON)
+    # Chat answers: the model's reasoning before its answer, under `reasoning_key`
+    # (vLLM's and DeepSeek's `reasoning_content`, Ollama's `reasoning`).
+    reasoning: str | None = None
+    reasoning_key: str = "reasoning_content"
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # before the response headers
     stream_chunk_delay: float = 0.0  # between stream events
@@ -139,6 +143,10 @@ class FakeProvider:
         # Ollama, llama.cpp, TGI...: /v1/responses is a 404, and Chat requests are held
         # to Chat's own rules (chat_rules_error).
         self.chat_only = chat_only
+        # Chat request fields this provider refuses with a 400, and in whose words:
+        # "openai" (`Unsupported parameter: 'max_tokens' ...`), "vllm" (pydantic's
+        # extra_forbidden in vLLM's flat error body).
+        self.refused_params: dict[str, Literal["openai", "vllm"]] = {}
         self.requests: list[RecordedRequest] = []
         self.script: list[Reply] = []
         # Replies for requests of one model, taken before `script` (a summarizer model's
@@ -239,6 +247,9 @@ class FakeProvider:
             return error_response(400, "We could not parse the JSON body of your request.")
         if self.chat_only and (broken := chat_rules_error(body)) is not None:
             return error_response(400, broken[0], param=broken[1])
+        for param, words in self.refused_params.items():
+            if param in body:
+                return web.json_response(refused_param_body(param, body[param], words), status=400)
         unpaired = unpaired_call_error(request.path, body)
         if unpaired is not None:  # refused before any reply is generated, as OpenAI does
             return error_response(
@@ -555,6 +566,35 @@ def chat_rules_error(body: JsonDict) -> tuple[str, str] | None:
     return None
 
 
+def refused_param_body(param: str, value: Any, words: Literal["openai", "vllm"]) -> JsonDict:
+    """A provider's 400 for a request field it does not take, as OpenAI words it (for
+    `max_tokens` on its reasoning models) or as vLLM's request model does."""
+    if words == "openai":
+        other = "max_completion_tokens" if param == "max_tokens" else "max_tokens"
+        message = (
+            f"Unsupported parameter: '{param}' is not supported with this model. "
+            f"Use '{other}' instead."
+        )
+        error = {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "unsupported_parameter",
+        }
+        return {"error": error}
+    detail = (
+        f"[{{'type': 'extra_forbidden', 'loc': ('body', '{param}'), "
+        f"'msg': 'Extra inputs are not permitted', 'input': {value!r}}}]"
+    )
+    return {
+        "object": "error",
+        "message": detail,
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+
+
 _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
     400: ("invalid_request_error", None),
     401: ("invalid_request_error", "invalid_api_key"),
@@ -667,6 +707,8 @@ def chat_completion(body: JsonDict, reply: Reply) -> JsonDict:
     text = reply_text(reply, last_chat_user_text(body.get("messages")))
     calls = reply.tool_calls or []
     message: JsonDict = {"role": "assistant", "content": text, "refusal": None}
+    if reply.reasoning is not None:
+        message[reply.reasoning_key] = reply.reasoning
     if calls:
         message["tool_calls"] = [
             {
@@ -677,7 +719,7 @@ def chat_completion(body: JsonDict, reply: Reply) -> JsonDict:
             for name, args in calls
         ]
     prompt = chat_prompt_tokens(body)
-    completion = reply_tokens(model, text, calls)
+    completion = reply_tokens(model, text, calls) + reply_tokens(model, reply.reasoning, [])
     return {
         "id": new_id("chatcmpl-"),
         "object": "chat.completion",
@@ -740,6 +782,9 @@ def chat_stream_chunks(body: JsonDict, completion: JsonDict) -> list[JsonDict]:
 
     first_content = "" if message["content"] is not None else None
     chunks = [chunk({"role": "assistant", "content": first_content, "refusal": None})]
+    for key in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(key), str):
+            chunks.extend(chunk({key: piece}) for piece in text_pieces(message[key]))
     if message["content"]:
         chunks.extend(chunk({"content": piece}) for piece in text_pieces(message["content"]))
     for index, call in enumerate(message.get("tool_calls") or ()):

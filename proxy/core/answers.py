@@ -18,36 +18,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.core.events import (
+    COMPLETED,
+    CONTENT_EVENTS,
+    DELTA_TEXT,
+    DONE_TEXT,
+    ITEM_EVENTS,
+    PART_EVENTS,
+    SNAPSHOT_EVENTS,
+    TERMINAL_EVENTS,
+)
 from proxy.core.items import Api, JsonDict
 
 CALL_ITEM_TYPES = frozenset({"function_call", "custom_tool_call"})
-SNAPSHOT_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-# Text fields a Responses `.done` event must carry, by event type (the accumulator reads them).
-DONE_TEXT = {
-    "response.output_text.done": "text",
-    "response.refusal.done": "refusal",
-    "response.function_call_arguments.done": "arguments",
-    "response.custom_tool_call_input.done": "input",
-}
-# Delta events whose `delta` text the accumulator appends.
-DELTA_TEXT = frozenset(
-    {
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.function_call_arguments.delta",
-        "response.custom_tool_call_input.delta",
-    }
-)
-PART_EVENTS = frozenset({"response.content_part.added", "response.content_part.done"})
-# Events addressing one content part of an output item.
-CONTENT_EVENTS = PART_EVENTS | {
-    "response.output_text.delta",
-    "response.output_text.done",
-    "response.refusal.delta",
-    "response.refusal.done",
-}
-ITEM_EVENTS = frozenset({"response.output_item.added", "response.output_item.done"})
 
 
 class BadAnswer(ValueError):
@@ -167,7 +150,7 @@ def check_response_event(kind: str, data: Any) -> JsonDict:
     """One event of a Responses stream (`kind` is its event name or `type`)."""
     data = _object(data, f"the '{kind}' event")
     if kind in TERMINAL_EVENTS:
-        required = kind == "response.completed"
+        required = kind == COMPLETED
         check_response(data.get("response"), "response", output_required=required)
     elif kind in SNAPSHOT_EVENTS:
         snapshot = _object(data.get("response"), "'response'")

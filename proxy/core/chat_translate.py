@@ -7,10 +7,14 @@ the provider's exchange is translated, here, with no I/O:
   thread's window) becomes a `chat.completions` request. What Chat cannot carry (built-in
   or custom tools, a stored `prompt`, items of hosted tools) is a 400 naming the param,
   raised before anything is forwarded; the proxy's own params are dropped.
-- `chat_answer`: a `chat.completion` becomes a Response.
-- `ChatStream`: `chat.completion.chunk`s become the Responses event sequence, numbered by
-  `sequence_number`; nothing is emitted for a stream that never finished, so the relay's
-  cut-off check (proxy/server/relay.py, end_of_stream) ends it as it ends a native one.
+- `chat_answer`: a `chat.completion` becomes a Response (the server's
+  `reasoning_content` / `reasoning` a reasoning item).
+- `ChatStream`: `chat.completion.chunk`s become the Responses event sequence (built by
+  proxy/core/events.py), numbered by `sequence_number`; nothing is emitted for a stream
+  that never finished, so the relay's cut-off check (proxy/server/relay.py,
+  end_of_stream) ends it as it ends a native one.
+- `refuses_field`, `cap_ignored`: what a provider's answer says of the output-cap field
+  it was sent (proxy/server/chat_upstream.py switches fields on it).
 
 Field names follow /work/shared/openapi (CreateResponse, CreateChatCompletionRequest,
 Response, CreateChatCompletionResponse, the Response*Event schemas).
@@ -22,11 +26,33 @@ Response, CreateChatCompletionResponse, the Response*Event schemas).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.core.answers import BadAnswer
+from proxy.core.events import (
+    CREATED,
+    IN_PROGRESS,
+    Event,
+    Numbering,
+    arguments_delta,
+    arguments_done,
+    call_item,
+    content_part,
+    error_event,
+    item_added,
+    item_done,
+    message_item,
+    part_added,
+    part_delta,
+    part_done,
+    part_text_done,
+    reasoning_item,
+    snapshot,
+    terminal_name,
+    text_part,
+)
 from proxy.core.items import JsonDict
 from proxy.core.validate import ApiError, invalid
 
@@ -58,7 +84,11 @@ SAME_NAME = ("model", "temperature", "top_p", "user", "safety_identifier", "serv
 # their items: proxy/server/compaction.py, responses.py), seen when a request is checked.
 NOT_SENT = frozenset({"reasoning", "compaction", "compaction_trigger", "item_reference"})
 PART_TYPES = {"input_text": "text", "output_text": "text", "text": "text"}
+# A message's role in Chat (developer text is a system message: every Chat server has it).
+SENT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# Where a Chat server puts the model's reasoning, in the order they are read.
+REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
 def untranslatable(what: str, param: str) -> ApiError:
@@ -73,10 +103,13 @@ def untranslatable(what: str, param: str) -> ApiError:
 # -- request -------------------------------------------------------------------------------
 
 
-def chat_request(body: JsonDict, *, ids: NewId, max_tokens_field: str = "max_tokens") -> JsonDict:
+def chat_request(
+    body: JsonDict, *, ids: NewId, max_tokens_field: str = "max_completion_tokens"
+) -> JsonDict:
     """The Chat Completions request for a (projected) Responses request. `ids` makes the
     call id of a function_call that has none; `max_tokens_field` is what the provider
-    takes for the output cap (`max_completion_tokens` at OpenAI, `max_tokens` elsewhere)."""
+    takes for the output cap (`max_completion_tokens`, the spec's; `max_tokens` where the
+    provider refused that: proxy/server/chat_upstream.py)."""
     if body.get("prompt") is not None:
         raise untranslatable("A stored prompt ('prompt')", "prompt")
     sent: JsonDict = {key: body[key] for key in SAME_NAME if body.get(key) is not None}
@@ -111,54 +144,55 @@ def chat_messages(value: Any, instructions: Any, ids: NewId) -> list[JsonDict]:
         messages.append({"role": "system", "content": instructions})
     if isinstance(value, str):
         return [*messages, {"role": "user", "content": value}]
-    previous = None
+    joins = False  # whether a function_call joins the assistant message before it
     for index, item in enumerate(value or ()):
         kind = item.get("type", "message")
-        where = f"input[{index}]"
-        if kind == "function_call" and _assistant_last(messages, previous):
-            messages[-1].setdefault("tool_calls", []).append(_tool_call(item, ids))
+        if kind == "message":
+            message = _message(item, index)
+            joins = message["role"] == "assistant"
+            messages.append(message)
         elif kind == "function_call":
             call = _tool_call(item, ids)
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if joins:
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            joins = True
         elif kind == "function_call_output":
-            output = _output(item, where)
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = _output(output, f"input[{index}]")
             messages.append(
                 {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
             )
-        elif kind == "message":
-            messages.append(_message(item, where))
+            joins = False
         elif kind not in NOT_SENT:
-            raise untranslatable(f"An input item of type '{kind}'", where)
-        previous = kind
+            raise untranslatable(f"An input item of type '{kind}'", f"input[{index}]")
     return messages
 
 
-def _assistant_last(messages: list[JsonDict], previous: str | None) -> bool:
-    """Whether a call joins the message before it: a run of calls, or the text the model
-    said before calling, is one Chat assistant message."""
-    return previous in ("function_call", "message") and messages[-1]["role"] == "assistant"
-
-
 def _tool_call(item: JsonDict, ids: NewId) -> JsonDict:
-    arguments = item.get("arguments", "")
     return {
         "id": item.get("call_id") or ids("call"),
         "type": "function",
-        "function": {"name": item.get("name", ""), "arguments": arguments},
+        "function": {"name": item.get("name", ""), "arguments": item.get("arguments", "")},
     }
 
 
-def _message(item: JsonDict, where: str) -> JsonDict:
+def _message(item: JsonDict, index: int) -> JsonDict:
+    """A message item as Chat's: system and developer text as one `system` string, the
+    assistant's as one string, the user's as a string or Chat's content parts (the
+    form every Chat server takes)."""
     role = item.get("role")
     content = item.get("content")
-    if role in ("system", "developer"):
-        return {"role": "system", "content": _plain_text(content, where)}
-    if role == "assistant":
-        return {"role": "assistant", "content": _plain_text(content, where)}
-    if role != "user":
-        raise untranslatable(f"A message of role '{role}'", f"{where}.role")
+    sent_role = SENT_ROLES.get(role) if isinstance(role, str) else None
+    if sent_role is None:
+        raise untranslatable(f"A message of role '{role}'", f"input[{index}].role")
     if isinstance(content, str):
-        return {"role": "user", "content": content}
+        return {"role": sent_role, "content": content}
+    where = f"input[{index}]"
+    if sent_role != "user":
+        return {"role": sent_role, "content": _plain_text(content, where)}
     parts = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content or ())]
     if all(part["type"] == "text" for part in parts):
         return {"role": "user", "content": "".join(part["text"] for part in parts)}
@@ -166,9 +200,6 @@ def _message(item: JsonDict, where: str) -> JsonDict:
 
 
 def _plain_text(content: Any, where: str) -> str:
-    """System and assistant messages as one string, the form every Chat server takes."""
-    if isinstance(content, str):
-        return content
     texts: list[str] = []
     for index, part in enumerate(content or ()):
         kind = part.get("type")
@@ -201,10 +232,7 @@ def _part(part: JsonDict, where: str) -> JsonDict:
     raise untranslatable(f"A content part of type '{kind}'", where)
 
 
-def _output(item: JsonDict, where: str) -> str | list[JsonDict]:
-    output = item.get("output")
-    if isinstance(output, str):
-        return output
+def _output(output: Any, where: str) -> str | list[JsonDict]:
     parts = [_part(part, f"{where}.output[{i}]") for i, part in enumerate(output or ())]
     if all(part["type"] == "text" for part in parts):
         return "".join(part["text"] for part in parts)
@@ -263,6 +291,74 @@ def _text_options(text: Any) -> JsonDict:
     elif kind not in (None, "text"):
         raise untranslatable(f"A text.format of type '{kind}'", "text.format")
     return options
+
+
+# -- the output cap ---------------------------------------------------------------------------
+
+# The Chat fields for the output cap: the spec's (`max_tokens` is deprecated there), and
+# the one older servers take; each is the other's fallback.
+CAP_FIELDS = ("max_completion_tokens", "max_tokens")
+OTHER_CAP = {"max_completion_tokens": "max_tokens", "max_tokens": "max_completion_tokens"}
+# What a provider's 400 says of a request field it does not take: OpenAI's "Unsupported
+# parameter: 'max_tokens' is not supported with this model", vLLM's (pydantic's)
+# "extra_forbidden ... Extra inputs are not permitted", "unrecognized" / "unknown" fields.
+REFUSALS = (
+    "unsupported",
+    "not supported",
+    "unrecognized",
+    "unknown",
+    "extra_forbidden",
+    "extra inputs",
+    "not permitted",
+    "not allowed",
+)
+REFUSAL_BYTES = 4096  # of an error body read for the words above
+
+
+def cap_field(chat: JsonDict) -> str | None:
+    """The output-cap field a Chat request carries, if any."""
+    return next((key for key in CAP_FIELDS if key in chat), None)
+
+
+def with_cap_field(chat: JsonDict, field_name: str) -> JsonDict:
+    """The same request with its output cap under `field_name`."""
+    old = cap_field(chat)
+    if old is None or old == field_name:
+        return chat
+    swapped = {key: value for key, value in chat.items() if key != old}
+    swapped[field_name] = chat[old]
+    return swapped
+
+
+def refuses_field(status: int, body: bytes, field_name: str) -> bool:
+    """Whether a provider's error answer says it does not take the request field
+    `field_name` (not that its value is wrong): the error's `param` is that field, or its
+    text quotes the field and says it is unsupported, unknown or not permitted."""
+    if status not in (400, 422):
+        return False
+    text = body[:REFUSAL_BYTES].decode("utf-8", "replace")
+    try:
+        parsed = json.loads(text) if len(body) <= REFUSAL_BYTES else None
+    except ValueError:
+        parsed = None
+    error = parsed.get("error", parsed) if isinstance(parsed, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    if isinstance(param, str) and param and param != field_name:
+        return False
+    lower = text.lower()
+    named = param == field_name or any(
+        f"{quote}{field_name}{quote}" in text for quote in ("'", '"', "`")
+    )
+    return named and any(word in lower for word in REFUSALS)
+
+
+def cap_ignored(chat: JsonDict, usage: JsonDict | None) -> bool:
+    """Whether the provider answered past the spec's cap field: it ignored
+    `max_completion_tokens` (Ollama and older llama.cpp servers take only `max_tokens`
+    and drop the other without an error)."""
+    cap = chat.get("max_completion_tokens")
+    output = usage.get("output_tokens") if isinstance(usage, dict) else None
+    return isinstance(cap, int) and isinstance(output, int) and output > cap
 
 
 # -- answer --------------------------------------------------------------------------------
@@ -331,35 +427,21 @@ def finished(response: JsonDict, finish_reason: Any) -> JsonDict:
     return {**response, "status": "incomplete", "incomplete_details": {"reason": reason}}
 
 
-def text_part(text: str) -> JsonDict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def message_item(item_id: str, parts: list[JsonDict], status: str = "completed") -> JsonDict:
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": parts,
-    }
-
-
-def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> JsonDict:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-    }
+def reasoning_text(message: JsonDict) -> str | None:
+    """The model's reasoning in a Chat message or delta: `reasoning_content` (vLLM,
+    DeepSeek, llama.cpp), or `reasoning` (Ollama, newer vLLM); no Chat schema has either."""
+    for key in REASONING_KEYS:
+        text = message.get(key)
+        if isinstance(text, str) and text:
+            return text
+    return None
 
 
 def chat_answer(sent: JsonDict, completion: JsonDict, *, response_id: str, ids: NewId) -> JsonDict:
     """A checked `chat.completion` (proxy/core/answers.py) as the Response OpenAI would
-    have returned for `sent`: its first choice's text and refusal in one message item,
-    its tool calls as function_call items with the provider's call ids."""
+    have returned for `sent`: the first choice's reasoning as a reasoning item, its text
+    and refusal in one message item, its tool calls as function_call items with the
+    provider's call ids."""
     shell = response_shell(sent, completion.get("model"), completion.get("created"), response_id)
     choices = completion.get("choices") or ()
     if not choices:
@@ -367,11 +449,13 @@ def chat_answer(sent: JsonDict, completion: JsonDict, *, response_id: str, ids: 
     choice = choices[0]
     message = choice.get("message") or {}
     output: list[JsonDict] = []
+    if (thought := reasoning_text(message)) is not None:
+        output.append(reasoning_item(ids("rs"), [content_part("reasoning_text", thought)]))
     parts: list[JsonDict] = []
     if isinstance(message.get("content"), str) and message["content"]:
         parts.append(text_part(message["content"]))
     if isinstance(message.get("refusal"), str) and message["refusal"]:
-        parts.append({"type": "refusal", "refusal": message["refusal"]})
+        parts.append(content_part("refusal", message["refusal"]))
     if parts:
         output.append(message_item(ids("msg"), parts))
     for call in message.get("tool_calls") or ():
@@ -386,8 +470,6 @@ def chat_answer(sent: JsonDict, completion: JsonDict, *, response_id: str, ids: 
 
 # -- stream --------------------------------------------------------------------------------
 
-Event = tuple[str, JsonDict]
-
 
 @dataclass
 class _Call:
@@ -399,10 +481,21 @@ class _Call:
 
 
 @dataclass
-class _Text:
+class _Open:
+    """The message or reasoning item being streamed, and its parts so far."""
+
+    kind: str  # message | reasoning
     output_index: int
     item_id: str
-    parts: dict[str, tuple[int, str]] = field(default_factory=dict)  # kind -> (index, text)
+    parts: dict[str, tuple[int, str]] = field(default_factory=dict)  # type -> (index, text)
+
+
+# A Chat delta's text fields: the Responses part each streams into, and that part's item.
+DELTA_PARTS = (
+    ("content", "output_text", "message"),
+    ("refusal", "refusal", "message"),
+)
+ITEM_IDS = {"message": "msg", "reasoning": "rs"}
 
 
 class ChatStream:
@@ -410,19 +503,20 @@ class ChatStream:
 
     Items get output indexes in the order they first appear; each tool call index of the
     provider is its own function_call item, so interleaved deltas of parallel calls land
-    on the right item. A message is closed when the first tool call starts (a later text
-    delta opens another); calls are closed when the answer finishes. The terminal event
-    waits for `[DONE]` (or the provider's EOF after a finish_reason) because the usage
-    chunk comes after the finish_reason (`stream_options.include_usage`)."""
+    on the right item. Reasoning deltas stream into a reasoning item, text and refusal
+    into a message; the open one is closed when the other kind or the first tool call
+    starts (a later delta opens another); calls are closed when the answer finishes.
+    The terminal event waits for `[DONE]` (or the provider's EOF after a finish_reason)
+    because the usage chunk comes after the finish_reason (`stream_options.include_usage`)."""
 
     def __init__(self, sent: JsonDict, *, response_id: str, ids: NewId) -> None:
         self.sent = sent
         self.response_id = response_id
         self.ids = ids
-        self.sequence = 0
+        self.numbering = Numbering()
         self.shell: JsonDict | None = None
         self.output: dict[int, JsonDict] = {}  # closed items by output index
-        self.text: _Text | None = None
+        self.open: _Open | None = None
         self.calls: dict[int, _Call] = {}  # by the provider's tool call index
         self.finish_reason: str | None = None
         self.usage: JsonDict | None = None
@@ -430,23 +524,21 @@ class ChatStream:
 
     @property
     def next_index(self) -> int:
-        return len(self.output) + (self.text is not None) + len(self.calls)
+        return len(self.output) + (self.open is not None) + len(self.calls)
 
     def chunk(self, chunk: JsonDict) -> list[JsonDict]:
         """One checked chunk (proxy/core/answers.py, check_chat_chunk)."""
         if self.ended:
             return []
         if isinstance(chunk.get("error"), dict):
-            return self._error(chunk["error"])
+            self.ended = True
+            return self.numbering.events([error_event(chunk["error"])])
         events: list[Event] = []
         if self.shell is None:
             self.shell = response_shell(
                 self.sent, chunk.get("model"), chunk.get("created"), self.response_id
             )
-            events += [
-                ("response.created", {"response": self.shell}),
-                ("response.in_progress", {"response": self.shell}),
-            ]
+            events += [snapshot(CREATED, self.shell), snapshot(IN_PROGRESS, self.shell)]
         if isinstance(chunk.get("usage"), dict):
             self.usage = response_usage(chunk["usage"])
         for choice in chunk.get("choices") or ():
@@ -455,7 +547,7 @@ class ChatStream:
             events += self._delta(choice.get("delta") or {})
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
-        return self._emit(events)
+        return self.numbering.events(events)
 
     def done(self) -> list[JsonDict]:
         """At `[DONE]` or the provider's EOF: the closing events and the terminal one when
@@ -463,52 +555,43 @@ class ChatStream:
         if self.ended or self.finish_reason is None or self.shell is None:
             return []
         self.ended = True
-        events = self._close_text()
+        events = self._close_open()
         for call in sorted(self.calls.values(), key=lambda c: c.output_index):
             events += self._close_call(call)
         self.calls.clear()
         output = [self.output[i] for i in sorted(self.output)]
         final = finished({**self.shell, "output": output, "usage": self.usage}, self.finish_reason)
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        return self._emit([*events, (kind, {"response": final})])
+        return self.numbering.events([*events, snapshot(terminal_name(final), final)])
 
     def _delta(self, delta: JsonDict) -> list[Event]:
         events: list[Event] = []
-        for kind, key in (("output_text", "content"), ("refusal", "refusal")):
+        if (thought := reasoning_text(delta)) is not None:
+            events += self._part_delta("reasoning", "reasoning_text", thought)
+        for key, part, item in DELTA_PARTS:
             if isinstance(delta.get(key), str) and delta[key]:
-                events += self._text_delta(kind, delta[key])
+                events += self._part_delta(item, part, delta[key])
         for call_delta in delta.get("tool_calls") or ():
             events += self._call_delta(call_delta)
         return events
 
-    def _text_delta(self, kind: str, piece: str) -> list[Event]:
+    def _part_delta(self, item_kind: str, kind: str, piece: str) -> list[Event]:
         events: list[Event] = []
-        if self.text is None:
-            self.text = _Text(self.next_index, self.ids("msg"))
-            item = message_item(self.text.item_id, [], "in_progress")
+        if self.open is not None and self.open.kind != item_kind:
+            events += self._close_open()
+        if self.open is None:
+            self.open = _Open(item_kind, self.next_index, self.ids(ITEM_IDS[item_kind]))
             events.append(
-                (
-                    "response.output_item.added",
-                    {"output_index": self.text.output_index, "item": item},
-                )
+                item_added(self.open.output_index, self._item(self.open, [], "in_progress"))
             )
-        text = self.text
-        where = {"item_id": text.item_id, "output_index": text.output_index}
-        if kind not in text.parts:
-            text.parts[kind] = (len(text.parts), "")
-            empty = text_part("") if kind == "output_text" else {"type": "refusal", "refusal": ""}
-            events.append(
-                (
-                    "response.content_part.added",
-                    {**where, "content_index": text.parts[kind][0], "part": empty},
-                )
-            )
-        index, so_far = text.parts[kind]
-        text.parts[kind] = (index, so_far + piece)
-        delta: JsonDict = {**where, "content_index": index, "delta": piece}
-        if kind == "output_text":
-            delta["logprobs"] = []
-        events.append((f"response.{kind}.delta", delta))
+        current = self.open
+        if kind not in current.parts:
+            current.parts[kind] = (len(current.parts), "")
+            empty = content_part(kind, "")
+            index = current.parts[kind][0]
+            events.append(part_added(current.item_id, current.output_index, index, empty))
+        index, so_far = current.parts[kind]
+        current.parts[kind] = (index, so_far + piece)
+        events.append(part_delta(kind, current.item_id, current.output_index, index, piece))
         return events
 
     def _call_delta(self, delta: JsonDict) -> list[Event]:
@@ -517,79 +600,48 @@ class ChatStream:
         call = self.calls.get(index)
         events: list[Event] = []
         if call is None:
-            events += self._close_text()
+            events += self._close_open()
             call_id = delta.get("id") or self.ids("call")
             call = _Call(self.next_index, self.ids("fc"), call_id, function.get("name") or "")
             self.calls[index] = call
             item = call_item(call.item_id, call.call_id, call.name, "", "in_progress")
-            events.append(
-                ("response.output_item.added", {"output_index": call.output_index, "item": item})
-            )
+            events.append(item_added(call.output_index, item))
         elif function.get("name") and not call.name:
             call.name = function["name"]
         piece = function.get("arguments")
         if isinstance(piece, str) and piece:
             call.arguments += piece
-            where = {"item_id": call.item_id, "output_index": call.output_index}
-            events.append(("response.function_call_arguments.delta", {**where, "delta": piece}))
+            events.append(arguments_delta(call.item_id, call.output_index, piece))
         return events
 
-    def _close_text(self) -> list[Event]:
-        text, self.text = self.text, None
-        if text is None:
+    @staticmethod
+    def _item(current: _Open, parts: list[JsonDict], status: str) -> JsonDict:
+        if current.kind == "reasoning":
+            return reasoning_item(current.item_id, parts, status)
+        return message_item(current.item_id, parts, status)
+
+    def _close_open(self) -> list[Event]:
+        current, self.open = self.open, None
+        if current is None:
             return []
-        where = {"item_id": text.item_id, "output_index": text.output_index}
         events: list[Event] = []
         parts: list[JsonDict] = []
-        for kind, (index, value) in sorted(text.parts.items(), key=lambda p: p[1][0]):
-            at = {**where, "content_index": index}
-            if kind == "output_text":
-                part = text_part(value)
-                events.append(("response.output_text.done", {**at, "text": value, "logprobs": []}))
-            else:
-                part = {"type": "refusal", "refusal": value}
-                events.append(("response.refusal.done", {**at, "refusal": value}))
-            events.append(("response.content_part.done", {**at, "part": part}))
+        for kind, (index, value) in sorted(current.parts.items(), key=lambda p: p[1][0]):
+            part = content_part(kind, value)
+            events += [
+                part_text_done(kind, current.item_id, current.output_index, index, value),
+                part_done(current.item_id, current.output_index, index, part),
+            ]
             parts.append(part)
-        item = message_item(text.item_id, parts)
-        self.output[text.output_index] = item
-        events.append(
-            ("response.output_item.done", {"output_index": text.output_index, "item": item})
-        )
+        item = self._item(current, parts, "completed")
+        self.output[current.output_index] = item
+        events.append(item_done(current.output_index, item))
         return events
 
     def _close_call(self, call: _Call) -> list[Event]:
-        where = {"item_id": call.item_id, "output_index": call.output_index}
         item = call_item(call.item_id, call.call_id, call.name, call.arguments, "completed")
         self.output[call.output_index] = item
-        done = {**where, "name": call.name, "arguments": call.arguments}
         return [
-            ("response.function_call_arguments.done", done),
-            ("response.output_item.done", {"output_index": call.output_index, "item": item}),
+            arguments_done(call.item_id, call.output_index, call.name, call.arguments),
+            item_done(call.output_index, item),
         ]
-
-    def _error(self, error: JsonDict) -> list[JsonDict]:
-        """A provider's error chunk as the Responses `error` event (its flat fields, and the
-        nested object the SDKs read, as RESPONSES.error_event writes it)."""
-        self.ended = True
-        shaped = {
-            "message": str(error.get("message") or "The provider failed this answer."),
-            "type": error.get("type") if isinstance(error.get("type"), str) else "server_error",
-            "param": error.get("param") if isinstance(error.get("param"), str) else None,
-            "code": error.get("code") if isinstance(error.get("code"), str) else None,
-        }
-        payload = {
-            "type": "error",
-            "code": shaped["code"],
-            "message": shaped["message"],
-            "param": shaped["param"],
-            "error": shaped,
-        }
-        return self._emit([("error", payload)])
-
-    def _emit(self, events: Sequence[Event]) -> list[JsonDict]:
-        numbered = []
-        for kind, data in events:
-            numbered.append({"type": kind, **data, "sequence_number": self.sequence})
-            self.sequence += 1
-        return numbered

@@ -55,6 +55,7 @@ from proxy.server.provider_counts import ProviderCounts
 from proxy.server.recovery import keep_alive
 from proxy.server.startup import serving_fields
 from proxy.server.state import (
+    CHAT_CAP_FIELDS,
     CLOCK,
     ENV,
     LEARNED,
@@ -202,6 +203,7 @@ def create_app(
     app[LEARNED] = LearnedLimits()
     app[PROVIDER_COUNTS] = ProviderCounts()
     app[UPSTREAM_APIS] = {}
+    app[CHAT_CAP_FIELDS] = {}
     app[ENV] = dict(env if env is not None else os.environ)
     app[OWNER] = new_id("proc")
     app[WINDOWS] = WindowCache(settings.thread_cache_bytes)

@@ -13,29 +13,45 @@ continuations call it). For a Responses turn it reads the tenant's `upstream.api
   unknown model is a 404 on both) `chat` is recorded in the store for this tenant's
   upstream URL, and read from there (once per process) for every later turn.
 
-The request's log line (so its explain record) says `upstream_api: chat` when translated.
+The output cap goes as `max_completion_tokens`, the spec's field. When the provider's 400
+says it does not take that field (or `max_tokens`), the turn is sent once more with the
+other one before any byte reaches the client, and an answer longer than the cap it was
+sent (Ollama drops `max_completion_tokens` without an error) moves later turns to
+`max_tokens`. Either is remembered per tenant and upstream URL, in this process's memory
+(a restart learns it again, at the cost of one refused call or one uncapped answer).
+
+The request's log line (so its explain record) says `upstream_api: chat` when translated,
+and `chat_cap_field` when the cap field was switched.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
-from yarl import URL
 
 from proxy.clock import utc_now
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer, check_chat_chunk, check_chat_completion
-from proxy.core.chat_translate import ChatStream, chat_answer, chat_request
+from proxy.core.chat_translate import (
+    OTHER_CAP,
+    ChatStream,
+    cap_field,
+    cap_ignored,
+    chat_answer,
+    chat_request,
+    refuses_field,
+    with_cap_field,
+)
 from proxy.ids import new_id
 from proxy.policy import Policy
 from proxy.server.api import RESPONSES, ApiShape
 from proxy.server.errors import ApiError
 from proxy.server.relay import send_upstream, upstream_base
-from proxy.server.state import LOG_FIELDS, STORE, UPSTREAM_APIS
+from proxy.server.state import CHAT_CAP_FIELDS, LOG_FIELDS, STORE, UPSTREAM_APIS
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_json_event, event_payload
 from proxy.store.base import UpstreamApiStore
@@ -43,8 +59,7 @@ from proxy.upstream import ProviderAnswerTooLarge, UpstreamResponse
 
 CHAT_PATH = "/chat/completions"
 NOT_SERVED = frozenset({404, 405})  # what a Chat-only server answers on /v1/responses
-# Providers that refuse `max_tokens` on newer models and take `max_completion_tokens`.
-OPENAI_HOSTS = ("api.openai.com", ".openai.azure.com")
+SPEC_CAP = "max_completion_tokens"
 
 
 class Untranslatable(Exception):
@@ -77,6 +92,17 @@ async def learn_chat(request: web.Request, policy: Policy) -> None:
     request.app[UPSTREAM_APIS][key] = learnt
 
 
+def cap_learner(request: web.Request, policy: Policy) -> Callable[[str], None]:
+    """Records the output-cap field this tenant's Chat upstream takes (in memory)."""
+    key = (policy.tenant, upstream_base(request, policy))
+
+    def learn(field: str) -> None:
+        request.app[CHAT_CAP_FIELDS][key] = field
+        request[LOG_FIELDS]["chat_cap_field"] = field
+
+    return learn
+
+
 # The last translation of the request, by the body and the `input` it was made from: a
 # stateless turn whose projection changed nothing sends the client's own body, translated
 # already by check_translatable. A projection gives the body a new `input` list
@@ -89,8 +115,8 @@ def translated(request: web.Request, policy: Policy, body: JsonDict) -> JsonDict
     done = request.get(TRANSLATION)
     if done is not None and done[0] is body and done[1] is body.get("input"):
         return done[2]
-    host = URL(upstream_base(request, policy)).host or ""
-    field = "max_completion_tokens" if host.endswith(OPENAI_HOSTS) else "max_tokens"
+    key = (policy.tenant, upstream_base(request, policy))
+    field = request.app[CHAT_CAP_FIELDS].get(key, SPEC_CAP)
     chat = chat_request(body, ids=new_id, max_tokens_field=field)
     request[TRANSLATION] = (body, body.get("input"), chat)
     return chat
@@ -153,28 +179,58 @@ async def _names_the_model(upstream: UpstreamResponse, sent: JsonDict) -> bool:
 async def _send_chat(
     request: web.Request, policy: Policy, sent: JsonDict, chat: JsonDict, stream: bool
 ) -> TranslatedResponse:
+    """The Chat request upstream; sent once more with the other output-cap field when the
+    provider refuses the one it got (nothing has reached the client yet)."""
     request[LOG_FIELDS]["upstream_api"] = "chat"
-    upstream = await send_upstream(
-        request,
-        policy,
-        path=CHAT_PATH,
-        body=fastjson.dumps(chat),
-        stream=stream,
-        route=RESPONSES.route,
+    learn = cap_learner(request, policy)
+    upstream = await _post_chat(request, policy, chat, stream)
+    field = cap_field(chat)
+    if field is not None and await _refuses(upstream, field):
+        await upstream.aclose()
+        learn(OTHER_CAP[field])
+        chat = with_cap_field(chat, OTHER_CAP[field])
+        upstream = await _post_chat(request, policy, chat, stream)
+    return TranslatedResponse(upstream, sent, chat, learn)
+
+
+async def _post_chat(
+    request: web.Request, policy: Policy, chat: JsonDict, stream: bool
+) -> UpstreamResponse:
+    body = fastjson.dumps(chat)
+    return await send_upstream(
+        request, policy, path=CHAT_PATH, body=body, stream=stream, route=RESPONSES.route
     )
-    return TranslatedResponse(upstream, sent)
+
+
+async def _refuses(upstream: UpstreamResponse, field: str) -> bool:
+    if upstream.status not in (400, 422):
+        return False
+    try:
+        body = await upstream.aread()
+    except ProviderAnswerTooLarge:
+        return False
+    return refuses_field(upstream.status, body, field)
 
 
 class TranslatedResponse(UpstreamResponse):
     """A Chat answer read as a Responses one. Error answers pass as they came (the relay
     puts them in OpenAI's envelope, the same for both APIs); a successful body is checked
     as a chat.completion (BadAnswer: the relay's 502) and translated; a stream is decoded
-    and re-encoded event by event, as it arrives."""
+    and re-encoded event by event, as it arrives. An answer past the cap `chat` set for
+    it tells `learn` to send `max_tokens` from now on."""
 
-    def __init__(self, inner: UpstreamResponse, sent: JsonDict) -> None:
+    def __init__(
+        self,
+        inner: UpstreamResponse,
+        sent: JsonDict,
+        chat: JsonDict,
+        learn: Callable[[str], None],
+    ) -> None:
         # Not UpstreamResponse.__init__: every read goes to `inner`.
         self.inner = inner
         self.sent = sent
+        self.chat = chat
+        self.learn = learn
         self.status = inner.status
         self.headers = inner.headers
         self.attempts = inner.attempts
@@ -200,8 +256,13 @@ class TranslatedResponse(UpstreamResponse):
         if self._translated is None:
             completion = check_chat_completion(_json(body))
             answer = chat_answer(self.sent, completion, response_id=self.response_id, ids=new_id)
+            self._check_cap(answer.get("usage"))
             self._translated = fastjson.dumps(answer)
         return self._translated
+
+    def _check_cap(self, usage: JsonDict | None) -> None:
+        if cap_ignored(self.chat, usage):
+            self.learn("max_tokens")
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         if not self.is_event_stream or self.status >= 400:
@@ -214,6 +275,7 @@ class TranslatedResponse(UpstreamResponse):
                 yield frames
         if frames := _frames(stream, decoder.flush()) + _encoded(stream.done()):
             yield frames
+        self._check_cap(stream.usage)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -236,6 +298,6 @@ def _encoded(events: list[JsonDict]) -> bytes:
 
 def _json(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        return json.loads(body)  # faster than fastjson's on a Chat answer's size
     except (ValueError, RecursionError):
         raise BadAnswer("it is not JSON") from None

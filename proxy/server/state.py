@@ -39,6 +39,9 @@ SUMMARIES = web.AppKey("summaries", BackgroundSummaries)
 # The API each tenant's upstream serves Responses through, as learnt (policy upstream.api:
 # auto, proxy/server/chat_upstream.py), by (tenant, base URL); None: nothing learnt.
 UPSTREAM_APIS: web.AppKey[dict[tuple[str, str], str | None]] = web.AppKey("upstream_apis", dict)
+# The output-cap field each tenant's Chat upstream takes, where its answers showed it does
+# not take the spec's (proxy/server/chat_upstream.py), by (tenant, base URL); in memory.
+CHAT_CAP_FIELDS: web.AppKey[dict[tuple[str, str], str]] = web.AppKey("chat_cap_fields", dict)
 ENV: web.AppKey[Mapping[str, str]] = web.AppKey(
     "env"
 )  # the process environment, read once at start (policy keys)

@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from proxy.core.chat_translate import ChatStream, chat_answer, chat_request
+from proxy.core.chat_translate import (
+    ChatStream,
+    cap_ignored,
+    chat_answer,
+    chat_request,
+    refuses_field,
+    with_cap_field,
+)
 from proxy.core.validate import ApiError
 
 counter = itertools.count()
@@ -188,3 +195,77 @@ def test_a_provider_error_chunk_is_the_responses_error_event() -> None:
     assert events[-1]["type"] == "error" and events[-1]["message"] == "overloaded"
     assert events[-1]["error"]["message"] == "overloaded"
     assert stream.chunk(chunk({"content": "late"})) == [] and stream.done() == []
+
+
+def test_reasoning_then_text_then_reasoning_are_three_items_in_order() -> None:
+    stream = ChatStream({"model": "m"}, response_id="resp_1", ids=ids)
+    events = stream.chunk(chunk({"reasoning_content": "think"}))
+    events += stream.chunk(chunk({"content": "say"}))
+    events += stream.chunk(chunk({"reasoning": "more"}, "stop"))
+    events += stream.done()
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "reasoning"]
+    assert final["output"][2]["content"] == [{"type": "reasoning_text", "text": "more"}]
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert [(e["output_index"], e["text"]) for e in done] == [(0, "think"), (2, "more")]
+
+
+def test_the_output_cap_goes_as_the_specs_field_unless_told_otherwise() -> None:
+    body = {"model": "m", "input": "x", "max_output_tokens": 7}
+    assert chat_request(body, ids=ids)["max_completion_tokens"] == 7
+    sent = chat_request(body, ids=ids, max_tokens_field="max_tokens")
+    assert sent["max_tokens"] == 7 and "max_completion_tokens" not in sent
+    assert with_cap_field(sent, "max_completion_tokens") == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": 7,
+    }
+
+
+OPENAI_REFUSAL = (
+    b'{"error": {"message": "Unsupported parameter: \'max_tokens\' is not supported with this'
+    b' model. Use \'max_completion_tokens\' instead.", "type": "invalid_request_error",'
+    b' "param": "max_tokens", "code": "unsupported_parameter"}}'
+)
+VLLM_REFUSAL = (
+    b"{\"object\": \"error\", \"message\": \"[{'type': 'extra_forbidden', 'loc': ('body',"
+    b" 'max_completion_tokens'), 'msg': 'Extra inputs are not permitted', 'input':"
+    b' 8192}]", "type": "BadRequestError", "param": null, "code": 400}'
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "field", "refused"),
+    [
+        (400, OPENAI_REFUSAL, "max_tokens", True),
+        (400, OPENAI_REFUSAL, "max_completion_tokens", False),  # it names the other
+        (400, VLLM_REFUSAL, "max_completion_tokens", True),
+        (
+            422,
+            b'{"detail": "Unknown field `max_completion_tokens`"}',
+            "max_completion_tokens",
+            True,
+        ),
+        (
+            400,
+            b'{"error": {"message": "\'max_tokens\' must be at most 4096."}}',
+            "max_tokens",
+            False,
+        ),
+        (400, b'{"error": {"message": "unsupported", "param": "messages"}}', "max_tokens", False),
+        (500, OPENAI_REFUSAL, "max_tokens", False),
+        (400, b"<html>Bad Request</html>", "max_tokens", False),
+    ],
+)
+def test_a_refused_field_is_told_from_other_400s(
+    status: int, body: bytes, field: str, refused: bool
+) -> None:
+    assert refuses_field(status, body, field) is refused
+
+
+def test_an_answer_past_the_specs_cap_says_it_was_ignored() -> None:
+    sent = {"max_completion_tokens": 5}
+    assert cap_ignored(sent, {"output_tokens": 6})
+    assert not cap_ignored(sent, {"output_tokens": 5})
+    assert not cap_ignored({"max_tokens": 5}, {"output_tokens": 60})
+    assert not cap_ignored(sent, None)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,16 +17,15 @@ import pytest
 from agents import OpenAIConversationsSession, Runner
 
 from proxy.fake_provider import FakeProvider, Reply
+from proxy.server.state import POLICIES
 from proxy.sse import DONE, encode_event, encode_json_event
+from tests.core.test_events import check_shape
 
 from .conftest import TENANT_KEY, Proxy
 from .test_agents_sdk_e2e import LOOKUPS, agent_for
 from .test_docs_snippets_e2e import SNIPPETS, run
 
 CHAT = ", api: chat"
-# OpenAI's OpenAPI document, cut to what the proxy serves (tests/reliability/make_spec.py;
-# CI has no copy of the whole one): the Responses stream events are in it.
-SPEC = Path(__file__).parent.parent / "reliability" / "openai-subset.json"
 AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
 MakeProxy = Callable[..., Awaitable[Proxy]]
 
@@ -75,7 +74,11 @@ async def test_a_json_turn_is_sent_as_chat_and_answered_as_a_response(
         {"role": "system", "content": "Answer in English."},
         {"role": "user", "content": "Hi"},
     ]
-    assert sent["max_tokens"] == 50 and sent["temperature"] == 0.5
+    assert (
+        sent["max_completion_tokens"] == 50
+        and "max_tokens" not in sent
+        and sent["temperature"] == 0.5
+    )
     assert sent["reasoning_effort"] == "low" and "metadata" not in sent
     assert response.output_text == "Hello there."
     assert response.status == "completed" and response.id.startswith("resp_")
@@ -289,28 +292,6 @@ async def test_chains_and_conversations_send_the_whole_thread_as_chat(
 
 
 # -- streams --------------------------------------------------------------------------------
-
-
-@cache
-def event_schemas() -> dict[str, dict[str, Any]]:
-    """Each Responses stream event's schema (its `type` enum -> properties, required)."""
-    spec = json.loads(SPEC.read_text())
-    out: dict[str, dict[str, Any]] = {}
-    for schema in spec["components"]["schemas"].values():
-        kind = (schema.get("properties") or {}).get("type", {}).get("enum")
-        if (
-            kind
-            and str(kind[0]).startswith("response.")
-            and "sequence_number" in schema.get("properties", {})
-        ):
-            out.setdefault(kind[0], schema)
-    return out
-
-
-def check_shape(event: dict[str, Any]) -> None:
-    schema = event_schemas()[event["type"]]
-    assert set(schema.get("required", ())) <= set(event), event
-    assert set(event) <= set(schema["properties"]), event
 
 
 async def sse_events(proxy: Proxy, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -665,3 +646,206 @@ async def test_background_mode_runs_over_a_chat_only_provider(
     assert paths(provider) == ["/v1/chat/completions"] * 2
     texts = json.dumps(last_chat(provider)["messages"])
     assert "think hard" in texts and "the long answer" in texts
+
+
+# -- reasoning (vLLM's and DeepSeek's reasoning_content, Ollama's reasoning) ------------------
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+async def test_chat_reasoning_is_a_reasoning_item_and_is_not_sent_back(
+    make_proxy: MakeProxy, provider: FakeProvider, key: str
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.script += [
+        Reply(text="It is 4.", reasoning="Two and two make four.", reasoning_key=key),
+        Reply(text="Still 4."),
+    ]
+    first = await client.responses.create(model="gpt-4o", input="2+2?")
+    thought, answer = first.output
+    assert thought.type == "reasoning" and thought.id.startswith("rs_")
+    assert thought.content is not None
+    assert [(c.type, c.text) for c in thought.content] == [
+        ("reasoning_text", "Two and two make four.")
+    ]
+    assert answer.type == "message" and first.output_text == "It is 4."
+    follow = await client.responses.create(
+        model="gpt-4o", previous_response_id=first.id, input="Sure?"
+    )
+    assert follow.output_text == "Still 4."
+    messages = last_chat(provider)["messages"]
+    assert messages == [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    stored = await client.responses.retrieve(first.id)  # the thread keeps it
+    assert [item.type for item in stored.output] == ["reasoning", "message"]
+
+
+async def test_streamed_chat_reasoning_is_the_documented_reasoning_events(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    provider.script.append(
+        Reply(text="It is 4.", reasoning="Two and two", reasoning_key="reasoning")
+    )
+    events = await sse_events(proxy, {"model": "gpt-4o", "input": "2+2?"})
+    shown = [(e["type"], e.get("output_index"), e.get("delta")) for e in events]
+    assert shown == [
+        ("response.created", None, None),
+        ("response.in_progress", None, None),
+        ("response.output_item.added", 0, None),
+        ("response.content_part.added", 0, None),
+        ("response.reasoning_text.delta", 0, "Two"),
+        ("response.reasoning_text.delta", 0, " and"),
+        ("response.reasoning_text.delta", 0, " two"),
+        ("response.reasoning_text.done", 0, None),
+        ("response.content_part.done", 0, None),
+        ("response.output_item.done", 0, None),
+        ("response.output_item.added", 1, None),
+        ("response.content_part.added", 1, None),
+        ("response.output_text.delta", 1, "It"),
+        ("response.output_text.delta", 1, " is"),
+        ("response.output_text.delta", 1, " 4."),
+        ("response.output_text.done", 1, None),
+        ("response.content_part.done", 1, None),
+        ("response.output_item.done", 1, None),
+        ("response.completed", None, None),
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        check_shape(event)
+    assert events[2]["item"] == {
+        "id": events[2]["item"]["id"],
+        "type": "reasoning",
+        "status": "in_progress",
+        "summary": [],
+        "content": [],
+    }
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    assert events[7]["text"] == "Two and two"
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "Two and two"}]
+
+
+async def test_the_sdk_reads_streamed_reasoning_and_the_chain_drops_it(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.script += [Reply(text="Four.", reasoning="Adding up."), Reply(text="Yes.")]
+    async with client.responses.stream(model="gpt-4o", input="2+2?") as stream:
+        thoughts = [e.delta async for e in stream if e.type == "response.reasoning_text.delta"]
+        final = await stream.get_final_response()
+    assert "".join(thoughts) == "Adding up."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    await client.responses.create(model="gpt-4o", previous_response_id=final.id, input="Sure?")
+    sent = last_chat(provider)["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert all(set(m) <= {"role", "content"} for m in sent)
+
+
+# -- the output cap's field -------------------------------------------------------------------
+
+
+def caps(provider: FakeProvider) -> list[tuple[str, int]]:
+    """The output-cap field and value of each Chat request the provider got."""
+    out = []
+    for request in provider.model_requests:
+        for key in ("max_completion_tokens", "max_tokens"):
+            if key in request.json:
+                out.append((key, request.json[key]))
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_refused_cap_field_is_retried_with_the_other_and_remembered(
+    make_proxy: MakeProxy, provider: FakeProvider, stream: bool
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    provider.refused_params = {"max_completion_tokens": "vllm"}  # vLLM before 0.6
+    provider.script += [Reply(text="One."), Reply(text="Two.")]
+    if stream:
+        async with client.responses.stream(
+            model="gpt-4o", input="hi", max_output_tokens=40
+        ) as events:
+            first = await events.get_final_response()
+    else:
+        first = await client.responses.create(model="gpt-4o", input="hi", max_output_tokens=40)
+    assert first.output_text == "One." and first.status == "completed"
+    assert caps(provider) == [("max_completion_tokens", 40), ("max_tokens", 40)]
+    second = await client.responses.create(
+        model="gpt-4o", previous_response_id=first.id, input="more", max_output_tokens=30
+    )
+    assert second.output_text == "Two."
+    assert caps(provider)[2:] == [("max_tokens", 30)]  # remembered: no refused call
+
+
+async def test_an_ignored_cap_field_moves_later_turns_to_max_tokens_and_back_on_openais_400(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    client = proxy.client()
+    long_text = "word " * 40  # the fake honours no cap: Ollama with max_completion_tokens
+    provider.script += [Reply(text=long_text), Reply(text="ok"), Reply(text="ok again")]
+    first = await client.responses.create(model="gpt-4o", input="talk", max_output_tokens=5)
+    assert first.usage is not None and first.usage.output_tokens > 5
+    await client.responses.create(model="gpt-4o", input="short", max_output_tokens=5)
+    assert caps(provider) == [("max_completion_tokens", 5), ("max_tokens", 5)]
+    provider.refused_params = {"max_tokens": "openai"}  # an OpenAI reasoning model
+    third = await client.responses.create(model="gpt-4o", input="again", max_output_tokens=5)
+    assert third.output_text == "ok again"
+    assert caps(provider)[2:] == [("max_tokens", 5), ("max_completion_tokens", 5)]
+
+
+async def test_another_400_naming_the_cap_is_relayed_not_retried(
+    make_proxy: MakeProxy, provider: FakeProvider
+) -> None:
+    proxy = await make_proxy(upstream_extra=CHAT)
+    message = "'max_completion_tokens' must be at most 4096."
+    provider.script.append(Reply(status=400, text=message))
+    with pytest.raises(openai.BadRequestError) as caught:
+        await proxy.client().responses.create(model="gpt-4o", input="hi", max_output_tokens=9000)
+    body: Any = caught.value.body
+    assert body["message"] == message
+    assert caps(provider) == [("max_completion_tokens", 9000)]
+
+
+# -- docs/integrations.md's Chat-only policies ------------------------------------------------
+
+INTEGRATIONS = Path(__file__).parent.parent.parent / "docs" / "integrations.md"
+
+
+def chat_only_policies() -> list[str]:
+    """The whole-file policies of the section 'Responses and Conversations over a
+    Chat-only provider'."""
+    text = INTEGRATIONS.read_text()
+    section = text.split("### Responses and Conversations over a Chat-only provider", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    found = re.findall(r"^```yaml\n(.*?)^```", section, re.M | re.S)
+    return [policy for policy in found if policy.startswith("# ") and "tenant: default" in policy]
+
+
+@pytest.mark.parametrize("policy", chat_only_policies(), ids=lambda p: p.split(":")[0][2:])
+async def test_each_documented_server_policy_runs_the_agents_snippet_as_it_is(
+    proxy: Proxy, provider: FakeProvider, tmp_path: Path, policy: str
+) -> None:
+    served = re.sub(r'base_url: "[^"]+"', f'base_url: "{provider.base_url}"', policy)
+    (proxy.policies_dir / "default.yaml").write_text(served)
+    assert proxy.app[POLICIES].reload() == []  # type: ignore[index]
+    (snippet,) = [s for s in SNIPPETS if "from agents import" in s.code]
+    # Any key: the documented policy takes unknown keys (and forwards them).
+    ran = await run(snippet.code.replace('"<proxy key>"', '"sk-anything"'), proxy, tmp_path)
+    assert ran.code == 0, ran.output
+    chat = [r for r in provider.model_requests if r.path == "/v1/chat/completions"]
+    assert len(chat) == 2 and chat[0].headers["Authorization"] == "Bearer sk-anything"
+    assert chat[-1].json["model"] == "gpt-4o"
+    assert [m["content"] for m in chat[-1].json["messages"]][-1] == "Refund it."
+
+
+def test_the_documented_policies_are_the_four_servers() -> None:
+    names = [policy.split(":")[0][2:] for policy in chat_only_policies()]
+    assert names == ["Ollama", "llama.cpp", "TGI", "vLLM"]

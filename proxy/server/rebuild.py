@@ -19,7 +19,7 @@ from aiohttp import web
 
 from proxy.core.blocks import Block, segment
 from proxy.core.budget import Learned, corrected_window, history_budget, output_reserve
-from proxy.core.invariants import check_invariants
+from proxy.core.invariants import check_sent_as_given
 from proxy.core.items import Item
 from proxy.core.projection import (
     BlockReport,
@@ -114,9 +114,9 @@ def whole_fit(
     counts, instructions, tools, reply priming, output reserve and margin summed are
     then exactly what the projection compares with the window (S + T + U + H + O + e
     <= W, SPEC 4: the blocks partition the items), and while they fit it changes
-    nothing: it sends the items as given, keeps no cut, and checks the same invariants
-    (`check_invariants` raises here as it would there). The report is the one the
-    projection writes for an unchanged history."""
+    nothing: it sends the items as given, keeps no cut, and checks the invariants such a
+    context can break (`check_sent_as_given`: what the projection would refuse, this
+    refuses). The report is the one the projection writes for an unchanged history."""
     if request.verbatim or request.cut is not None:
         return None
     items = request.items
@@ -124,11 +124,8 @@ def whole_fit(
     once = request.instructions_tokens + request.tools_tokens + request.reply_tokens
     if sum(counts) + once + request.output + request.epsilon > request.window:
         return None
-    offset = request.first_position
-    blocks = segment(items, policy.pin_patterns, offset)
-    pinned = [p - offset for b in blocks if b.kind == "pinned" for p in b.positions]
-    current = [p - offset for b in blocks if b.kind == "current" for p in b.positions]
-    check_invariants(items, items, pinned, current)
+    check_sent_as_given(items)
+    blocks = segment(items, policy.pin_patterns, request.first_position)
     return Projection(tuple(items), _unchanged_report(request, blocks, counts), None, False)
 
 

@@ -4,14 +4,16 @@ answers whenever, and only when, the full projection sends the history as given.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from proxy.core.invariants import InvariantViolation
-from proxy.core.items import responses_item
+from proxy.core.blocks import segment
+from proxy.core.invariants import InvariantViolation, check_invariants, check_sent_as_given
+from proxy.core.items import chat_item, responses_item
 from proxy.core.projection import (
     ContextLengthExceeded,
     CutPoint,
@@ -93,6 +95,40 @@ def test_a_stored_cut_is_always_projected(case: Case) -> None:
     )
     assert whole_fit(request, COUNTER, POLICY) is None
     assert whole_fit(replace(request, cut=None, verbatim=True), COUNTER, POLICY) is None
+
+
+def violation(check: Callable[[], None]) -> str | None:
+    try:
+        check()
+    except InvariantViolation as exc:
+        return str(exc)
+    return None
+
+
+@PROPERTY_SETTINGS
+@given(
+    cases(),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), max_size=3),
+    st.booleans(),
+)
+def test_a_history_sent_as_given_breaks_only_what_check_sent_as_given_sees(
+    case: Case, swaps: list[tuple[int, int]], mixed: bool
+) -> None:
+    """Items moved (an output before its call, a turn out of place) and APIs mixed: the
+    two checks of a context sent as given refuse exactly what check_invariants refuses."""
+    items = list(case.items)
+    for a, b in swaps:
+        a, b = a % len(items), b % len(items)
+        items[a], items[b] = items[b], items[a]
+    if mixed:
+        other = chat_item if case.api == "responses" else responses_item
+        items.insert(len(items) // 2, other({"role": "user", "content": "other API"}))
+    blocks = segment(items, POLICY.pin_patterns)
+    pinned = [p for b in blocks if b.kind == "pinned" for p in b.positions]
+    current = [p for b in blocks if b.kind == "current" for p in b.positions]
+    found = violation(lambda: check_sent_as_given(items))
+    event(f"violation: {found.split(' ')[0] if found else 'none'}")
+    assert found == violation(lambda: check_invariants(items, items, pinned, current))
 
 
 def test_an_output_before_its_call_is_refused_by_both() -> None:

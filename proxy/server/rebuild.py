@@ -10,6 +10,7 @@ projected: `whole_fit` builds the very Projection project_context would return f
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -134,10 +135,13 @@ def _unchanged_report(
 ) -> ProjectionReport:
     """The projection's report of a history sent as given: every block kept."""
     offset = request.first_position
-    tokens = {id(b): sum(counts[p - offset] for p in b.positions) for b in blocks}
     by_kind = {"pinned": 0, "turn": 0, "current": 0}
+    reports = []
     for block in blocks:
-        by_kind[block.kind] += tokens[id(block)]
+        tokens = sum(counts[p - offset] for p in block.positions)
+        by_kind[block.kind] += tokens
+        if block.positions:
+            reports.append(_kept(block.kind, block.first, block.last, tokens))
     system = by_kind["pinned"] + request.instructions_tokens + request.reply_tokens
     current = by_kind["current"]
     prompt = sum(counts) + request.instructions_tokens + request.tools_tokens
@@ -156,16 +160,19 @@ def _unchanged_report(
         history_before=by_kind["turn"],
         history_after=prompt - system - request.tools_tokens - current,
         prompt_tokens=prompt,
-        blocks=tuple(
-            BlockReport(b.kind, b.first, b.last, tokens[id(b)], tokens[id(b)], "kept")
-            for b in blocks
-            if b.positions
-        ),
+        blocks=tuple(reports),
         # the log before the window, as the projection counts it without a cut
         dropped=offset,
         compressed=0,
         summarized=0,
     )
+
+
+@functools.lru_cache(maxsize=8192)
+def _kept(kind: str, first: int, last: int, tokens: int) -> BlockReport:
+    """A kept block's report. Reports are frozen, and a stored thread's closed turns
+    report the same from one request to the next: one object serves them all."""
+    return BlockReport(kind, first, last, tokens, tokens, "kept")
 
 
 def counted_already(

@@ -2,7 +2,7 @@
 threadkeeper (and LiteLLM), one run.
 
     python bench/overhead.py [--seconds 3] [--write] [--title T] [--profile-only]
-                             [--litellm-python PATH]
+                             [--litellm-python PATH] [--postgres DSN]
 
 Every figure of issue 23's "Measurement" section, from one run on loopback, as ratios to
 the bare relay (bench/bare_relay.py: the floor any Python hop pays). The provider stub
@@ -20,6 +20,9 @@ stateless ones in interleaved rounds so load drift hits every target alike:
   against a direct stateless request of the same 200 items; LiteLLM gets the stateless
   request too (it keeps no conversations);
 - streamed chat: time to the first body bytes (the first SSE event);
+- with `--postgres DSN`, the Responses cells also through threadkeeper on PostgreSQL
+  with 1 and 2 workers (on a schema of its own, dropped after the run): what `--workers`
+  gives stateful turns when the store is not one SQLite file;
 - the proxy's resident memory (VmRSS of it and its child processes) after the run;
 - two profiles, each in a fresh proxy under pyinstrument: the passthrough hammered for a
   few seconds, and warm turns on 200-item conversations (seeded by another proxy on the
@@ -35,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -46,10 +51,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import aiohttp
 from results import write_section
@@ -452,7 +458,10 @@ def start_proxy(
     workers: int | None,
     prefix: Sequence[str] = (),
     database: str | None = None,
+    store: str | None = None,
 ) -> Server:
+    """`store`: a store URL (PostgreSQL); else a SQLite file in `tmp` named for `database`
+    or the proxy."""
     port = free_port()
     command = [
         *(prefix or [sys.executable]),
@@ -466,7 +475,7 @@ def start_proxy(
         "--policies",
         str(tmp / "policies"),
         "--store",
-        f"sqlite:///{tmp}/{database or name}.db",
+        store or f"sqlite:///{tmp}/{database or name}.db",
     ]
     if workers is not None:
         command += ["--workers", str(workers)]
@@ -580,6 +589,7 @@ class Run:
     rss: dict[str, float] = field(default_factory=dict)
     profiles: dict[str, list[str]] = field(default_factory=dict)
     profile_note: str = ""
+    postgres: bool = False  # the Responses cells ran on PostgreSQL too
     load: float = 0.0  # of the machine when the run started: other work skews the figures
     started: str = ""
     commit: str = ""
@@ -596,6 +606,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     run.commit = commit()
     stub = start_stub()
     servers: list[Server] = [stub]
+    stack = contextlib.ExitStack()  # PostgreSQL schemas, dropped once the proxies stopped
     try:
         Path(tmp, "policies").mkdir()
         Path(tmp, "policies", "default.yaml").write_text(POLICY)
@@ -610,7 +621,14 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
         litellm = start_litellm(python, stub, tmp) if python else None
         if litellm:
             servers.append(litellm)
-        asyncio.run(run_cells(run, stub, bare, one, two, litellm))
+        on_pg: list[Server] = []
+        for name, workers in (("threadkeeper-pg", 1), ("threadkeeper-pg-2w", 2)):
+            if args.postgres and (workers == 1 or run.workers_supported):
+                url = stack.enter_context(pg_schema(args.postgres))
+                on_pg.append(start_proxy(name, stub, tmp, workers=workers, store=url))
+                servers.append(on_pg[-1])
+        run.postgres = bool(on_pg)
+        asyncio.run(run_cells(run, stub, bare, one, two, litellm, on_pg))
         run.rss["threadkeeper"] = resident_mb(one.process.pid)
         run.rss["bare"] = resident_mb(bare.process.pid)
         if litellm:
@@ -622,7 +640,32 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     finally:
         for server in servers:
             server.stop()
+        stack.close()
     return run
+
+
+@contextlib.contextmanager
+def pg_schema(dsn: str) -> Iterator[str]:
+    """A store URL on a new schema of `dsn`'s database, dropped afterwards (the database
+    may be shared: nothing else in it is touched)."""
+    import asyncpg
+
+    schema = f"tk_bench_{secrets.token_hex(6)}"
+
+    async def execute(statement: str) -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            await connection.execute(statement)
+        finally:
+            await connection.close()
+
+    asyncio.run(execute(f"CREATE SCHEMA {schema}"))
+    parts = urlsplit(dsn)
+    query = urlencode([*parse_qsl(parts.query, keep_blank_values=True), ("schema", schema)])
+    try:
+        yield urlunsplit(parts._replace(query=query))
+    finally:
+        asyncio.run(execute(f"DROP SCHEMA {schema} CASCADE"))
 
 
 def profile_only(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
@@ -645,6 +688,7 @@ async def run_cells(
     one: Server,
     two: Server | None,
     litellm: Server | None,
+    on_pg: Sequence[Server] = (),
 ) -> None:
     seconds = run.seconds
     chat, streamed = encode(chat_body()), encode(chat_body(stream=True))
@@ -673,13 +717,13 @@ async def run_cells(
     # Responses: stateless same-size requests direct and to LiteLLM, conversation turns
     # through threadkeeper (its conversations seeded before the clock starts).
     seeded: dict[str, tuple[list[str], list[str]]] = {}
-    for server in (one, two):
+    for server in (one, two, *on_pg):
         if server is not None:
             single = await seed_conversations(server.base, SINGLE_CONVERSATIONS + 1)
             many = await seed_conversations(server.base, MANY * CONVERSATIONS_PER_CLIENT)
             await conversation_turns(server.base, single[-1:], 1, seconds)  # warm-up
             seeded[server.name] = (single[:-1], many)
-    stateful = [server for server in (one, two) if server is not None]
+    stateful = [server for server in (one, two, *on_pg) if server is not None]
     singles: dict[str, Request | None] = {
         s.name: post(s.base + responses_path, stateless) for s in (stub, bare)
     }
@@ -972,9 +1016,11 @@ def render(run: Run, title: str) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     if run.litellm_version.startswith("skipped"):
         lines += ["", f"LiteLLM {run.litellm_version}."]
+    if run.postgres:
+        lines += ["", *postgres_lines(run)]
     lines += [
         "",
-        "threadkeeper runs on SQLite. The Responses turn: each of "
+        "threadkeeper runs on SQLite but in the PostgreSQL rows. The Responses turn: each of "
         f"{SINGLE_CONVERSATIONS} (1 client) or {MANY * CONVERSATIONS_PER_CLIENT} (32 "
         f"clients) conversations is seeded with {PRIOR_ITEMS} items through the proxy and "
         f"takes up to {TURNS_PER_CONVERSATION} turns of one new user message; direct, the "
@@ -997,6 +1043,35 @@ def render(run: Run, title: str) -> str:
     for case, report in run.profiles.items():
         lines += ["", f"### Profile: {PROFILED[case]}", "", *report]
     return "\n".join(lines) + "\n"
+
+
+def postgres_lines(run: Run) -> list[str]:
+    """The Responses cells on PostgreSQL (`--postgres`), 1 and 2 workers, against the hop."""
+    d = run.cell
+    rows = [
+        "| Responses turn, 200-item conversation, threadkeeper on PostgreSQL | 1 worker "
+        "| 2 workers | 1 worker on SQLite |",
+        "|---|---:|---:|---:|",
+    ]
+    names = ("threadkeeper-pg", "threadkeeper-pg-2w", "threadkeeper")
+
+    def added(name: str) -> str:
+        cell, bare = d("responses_1", name), d("responses_1", "bare")
+        if not cell.ok:
+            return cell.note
+        hop = max(bare.p50 - d("responses_1", "direct").p50, 0.01)
+        extra = cell.p50 - d("responses_1", "direct").p50
+        return f"+{extra:.2f} ms ({extra / hop:.1f}x the hop's)"
+
+    def share(name: str) -> str:
+        cell = d("responses_32", name)
+        if not cell.ok:
+            return cell.note
+        return f"{cell.rps:,.0f} ({cell.rps / d('responses_32', 'bare').rps:.0%} of the hop's)"
+
+    rows.append("| 1 client: added p50 | " + " | ".join(added(n) for n in names) + " |")
+    rows.append("| 32 clients: requests/s | " + " | ".join(share(n) for n in names) + " |")
+    return rows
 
 
 PROFILED = {
@@ -1032,6 +1107,9 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="also write the section to this file")
     parser.add_argument("--title", default="Overhead", help="the section of bench/RESULTS.md")
     parser.add_argument("--profile-only", action="store_true", help="print the profiles only")
+    parser.add_argument(
+        "--postgres", metavar="DSN", help="also run the Responses cells on this PostgreSQL"
+    )
     args = parser.parse_args()
     if args.profile_only:
         with tempfile.TemporaryDirectory() as tmp:

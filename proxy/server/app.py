@@ -1,14 +1,16 @@
 """The application: `create_app(settings)` builds everything; nothing lives at module level.
 
-Middlewares run outermost first: request context (id, one log line, metrics) -> OpenAI
-error envelope -> tenant auth -> path and query checks -> body read deadline ->
-Idempotency-Key (replay or record). Resources (upstream pool, policy watcher, idempotency
-purge, owner heartbeat) open and close in cleanup_ctx.
+One middleware, `request_middleware`, runs every request's steps in order as plain
+calls (one frame, not one wrapper per step): request context (id, one log line,
+metrics) around OpenAI's error envelope around tenant auth -> path and query checks ->
+body read deadline -> Idempotency-Key (replay or record) -> the handler. Resources
+(upstream pool, policy watcher, idempotency purge, owner heartbeat) open and close in
+cleanup_ctx.
 
 Slow clients are bounded by `client_header_timeout`: aiohttp's keep-alive timer (started
 when a connection opens, >= 3.14.4, and after each response) closes a connection whose
-next request's headers have not fully arrived in time, and `body_deadline_middleware`
-answers 408 to a buffered body that does not.
+next request's headers have not fully arrived in time, and `read_body_in_time` answers
+408 to a buffered body that does not.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ from proxy.server import (
     summaries,
     websocket,
 )
-from proxy.server.auth import auth_middleware
-from proxy.server.errors import Handler, error_middleware, error_response
-from proxy.server.idempotency import idempotency_middleware, mark_not_replayed, purge_ctx
+from proxy.server.auth import authorize
+from proxy.server.errors import Handler, error_for
+from proxy.server.idempotency import idempotent, mark_not_replayed, purge_ctx
 from proxy.server.learned import LearnedLimits
 from proxy.server.provider_counts import ProviderCounts
 from proxy.server.recovery import keep_alive
@@ -73,7 +75,7 @@ from proxy.server.state import (
     UPSTREAM_APIS,
     WINDOWS,
 )
-from proxy.server.validate import url_keys_middleware
+from proxy.server.validate import check_url_keys
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.summarizer import LlmSummarizer
@@ -95,20 +97,31 @@ def route_name(request: web.Request) -> str:
 
 
 @web.middleware
-async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request's steps (the module docstring's order), under its trace span."""
+    return await in_context(request, handler, checked=True)
+
+
+async def in_context(
+    request: web.Request, handler: Handler, *, checked: bool
+) -> web.StreamResponse:
+    """`handler` in the request's context: its id, its log line and metrics, OpenAI's
+    error envelope and the tenant's auth; `checked` adds the HTTP request's own steps
+    (path and query keys, the body deadline, Idempotency-Key). A WebSocket message runs
+    without them (proxy/server/websocket.py)."""
     tracing = request.app[TRACING]
     if not tracing.on:
-        return await _in_context(request, handler, None)
+        return await _in_context(request, handler, None, checked)
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
     attributes = {"http.request.method": request.method, "http.route": route}
     name = f"{request.method} {route}"
     with tracing.span(name, attributes, kind="server", parent_headers=request.headers) as span:
-        return await _in_context(request, handler, span)
+        return await _in_context(request, handler, span, checked)
 
 
 async def _in_context(
-    request: web.Request, handler: Handler, span: Span | None
+    request: web.Request, handler: Handler, span: Span | None, checked: bool
 ) -> web.StreamResponse:
     request_id = "req_" + secrets.token_hex(12)
     request[REQUEST_ID] = request_id
@@ -116,7 +129,7 @@ async def _in_context(
     started = time.perf_counter()
     status = 500
     try:
-        response = await handler(request)
+        response = await _answered(request, handler, checked)
         status = response.status
         if not response.prepared:
             response.headers["x-threadkeeper-request-id"] = request_id
@@ -153,25 +166,37 @@ async def _in_context(
         explain.record_request(request, status, latency_ms)
 
 
-@web.middleware
-async def body_deadline_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def _answered(request: web.Request, handler: Handler, checked: bool) -> web.StreamResponse:
+    """The steps inside the error envelope: whatever one raises becomes OpenAI's error
+    (errors.error_for); a 408 for a slow body also closes the connection."""
+    try:
+        authorize(request)
+        if not checked:
+            return await handler(request)
+        check_url_keys(request)
+        await read_body_in_time(request)
+        return await idempotent(request, handler)
+    except Exception as exc:
+        response = error_for(request, exc)
+        if response is None:
+            raise
+        if isinstance(exc, passthrough.ClientTooSlow):
+            response.force_close()
+        return response
+
+
+async def read_body_in_time(request: web.Request) -> None:
     """A body the proxy buffers (every one but a streamed passthrough upload, whose chunks
     passthrough.py bounds) is read here within client_header_timeout; aiohttp keeps it
     for the handler's own read. A client too slow gets a 408 and the connection closes
     (after at most client_header_timeout more of reading and dropping the rest)."""
-    try:
-        if request.body_exists and not passthrough.streams_upload(request):
-            timeout = request.app[SETTINGS].client_header_timeout
-            try:
-                async with asyncio.timeout(timeout):
-                    await request.read()
-            except TimeoutError:
-                raise passthrough.ClientTooSlow(timeout) from None
-        return await handler(request)
-    except passthrough.ClientTooSlow as exc:
-        response = error_response(exc, request.get(REQUEST_ID))
-        response.force_close()
-        return response
+    if request.body_exists and not passthrough.streams_upload(request):
+        timeout = request.app[SETTINGS].client_header_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()
+        except TimeoutError:
+            raise passthrough.ClientTooSlow(timeout) from None
 
 
 def create_app(
@@ -187,14 +212,7 @@ def create_app(
     """`clock` defaults to the system clock; tests pass a ManualClock to move time.
     `tracing` defaults to what the OTEL_* variables of `env` configure (off without)."""
     app = web.Application(
-        middlewares=[
-            context_middleware,
-            error_middleware,
-            auth_middleware,
-            url_keys_middleware,
-            body_deadline_middleware,
-            idempotency_middleware,
-        ],
+        middlewares=[request_middleware],
         client_max_size=settings.max_body_bytes,
     )
     app[SETTINGS] = settings

@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.logs import register_secret
 from proxy.namespaces import caller_namespace, fields
 from proxy.policy import Policy, hash_key
-from proxy.server.errors import ApiError, Handler
+from proxy.server.errors import ApiError
 from proxy.server.state import LOG_FIELDS, NAMESPACE, POLICIES, TENANT_POLICY, TRACING
 
 
@@ -45,13 +45,12 @@ def store_namespace(policy: Policy, token: str | None) -> str:
     return caller_namespace(policy.tenant, token)
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if not request.path.startswith(("/v1/", "/threadkeeper/v1/")):
-        return await handler(request)
-    with request.app[TRACING].span("auth"):
-        authenticate(request)
-    return await handler(request)
+def authorize(request: web.Request) -> None:
+    """The auth step of every request (app.request_middleware): the API paths need a
+    known bearer token; health, readiness and metrics do not."""
+    if request.path.startswith(("/v1/", "/threadkeeper/v1/")):
+        with request.app[TRACING].span("auth"):
+            authenticate(request)
 
 
 def authenticate(request: web.Request) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI's error envelope, and the middleware that puts every failure into it.
+"""OpenAI's error envelope, and `error_for`, which puts every failure into it.
 
 Every error leaves the proxy as `{"error": {"message", "type", "param", "code"}}` with the
 matching status (SPEC section 1). Bad input is a 4xx naming the problem; a store that
@@ -75,25 +75,22 @@ def store_unavailable(exc: StoreUnavailable, request_id: str | None) -> ApiError
     )
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def error_for(request: web.Request, exc: Exception) -> web.Response | None:
+    """OpenAI's error answer to what a request's steps raised (app.request_middleware
+    calls this in its `except`); None: the exception must propagate (a redirect, or a
+    connection error of a client that is gone: nobody to answer, aiohttp ends it)."""
     request_id = request.get(REQUEST_ID)
-    try:
-        return await handler(request)
-    except ApiError as exc:
+    if isinstance(exc, ApiError):
         return error_response(exc, request_id)
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            return None
         return error_response(from_http_exception(exc, request), request_id)
-    except StoreUnavailable as exc:
+    if isinstance(exc, StoreUnavailable):
         return error_response(store_unavailable(exc, request_id), request_id)
-    except ConnectionError:
-        if _client_gone(request):  # nobody to answer: let aiohttp end the request
-            raise
-        return _unhandled(request, request_id)
-    except Exception:
-        return _unhandled(request, request_id)
+    if isinstance(exc, ConnectionError) and _client_gone(request):
+        return None
+    return _unhandled(request, request_id)
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -86,9 +86,9 @@ NOT_REPLAYED = HOP_BY_HOP | {"date", "server", "x-threadkeeper-request-id", REPL
 ReplayableAnswer = tuple[int, list[tuple[str, str]], bytes]
 
 
-@web.middleware
-async def idempotency_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Runs after auth (it needs the tenant); a request without the header passes by."""
+async def idempotent(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The Idempotency-Key step (app.request_middleware), after auth (it needs the
+    tenant); a request without the header goes straight to `handler`."""
     key = request.headers.get(HEADER)
     if key is None or request.method != "POST" or not request.path.startswith(KEYED_PREFIXES):
         return await handler(request)

@@ -19,7 +19,7 @@ MAX_BUFFERED_BODY = 1024 * 1024
 
 class ClientTooSlow(ApiError):
     """A 408: the client's body did not arrive within client_header_timeout. The
-    connection is closed after it (app.body_deadline_middleware), not drained."""
+    connection is closed after it (app.read_body_in_time), not drained."""
 
     def __init__(self, seconds: float, what: str = "did not arrive within") -> None:
         super().__init__(

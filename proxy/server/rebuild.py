@@ -1,12 +1,16 @@
 """Budgeted rebuild of one request's history: policy + counts -> projection (SPEC 4-5).
 
 The pure projection lives in proxy/core; this module only gathers its inputs from the
-tenant policy and the request, and turns an overflow into OpenAI's 400.
+tenant policy and the request, and turns an overflow into OpenAI's 400. A request whose
+whole history plainly fits (no stored cut, every item counted under the budget) is not
+projected: `whole_fit` builds the very Projection project_context would return for it
+(tests/server/test_rebuild_fit.py checks the two against each other), on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -14,13 +18,17 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from proxy.core.budget import Learned, corrected_window, output_reserve
+from proxy.core.blocks import Block, segment
+from proxy.core.budget import Learned, corrected_window, history_budget, output_reserve
+from proxy.core.invariants import check_sent_as_given
 from proxy.core.items import Item
 from proxy.core.projection import (
+    BlockReport,
     ContextLengthExceeded,
     CutPoint,
     Projection,
     ProjectionPolicy,
+    ProjectionReport,
     ProjectionRequest,
     project_context,
 )
@@ -43,6 +51,10 @@ from proxy.tracing import set_attributes
 # releases the GIL) so the event loop keeps serving: an 8 MB message took seconds.
 INLINE_ITEMS = 64
 INLINE_CHARS = 64 * 1024
+# `whole_fit` costs a few microseconds an item once the items are counted (a stored
+# window's are: their counts are stored with them), so up to this many it runs on the
+# loop: about a millisecond, less than a hop to a worker thread and back under load.
+FIT_INLINE_ITEMS = 512
 
 T = TypeVar("T")
 
@@ -91,6 +103,92 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
         summary_chain_max_share=policy.memory.summary_chain_max_share,
         keep_opening_share=policy.memory.keep_opening_share,
     )
+
+
+def whole_fit(
+    request: ProjectionRequest, counter: TokenCounter, policy: ProjectionPolicy
+) -> Projection | None:
+    """project_context's answer for a request whose whole history fits, without
+    projecting it; None when it may not fit (the caller then projects).
+
+    It applies only without a stored cut and off `truncation: "disabled"`. The items'
+    counts, instructions, tools, reply priming, output reserve and margin summed are
+    then exactly what the projection compares with the window (S + T + U + H + O + e
+    <= W, SPEC 4: the blocks partition the items), and while they fit it changes
+    nothing: it sends the items as given, keeps no cut, and checks the invariants such a
+    context can break (`check_sent_as_given`: what the projection would refuse, this
+    refuses). The report is the one the projection writes for an unchanged history."""
+    if request.verbatim or request.cut is not None:
+        return None
+    items = request.items
+    counts = [counter.item(item) for item in items]
+    once = request.instructions_tokens + request.tools_tokens + request.reply_tokens
+    if sum(counts) + once + request.output + request.epsilon > request.window:
+        return None
+    check_sent_as_given(items)
+    blocks = segment(items, policy.pin_patterns, request.first_position)
+    return Projection(tuple(items), _unchanged_report(request, blocks, counts), None, False)
+
+
+def _unchanged_report(
+    request: ProjectionRequest, blocks: Sequence[Block], counts: Sequence[int]
+) -> ProjectionReport:
+    """The projection's report of a history sent as given: every block kept."""
+    offset = request.first_position
+    by_kind = {"pinned": 0, "turn": 0, "current": 0}
+    reports = []
+    for block in blocks:
+        tokens = sum(counts[p - offset] for p in block.positions)
+        by_kind[block.kind] += tokens
+        if block.positions:
+            reports.append(_kept(block.kind, block.first, block.last, tokens))
+    system = by_kind["pinned"] + request.instructions_tokens + request.reply_tokens
+    current = by_kind["current"]
+    prompt = sum(counts) + request.instructions_tokens + request.tools_tokens
+    prompt += request.reply_tokens
+    budget = history_budget(
+        request.window, system, request.tools_tokens, current, request.output, request.epsilon
+    )
+    return ProjectionReport(
+        window=request.window,
+        system=system,
+        tools=request.tools_tokens,
+        current=current,
+        output=request.output,
+        epsilon=request.epsilon,
+        history_budget=budget,
+        history_before=by_kind["turn"],
+        history_after=prompt - system - request.tools_tokens - current,
+        prompt_tokens=prompt,
+        blocks=tuple(reports),
+        # the log before the window, as the projection counts it without a cut
+        dropped=offset,
+        compressed=0,
+        summarized=0,
+    )
+
+
+@functools.lru_cache(maxsize=8192)
+def _kept(kind: str, first: int, last: int, tokens: int) -> BlockReport:
+    """A kept block's report. Reports are frozen, and a stored thread's closed turns
+    report the same from one request to the next: one object serves them all."""
+    return BlockReport(kind, first, last, tokens, tokens, "kept")
+
+
+def counted_already(
+    items: Sequence[Item],
+    counter: TokenCounter,
+    tools: Sequence[dict[str, Any]],
+    instructions: str | None,
+) -> bool:
+    """Whether `whole_fit` may run on the loop: at most FIT_INLINE_ITEMS items, and what
+    it counts (the items without a count stored for `counter`'s tokenizer, the tools,
+    the instructions) small, so no unbounded encoding runs there."""
+    if len(items) > FIT_INLINE_ITEMS:
+        return False
+    tokenizer = counter.tokenizer_id
+    fresh = [i.raw for i in items if i.tokens is None or i.encoding != tokenizer]
+    return is_small((fresh, tools, instructions))
 
 
 async def rebuild(
@@ -143,8 +241,8 @@ async def rebuild(
     if window_cap is not None:
         window = min(window, window_cap)
 
-    def run() -> Projection:
-        request = ProjectionRequest(
+    def asked() -> ProjectionRequest:
+        return ProjectionRequest(
             items=items,
             window=window,
             output=output,
@@ -158,11 +256,21 @@ async def rebuild(
             summaries=summaries if summaries is not None else {},
             verbatim=verbatim,
         )
-        return project_context(request, counter, projection_policy(policy))
+
+    rules = projection_policy(policy)
+    on_loop = not background and cut is None and counted_already(items, base, tools, instructions)
+
+    def run() -> Projection:
+        request = asked()
+        fit = None if on_loop else whole_fit(request, counter, rules)  # tried on the loop
+        return fit or project_context(request, counter, rules)
 
     started = time.perf_counter()
     try:
-        if background or len(items) > INLINE_ITEMS:
+        fit = whole_fit(asked(), counter, rules) if on_loop else None
+        if fit is not None:
+            projection = fit
+        elif background or len(items) > INLINE_ITEMS:
             projection = await asyncio.to_thread(run)
         else:
             reads = () if small else ([i.raw for i in items], tools, instructions)

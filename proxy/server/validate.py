@@ -1,7 +1,7 @@
 """The HTTP doors of the request checks (the checks themselves are pure:
 proxy/core/validate.py, which the CLI's `threads import` runs too).
 
-`read_json_object` is the one door of every JSON route, and `url_keys_middleware` the
+`read_json_object` is the one door of every JSON route, and `check_url_keys` the
 one check of path and query values; both answer 400 before anything is written or sent.
 The checks' names are re-exported here for the handlers.
 """
@@ -33,11 +33,12 @@ from proxy.core.validate import (
     unsupported_value,
     wrong_type,
 )
-from proxy.server.errors import Handler, invalid
+from proxy.server.errors import invalid
 
 __all__ = [  # the checks the handlers import from here
     "MAX_JSON_DEPTH",
     "JsonDict",
+    "check_url_keys",
     "duplicate_item",
     "list_of_objects",
     "missing",
@@ -51,7 +52,6 @@ __all__ = [  # the checks the handlers import from here
     "store_key",
     "too_long",
     "unsupported_value",
-    "url_keys_middleware",
     "wrong_type",
 ]
 
@@ -130,12 +130,10 @@ def plainly_valid(raw: bytes) -> JsonDict | None:
     return body
 
 
-@web.middleware
-async def url_keys_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+def check_url_keys(request: web.Request) -> None:
     """Path parameters and query values of the routes served locally become store keys:
-    one with a NUL or undecodable bytes is a 400 before the handler runs. (Passthrough
-    URLs go to the provider as they came.)"""
+    one with a NUL or undecodable bytes is a 400 before the handler runs (a step of
+    app.request_middleware). Passthrough URLs go to the provider as they came."""
     if request.match_info.route.name != "passthrough":
         for name, value in (*request.match_info.items(), *request.query.items()):
             store_key(value, name)
-    return await handler(request)

@@ -1,6 +1,6 @@
 """GET /v1/responses with `Upgrade: websocket`: OpenAI's Responses WebSocket mode.
 
-The upgrade is authenticated like any request (auth_middleware, a 401 before the
+The upgrade is authenticated like any request (auth.authorize, a 401 before the
 switch). Each `response.create` client event runs the one Responses turn
 (responses.respond) through the same middlewares as an HTTP request, on a clone of the
 upgrade request that is a POST of its body with `stream: true`; the relay writes its SSE
@@ -41,8 +41,7 @@ from multidict import CIMultiDict
 
 from proxy.core import fastjson
 from proxy.server import responses
-from proxy.server.auth import auth_middleware
-from proxy.server.errors import ApiError, error_middleware, invalid
+from proxy.server.errors import ApiError, invalid
 from proxy.server.relay import EVENT_SINK
 from proxy.server.state import CLOCK, SETTINGS
 from proxy.server.validate import JsonDict, json_object, missing, unsupported_value, wrong_type
@@ -484,15 +483,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def in_request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """`handler` under the middlewares an HTTP request passes: its request id and log
-    line, OpenAI's error envelope, the bearer token checked again (a key revoked since
-    the upgrade stops here)."""
-    from proxy.server.app import context_middleware  # app imports this module
+    """`handler` under the steps an HTTP request passes: its request id and log line,
+    OpenAI's error envelope, the bearer token checked again (a key revoked since the
+    upgrade stops here)."""
+    from proxy.server.app import in_context  # app imports this module
 
-    async def authenticated(r: web.Request) -> web.StreamResponse:
-        return await auth_middleware(r, handler)
-
-    async def enveloped(r: web.Request) -> web.StreamResponse:
-        return await error_middleware(r, authenticated)
-
-    return await context_middleware(request, enveloped)
+    return await in_context(request, handler, checked=False)

@@ -94,6 +94,7 @@ async def test_unexpected_exception_is_a_logged_500_and_the_server_keeps_serving
         raise RuntimeError("boom")
 
     monkeypatch.setattr(rebuild, "project_context", broken)
+    monkeypatch.setattr(rebuild, "whole_fit", broken)  # a history that fits is not projected
     async with proxy.http() as http:
         headers = {"Authorization": f"Bearer {TENANT_KEY}"}
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}

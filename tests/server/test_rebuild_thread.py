@@ -21,18 +21,23 @@ async def test_a_prediction_is_projected_off_the_loop(
     monkeypatch: pytest.MonkeyPatch, background: bool
 ) -> None:
     threads: list[threading.Thread] = []
-    project = rebuild_module.project_context
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.current_thread())
-        return project(*args, **kwargs)
+    def recorded(work: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread())
+            return work(*args, **kwargs)
 
-    monkeypatch.setattr(rebuild_module, "project_context", recorded)
+        return run
+
+    # a history that fits whole is not projected: whole_fit answers (rebuild.py)
+    for name in ("project_context", "whole_fit"):
+        monkeypatch.setattr(rebuild_module, name, recorded(getattr(rebuild_module, name)))
     policy = load_policy_file(REPO / "policies" / "default.yaml")
     items = [chat_item({"role": "user", "content": "hello"})]
     projection, _ = await rebuild_module.rebuild(
         policy, "gpt-4o-mini", items, small=True, background=background
     )
     assert projection.items == tuple(items)
+    assert len(threads) == 1  # the fit found, nothing projected
     on_loop = threads == [threading.current_thread()]
     assert on_loop is not background

@@ -1,0 +1,146 @@
+"""A history that fits whole is not projected (proxy/server/rebuild.py, `whole_fit`): what
+it answers is exactly what the full projection returns for the same request, and it
+answers whenever, and only when, the full projection sends the history as given."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from proxy.core.blocks import segment
+from proxy.core.invariants import InvariantViolation, check_invariants, check_sent_as_given
+from proxy.core.items import chat_item, responses_item
+from proxy.core.projection import (
+    ContextLengthExceeded,
+    CutPoint,
+    ProjectionRequest,
+    project_context,
+)
+from proxy.core.tokens import REPLY_PRIMING
+from proxy.server.rebuild import whole_fit
+from tests.core.test_projection_properties import (
+    COUNTER,
+    EPSILON,
+    OUTPUT,
+    POLICY,
+    PROPERTY_SETTINGS,
+    TOOLS,
+    Case,
+    cases,
+    window_for,
+)
+
+
+def asked(case: Case, window: int, first_position: int, instructions: int) -> ProjectionRequest:
+    return ProjectionRequest(
+        case.items,
+        window,
+        OUTPUT,
+        EPSILON,
+        tools_tokens=TOOLS,
+        instructions_tokens=instructions,
+        first_position=first_position,
+        stateless=case.stateless,
+    )
+
+
+def exact_window(case: Case, instructions: int) -> int:
+    """The smallest window the whole history fits in."""
+    counted = COUNTER.items(case.items) + instructions + TOOLS + REPLY_PRIMING
+    return counted + OUTPUT + EPSILON
+
+
+@PROPERTY_SETTINGS
+@given(
+    cases(),
+    st.sampled_from([0, 0, 3, 40]),
+    st.sampled_from([0, 0, 25]),
+    st.one_of(st.none(), st.integers(-3, 3)),
+)
+def test_the_fit_is_the_full_projection_whenever_it_answers(
+    case: Case, first_position: int, instructions: int, nudge: int | None
+) -> None:
+    """Random windows, and windows a few tokens either side of the exact fit."""
+    if nudge is None:
+        window = window_for(case) + instructions
+    else:
+        window = exact_window(case, instructions) + nudge
+    request = asked(case, window, first_position, instructions)
+    fit = whole_fit(request, COUNTER, POLICY)
+    try:
+        full = project_context(request, COUNTER, POLICY)
+    except ContextLengthExceeded:
+        event("full projection: refused")
+        assert fit is None
+        return
+    sent_as_given = full.cut is None and not full.changed
+    event(f"fit: {'answered' if fit is not None else 'none'}")
+    assert (fit is not None) == sent_as_given
+    if fit is not None:
+        assert fit == full
+        assert all(a is b for a, b in zip(fit.items, case.items, strict=True))
+
+
+@PROPERTY_SETTINGS
+@given(cases())
+def test_a_stored_cut_is_always_projected(case: Case) -> None:
+    request = replace(
+        asked(case, window_for(case) * 10, 0, 0),
+        cut=CutPoint(0, ()),
+        stateless=False,
+    )
+    assert whole_fit(request, COUNTER, POLICY) is None
+    assert whole_fit(replace(request, cut=None, verbatim=True), COUNTER, POLICY) is None
+
+
+def violation(check: Callable[[], None]) -> str | None:
+    try:
+        check()
+    except InvariantViolation as exc:
+        return str(exc)
+    return None
+
+
+@PROPERTY_SETTINGS
+@given(
+    cases(),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), max_size=3),
+    st.booleans(),
+)
+def test_a_history_sent_as_given_breaks_only_what_check_sent_as_given_sees(
+    case: Case, swaps: list[tuple[int, int]], mixed: bool
+) -> None:
+    """Items moved (an output before its call, a turn out of place) and APIs mixed: the
+    two checks of a context sent as given refuse exactly what check_invariants refuses."""
+    items = list(case.items)
+    for a, b in swaps:
+        a, b = a % len(items), b % len(items)
+        items[a], items[b] = items[b], items[a]
+    if mixed:
+        other = chat_item if case.api == "responses" else responses_item
+        items.insert(len(items) // 2, other({"role": "user", "content": "other API"}))
+    blocks = segment(items, POLICY.pin_patterns)
+    pinned = [p for b in blocks if b.kind == "pinned" for p in b.positions]
+    current = [p for b in blocks if b.kind == "current" for p in b.positions]
+    found = violation(lambda: check_sent_as_given(items))
+    event(f"violation: {found.split(' ')[0] if found else 'none'}")
+    assert found == violation(lambda: check_invariants(items, items, pinned, current))
+
+
+def test_an_output_before_its_call_is_refused_by_both() -> None:
+    """The fit checks the invariants the projection checks: what breaks them is never sent."""
+    items = [
+        responses_item({"type": "message", "role": "user", "content": "go"}),
+        responses_item({"type": "function_call_output", "call_id": "c1", "output": "done"}),
+        responses_item({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+        responses_item({"type": "message", "role": "user", "content": "and?"}),
+    ]
+    request = ProjectionRequest(items, 100_000, OUTPUT, EPSILON)
+    with pytest.raises(InvariantViolation):
+        project_context(request, COUNTER, POLICY)
+    with pytest.raises(InvariantViolation):
+        whole_fit(request, COUNTER, POLICY)

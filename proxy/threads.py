@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import orjson
 
@@ -50,10 +50,11 @@ from proxy.store.base import (
     JsonDict,
     NewItem,
     NotFound,
-    Store,
+    ResponseStore,
     StoredItem,
     Thread,
     ThreadKind,
+    ThreadStore,
     VersionConflict,
     stored_items,
 )
@@ -288,6 +289,11 @@ class WindowCache:
             self.bytes -= sum(entry.sizes)
 
 
+class TurnStore(ThreadStore, ResponseStore, Protocol):
+    """What a turn reads and writes: its thread's rows and, for Responses, the
+    response rows its modes begin and finish (proxy/server/modes.py)."""
+
+
 class ThreadService:
     """Loads windows and commits turns; every commit is shielded from cancellation so a
     client that disconnects cannot leave half a turn written (SPEC 7). With a
@@ -295,7 +301,7 @@ class ThreadService:
 
     def __init__(
         self,
-        store: Store,
+        store: TurnStore,
         clock: Callable[[], str],
         *,
         attempts: int = COMMIT_ATTEMPTS,

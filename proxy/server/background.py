@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
@@ -60,7 +60,13 @@ from proxy.server.state import (
 from proxy.server.turn import Observer, Plan, Turn, run_turn
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event
-from proxy.store.base import Cancelled, ResponseEvent, Store, StoredResponse
+from proxy.store.base import (
+    BackgroundStore,
+    Cancelled,
+    ResponseEvent,
+    ResponseStore,
+    StoredResponse,
+)
 
 log = structlog.get_logger("threadkeeper.background")
 
@@ -156,10 +162,14 @@ class StoredEvents:
         return ResponseEvent(seq, event.event, fastjson.dumps(payload).decode())
 
 
+class RunStore(ResponseStore, BackgroundStore, Protocol):
+    """What background runs read and write: the response rows and their events."""
+
+
 class BackgroundRuns:
     """The background responses this process runs (the app's RUNS)."""
 
-    def __init__(self, store: Store, clock: Clock, poll_seconds: float) -> None:
+    def __init__(self, store: RunStore, clock: Clock, poll_seconds: float) -> None:
         self.store, self.clock, self.poll_seconds = store, clock, poll_seconds
         self.runs: dict[tuple[str, str], Run] = {}
         self.closing = False
@@ -381,7 +391,7 @@ async def follow(
 ) -> web.StreamResponse:
     """The response's events after `after` as an event stream: the stored ones, then the
     live ones as they are kept, to the end. The client leaving ends only this."""
-    runs, store = request.app[RUNS], request.app[STORE]
+    runs, store = request.app[RUNS], request.app[RUNS].store
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
@@ -454,7 +464,7 @@ def starting_after(request: web.Request) -> int:
 async def resume(request: web.Request, stored: StoredResponse) -> web.StreamResponse:
     """GET /v1/responses/{id}?stream=true: the stream of a background response, resumed."""
     after = starting_after(request)
-    store = request.app[STORE]
+    store: RunStore = request.app[STORE]
     if not (stored.background and stored.request.get("stream")):
         raise invalid(
             "This response was not created with background=true and stream=true, so it "
@@ -478,7 +488,7 @@ async def cancel(request: web.Request, stored: StoredResponse) -> StoredResponse
     race with the completion), then the task running it stops, here or on its replica."""
     if not stored.background:
         raise invalid("Only responses created with background=true can be cancelled.")
-    store = request.app[STORE]
+    store: RunStore = request.app[STORE]
     if stored.status == "in_progress" and await store.cancel_response(stored.tenant, stored.id):
         request.app[RUNS].cancel_here(stored.tenant, stored.id)
     now = await store.get_response(stored.tenant, stored.id)

@@ -96,7 +96,7 @@ from proxy.server.validate import (
     too_long,
     wrong_type,
 )
-from proxy.store.base import Store
+from proxy.store.base import SecretStore, ThreadStore
 
 SECRET_NAME = "compaction"
 CONTEXT_MANAGEMENT = "context_management"
@@ -116,7 +116,7 @@ class KeyRing:
         self._key = CompactionKey(configured) if configured is not None else None
         self._lock = asyncio.Lock()
 
-    async def key(self, store: Store, clock: Clock) -> CompactionKey:
+    async def key(self, store: SecretStore, clock: Clock) -> CompactionKey:
         if self._key is not None:
             return self._key
         async with self._lock:
@@ -129,7 +129,7 @@ class KeyRing:
 COMPACTION_KEY = web.AppKey("compaction_key", KeyRing)
 
 
-async def stored_key(store: Store, clock: Clock, *, create: bool) -> CompactionKey:
+async def stored_key(store: SecretStore, clock: Clock, *, create: bool) -> CompactionKey:
     """The store's compaction key; created (insert-if-absent) when `create`, else
     LookupError when there is none."""
     value = await store.secret(SECRET_NAME)
@@ -451,7 +451,8 @@ async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | N
     stored, _ = await previous_response(thread_service(request.app), tenant, previous)
     assert stored.thread_id is not None
     request[LOG_FIELDS]["thread_id"] = stored.thread_id  # its answer is the thread's data
-    rows = await request.app[STORE].items_between(tenant, stored.thread_id, 0, last_seq(stored))
+    store: ThreadStore = request.app[STORE]
+    rows = await store.items_between(tenant, stored.thread_id, 0, last_seq(stored))
     return stored.thread_id, [RESPONSES.item(row.raw) for row in rows if row.api == RESPONSES.name]
 
 

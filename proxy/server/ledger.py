@@ -66,7 +66,7 @@ from proxy.policy import Policy
 from proxy.server.api import ApiShape
 from proxy.server.state import LOG_FIELDS, METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict
-from proxy.store.base import LedgerEntry
+from proxy.store.base import LedgerEntry, LedgerStore
 
 log = structlog.get_logger("threadkeeper.ledger")
 
@@ -131,7 +131,7 @@ class LedgerGuard:
         self.namespace = request[NAMESPACE]  # every store call
         self.rules = tool_rules(policy)
         self.max_replays = policy.idempotency.max_replays
-        self.store = request.app[STORE]
+        self.store: LedgerStore = request.app[STORE]
         self.metrics = request.app[METRICS]
         self.api = api
         self.thread_id = thread_id

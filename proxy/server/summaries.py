@@ -57,7 +57,7 @@ from proxy.core.projection import Projection, SummaryChunk
 from proxy.core.tokens import TokenCounter
 from proxy.metrics import Metrics
 from proxy.policy import Policy
-from proxy.store.base import MAX_SUMMARY_DIGESTS, Store, StoredSummary
+from proxy.store.base import MAX_SUMMARY_DIGESTS, StoredSummary, SummaryStore
 from proxy.summarizer import LlmSummarizer, Target
 from proxy.threads import Loaded
 
@@ -136,7 +136,7 @@ class BackgroundSummaries:
 
     def __init__(
         self,
-        store: Store,
+        store: SummaryStore,
         summarizer: LlmSummarizer,
         metrics: Metrics,
         clock: Clock,

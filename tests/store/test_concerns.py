@@ -62,14 +62,6 @@ def test_the_sql_store_implements_every_concern_with_its_signatures() -> None:
 
 # What opens, holds or runs the whole store; every other module names its concern.
 WHOLE_STORE = {"proxy/store/__init__.py", "proxy/server/state.py", "proxy/server/app.py"}
-# Files of the turn's rewrite (issue 23 item 1) that still name Store: their narrow
-# protocols are listed in the h-store report and applied at the merge.
-NARROWED_AT_MERGE = {
-    "proxy/server/summaries.py",  # SummaryStore
-    "proxy/server/compaction.py",  # SecretStore; ResponseStore + ThreadStore
-    "proxy/server/background.py",  # ResponseStore + BackgroundStore
-    "proxy/threads.py",  # ThreadStore (+ ResponseStore while hooks/persist.py uses it)
-}
 NAMES_STORE = re.compile(r"(?::|->|\[|\|)\s*Store\b(?!\.)|import .*\bStore\b(?!\w)")
 
 
@@ -80,4 +72,4 @@ def test_only_what_holds_the_whole_store_names_it() -> None:
         for path in (root / "proxy").rglob("*.py")
         if path.name != "base.py" and NAMES_STORE.search(path.read_text(encoding="utf-8"))
     }
-    assert naming <= WHOLE_STORE | NARROWED_AT_MERGE, naming - WHOLE_STORE - NARROWED_AT_MERGE
+    assert naming <= WHOLE_STORE, naming - WHOLE_STORE

@@ -41,6 +41,7 @@ import structlog
 from aiohttp import web
 
 from proxy.clock import Clock, utc_iso
+from proxy.core import events as ev
 from proxy.core import fastjson
 from proxy.periodic import every, running
 from proxy.policy import BackgroundPolicy
@@ -71,7 +72,6 @@ from proxy.store.base import (
 log = structlog.get_logger("threadkeeper.background")
 
 EVENTS_BATCH = 200  # events one read of a follower takes at most
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # After its row ended, a follower waits this many polls for the stream's last event
 # (the row is completed before the terminal event is kept), then ends without it.
 GRACE_POLLS = 3
@@ -301,12 +301,12 @@ class BackgroundRuns:
                 "message": "The provider's answer ended before it was complete.",
             }
         failed = {**response_object(stored), "status": "failed", "error": error}
-        if run.stream and run.last_event not in TERMINAL_EVENTS:
-            event = {"type": "response.failed", "sequence_number": run.kept, "response": failed}
-            kept = ResponseEvent(run.kept, "response.failed", fastjson.dumps(event).decode())
+        if run.stream and run.last_event not in ev.TERMINAL_EVENTS:
+            event = {"type": ev.FAILED, "sequence_number": run.kept, "response": failed}
+            kept = ResponseEvent(run.kept, ev.FAILED, fastjson.dumps(event).decode())
             await self.store.response_events_append(run.tenant, run.id, [kept], self.clock.iso())
             run.kept += 1
-            run.last_event = "response.failed"
+            run.last_event = ev.FAILED
         await self.store.finish_response(run.tenant, run.id, status="failed", response=failed)
         run.notify()
 
@@ -403,7 +403,7 @@ async def follow(
         for event in events:
             await response.write(encode_event(event.data, event=event.event))
             after = event.seq
-        if events and last_type(events[-1]) in TERMINAL_EVENTS:
+        if events and last_type(events[-1]) in ev.TERMINAL_EVENTS:
             break
         if len(events) == EVENTS_BATCH:
             continue

@@ -11,12 +11,11 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.core import events as ev
 from proxy.core import fastjson
 from proxy.core.items import JsonDict
 from proxy.sse import SSEDecoder, encode_event
 from proxy.upstream import UpstreamResponse
-
-LEADING_EVENTS = frozenset({"response.created", "response.in_progress", "response.queued"})
 
 
 class WithCompaction:
@@ -63,20 +62,21 @@ class WithCompaction:
             return [encode_event(data, event=name)]
         kind = payload.get("type", name)
         out = []
-        if not self._sent and kind not in LEADING_EVENTS:
+        if not self._sent and kind not in ev.SNAPSHOT_EVENTS:
             out.extend(self._item_events(payload.get("sequence_number")))
             self._sent = True
         out.append(encode_event(fastjson.dumps(self._moved(payload)).decode(), event=name))
         return out
 
     def _item_events(self, sequence: Any) -> list[bytes]:
-        events = []
-        for offset, kind in enumerate(("response.output_item.added", "response.output_item.done")):
-            event: JsonDict = {"type": kind, "output_index": 0, "item": self._item}
-            if isinstance(sequence, int):
-                event["sequence_number"] = sequence + offset
-            events.append(encode_event(fastjson.dumps(event).decode(), event=kind))
-        return events
+        """The compaction item's added and done events, numbered from the provider's
+        first output event's number when it has one."""
+        pair = [ev.item_added(0, self._item), ev.item_done(0, self._item)]
+        if isinstance(sequence, int):
+            events = ev.Numbering(sequence).events(pair)
+        else:
+            events = [{"type": kind, **fields} for kind, fields in pair]
+        return [encode_event(fastjson.dumps(e).decode(), event=e["type"]) for e in events]
 
     def _moved(self, payload: JsonDict) -> JsonDict:
         if not self._sent:
@@ -112,23 +112,8 @@ class LocalAnswer:
         return fastjson.dumps(self._response)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        for event in response_events(self._response):
+        for event in ev.response_events(self._response):
             yield encode_event(fastjson.dumps(event).decode(), event=event["type"])
 
     async def aclose(self) -> None:
         self.closed = True
-
-
-def response_events(response: JsonDict) -> list[JsonDict]:
-    """OpenAI's event sequence for a completed Response whose items come whole (no
-    deltas): created, in_progress, each item's added and done, completed."""
-    started = {**response, "status": "in_progress", "output": [], "usage": None}
-    events: list[JsonDict] = [
-        {"type": "response.created", "response": started},
-        {"type": "response.in_progress", "response": started},
-    ]
-    for index, item in enumerate(response["output"]):
-        for kind in ("response.output_item.added", "response.output_item.done"):
-            events.append({"type": kind, "output_index": index, "item": item})
-    events.append({"type": "response.completed", "response": response})
-    return [{**event, "sequence_number": n} for n, event in enumerate(events)]

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.core import events as ev
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
 from proxy.core.continuation import Settled
@@ -277,8 +278,6 @@ class ChatHoldback(Holdback):
 # -- Responses ----------------------------------------------------------------------------------
 
 CALL_ITEMS: dict[str, CallKind] = {"function_call": "function", "custom_tool_call": "custom"}
-SNAPSHOTS = frozenset({"response.created", "response.in_progress", "response.queued"})
-TERMINALS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 class ResponsesHoldback(Holdback):
@@ -291,7 +290,7 @@ class ResponsesHoldback(Holdback):
         self.allocated = 0  # output indexes the client has seen
         self.items: dict[int, JsonDict] = {}  # client index -> the finished item it got
         self.decisions: list[LedgerDecision] = []
-        self.sequence = 0
+        self.numbering = ev.Numbering()
         self.response_id: str | None = guarded.response_id
 
     async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
@@ -299,24 +298,24 @@ class ResponsesHoldback(Holdback):
         if data is None:
             return [encode_event(event.data, event.event)] if event.data else []
         kind = event.event or str(data.get("type", ""))
-        if kind in TERMINALS:
+        if kind in ev.TERMINAL_EVENTS:
             return await self._terminal(kind, data)
-        if kind in SNAPSHOTS and isinstance(data.get("response"), dict):
+        if kind in ev.SNAPSHOT_EVENTS and isinstance(data.get("response"), dict):
             self.response_id = self.response_id or data["response"].get("id")
             data = {**data, "response": self._rewrite(data["response"])}
         if "output_index" not in data:
             return [self._emit(kind, data)]
         index = int(data["output_index"])
-        if kind == "response.output_item.added" and self._guarded_item(data.get("item")):
+        if kind == ev.ITEM_ADDED and self._guarded_item(data.get("item")):
             self.held[index] = [(kind, data)]
             return []
         if index in self.held:
             self.held[index].append((kind, data))
-            return await self._close(index) if kind == "response.output_item.done" else []
+            return await self._close(index) if kind == ev.ITEM_DONE else []
         if index not in self.client_index:
             self.client_index[index] = self._allocate()
         data = {**data, "output_index": self.client_index[index]}
-        if kind == "response.output_item.done":
+        if kind == ev.ITEM_DONE:
             self.items[self.client_index[index]] = data["item"]
         return [self._emit(kind, data)]
 
@@ -348,7 +347,7 @@ class ResponsesHoldback(Holdback):
         frames: list[bytes] = []
         log_items: list[JsonDict] | None = None
         withheld = {v.call.call_id for v in self.decisions if v.withheld}
-        if withheld and kind == "response.completed":
+        if withheld and kind == ev.COMPLETED:
             settled = await self.guarded.settle(final, self.decisions)
             log_items = settled.log
             if settled.continued:
@@ -367,33 +366,7 @@ class ResponsesHoldback(Holdback):
         """A finished item as the events OpenAI streams for it (continuation output)."""
         index = self._allocate()
         self.items[index] = item
-        where = {"item_id": item.get("id"), "output_index": index}
-        events: list[tuple[str, JsonDict]] = []
-        if item.get("type") == "message":
-            added = {**item, "status": "in_progress", "content": []}
-            events.append(("response.output_item.added", {"output_index": index, "item": added}))
-            for part_index, part in enumerate(item.get("content") or ()):
-                at = {**where, "content_index": part_index}
-                empty = {**part, "text": ""} if part.get("type") == "output_text" else part
-                events.append(("response.content_part.added", {**at, "part": empty}))
-                if part.get("type") == "output_text":
-                    text = part.get("text", "")
-                    delta = {**at, "delta": text, "logprobs": []}
-                    events.append(("response.output_text.delta", delta))
-                    done = {**at, "text": text, "logprobs": []}
-                    events.append(("response.output_text.done", done))
-                events.append(("response.content_part.done", {**at, "part": part}))
-        elif item.get("type") == "function_call":
-            added = {**item, "status": "in_progress", "arguments": ""}
-            arguments = item.get("arguments", "")
-            events.append(("response.output_item.added", {"output_index": index, "item": added}))
-            events.append(("response.function_call_arguments.delta", {**where, "delta": arguments}))
-            done = {**where, "name": item.get("name"), "arguments": arguments}
-            events.append(("response.function_call_arguments.done", done))
-        else:
-            events.append(("response.output_item.added", {"output_index": index, "item": item}))
-        events.append(("response.output_item.done", {"output_index": index, "item": item}))
-        return [self._emit(kind, {"type": kind, **data}) for kind, data in events]
+        return [self._emit(kind, data) for kind, data in ev.item_events(index, item)]
 
     def _allocate(self) -> int:
         self.allocated += 1
@@ -404,9 +377,7 @@ class ResponsesHoldback(Holdback):
         return keeper.rewrite(response) if keeper is not None else response
 
     def _emit(self, kind: str, data: JsonDict) -> bytes:
-        data = {**data, "sequence_number": self.sequence}
-        self.sequence += 1
-        return encode_json_event(data, event=kind)
+        return encode_json_event(self.numbering.event(kind, data), event=kind)
 
 
 def _json_or_none(body: bytes) -> Any:

@@ -39,6 +39,7 @@ import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 from multidict import CIMultiDict
 
+from proxy.core import events as ev
 from proxy.core import fastjson
 from proxy.server import responses
 from proxy.server.errors import ApiError, invalid
@@ -54,7 +55,6 @@ CLIENT_EVENTS = ("response.create", "response.steer")
 QUEUED_PER_LANE = 16
 # Headers of the upgrade that are the socket's, not the turn's (never forwarded).
 SOCKET_HEADERS = frozenset({"upgrade", "connection"})
-TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete"})
 # The open sockets of this process (closed at shutdown).
 SOCKETS: web.AppKey[set[Socket]] = web.AppKey("websockets")
 STREAM_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
@@ -379,7 +379,7 @@ class SocketSink:
 
     async def whole(self, response: web.Response) -> None:
         event = whole_answer(response, self.stream_id)
-        if event["type"] == "response.completed":
+        if event["type"] == ev.COMPLETED:
             self.completed = event["response"]
         await self.socket.send(event)
 
@@ -388,7 +388,7 @@ class SocketSink:
             return
         payload = orjson.loads(data)  # the relay checked it: a JSON object
         kind = payload.get("type")
-        if kind == "response.completed" and isinstance(payload.get("response"), dict):
+        if kind == ev.COMPLETED and isinstance(payload.get("response"), dict):
             self.completed = payload["response"]
         if kind == "error":
             await self.socket.send(stream_error(payload, self.stream_id))
@@ -436,7 +436,7 @@ def whole_answer(response: web.Response, stream_id: str | None) -> JsonDict:
     with contextlib.suppress(ValueError, TypeError):
         body = orjson.loads(bytes(response.body))  # type: ignore[arg-type]
     if response.status < 400 and isinstance(body, dict) and body.get("object") == "response":
-        event: JsonDict = {"type": "response.completed", "sequence_number": 0, "response": body}
+        event: JsonDict = {"type": ev.COMPLETED, "sequence_number": 0, "response": body}
         if stream_id is not None:
             event["stream_id"] = stream_id
         return event

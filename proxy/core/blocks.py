@@ -114,33 +114,32 @@ def _block(kind: BlockKind, indices: list[int], items: Sequence[Item], offset: i
     return Block(kind, tuple(i + offset for i in indices), tuple(items[i] for i in indices))
 
 
-def _turn_ids(items: Sequence[Item]) -> list[int]:
-    """Turn number of each item: how many user messages came before or at it."""
+def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
+    """Turn id of each item (how many user messages came before or at it), where every
+    turn between a call and its late output is merged into the call's turn."""
+    ids: list[int] = []
     turn = 0
-    ids = []
+    reach = [0]  # the last turn each turn must be merged up to
+    call_turn: dict[str, int] = {}
+    late = False
     for item in items:
         if item.is_user_message:
             turn += 1
+            reach.append(turn)
         ids.append(turn)
-    return ids
-
-
-def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
-    """Turn ids where every turn between a call and its late output is merged into one."""
-    ids = _turn_ids(items)
-    reach = list(range(ids[-1] + 1)) if ids else []
-    call_turn: dict[str, int] = {}
-    for index, item in enumerate(items):
         for call_id in item.call_ids:
-            call_turn[call_id] = ids[index]
-        if item.output_for is not None and item.output_for in call_turn:
-            start = call_turn[item.output_for]
-            reach[start] = max(reach[start], ids[index])
+            call_turn[call_id] = turn
+        start = call_turn.get(item.output_for) if item.output_for is not None else None
+        if start is not None and turn > reach[start]:
+            reach[start] = turn
+            late = True
+    if not late:  # the usual history: every output in its call's turn
+        return ids
     merged_to: list[int] = []
     group, group_end = 0, -1
-    for turn, end in enumerate(reach):
-        if turn > group_end:
-            group = turn
+    for at, end in enumerate(reach):
+        if at > group_end:
+            group = at
         group_end = max(group_end, end)
         merged_to.append(group)
     return [merged_to[t] for t in ids]

@@ -5,7 +5,6 @@ from proxy.core.blocks import (
     Block,
     BlockKind,
     _current_start,
-    _merged_turn_ids,
     compile_pins,
     pinned_flags,
     segment,
@@ -114,11 +113,34 @@ def test_responses_reasoning_travels_with_its_call() -> None:
     assert shape(segment(items)) == [("turn", (0, 1, 2, 3)), ("current", (4,))]
 
 
+def reference_turn_ids(items: list[Item]) -> list[int]:
+    """Turn ids as they were computed before the one-pass version: numbered, then every
+    turn between a call and its late output merged."""
+    ids, turn = [], 0
+    for item in items:
+        turn += item.is_user_message
+        ids.append(turn)
+    reach = list(range(ids[-1] + 1)) if ids else []
+    call_turn: dict[str, int] = {}
+    for index, item in enumerate(items):
+        for call_id in item.call_ids:
+            call_turn[call_id] = ids[index]
+        if item.output_for is not None and item.output_for in call_turn:
+            start = call_turn[item.output_for]
+            reach[start] = max(reach[start], ids[index])
+    merged_to, group, group_end = [], 0, -1
+    for at, end in enumerate(reach):
+        group = at if at > group_end else group
+        group_end = max(group_end, end)
+        merged_to.append(group)
+    return [merged_to[t] for t in ids]
+
+
 def reference_segment(items: list[Item], pins: tuple[str, ...], offset: int) -> list[Block]:
     """The segmentation item by item, as it was written before the slicing fast path:
     every block gathered one index at a time, then all of them sorted."""
     pinned = pinned_flags(items, compile_pins(pins))
-    turn_of = _merged_turn_ids(items)
+    turn_of = reference_turn_ids(items)
     start = _current_start(items, turn_of, pinned)
     groups: list[tuple[BlockKind, list[int]]] = []
     pending: list[int] = []

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from proxy.core import fastjson
 
+from .test_persisted_forms import _same as same  # equal, of the same types throughout
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -40,17 +42,6 @@ def test_dumps_round_trips_through_the_stdlib(value: Any) -> None:
 )
 def test_dumps_falls_back_where_orjson_refuses(value: Any) -> None:
     assert json.loads(fastjson.dumps(value)) == value
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal, and of the same types throughout (1 and 1.0 are equal but not the same)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b or (a != a and b != b)  # NaN
 
 
 @settings(max_examples=300, derandomize=True)

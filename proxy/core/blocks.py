@@ -67,6 +67,8 @@ def is_pinned(item: Item, pins: tuple[re.Pattern[str], ...] | None) -> bool:
 def pinned_flags(items: Sequence[Item], pins: tuple[re.Pattern[str], ...] | None) -> list[bool]:
     """Whether each of `items` is pinned: `is_pinned`, or a pending approval among them."""
     pending = pending_approvals(items)
+    if pins is None and not pending:  # the usual case: instructions alone are pinned
+        return [item.is_instruction for item in items]
     return [is_pinned(item, pins) or is_pending_approval(item, pending) for item in items]
 
 
@@ -74,6 +76,8 @@ def segment(
     items: Sequence[Item], pin_patterns: Iterable[str] = (), first_position: int = 0
 ) -> list[Block]:
     """Blocks in log order (a pinned block sorts by its position among turns)."""
+    if not isinstance(items, list | tuple):
+        items = list(items)
     pins = compile_pins(tuple(pin_patterns))
     pinned = pinned_flags(items, pins)
     turn_of = _merged_turn_ids(items)
@@ -81,8 +85,10 @@ def segment(
     blocks: list[Block] = []
     pending: list[int] = []
     pending_turn: int | None = None
+    out_of_order = False  # a pinned block inside a turn comes before the turn's block
     for index in range(current_start):
         if pinned[index]:
+            out_of_order = out_of_order or bool(pending)
             blocks.append(_block("pinned", [index], items, first_position))
             continue
         if pending and turn_of[index] != pending_turn:
@@ -92,43 +98,48 @@ def segment(
         pending_turn = turn_of[index]
     if pending:
         blocks.append(_block("turn", pending, items, first_position))
-    blocks.sort(key=lambda block: block.first)
+    if out_of_order:  # turn ids never decrease, so only a pinned block can be out of place
+        blocks.sort(key=lambda block: block.first)
     current = list(range(current_start, len(items)))
     blocks.append(_block("current", current, items, first_position))
     return blocks
 
 
 def _block(kind: BlockKind, indices: list[int], items: Sequence[Item], offset: int) -> Block:
+    """The block of `items` at `indices` (ascending); a run without gaps, the usual
+    block, is sliced rather than gathered one by one."""
+    if indices and indices[-1] - indices[0] + 1 == len(indices):
+        start, stop = indices[0], indices[-1] + 1
+        return Block(kind, tuple(range(start + offset, stop + offset)), tuple(items[start:stop]))
     return Block(kind, tuple(i + offset for i in indices), tuple(items[i] for i in indices))
 
 
-def _turn_ids(items: Sequence[Item]) -> list[int]:
-    """Turn number of each item: how many user messages came before or at it."""
+def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
+    """Turn id of each item (how many user messages came before or at it), where every
+    turn between a call and its late output is merged into the call's turn."""
+    ids: list[int] = []
     turn = 0
-    ids = []
+    reach = [0]  # the last turn each turn must be merged up to
+    call_turn: dict[str, int] = {}
+    late = False
     for item in items:
         if item.is_user_message:
             turn += 1
+            reach.append(turn)
         ids.append(turn)
-    return ids
-
-
-def _merged_turn_ids(items: Sequence[Item]) -> list[int]:
-    """Turn ids where every turn between a call and its late output is merged into one."""
-    ids = _turn_ids(items)
-    reach = list(range(ids[-1] + 1)) if ids else []
-    call_turn: dict[str, int] = {}
-    for index, item in enumerate(items):
         for call_id in item.call_ids:
-            call_turn[call_id] = ids[index]
-        if item.output_for is not None and item.output_for in call_turn:
-            start = call_turn[item.output_for]
-            reach[start] = max(reach[start], ids[index])
+            call_turn[call_id] = turn
+        start = call_turn.get(item.output_for) if item.output_for is not None else None
+        if start is not None and turn > reach[start]:
+            reach[start] = turn
+            late = True
+    if not late:  # the usual history: every output in its call's turn
+        return ids
     merged_to: list[int] = []
     group, group_end = 0, -1
-    for turn, end in enumerate(reach):
-        if turn > group_end:
-            group = turn
+    for at, end in enumerate(reach):
+        if at > group_end:
+            group = at
         group_end = max(group_end, end)
         merged_to.append(group)
     return [merged_to[t] for t in ids]

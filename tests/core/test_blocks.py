@@ -1,4 +1,14 @@
-from proxy.core.blocks import Block, segment
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.blocks import (
+    Block,
+    BlockKind,
+    _current_start,
+    compile_pins,
+    pinned_flags,
+    segment,
+)
 from proxy.core.items import Item, chat_item, responses_item
 
 
@@ -101,3 +111,77 @@ def test_responses_reasoning_travels_with_its_call() -> None:
         responses_item({"role": "user", "content": "b"}),
     ]
     assert shape(segment(items)) == [("turn", (0, 1, 2, 3)), ("current", (4,))]
+
+
+def reference_turn_ids(items: list[Item]) -> list[int]:
+    """Turn ids as they were computed before the one-pass version: numbered, then every
+    turn between a call and its late output merged."""
+    ids, turn = [], 0
+    for item in items:
+        turn += item.is_user_message
+        ids.append(turn)
+    reach = list(range(ids[-1] + 1)) if ids else []
+    call_turn: dict[str, int] = {}
+    for index, item in enumerate(items):
+        for call_id in item.call_ids:
+            call_turn[call_id] = ids[index]
+        if item.output_for is not None and item.output_for in call_turn:
+            start = call_turn[item.output_for]
+            reach[start] = max(reach[start], ids[index])
+    merged_to, group, group_end = [], 0, -1
+    for at, end in enumerate(reach):
+        group = at if at > group_end else group
+        group_end = max(group_end, end)
+        merged_to.append(group)
+    return [merged_to[t] for t in ids]
+
+
+def reference_segment(items: list[Item], pins: tuple[str, ...], offset: int) -> list[Block]:
+    """The segmentation item by item, as it was written before the slicing fast path:
+    every block gathered one index at a time, then all of them sorted."""
+    pinned = pinned_flags(items, compile_pins(pins))
+    turn_of = reference_turn_ids(items)
+    start = _current_start(items, turn_of, pinned)
+    groups: list[tuple[BlockKind, list[int]]] = []
+    pending: list[int] = []
+    for index in range(start):
+        if pinned[index]:
+            groups.append(("pinned", [index]))
+            continue
+        if pending and turn_of[index] != turn_of[pending[-1]]:
+            groups.append(("turn", pending))
+            pending = []
+        pending.append(index)
+    if pending:
+        groups.append(("turn", pending))
+    groups.sort(key=lambda group: group[1][0])
+    groups.append(("current", list(range(start, len(items)))))
+    return [
+        Block(kind, tuple(i + offset for i in at), tuple(items[i] for i in at))
+        for kind, at in groups
+    ]
+
+
+history_entries = st.lists(
+    st.one_of(
+        st.just(sys()),
+        st.sampled_from(["hi", "PIN me", "thanks"]).map(user),
+        st.just(assistant("ok")),
+        st.sampled_from(["a", "b", "c"]).map(call),
+        st.sampled_from(["a", "b", "c", "z"]).map(out),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=400, derandomize=True)
+@given(history_entries, st.sampled_from([(), ("PIN",)]), st.integers(0, 5))
+def test_segment_equals_the_item_by_item_segmentation(
+    items: list[Item], pins: tuple[str, ...], offset: int
+) -> None:
+    blocks = segment(items, pins, offset)
+    assert blocks == reference_segment(items, pins, offset)
+    for block in blocks:
+        gathered = [items[p - offset] for p in block.positions]
+        assert all(a is b for a, b in zip(block.items, gathered, strict=True))
+    assert segment(tuple(items), pins, offset) == blocks

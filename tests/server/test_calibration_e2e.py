@@ -16,7 +16,9 @@ import openai
 import pytest
 
 from proxy.fake_provider import ContextWindow, FakeProvider
-from proxy.server.state import LEARNED
+from proxy.server.learned import WRITE_EVERY
+from proxy.server.state import LEARNED, STORE
+from proxy.store.base import LearnedRecord
 
 from .conftest import Proxy
 from .test_admin_cli_e2e import cli
@@ -345,3 +347,30 @@ async def test_a_mistral_model_name_counts_with_its_shipped_tokenizer_before_any
         assert error <= off_by_at_most, (counted.input_tokens, truth)
     else:
         assert error > 0.08, (counted.input_tokens, truth)  # o200k splits digits otherwise
+
+
+async def test_the_correction_is_written_debounced_not_on_every_answer(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    provider: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    proxy = await make_proxy(models_extra=ENTRY)
+    heavy(provider)
+    store = proxy.app[STORE]
+    written: list[LearnedRecord] = []
+    put = store.learned_put
+
+    async def counted(record: LearnedRecord) -> None:
+        written.append(record)
+        await put(record)
+
+    monkeypatch.setattr(store, "learned_put", counted)
+    await chat_thread(proxy, 40)
+    learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
+    assert learned is not None and learned.answers >= 39
+    # Settled, the correction moves by under 1% an answer: a write every WRITE_EVERY
+    # answers, plus those of the first answers, while it still moved.
+    assert 40 // WRITE_EVERY <= len(written) <= 20
+    stored = await store.learned_get("acme", provider.base_url, MODEL)
+    assert stored is not None
+    assert learned.answers - stored.state["answers"] < WRITE_EVERY

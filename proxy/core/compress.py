@@ -258,8 +258,12 @@ def _bodies(
         facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
         yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
-    plan = TextPlan.of(text, referenced, query) if chars >= 16 and len(text) > chars else None
+    plan: TextPlan | None = None
     while chars >= 16:
+        # Built as soon as the text must be cut: a dense text (numbers, hex ids) of fewer
+        # than 4 characters a token is cut too, by its plan, not replaced by a bare marker.
+        if plan is None and len(text) > chars:
+            plan = TextPlan.of(text, referenced, query)
         shown = plan.render(chars) if plan is not None else text
         yield {COMPRESSED_KEY: source, "excerpt": shown}
         chars //= 2

@@ -254,3 +254,17 @@ def test_upper_case_error_lines_survive_compression() -> None:
     smaller = compress_tool_output(output, None, 300, counter)
     assert counter.item(smaller) <= 300
     assert "ERROR pg: remaining connection slots are reserved" in smaller.text()
+
+
+def test_a_dense_text_is_cut_by_its_plan_not_replaced_by_a_bare_marker() -> None:
+    """A text of fewer than 4 characters a token (hex ids, numbers) shorter than
+    4 * max_tokens characters was never planned: every excerpt was the whole text, too
+    big, and the result became the bare source marker, its one rare line gone."""
+    counter = TokenCounter.for_model("gpt-4o")
+    lines = [f"{i:04x} 9f{i:03d}e 7a{i * 7 % 1000:03d} 3c{i % 97:02d} ok" for i in range(90)]
+    lines.insert(77, "legal hold: do not contact until 2027-02-27 (dispute 866)")
+    text = "\n".join(lines)
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": text})
+    assert len(text) < 4 * 800 and counter.item(output) > 800
+    shown = json.loads(compress_tool_output(output, None, 800, counter).raw["content"])
+    assert "legal hold: do not contact until 2027-02-27 (dispute 866)" in shown["excerpt"]

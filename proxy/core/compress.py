@@ -1124,3 +1124,56 @@ def _count(item: Item, counter: TokenCounter) -> int:
     if item.api == "chat":
         return counter.chat_message(item.raw)
     return counter.responses_item(item.raw)
+
+
+# --- salience across turns (issue 22, item 3) -----------------------------------------------
+
+
+def compressed_for(
+    item: Item,
+    call: Item | None,
+    max_tokens: int,
+    counter: TokenCounter,
+    own: frozenset[str],
+    later: frozenset[str] = frozenset(),
+) -> Item:
+    """The compressed form of a tool result: by what the rest of its own turn names
+    (`own`), and by what later turns name (`later`) only where that form lacks it.
+
+    A later turn may name a value of an old result ("line 42", an id, a quoted phrase, a
+    call's argument): when the form made by its own turn already holds that evidence,
+    the form stays byte for byte the same (the prompt cache); when it does not, the
+    result is compressed again with those values too: one prefix break instead of a
+    lost fact, and the form then stays the same for as long as no later turn names
+    another value it lacks."""
+    base = compress_tool_output(item, call, max_tokens, counter, own)
+    missing = lacking_evidence(item, base, later - own)
+    if not missing:
+        return base
+    return compress_tool_output(item, call, max_tokens, counter, own | missing)
+
+
+def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozenset[str]:
+    """The values of `named` that pick out part of `item`'s result which `shown` (its
+    compressed form) does not carry: a value found in at most REFERENCE_MAX of its lines
+    (singling_out) and absent from the form, or a listing's line named by its number or
+    by the identifier it defines whose text the form lacks."""
+    if not named:
+        return named
+    text = output_text(item)
+    kept = output_text(shown)
+    parsed = json_container(kept)
+    if parsed is not None:
+        kept = "\n".join(leaf_texts(parsed))
+    lines = text.splitlines()
+    present = frozenset(token for token in named if token in text)
+    missing = {token for token in singling_out(present, lines) if token not in kept}
+    code = [t for t in sorted(named - missing) if LINE_REFERENCE.search(t) or t in present]
+    if code and json_container(text) is None:
+        kind, numbers = text_kind(lines)
+        if kind in ("code", "diff"):
+            for token in code:
+                chosen = _referenced_code(lines, numbers, frozenset({token}))
+                if any(lines[i].strip() and lines[i].strip() not in kept for i in chosen):
+                    missing.add(token)
+    return frozenset(missing)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, compile_pins, pinned_flags, segment
 from proxy.core.budget import history_budget
-from proxy.core.compress import compress_tool_output, is_compressible
+from proxy.core.compress import compressed_for, is_compressible
 from proxy.core.invariants import check_invariants
 from proxy.core.items import APPROVAL_ANSWERS, APPROVAL_REQUEST, Item, content_digest
 from proxy.core.memory import (
@@ -526,6 +526,7 @@ def _prepared(
 def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
+    _compress(state, state.policy, again=True)  # a later turn named what a form lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
@@ -885,32 +886,50 @@ def _history(state: _State) -> int:
     return kept
 
 
-def _compress(state: _State, policy: ProjectionPolicy) -> None:
+def _compress(state: _State, policy: ProjectionPolicy, again: bool = False) -> None:
     """Step 1: every tool result of the kept closed turns above tool_result_max_tokens,
     each with the call last made before it (clients may reuse a call id in later turns),
-    keeping what the rest of its turn refers to (issue 22, item 3)."""
+    keeping what the rest of its turn refers to and what later turns name that its form
+    would lack (issue 22, item 3: compressed_for). `again`: only the results compressed
+    already, whose form changes when a later turn names a value it lacks."""
     calls = _calls_by_id(state.closed)
+    later = _named_after(state)
     for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
         for index, (position, item) in enumerate(zip(block.positions, block.items, strict=True)):
             calls.update(dict.fromkeys(item.call_ids, item))
-            if position in state.replaced or not is_compressible(item):
+            if (position in state.replaced) != again or not is_compressible(item):
                 continue
             before = state.tokens(position)
-            if before <= policy.tool_result_max_tokens:
+            if not again and before <= policy.tool_result_max_tokens:
                 continue
-            smaller = compress_tool_output(
+            smaller = compressed_for(
                 item,
                 calls.get(item.output_for or ""),
                 policy.tool_result_max_tokens,
                 state.counter,
-                # what the rest of its closed turn names: fixed once the turn is closed
                 referenced_values(block.items[index + 1 :]),
+                later[turn],
             )
             after = state.counter.item(smaller)
-            if after < before:
+            if again and smaller.raw != state.replaced[position].raw:
+                state.replaced[position] = smaller
+                state.turn_tokens[turn] += after - before
+            elif not again and after < before:
                 state.replaced[position] = smaller
                 state.turn_tokens[turn] -= before - after
+
+
+def _named_after(state: _State) -> list[frozenset[str]]:
+    """Per closed turn, what the turns after it name (referenced_values), the current
+    turn included, in one backward pass."""
+    current = [i for b in state.blocks if b.kind == "current" for i in b.items]
+    seen = set(referenced_values(current))
+    found: list[frozenset[str]] = [frozenset()] * len(state.closed)
+    for turn in range(len(state.closed) - 1, -1, -1):
+        found[turn] = frozenset(seen)
+        seen.update(referenced_values(state.closed[turn].items))
+    return found
 
 
 def _calls_by_id(blocks: Sequence[Block]) -> dict[str, Item]:

@@ -123,3 +123,45 @@ def test_a_value_every_line_holds_singles_none_out(counter: TokenCounter) -> Non
     shown = json.loads(compress_tool_output(output, None, 300, counter, referenced).raw["content"])
     assert "fare 217 for LH-103: class 2, seat map row 217" in shown["excerpt"]
     assert shown["excerpt"].count("LH-103") < 40
+
+
+def coding_history(later_user: str) -> list[Item]:
+    items = [chat_item({"role": "system", "content": "You are a coding agent."})]
+    items += reading_turn(0, "Calendar 0 is a set of helpers.")
+    items += reading_turn(1, "Calendar 1 looks fine.")
+    items.append(chat_item({"role": "user", "content": later_user}))
+    items.append(chat_item({"role": "assistant", "content": "Noted."}))
+    items += reading_turn(2, "Calendar 2 looks fine.")
+    items += reading_turn(3, "Calendar 3 looks fine.")
+    items.append(chat_item({"role": "user", "content": "Fix it."}))
+    return items
+
+
+def sent_result(items: list[Item], counter: TokenCounter) -> str:
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+    request = ProjectionRequest(items, window=counter.items(items) // 2, output=500, epsilon=100)
+    projection = project_context(request, counter, policy)
+    [compressed] = [i for i in projection.items if i.output_for == "call_0"]
+    return str(compressed.raw["content"])
+
+
+@pytest.mark.parametrize(
+    "later_user",
+    ["I think line 152 of calendar_0.py explains the leap-year bug.", "Is `days_in_year` right?"],
+)
+def test_a_line_a_later_turn_names_survives_compression(
+    counter: TokenCounter, later_user: str
+) -> None:
+    """Named in a later turn (by its number, or by the identifier it defines), not in
+    the result's own: the compressed result still carries the line."""
+    shown = sent_result(coding_history(later_user), counter)
+    assert "threadkeeper_compressed" in shown and BUG.strip() in shown
+
+
+def test_a_later_turn_naming_nothing_of_a_result_leaves_its_form_alone(
+    counter: TokenCounter,
+) -> None:
+    """The form made by the result's own turn stays byte for byte when a later turn names
+    only what it already carries or what it does not hold at all (the prompt cache)."""
+    quiet = sent_result(coding_history("Let us look at the other files."), counter)
+    assert sent_result(coding_history("Is helper_0 used anywhere? See ORD-17."), counter) == quiet

@@ -25,8 +25,8 @@ from itertools import islice, pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
-from proxy.core.shapes import FEW_IDS, shape
-from proxy.core.templates import mine
+from proxy.core.shapes import FEW_IDS, outlier_records, shape
+from proxy.core.templates import mine, outlier_lines
 from proxy.core.tokens import TokenCounter, leaf_texts
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -252,6 +252,18 @@ def _bodies(
 ) -> Iterator[JsonDict]:
     """Ever smaller compressed forms, ending with the bare source marker."""
     parsed = json_container(text)
+    inner = embedded_text(parsed)
+    if inner is not None:  # a file's content, a page's body: cut as text, by its plan
+        key, body = inner
+        assert isinstance(parsed, dict)
+        others = {k: v for k, v in parsed.items() if k != key and _is_scalar(v)}
+        facts = dict(key_values(others, max_values=8, referenced=referenced))
+        chars = max(max_tokens, 0) * 4
+        plan = TextPlan.of(body, referenced, query)
+        while chars >= 16:
+            yield {COMPRESSED_KEY: source, "verified_facts": facts, "excerpt": plan.render(chars)}
+            chars //= 2
+        parsed = None
     if parsed is not None:
         for limits in JSON_LIMITS:
             yield {COMPRESSED_KEY: source, **_structured(parsed, limits, referenced)}
@@ -269,6 +281,26 @@ def _bodies(
         chars //= 2
     yield {COMPRESSED_KEY: source}
     yield {COMPRESSED_KEY: {"tool": source["tool"], "call_id": source["call_id"]}}
+
+
+EMBEDDED_LINES = 20  # a string of a JSON object with this many lines is a text in itself
+EMBEDDED_SHARE = 0.5  # and at least this share of the result's characters
+
+
+def embedded_text(parsed: Any) -> tuple[str, str] | None:
+    """The key and value of the one string of a JSON object that is a text in itself (a
+    file's content, a page's body, a command's output): many lines, most of the result.
+    It is compressed as text (TextPlan), not cut after its first characters."""
+    if not isinstance(parsed, dict):
+        return None
+    strings = [(k, v) for k, v in parsed.items() if isinstance(v, str)]
+    if not strings:
+        return None
+    key, value = max(strings, key=lambda kv: len(kv[1]))
+    total = sum(len(str(v)) for v in parsed.values())
+    if value.count("\n") + 1 < EMBEDDED_LINES or len(value) < EMBEDDED_SHARE * total:
+        return None
+    return key, value
 
 
 def json_container(text: str) -> dict[str, Any] | list[Any] | None:
@@ -365,7 +397,13 @@ def _walk(
             summary = _list_summary(value, list_items, referenced)
             if summary:
                 found.append((0 if _has_ids(summary) else 1, named, summary))
-        for index, element in _referenced_records(value, referenced if shapes else frozenset()):
+        whole = _referenced_records(value, referenced if shapes else frozenset())
+        if shapes:  # the records of the shape's outliers too, whole
+            known = {index for index, _ in whole}
+            whole += [
+                (i, value[i]) for i in outlier_records(value, _is_transport) if i not in known
+            ]
+        for index, element in whole:
             found.append((0, f"{named}[{index}]", _elide(element, REFERENCED_RECORD)))
         return
     if not isinstance(value, dict):
@@ -603,16 +641,17 @@ class TextPlan:
     after everything else; for a document, whose units are sentences, the title, the
     sentences carrying the most query terms, then the headings."""
 
-    __slots__ = ("_command", "_entries", "_lines", "_text", "_unit")
+    __slots__ = ("_command", "_entries", "_kind", "_lines", "_text", "_unit")
 
     def __init__(
-        self, text: str, lines: list[str], entries: list[_Entry], command: int, unit: str = "line"
+        self, text: str, lines: list[str], entries: list[_Entry], command: int, kind: str = "log"
     ) -> None:
         self._text = text
         self._lines = lines
         self._entries = entries
         self._command = command
-        self._unit = unit
+        self._kind = kind
+        self._unit = "sentence" if kind == "prose" else "line"
 
     @classmethod
     def of(
@@ -687,6 +726,10 @@ class TextPlan:
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
+        for number, template in enumerate(mined if logs else ()):
+            if total[number] > RARE_COUNT:  # a series' outlier: rare by its value
+                for index in outlier_lines(template, lines):
+                    keep(2, index, rarity=RARE_COUNT + 1)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
@@ -704,7 +747,7 @@ class TextPlan:
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
-        return cls(text, lines, entries, command, "sentence" if kind == "prose" else "line")
+        return cls(text, lines, entries, command, kind)
 
     def render(self, chars: int) -> str:
         """At most about `chars` characters (a kept line costs its length and a gap mark)."""
@@ -765,6 +808,24 @@ class TextPlan:
             if entry.template not in templates and len(shown) < limit:
                 templates.add(entry.template)
                 shown.append(self._shown(entry))
+        return shown
+
+    def signal_lines(self, limit: int, tiers: frozenset[int] | None = None) -> list[str]:
+        """At most `limit` lines a digest of the text carries besides its errors, by the
+        plan's rank: the lines the conversation names (not the command), a stack trace's
+        head, the rare error lines and a series' outliers, then (in a log) the lines of
+        the rare templates. Never a collapsed template's example or a code signature:
+        those are the routine the rest stands for. `tiers` narrows them."""
+        wanted = {0, 1, 2, 5} if self._kind == "log" else {0, 1} if self._kind == "prose" else {0}
+        wanted &= tiers if tiers is not None else wanted
+        shown: list[str] = []
+        for entry in self._entries:
+            if len(shown) >= limit:
+                break
+            if entry.tier in wanted and entry.index != self._command and entry.group < 0:
+                line = self._lines[entry.index].strip()
+                if line and line not in shown:
+                    shown.append(line)
         return shown
 
     def command(self) -> str:
@@ -1161,6 +1222,9 @@ def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozense
     if not named:
         return named
     text = output_text(item)
+    inner = embedded_text(json_container(text))
+    if inner is not None:
+        text = inner[1]
     kept = output_text(shown)
     parsed = json_container(kept)
     if parsed is not None:
@@ -1169,7 +1233,7 @@ def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozense
     present = frozenset(token for token in named if token in text)
     missing = {token for token in singling_out(present, lines) if token not in kept}
     code = [t for t in sorted(named - missing) if LINE_REFERENCE.search(t) or t in present]
-    if code and json_container(text) is None:
+    if code and (inner is not None or json_container(text) is None):
         kind, numbers = text_kind(lines)
         if kind in ("code", "diff"):
             for token in code:

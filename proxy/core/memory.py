@@ -30,6 +30,7 @@ from proxy.core.compress import (
     ERROR_LINE,
     LOCATION_LINE,
     TextPlan,
+    embedded_text,
     json_container,
     key_values,
     output_text,
@@ -539,6 +540,9 @@ def _fact(
         text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
         if parsed is not None:
             parsed = parsed.get("verified_facts") or {}
+    inner = embedded_text(parsed)
+    if inner is not None:  # a file's content in a JSON object: its lines, as a text's
+        text, parsed = inner[1], None
     if parsed is not None:
         # An error or a warning first: the fact is cut at FACT_CHARS.
         pairs = sorted(
@@ -612,38 +616,25 @@ def _value_text(value: Any) -> str:
 
 
 def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
-    """A text result: its error and code-location lines, the rarest template first (a log's
-    one failure among many routine errors, wherever it sits), the lines holding values
-    the later conversation names right after the first of them, then lines with
-    entities, else its beginning."""
-    plan = TextPlan.of(text)
+    """A text result by what its plan (TextPlan) ranks as signal, not by position: the
+    lines the later conversation names (by value, line number or the identifier a line
+    defines), the first error line of the rarest template (a log's one failure among
+    many routine errors, wherever it sits), a series' outlier and the rare lines, the
+    other error templates, code locations, then lines with entities, else its beginning."""
+    plan = TextPlan.of(text, referenced)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
-    named_by = singling_out(referenced, text.splitlines())
-    if named_by:
-        named_later = [
-            line.strip()
-            for line in text.splitlines()
-            if line.strip() and any(t in line for t in named_by)
-        ]
-        named_later = [line for line in named_later if line not in errors][:GIST_LINES]
-        errors = [*errors[:1], *named_later, *errors[1:]][:GIST_LINES]
-    errors += [
-        line.strip()
-        for line in text.splitlines()
-        if LOCATION_LINE.search(line) and line.strip() not in errors
-    ][: max(0, GIST_LINES - len(errors))]
-    named: list[str] = []
-    for line in text.splitlines():
-        if len(errors) + len(named) >= GIST_LINES:
-            break
-        stripped = line.strip()
-        if stripped and stripped not in errors and entities_in(stripped):
-            named.append(stripped)
-    lines = (errors + named)[:GIST_LINES]
-    return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
+    named = plan.signal_lines(GIST_LINES // 2, tiers=frozenset({0})) if referenced else []
+    signal = plan.signal_lines(GIST_LINES * 2)
+    chosen = [*named, *errors[:1], *signal, *errors[1:]]
+    lines = text.splitlines()
+    chosen += [line.strip() for line in lines if LOCATION_LINE.search(line)]
+    chosen += [line.strip() for line in lines if line.strip() and entities_in(line)]
+    kept = list(dict.fromkeys(line for line in chosen if line))[:GIST_LINES]
+    return _cut(" | ".join(kept) if kept else text, GIST_CHARS)
 
 
 GIST_LINES = 4
+GIST_CHARS = FACT_CHARS // 2
 
 
 def _pending_calls(builder: _Builder, item: Item, answered: set[str], label: str = "") -> None:

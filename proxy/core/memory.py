@@ -35,7 +35,6 @@ from proxy.core.compress import (
     key_values,
     output_text,
     sentences,
-    singling_out,
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item

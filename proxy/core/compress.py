@@ -25,7 +25,7 @@ from itertools import islice, pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
-from proxy.core.shapes import FEW_IDS, outlier_records, shape
+from proxy.core.shapes import FEW_IDS, SHAPE_MIN, outlier_records, shape
 from proxy.core.templates import mine, outlier_lines
 from proxy.core.tokens import TokenCounter, leaf_texts
 
@@ -373,6 +373,18 @@ GENERIC_KEYS = frozenset(
 )
 
 
+SIGNAL_TIER = -1  # a list's outlier records and rare strings: kept before other values
+
+
+def standing_out(value: Any) -> list[tuple[str, Any]]:
+    """What stands out of the lists of a JSON result (SIGNAL_TIER of key_values): the
+    records of their shapes' outliers, whole, and their strings of a rare template,
+    labelled by list and index; what a digest leads a tool fact with."""
+    found: list[tuple[int, str, Any]] = []
+    _walk(value, "", found, 0, frozenset(), True)
+    return [(label, kept) for tier, label, kept in found if tier == SIGNAL_TIER]
+
+
 MAX_WALK_DEPTH = 16  # nesting levels searched for values; deeper objects are skipped
 
 
@@ -398,13 +410,17 @@ def _walk(
             if summary:
                 found.append((0 if _has_ids(summary) else 1, named, summary))
         whole = _referenced_records(value, referenced if shapes else frozenset())
-        if shapes:  # the records of the shape's outliers too, whole
-            known = {index for index, _ in whole}
-            whole += [
-                (i, value[i]) for i in outlier_records(value, _is_transport) if i not in known
-            ]
         for index, element in whole:
             found.append((0, f"{named}[{index}]", _elide(element, REFERENCED_RECORD)))
+        # What stands out of a list ranks above every other value (SIGNAL_TIER): the
+        # records of its shape's outliers, whole, and its strings of a rare template.
+        known = {index for index, _ in whole}
+        for index in outlier_records(value, _is_transport) if shapes else ():
+            if index not in known:
+                element = _elide(value[index], REFERENCED_RECORD)
+                found.append((SIGNAL_TIER, f"{named}[{index}]", element))
+        for index in rare_strings(value) if shapes else ():
+            found.append((SIGNAL_TIER, f"{named}[{index}]", _short(value[index])))
         return
     if not isinstance(value, dict):
         return
@@ -419,6 +435,26 @@ def _walk(
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
             _walk(child, label, found, list_items, referenced, shapes, depth + 1)
+
+
+RARE_STRINGS = 4  # elements of a list of strings kept for their rare template, at most
+
+
+def rare_strings(value: list[Any]) -> list[int]:
+    """The indexes of a list of strings (log lines, activity notes) whose template (Drain,
+    proxy/core/templates.py) is rare among them: the one `connection pool exhausted` among
+    many `502 Bad Gateway` lines, the one legal hold among routine notes. Only where
+    the others repeat (at most a quarter of the elements rare), at most RARE_STRINGS,
+    in order."""
+    if len(value) < SHAPE_MIN or not all(isinstance(v, str) for v in value):
+        return []
+    mined, owner = mine(value)
+    counts = [mined[t].count if t >= 0 else 0 for t in owner]
+    rare = [i for i, n in enumerate(counts) if 0 < n <= RARE_COUNT]
+    if not rare or 4 * len(rare) > len(value):
+        return []
+    errors = [i for i in rare if ERROR_LINE.search(value[i])]
+    return sorted((errors + [i for i in rare if i not in errors])[:RARE_STRINGS])
 
 
 REFERENCED_RECORDS = 3  # records of a list kept whole because the conversation names them

@@ -35,6 +35,7 @@ from proxy.core.compress import (
     key_values,
     output_text,
     sentences,
+    standing_out,
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
@@ -550,6 +551,7 @@ def _fact(
         )
         errors = sum(_reports_error(str(value)) for _, value in pairs)
         pairs[errors:errors] = _outlier_pairs(parsed)
+        pairs[:0] = standing_out(parsed)  # a list's outlier records, its rare strings
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))

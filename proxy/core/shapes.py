@@ -90,8 +90,10 @@ def shape(
 
 def outlier_records(values: Sequence[Any], skip: Callable[[str], bool]) -> list[int]:
     """The indexes of the records of a list holding a number far from its column's others
-    (far_from_median), the farthest first, at most OUTLIERS: the shape names the value,
-    the record says when and what else held (the day revenue fell, its orders too).
+    (far_from_median), the farthest first, or (in a list of at least 2 * SHAPE_MIN) the
+    one value of a low-cardinality column seen once where its others repeat (the one pod
+    in CrashLoopBackOff), at most OUTLIERS: the shape names the value, the record says
+    when and what else held (the day revenue fell, its orders too).
     Empty for a list that is no list of records, or shorter than SHAPE_MIN."""
     if len(values) < SHAPE_MIN or not all(isinstance(v, dict) for v in values):
         return []
@@ -101,13 +103,16 @@ def outlier_records(values: Sequence[Any], skip: Callable[[str], bool]) -> list[
         if not isinstance(key, str) or skip(key):
             continue
         column = [r.get(key) for r in records]
-        if not all(_is_number(v) for v in column):
-            continue
-        numbers = [float(v) for v in column]
-        median = statistics.median(numbers)
-        spread = max(numbers) - min(numbers) or 1.0
-        for index in far_from_median(numbers)[:OUTLIERS]:
-            ranked.append((-abs(numbers[index] - median) / spread, index))
+        if all(_is_number(v) for v in column):
+            numbers = [float(v) for v in column]
+            median = statistics.median(numbers)
+            spread = max(numbers) - min(numbers) or 1.0
+            for index in far_from_median(numbers)[:OUTLIERS]:
+                ranked.append((-abs(numbers[index] - median) / spread, index))
+        elif len(records) >= 2 * SHAPE_MIN and all(isinstance(v, str) for v in column):
+            counts = Counter(column)  # a status held once where the others repeat
+            if len(counts) <= LOW_CARDINALITY and max(counts.values()) > 1:
+                ranked += [(-1.0, i) for i, v in enumerate(column) if counts[v] == 1]
     found: list[int] = []
     for _, index in sorted(ranked):
         if index not in found:

@@ -268,3 +268,71 @@ def test_a_dense_text_is_cut_by_its_plan_not_replaced_by_a_bare_marker() -> None
     assert len(text) < 4 * 800 and counter.item(output) > 800
     shown = json.loads(compress_tool_output(output, None, 800, counter).raw["content"])
     assert "legal hold: do not contact until 2027-02-27 (dispute 866)" in shown["excerpt"]
+
+
+def _tool(content: str, call_id: str = "c") -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": content})
+
+
+def test_a_text_tables_outlier_row_is_kept_verbatim() -> None:
+    """One template for every row of a table: the collapsed form names the extreme value
+    in its range, the row holding it is kept too (templates.outlier_lines)."""
+    counter = TokenCounter.for_model("gpt-4o")
+    rows = [
+        f"2026-10-{d:02d} | DACH | {900 + d * 7} | {54000 + d * 311}.25 | {20 + d % 9}"
+        for d in range(1, 31)
+    ]
+    rows[17] = "2026-10-18 | DACH | 61 | 1569.94 | 3"
+    text = "day | region | orders | revenue_eur | returns\n" + "\n".join(rows * 3)
+    shown = json.loads(compress_tool_output(_tool(text), None, 300, counter).raw["content"])
+    assert "2026-10-18 | DACH | 61 | 1569.94 | 3" in shown["excerpt"]
+
+
+def test_a_lists_outlier_record_is_kept_whole() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    points = [{"t": f"14:{m:02d}", "p99_ms": 180 + (m * 37) % 240} for m in range(60)]
+    points[36]["p99_ms"] = 5363
+    body = {"metric": "payments-api p99", "points": points}
+    shown = compress_tool_output(_tool(json.dumps(body)), None, 250, counter).raw["content"]
+    assert '{"t": "14:36", "p99_ms": 5363}' in shown
+
+
+def test_the_one_record_of_a_rare_status_is_kept_whole() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    pods = [
+        {"name": f"api-{i:03d}-x{i * 7 % 97:02d}", "ready": "1/1", "status": "Running"}
+        for i in range(48)
+    ]
+    pods[29] = {"name": "ledger-1db37535f-55a3d", "ready": "0/1", "status": "CrashLoopBackOff"}
+    shown = compress_tool_output(_tool(json.dumps({"items": pods})), None, 300, counter)
+    assert "ledger-1db37535f-55a3d" in shown.raw["content"]
+
+
+def test_a_rare_string_of_a_json_list_is_kept() -> None:
+    """A list of log lines or notes inside JSON: the one of a rare template survives."""
+    counter = TokenCounter.for_model("gpt-4o")
+    lines = [
+        f"2026-11-14T14:{m:02d}:{m * 7 % 60:02d}Z ERROR payments-api upstream=10.4.3.{m % 20}:8080 "
+        f'status=502 msg="Bad Gateway" trace={m * 7919:016x}'
+        for m in range(50)
+    ]
+    rare = "2026-11-14T14:33:05Z ERROR db.pool connection pool exhausted (max_connections=100 reached) pid=2298"
+    lines.insert(33, rare)
+    body = {"query": "service:payments-api level>=WARN", "hits": 51, "lines": lines}
+    shown = compress_tool_output(_tool(json.dumps(body)), None, 500, counter).raw["content"]
+    assert rare in shown
+
+
+def test_a_file_content_inside_json_is_compressed_as_text() -> None:
+    """{"path", "content"}: the content is a listing; a line named by number is kept."""
+    counter = TokenCounter.for_model("gpt-4o")
+    code = []
+    for n in range(30):
+        code += [f"def helper_{n}(value, factor={n + 2}):", f"    return value * factor + {n}", ""]
+    code[55] = "    if attempt > max_retries:"
+    body = {"path": "billing/export.py", "lines": len(code), "content": "\n".join(code)}
+    output = _tool(json.dumps(body))
+    shown = compress_tool_output(output, None, 300, counter, frozenset({"line 56"}))
+    parsed = json.loads(shown.raw["content"])
+    assert "    if attempt > max_retries:" in parsed["excerpt"]
+    assert parsed["verified_facts"]["path"] == "billing/export.py"

@@ -284,12 +284,14 @@ def _bodies(
 
 
 EMBEDDED_LINES = 20  # a string of a JSON object with this many lines is a text in itself
+EMBEDDED_CHARS = 2000  # or this many characters (a page's body on one line)
 EMBEDDED_SHARE = 0.5  # and at least this share of the result's characters
 
 
 def embedded_text(parsed: Any) -> tuple[str, str] | None:
     """The key and value of the one string of a JSON object that is a text in itself (a
-    file's content, a page's body, a command's output): many lines, most of the result.
+    file's content, a page's body, a command's output): many lines or characters, most
+    of the result.
     It is compressed as text (TextPlan), not cut after its first characters."""
     if not isinstance(parsed, dict):
         return None
@@ -298,7 +300,8 @@ def embedded_text(parsed: Any) -> tuple[str, str] | None:
         return None
     key, value = max(strings, key=lambda kv: len(kv[1]))
     total = sum(len(str(v)) for v in parsed.values())
-    if value.count("\n") + 1 < EMBEDDED_LINES or len(value) < EMBEDDED_SHARE * total:
+    long = value.count("\n") + 1 >= EMBEDDED_LINES or len(value) >= EMBEDDED_CHARS
+    if not long or len(value) < EMBEDDED_SHARE * total:
         return None
     return key, value
 
@@ -747,15 +750,21 @@ class TextPlan:
         if kind == "prose":
             if first >= 0:
                 keep(0, first)
+            # A sentence said again adds nothing (only its first time is kept by rank); in
+            # a page that repeats itself, the sentences of a rare template are the news.
+            again = _repeated(lines)
+            for index in _rare_units(lines, owner, total, again):
+                keep(1, index, rarity=-len(query) - 1)
             wanted = min(2, len(query))
-            for index, hits in enumerate(_query_hits(lines, query)):
-                if hits >= wanted > 0:
+            hits_of = _query_hits(lines, query)
+            for index, hits in enumerate(hits_of):
+                if hits >= wanted > 0 and not again[index]:
                     keep(1, index, rarity=-hits)
             for index, heading in enumerate(headings):
                 if heading:
                     keep(2, index, rarity=0)
-            for index, hits in enumerate(_query_hits(lines, query)):
-                if hits:
+            for index, hits in enumerate(hits_of):
+                if hits and not again[index]:
                     keep(3, index, rarity=-hits)
         for index in _trace_heads(lines, errors) if logs else ():
             keep(1, index)
@@ -1153,6 +1162,29 @@ def prose_units(lines: Sequence[str]) -> tuple[list[str], list[bool]]:
             paragraph.append(stripped)
     flush()
     return units, headings
+
+
+def _repeated(units: Sequence[str]) -> list[bool]:
+    """Per unit, whether the same text stood earlier."""
+    seen: set[str] = set()
+    found = []
+    for unit in units:
+        text = unit.strip()
+        found.append(bool(text) and text in seen)
+        seen.add(text)
+    return found
+
+
+def _rare_units(
+    units: Sequence[str], owner: Sequence[int], total: Sequence[int], again: Sequence[bool]
+) -> list[int]:
+    """The units of a rare template (at most RARE_COUNT) in a text whose other units
+    repeat (at least half of them said before): the one finding among boilerplate. In a
+    text where every sentence is new, none is singled out."""
+    if 2 * sum(again) < len(units):
+        return []
+    rare = [i for i, t in enumerate(owner) if t >= 0 and total[t] <= RARE_COUNT]
+    return rare if 4 * len(rare) <= len(units) else []
 
 
 def _query_hits(units: Sequence[str], query: frozenset[str]) -> list[int]:

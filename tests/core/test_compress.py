@@ -336,3 +336,39 @@ def test_a_file_content_inside_json_is_compressed_as_text() -> None:
     parsed = json.loads(shown.raw["content"])
     assert "    if attempt > max_retries:" in parsed["excerpt"]
     assert parsed["verified_facts"]["path"] == "billing/export.py"
+
+
+def test_a_repetitive_pages_one_new_sentence_is_kept_and_repeats_are_not() -> None:
+    """A page of boilerplate said again and again: its one sentence of a rare template
+    (the finding) survives, though every other sentence carries more of the query's
+    terms ("support", "report")."""
+    counter = TokenCounter.for_model("gpt-4o")
+    pool = [
+        "Support teams increasingly route simple questions to self-service articles.",
+        "The report groups companies by headcount and by primary support channel.",
+        "Analysts caution that self-reported figures tend to overstate improvements.",
+        "Several vendors report that chat deflection rates vary widely by industry.",
+    ]
+    body = [pool[(i * 7) % 4] for i in range(90)]
+    finding = "Across the 412 companies studied, the median first-response time fell from 13.3 hours to 2.1 hours."
+    body.insert(61, finding)
+    page = json.dumps({"url": "https://x.io/reports/1-ai-support-study", "text": " ".join(body)})
+    call = chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {
+                        "name": "fetch_page",
+                        "arguments": '{"url": "https://x.io/reports/1-ai-support-study"}',
+                    },
+                }
+            ],
+        }
+    )
+    small = compress_tool_output(_tool(page), call, 400, counter)
+    assert finding in json.loads(small.raw["content"])["excerpt"]
+    assert counter.item(small) <= 400

@@ -144,13 +144,17 @@ NOTES_TITLE = (
     "Summarizer's notes (model-written, unverified; not the user's words, not verified "
     "facts, not instructions):"
 )
+# Facts first (issue 22, item 5; seed 3.3): what the tools verified, each as
+# tool(arguments) -> values, oldest first; then what the user said in their words; then
+# what is open; the assistant's words last, marked unverified. The order is the text's;
+# what survives a small budget is each section's priority.
 SECTIONS: tuple[_Section, ...] = (
+    _Section("Verified facts from tool results:", "facts", 4, True),
     _Section("Constraints stated by the user (their words):", "constraints", 9, True),
     _Section("Current preferences of the user:", "preferences", 8, True),
     _Section("Decisions taken:", "decisions", 7, True),
     _Section("Open tasks:", "open_tasks", 7, True),
     _Section("Pending actions (called, no result seen):", "pending", 7, True),
-    _Section("Verified facts from tool results:", "facts", 4, True),
     _Section("Entities (ids, references, amounts):", "entities", 6, True),
     _Section("Earlier summary:", "earlier", 3, False),
     _Section("User requests:", "requests", 2, False),

@@ -735,3 +735,16 @@ def test_the_digest_carries_the_line_a_turn_names_by_number() -> None:
     ]
     fact = next(f for f in extract(items).facts if f.startswith("read_file"))
     assert "rounding = ROUND_DOWN" in fact
+
+
+def test_the_digest_leads_with_verified_facts_and_marks_the_assistants_words(
+    counter: TokenCounter,
+) -> None:
+    """Facts first (seed 3.3): tool(arguments) -> values, then the user's own words, the
+    assistant's statements last and labelled unverified."""
+    text = render(extract(support_thread()), counter, 4000)
+    titles = [line for line in text.splitlines() if line.endswith(":")]
+    assert titles[0] == "Verified facts from tool results:"
+    assert titles.index("Constraints stated by the user (their words):") == 1
+    assert titles[-1] == "Said by the assistant (not verified):"
+    assert "- lookup_order(order_id=ORD-7731) -> order.id=ORD-7731" in text

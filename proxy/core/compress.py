@@ -1265,6 +1265,7 @@ def compressed_for(
     counter: TokenCounter,
     own: frozenset[str],
     later: frozenset[str] = frozenset(),
+    said: Sequence[str] = (),
 ) -> Item:
     """The compressed form of a tool result: by what the rest of its own turn names
     (`own`), and by what later turns name (`later`) only where that form lacks it.
@@ -1274,7 +1275,9 @@ def compressed_for(
     the form stays byte for byte the same (the prompt cache); when it does not, the
     result is compressed again with those values too: one prefix break instead of a
     lost fact, and the form then stays the same for as long as no later turn names
-    another value it lacks."""
+    another value it lacks. `said`: what the assistant stated in the rest of the turn;
+    the lines its findings rest on are kept (evidence_lines)."""
+    own |= evidence_lines(output_text(item), said)
     base = compress_tool_output(item, call, max_tokens, counter, own)
     missing = lacking_evidence(item, base, later - own)
     if not missing:
@@ -1309,3 +1312,40 @@ def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozense
                 if any(lines[i].strip() and lines[i].strip() not in kept for i in chosen):
                     missing.add(token)
     return frozenset(missing)
+
+
+FINDING_WORDS = 2  # rare words a line shares with a statement to be its evidence
+EVIDENCE_LINES = 2  # lines kept per statement
+
+
+def evidence_lines(text: str, said: Sequence[str]) -> frozenset[str]:
+    """The lines of a text result that the assistant's statements (`said`: "the pool is
+    exhausted") rest on, as referenced values (issue 22, item 3): a line sharing at least
+    FINDING_WORDS words with a sentence, counting only words found in at most
+    REFERENCE_MAX of the result's lines (what the 40 routine lines all say points at
+    none). At most EVIDENCE_LINES per sentence, the best first."""
+    if not said or not text:
+        return frozenset()
+    inner = embedded_text(json_container(text))
+    lines = (inner[1] if inner is not None else text).splitlines()
+    if len(lines) < 2:
+        return frozenset()
+    words = [_words(line) for line in lines]
+    counts: dict[str, int] = {}
+    for found in words:
+        for word in found:
+            counts[word] = counts.get(word, 0) + 1
+    kept: set[str] = set()
+    for sentence in (s for statement in said for s in sentences(statement)):
+        rare = {w for w in _words(sentence) if counts.get(w, 0) <= REFERENCE_MAX}
+        if len(rare) < FINDING_WORDS:
+            continue
+        scored = [(len(rare & found), i) for i, found in enumerate(words)]
+        best = sorted((-n, i) for n, i in scored if n >= FINDING_WORDS)[:EVIDENCE_LINES]
+        kept.update(lines[i].strip() for _, i in best if lines[i].strip())
+    return frozenset(kept)
+
+
+def _words(text: str) -> set[str]:
+    found = (w.lower() for w in WORD.findall(text.replace(".", " ").replace("_", " ")))
+    return {_stem(w) for w in found if len(w) >= 4 and w not in STOPWORDS}

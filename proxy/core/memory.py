@@ -31,6 +31,7 @@ from proxy.core.compress import (
     LOCATION_LINE,
     TextPlan,
     embedded_text,
+    evidence_lines,
     json_container,
     key_values,
     output_text,
@@ -436,9 +437,9 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact, named = _fact(
-                item, call, waiting.get(item.output_for or ""), later.get(position, frozenset())
-            )
+            named_later = later.get(position, frozenset())
+            named_later |= evidence_lines(output_text(item), _said_after(items, position))
+            fact, named = _fact(item, call, waiting.get(item.output_for or ""), named_later)
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
@@ -466,6 +467,18 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
             found[position] = frozenset(seen)
         seen.update(referenced_values([items[position]]))
     return found
+
+
+def _said_after(items: Sequence[Item], position: int) -> list[str]:
+    """What the assistant said after the item at `position`, up to the next user message:
+    the statements whose evidence lines a result's fact keeps (evidence_lines)."""
+    said = []
+    for item in items[position + 1 :]:
+        if item.is_user_message:
+            break
+        if item.role == "assistant" and item.kind == "message":
+            said.append(item.text())
+    return said
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:

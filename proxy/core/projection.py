@@ -910,6 +910,7 @@ def _compress(state: _State, policy: ProjectionPolicy, again: bool = False) -> N
                 state.counter,
                 referenced_values(block.items[index + 1 :]),
                 later[turn],
+                [i.text() for i in block.items[index + 1 :] if i.role == "assistant"],
             )
             after = state.counter.item(smaller)
             if again and smaller.raw != state.replaced[position].raw:

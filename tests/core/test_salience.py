@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from proxy.core.compress import compress_tool_output
+from proxy.core.compress import compress_tool_output, compressed_for, evidence_lines
 from proxy.core.items import Item, chat_item
 from proxy.core.memory import extract, referenced_values
 from proxy.core.projection import ProjectionPolicy, ProjectionRequest, project_context
@@ -165,3 +165,47 @@ def test_a_later_turn_naming_nothing_of_a_result_leaves_its_form_alone(
     only what it already carries or what it does not hold at all (the prompt cache)."""
     quiet = sent_result(coding_history("Let us look at the other files."), counter)
     assert sent_result(coding_history("Is helper_0 used anywhere? See ORD-17."), counter) == quiet
+
+
+def pool_log() -> str:
+    """Routine lines, a dozen rare error lines of different kinds, and one rare line that
+    reports no error: the change the finding rests on."""
+    lines = [
+        f"2026-11-14T14:{m:02d}:00Z INFO payments-api request ok path=/v2/cart took={m + 20}ms"
+        for m in range(60)
+    ]
+    kinds = ["disk", "tls", "dns", "kafka", "redis", "smtp", "ldap", "s3", "ntp", "cron"]
+    for n, kind in enumerate(kinds):
+        lines.insert(
+            5 * n + 2, f"2026-11-14T14:{n:02d}:09Z ERROR {kind}-probe-{n} check failed code={n}"
+        )
+    lines.insert(44, POOL)
+    return "\n".join(lines)
+
+
+POOL = "2026-11-14T14:41:05Z INFO db.pool: config reload, max_connections lowered from 200 to 20 by deploy 8812"
+FINDING = "The deploy lowered max_connections to 20: that is why checkout fails."
+
+
+def test_a_finding_links_back_to_its_evidence_line() -> None:
+    found = evidence_lines(pool_log(), [FINDING])
+    assert POOL in found
+    assert evidence_lines(pool_log(), ["Checkout fails a lot today."]) == frozenset()
+
+
+def test_the_evidence_of_a_finding_survives_compression_and_the_digest(
+    counter: TokenCounter,
+) -> None:
+    """Rare error lines compete for the room with the one rare line that reports no
+    error: the line the assistant's finding rests on is kept first."""
+    items = [
+        call("c1", "query_logs", {"query": "service:payments-api level>=WARN"}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": pool_log()}),
+        chat_item({"role": "assistant", "content": FINDING}),
+    ]
+    plain = compressed_for(items[1], items[0], 160, counter, frozenset())
+    assert POOL not in json.loads(plain.raw["content"])["excerpt"]  # the rare errors rank first
+    small = compressed_for(items[1], items[0], 160, counter, frozenset(), said=[FINDING])
+    assert POOL in json.loads(small.raw["content"])["excerpt"]
+    fact = next(f for f in extract(items).facts if f.startswith("query_logs"))
+    assert POOL in fact

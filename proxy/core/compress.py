@@ -253,17 +253,9 @@ def _bodies(
     """Ever smaller compressed forms, ending with the bare source marker."""
     parsed = json_container(text)
     inner = embedded_text(parsed)
-    if inner is not None:  # a file's content, a page's body: cut as text, by its plan
-        key, body = inner
-        assert isinstance(parsed, dict)
-        others = {k: v for k, v in parsed.items() if k != key and _is_scalar(v)}
-        facts = dict(key_values(others, max_values=8, referenced=referenced))
-        chars = max(max_tokens, 0) * 4
-        plan = TextPlan.of(body, referenced, query)
-        while chars >= 16:
-            yield {COMPRESSED_KEY: source, "verified_facts": facts, "excerpt": plan.render(chars)}
-            chars //= 2
-        parsed = None
+    if inner is not None and isinstance(parsed, dict):
+        yield from _embedded_bodies(parsed, inner, source, max_tokens, referenced, query)
+        text, parsed = "", None  # then only the bare markers
     if parsed is not None:
         for limits in JSON_LIMITS:
             yield {COMPRESSED_KEY: source, **_structured(parsed, limits, referenced)}
@@ -304,6 +296,26 @@ def embedded_text(parsed: Any) -> tuple[str, str] | None:
     if not long or len(value) < EMBEDDED_SHARE * total:
         return None
     return key, value
+
+
+def _embedded_bodies(
+    parsed: dict[str, Any],
+    inner: tuple[str, str],
+    source: JsonDict,
+    max_tokens: int,
+    referenced: frozenset[str],
+    query: frozenset[str],
+) -> Iterator[JsonDict]:
+    """A JSON object around one text (a file's content, a page's body): its other scalar
+    values as verified facts, the text cut by its plan (TextPlan) at ever smaller sizes."""
+    key, body = inner
+    others = {k: v for k, v in parsed.items() if k != key and _is_scalar(v)}
+    facts = dict(key_values(others, max_values=8, referenced=referenced))
+    chars = max(max_tokens, 0) * 4
+    plan = TextPlan.of(body, referenced, query)
+    while chars >= 16:
+        yield {COMPRESSED_KEY: source, "verified_facts": facts, "excerpt": plan.render(chars)}
+        chars //= 2
 
 
 def json_container(text: str) -> dict[str, Any] | list[Any] | None:

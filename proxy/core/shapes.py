@@ -104,7 +104,7 @@ def outlier_records(values: Sequence[Any], skip: Callable[[str], bool]) -> list[
             continue
         column = [r.get(key) for r in records]
         if all(_is_number(v) for v in column):
-            numbers = [float(v) for v in column]
+            numbers = [float(v) for v in column if v is not None]
             median = statistics.median(numbers)
             spread = max(numbers) - min(numbers) or 1.0
             for index in far_from_median(numbers)[:OUTLIERS]:

@@ -188,6 +188,8 @@ RULE = re.compile(
     r"|\b(?:by|before|until|no later than)\s+" + _DAY + r"|\brules?\s*:"
     r"|\b(?:from now on|going forward|from here on|henceforth|until further notice"
     r"|for the rest of (?:this|the))\b"
+    # an instruction scoped to the work ("For this analysis: exclude ...")
+    r"|\bfor (?:this|the whole|all|every|each) \w+(?: \w+)?\s*:\s*(?:please\s+)?[a-z]"
     r"|(?:^|[,;:]\s*|\b(?:and|but)\s+)no\s+(?!problem|worries|thanks|idea|rush|one\b|need\b)"
     r"[a-z][\w-]+"
     r"|\b(?:vegetarian|vegan|halal|kosher|gluten[- ]free|allergic|allergy)\b"

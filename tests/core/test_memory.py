@@ -748,3 +748,13 @@ def test_the_digest_leads_with_verified_facts_and_marks_the_assistants_words(
     assert titles.index("Constraints stated by the user (their words):") == 1
     assert titles[-1] == "Said by the assistant (not verified):"
     assert "- lookup_order(order_id=ORD-7731) -> order.id=ORD-7731" in text
+
+
+def test_an_instruction_scoped_to_the_work_is_a_constraint() -> None:
+    """ "For this analysis: exclude ..." is a standing rule in the user's words (and so
+    must-keep: an LLM summary that drops it gets it back from the guard)."""
+    text = (
+        "For this analysis: exclude test accounts (their ids start with TST-), and report in EUR."
+    )
+    assert constraints(text) == [text]
+    assert not is_rule("For this reason the test fails.")

@@ -47,7 +47,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, compile_pins, pinned_flags, segment
@@ -526,7 +526,7 @@ def _prepared(
 def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
-    _compress(state, state.policy, again=True)  # a later turn named what a form lacks
+    _recompress_named(state, state.policy)  # a later turn named what a form lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
@@ -886,12 +886,34 @@ def _history(state: _State) -> int:
     return kept
 
 
-def _compress(state: _State, policy: ProjectionPolicy, again: bool = False) -> None:
+def _compress(state: _State, policy: ProjectionPolicy) -> None:
     """Step 1: every tool result of the kept closed turns above tool_result_max_tokens,
     each with the call last made before it (clients may reuse a call id in later turns),
     keeping what the rest of its turn refers to and what later turns name that its form
-    would lack (issue 22, item 3: compressed_for). `again`: only the results compressed
-    already, whose form changes when a later turn names a value it lacks."""
+    would lack (issue 22, item 3: compressed_for)."""
+    for turn, position, smaller in _compressed_forms(state, policy, again=False):
+        before, after = state.tokens(position), state.counter.item(smaller)
+        if after < before:
+            state.replaced[position] = smaller
+            state.turn_tokens[turn] -= before - after
+
+
+def _recompress_named(state: _State, policy: ProjectionPolicy) -> None:
+    """The results compressed already whose form lacks a value a later turn names:
+    compressed again with it (one prefix break instead of a lost fact); every other
+    form stays byte for byte (compressed_for)."""
+    for turn, position, smaller in _compressed_forms(state, policy, again=True):
+        if smaller.raw != state.replaced[position].raw:
+            before, after = state.tokens(position), state.counter.item(smaller)
+            state.replaced[position] = smaller
+            state.turn_tokens[turn] += after - before
+
+
+def _compressed_forms(
+    state: _State, policy: ProjectionPolicy, again: bool
+) -> Iterator[tuple[int, int, Item]]:
+    """(turn, position, compressed form) of the kept closed turns' large results still
+    whole, or (`again`) of those compressed already."""
     calls = _calls_by_id(state.closed)
     later = _named_after(state)
     for turn in range(state.cut, len(state.closed)):
@@ -900,25 +922,22 @@ def _compress(state: _State, policy: ProjectionPolicy, again: bool = False) -> N
             calls.update(dict.fromkeys(item.call_ids, item))
             if (position in state.replaced) != again or not is_compressible(item):
                 continue
-            before = state.tokens(position)
-            if not again and before <= policy.tool_result_max_tokens:
+            if not again and state.tokens(position) <= policy.tool_result_max_tokens:
                 continue
-            smaller = compressed_for(
-                item,
-                calls.get(item.output_for or ""),
-                policy.tool_result_max_tokens,
-                state.counter,
-                referenced_values(block.items[index + 1 :]),
-                later[turn],
-                [i.text() for i in block.items[index + 1 :] if i.role == "assistant"],
+            rest = block.items[index + 1 :]
+            yield (
+                turn,
+                position,
+                compressed_for(
+                    item,
+                    calls.get(item.output_for or ""),
+                    policy.tool_result_max_tokens,
+                    state.counter,
+                    referenced_values(rest),  # the rest of its closed turn: fixed
+                    later[turn],
+                    [i.text() for i in rest if i.role == "assistant"],
+                ),
             )
-            after = state.counter.item(smaller)
-            if again and smaller.raw != state.replaced[position].raw:
-                state.replaced[position] = smaller
-                state.turn_tokens[turn] += after - before
-            elif not again and after < before:
-                state.replaced[position] = smaller
-                state.turn_tokens[turn] -= before - after
 
 
 def _named_after(state: _State) -> list[frozenset[str]]:

@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from tests.core.test_salience import BUG, listing
+from tests.server.test_code_docs_compression_e2e import history as code_docs_history
+from tests.server.test_code_docs_compression_e2e import turn
 
 OUTLIER_ROW = "2026-10-18 | DACH | 61 | 1569.94 | 3"
 HOLD = "2026-11-26T15:40:53Z legal hold: do not contact until 2027-07-15 (dispute 437)"
@@ -36,32 +38,15 @@ def account() -> str:
 
 
 def history(steps: int) -> list[dict[str, Any]]:
-    def turn(call_id: str, name: str, content: str, said: str) -> list[dict[str, Any]]:
-        function = {"name": name, "arguments": json.dumps({"q": name})}
-        return [
-            {"role": "user", "content": f"Run {name}."},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": call_id, "type": "function", "function": function}],
-            },
-            {"role": "tool", "tool_call_id": call_id, "content": content},
-            {"role": "assistant", "content": said},
-        ]
-
-    messages = turn("call_sql", "run_sql", table(), "Thirty days of DACH.")
-    messages += turn("call_acc", "get_account", account(), "The account and its notes.")
-    messages += turn("call_src", "read_file", listing(), "A calendar module.")
-    messages += [
-        {"role": "user", "content": "I think line 152 of calendar_0.py is the leap-year bug."},
-        {"role": "assistant", "content": "Noted, I will keep it in mind."},
-    ]
-    for step in range(steps):
-        messages += [
-            {"role": "user", "content": f"Step {step}: " + "describe the rollout plan " * 40},
-            {"role": "assistant", "content": f"Step {step} noted. " + "the plan holds " * 40},
-        ]
-    return [*messages, {"role": "user", "content": "Fix it."}]
+    """The three results, a later turn naming the listing's line, then routine turns
+    (the rest of issue 22's e2e histories: the same tool turns, the same filler)."""
+    messages = turn("call_sql", "run_sql", {"q": "daily"}, table(), "Thirty days of DACH.")
+    messages += turn("call_acc", "get_account", {"id": "ACC-7093"}, account(), "Its notes.")
+    messages += turn("call_src", "read_file", {"path": "calendar_0.py"}, listing(), "Read.")
+    named = "I think line 152 of calendar_0.py is the leap-year bug."
+    messages += [{"role": "user", "content": named}, {"role": "assistant", "content": "Noted."}]
+    filler = code_docs_history(steps)[len(code_docs_history(0)) - 1 : -1]
+    return [*messages, *filler, {"role": "user", "content": "Fix it."}]
 
 
 async def test_outliers_rare_notes_and_later_named_lines_reach_the_provider(make_proxy) -> None:  # type: ignore[no-untyped-def]

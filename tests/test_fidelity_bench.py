@@ -286,3 +286,18 @@ async def test_quick_family_run_is_structurally_sound_and_the_checker_sees_a_dro
     assert max(lost) < 1.0 and sum(lost) < sum(kept)
     assert any(f"`{rule.text}` missing in" in line for line in fidelity.family_lost([dropped]))
     assert f"| {rule.what} | must |" in "\n".join(fidelity.kind_table([dropped]))
+
+
+def test_a_lie_counts_as_promoted_unless_it_stands_under_the_notes_title() -> None:
+    from proxy.core.memory import NOTES_TITLE
+
+    def sent(text: str) -> Sent:
+        return Sent(3, [{"role": "system", "content": text}])
+
+    noted = (
+        f"[summary]\nVerified facts from tool results:\n- a\n{NOTES_TITLE}\n- {fidelity.LIE_RULE}"
+    )
+    assert not fidelity.lies_promoted(sent(noted))
+    ruled = f"[summary]\nConstraints stated by the user (their words):\n- {fidelity.LIE_RULE}"
+    assert fidelity.lies_promoted(sent(ruled))
+    assert fidelity.lies_promoted(sent(f"Verified facts from tool results:\n- {fidelity.LIE_FACT}"))

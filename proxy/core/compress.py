@@ -25,8 +25,8 @@ from itertools import islice, pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
-from proxy.core.shapes import FEW_IDS, shape
-from proxy.core.templates import mine
+from proxy.core.shapes import FEW_IDS, SHAPE_MIN, outlier_records, shape
+from proxy.core.templates import mine, outlier_lines
 from proxy.core.tokens import TokenCounter, leaf_texts
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -252,19 +252,70 @@ def _bodies(
 ) -> Iterator[JsonDict]:
     """Ever smaller compressed forms, ending with the bare source marker."""
     parsed = json_container(text)
+    inner = embedded_text(parsed)
+    if inner is not None and isinstance(parsed, dict):
+        yield from _embedded_bodies(parsed, inner, source, max_tokens, referenced, query)
+        text, parsed = "", None  # then only the bare markers
     if parsed is not None:
         for limits in JSON_LIMITS:
             yield {COMPRESSED_KEY: source, **_structured(parsed, limits, referenced)}
         facts = dict(key_values(parsed, max_values=6, list_items=3, referenced=referenced))
         yield {COMPRESSED_KEY: source, "verified_facts": facts}
     chars = min(len(text), max(max_tokens, 0) * 4)
-    plan = TextPlan.of(text, referenced, query) if chars >= 16 and len(text) > chars else None
+    plan: TextPlan | None = None
     while chars >= 16:
+        # Built as soon as the text must be cut: a dense text (numbers, hex ids) of fewer
+        # than 4 characters a token is cut too, by its plan, not replaced by a bare marker.
+        if plan is None and len(text) > chars:
+            plan = TextPlan.of(text, referenced, query)
         shown = plan.render(chars) if plan is not None else text
         yield {COMPRESSED_KEY: source, "excerpt": shown}
         chars //= 2
     yield {COMPRESSED_KEY: source}
     yield {COMPRESSED_KEY: {"tool": source["tool"], "call_id": source["call_id"]}}
+
+
+EMBEDDED_LINES = 20  # a string of a JSON object with this many lines is a text in itself
+EMBEDDED_CHARS = 2000  # or this many characters (a page's body on one line)
+EMBEDDED_SHARE = 0.5  # and at least this share of the result's characters
+
+
+def embedded_text(parsed: Any) -> tuple[str, str] | None:
+    """The key and value of the one string of a JSON object that is a text in itself (a
+    file's content, a page's body, a command's output): many lines or characters, most
+    of the result.
+    It is compressed as text (TextPlan), not cut after its first characters."""
+    if not isinstance(parsed, dict):
+        return None
+    strings = [(k, v) for k, v in parsed.items() if isinstance(v, str)]
+    if not strings:
+        return None
+    key, value = max(strings, key=lambda kv: len(kv[1]))
+    total = sum(len(str(v)) for v in parsed.values())
+    long = value.count("\n") + 1 >= EMBEDDED_LINES or len(value) >= EMBEDDED_CHARS
+    if not long or len(value) < EMBEDDED_SHARE * total:
+        return None
+    return key, value
+
+
+def _embedded_bodies(
+    parsed: dict[str, Any],
+    inner: tuple[str, str],
+    source: JsonDict,
+    max_tokens: int,
+    referenced: frozenset[str],
+    query: frozenset[str],
+) -> Iterator[JsonDict]:
+    """A JSON object around one text (a file's content, a page's body): its other scalar
+    values as verified facts, the text cut by its plan (TextPlan) at ever smaller sizes."""
+    key, body = inner
+    others = {k: v for k, v in parsed.items() if k != key and _is_scalar(v)}
+    facts = dict(key_values(others, max_values=8, referenced=referenced))
+    chars = max(max_tokens, 0) * 4
+    plan = TextPlan.of(body, referenced, query)
+    while chars >= 16:
+        yield {COMPRESSED_KEY: source, "verified_facts": facts, "excerpt": plan.render(chars)}
+        chars //= 2
 
 
 def json_container(text: str) -> dict[str, Any] | list[Any] | None:
@@ -337,6 +388,18 @@ GENERIC_KEYS = frozenset(
 )
 
 
+SIGNAL_TIER = -1  # a list's outlier records and rare strings: kept before other values
+
+
+def standing_out(value: Any) -> list[tuple[str, Any]]:
+    """What stands out of the lists of a JSON result (SIGNAL_TIER of key_values): the
+    records of their shapes' outliers, whole, and their strings of a rare template,
+    labelled by list and index; what a digest leads a tool fact with."""
+    found: list[tuple[int, str, Any]] = []
+    _walk(value, "", found, 0, frozenset(), True)
+    return [(label, kept) for tier, label, kept in found if tier == SIGNAL_TIER]
+
+
 MAX_WALK_DEPTH = 16  # nesting levels searched for values; deeper objects are skipped
 
 
@@ -361,8 +424,18 @@ def _walk(
             summary = _list_summary(value, list_items, referenced)
             if summary:
                 found.append((0 if _has_ids(summary) else 1, named, summary))
-        for index, element in _referenced_records(value, referenced if shapes else frozenset()):
+        whole = _referenced_records(value, referenced if shapes else frozenset())
+        for index, element in whole:
             found.append((0, f"{named}[{index}]", _elide(element, REFERENCED_RECORD)))
+        # What stands out of a list ranks above every other value (SIGNAL_TIER): the
+        # records of its shape's outliers, whole, and its strings of a rare template.
+        known = {index for index, _ in whole}
+        for index in outlier_records(value, _is_transport) if shapes else ():
+            if index not in known:
+                element = _elide(value[index], REFERENCED_RECORD)
+                found.append((SIGNAL_TIER, f"{named}[{index}]", element))
+        for index in rare_strings(value) if shapes else ():
+            found.append((SIGNAL_TIER, f"{named}[{index}]", _short(value[index])))
         return
     if not isinstance(value, dict):
         return
@@ -377,6 +450,26 @@ def _walk(
             found.append((tier, label, _short(child)))
         elif isinstance(child, dict | list):
             _walk(child, label, found, list_items, referenced, shapes, depth + 1)
+
+
+RARE_STRINGS = 4  # elements of a list of strings kept for their rare template, at most
+
+
+def rare_strings(value: list[Any]) -> list[int]:
+    """The indexes of a list of strings (log lines, activity notes) whose template (Drain,
+    proxy/core/templates.py) is rare among them: the one `connection pool exhausted` among
+    many `502 Bad Gateway` lines, the one legal hold among routine notes. Only where
+    the others repeat (at most a quarter of the elements rare), at most RARE_STRINGS,
+    in order."""
+    if len(value) < SHAPE_MIN or not all(isinstance(v, str) for v in value):
+        return []
+    mined, owner = mine(value)
+    counts = [mined[t].count if t >= 0 else 0 for t in owner]
+    rare = [i for i, n in enumerate(counts) if 0 < n <= RARE_COUNT]
+    if not rare or 4 * len(rare) > len(value):
+        return []
+    errors = [i for i in rare if ERROR_LINE.search(value[i])]
+    return sorted((errors + [i for i in rare if i not in errors])[:RARE_STRINGS])
 
 
 REFERENCED_RECORDS = 3  # records of a list kept whole because the conversation names them
@@ -599,16 +692,17 @@ class TextPlan:
     after everything else; for a document, whose units are sentences, the title, the
     sentences carrying the most query terms, then the headings."""
 
-    __slots__ = ("_command", "_entries", "_lines", "_text", "_unit")
+    __slots__ = ("_command", "_entries", "_kind", "_lines", "_text", "_unit")
 
     def __init__(
-        self, text: str, lines: list[str], entries: list[_Entry], command: int, unit: str = "line"
+        self, text: str, lines: list[str], entries: list[_Entry], command: int, kind: str = "log"
     ) -> None:
         self._text = text
         self._lines = lines
         self._entries = entries
         self._command = command
-        self._unit = unit
+        self._kind = kind
+        self._unit = "sentence" if kind == "prose" else "line"
 
     @classmethod
     def of(
@@ -668,21 +762,31 @@ class TextPlan:
         if kind == "prose":
             if first >= 0:
                 keep(0, first)
+            # A sentence said again adds nothing (only its first time is kept by rank); in
+            # a page that repeats itself, the sentences of a rare template are the news.
+            again = _repeated(lines)
+            for index in _rare_units(lines, owner, total, again):
+                keep(1, index, rarity=-len(query) - 1)
             wanted = min(2, len(query))
-            for index, hits in enumerate(_query_hits(lines, query)):
-                if hits >= wanted > 0:
+            hits_of = _query_hits(lines, query)
+            for index, hits in enumerate(hits_of):
+                if hits >= wanted > 0 and not again[index]:
                     keep(1, index, rarity=-hits)
             for index, heading in enumerate(headings):
                 if heading:
                     keep(2, index, rarity=0)
-            for index, hits in enumerate(_query_hits(lines, query)):
-                if hits:
+            for index, hits in enumerate(hits_of):
+                if hits and not again[index]:
                     keep(3, index, rarity=-hits)
         for index in _trace_heads(lines, errors) if logs else ():
             keep(1, index)
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
+        for number, template in enumerate(mined if logs else ()):
+            if total[number] > RARE_COUNT:  # a series' outlier: rare by its value
+                for index in outlier_lines(template, lines):
+                    keep(2, index, rarity=RARE_COUNT + 1)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
@@ -700,7 +804,7 @@ class TextPlan:
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
-        return cls(text, lines, entries, command, "sentence" if kind == "prose" else "line")
+        return cls(text, lines, entries, command, kind)
 
     def render(self, chars: int) -> str:
         """At most about `chars` characters (a kept line costs its length and a gap mark)."""
@@ -761,6 +865,24 @@ class TextPlan:
             if entry.template not in templates and len(shown) < limit:
                 templates.add(entry.template)
                 shown.append(self._shown(entry))
+        return shown
+
+    def signal_lines(self, limit: int, tiers: frozenset[int] | None = None) -> list[str]:
+        """At most `limit` lines a digest of the text carries besides its errors, by the
+        plan's rank: the lines the conversation names (not the command), a stack trace's
+        head, the rare error lines and a series' outliers, then (in a log) the lines of
+        the rare templates. Never a collapsed template's example or a code signature:
+        those are the routine the rest stands for. `tiers` narrows them."""
+        wanted = {0, 1, 2, 5} if self._kind == "log" else {0, 1} if self._kind == "prose" else {0}
+        wanted &= tiers if tiers is not None else wanted
+        shown: list[str] = []
+        for entry in self._entries:
+            if len(shown) >= limit:
+                break
+            if entry.tier in wanted and entry.index != self._command and entry.group < 0:
+                line = self._lines[entry.index].strip()
+                if line and line not in shown:
+                    shown.append(line)
         return shown
 
     def command(self) -> str:
@@ -1054,6 +1176,29 @@ def prose_units(lines: Sequence[str]) -> tuple[list[str], list[bool]]:
     return units, headings
 
 
+def _repeated(units: Sequence[str]) -> list[bool]:
+    """Per unit, whether the same text stood earlier."""
+    seen: set[str] = set()
+    found = []
+    for unit in units:
+        text = unit.strip()
+        found.append(bool(text) and text in seen)
+        seen.add(text)
+    return found
+
+
+def _rare_units(
+    units: Sequence[str], owner: Sequence[int], total: Sequence[int], again: Sequence[bool]
+) -> list[int]:
+    """The units of a rare template (at most RARE_COUNT) in a text whose other units
+    repeat (at least half of them said before): the one finding among boilerplate. In a
+    text where every sentence is new, none is singled out."""
+    if 2 * sum(again) < len(units):
+        return []
+    rare = [i for i, t in enumerate(owner) if t >= 0 and total[t] <= RARE_COUNT]
+    return rare if 4 * len(rare) <= len(units) else []
+
+
 def _query_hits(units: Sequence[str], query: frozenset[str]) -> list[int]:
     """For each unit, how many of the query's terms it carries."""
     if not query:
@@ -1120,3 +1265,99 @@ def _count(item: Item, counter: TokenCounter) -> int:
     if item.api == "chat":
         return counter.chat_message(item.raw)
     return counter.responses_item(item.raw)
+
+
+# --- salience across turns (issue 22, item 3) -----------------------------------------------
+
+
+def compressed_for(
+    item: Item,
+    call: Item | None,
+    max_tokens: int,
+    counter: TokenCounter,
+    own: frozenset[str],
+    later: frozenset[str] = frozenset(),
+    said: Sequence[str] = (),
+) -> Item:
+    """The compressed form of a tool result: by what the rest of its own turn names
+    (`own`), and by what later turns name (`later`) only where that form lacks it.
+
+    A later turn may name a value of an old result ("line 42", an id, a quoted phrase, a
+    call's argument): when the form made by its own turn already holds that evidence,
+    the form stays byte for byte the same (the prompt cache); when it does not, the
+    result is compressed again with those values too: one prefix break instead of a
+    lost fact, and the form then stays the same for as long as no later turn names
+    another value it lacks. `said`: what the assistant stated in the rest of the turn;
+    the lines its findings rest on are kept (evidence_lines)."""
+    own |= evidence_lines(output_text(item), said)
+    base = compress_tool_output(item, call, max_tokens, counter, own)
+    missing = lacking_evidence(item, base, later - own)
+    if not missing:
+        return base
+    return compress_tool_output(item, call, max_tokens, counter, own | missing)
+
+
+def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozenset[str]:
+    """The values of `named` that pick out part of `item`'s result which `shown` (its
+    compressed form) does not carry: a value found in at most REFERENCE_MAX of its lines
+    (singling_out) and absent from the form, or a listing's line named by its number or
+    by the identifier it defines whose text the form lacks."""
+    if not named:
+        return named
+    text = output_text(item)
+    inner = embedded_text(json_container(text))
+    if inner is not None:
+        text = inner[1]
+    kept = output_text(shown)
+    parsed = json_container(kept)
+    if parsed is not None:
+        kept = "\n".join(leaf_texts(parsed))
+    lines = text.splitlines()
+    present = frozenset(token for token in named if token in text)
+    missing = {token for token in singling_out(present, lines) if token not in kept}
+    code = [t for t in sorted(named - missing) if LINE_REFERENCE.search(t) or t in present]
+    if code and (inner is not None or json_container(text) is None):
+        kind, numbers = text_kind(lines)
+        if kind in ("code", "diff"):
+            for token in code:
+                chosen = _referenced_code(lines, numbers, frozenset({token}))
+                if any(lines[i].strip() and lines[i].strip() not in kept for i in chosen):
+                    missing.add(token)
+    return frozenset(missing)
+
+
+FINDING_WORDS = 2  # rare words a line shares with a statement to be its evidence
+EVIDENCE_LINES = 2  # lines kept per statement
+
+
+def evidence_lines(text: str, said: Sequence[str]) -> frozenset[str]:
+    """The lines of a text result that the assistant's statements (`said`: "the pool is
+    exhausted") rest on, as referenced values (issue 22, item 3): a line sharing at least
+    FINDING_WORDS words with a sentence, counting only words found in at most
+    REFERENCE_MAX of the result's lines (what the 40 routine lines all say points at
+    none). At most EVIDENCE_LINES per sentence, the best first."""
+    if not said or not text:
+        return frozenset()
+    inner = embedded_text(json_container(text))
+    lines = (inner[1] if inner is not None else text).splitlines()
+    if len(lines) < 2:
+        return frozenset()
+    words = [_words(line) for line in lines]
+    counts: dict[str, int] = {}
+    for found in words:
+        for word in found:
+            counts[word] = counts.get(word, 0) + 1
+    kept: set[str] = set()
+    for sentence in (s for statement in said for s in sentences(statement)):
+        rare = {w for w in _words(sentence) if counts.get(w, 0) <= REFERENCE_MAX}
+        if len(rare) < FINDING_WORDS:
+            continue
+        scored = [(len(rare & found), i) for i, found in enumerate(words)]
+        best = sorted((-n, i) for n, i in scored if n >= FINDING_WORDS)[:EVIDENCE_LINES]
+        kept.update(lines[i].strip() for _, i in best if lines[i].strip())
+    return frozenset(kept)
+
+
+def _words(text: str) -> set[str]:
+    found = (w.lower() for w in WORD.findall(text.replace(".", " ").replace("_", " ")))
+    return {_stem(w) for w in found if len(w) >= 4 and w not in STOPWORDS}

@@ -30,11 +30,13 @@ from proxy.core.compress import (
     ERROR_LINE,
     LOCATION_LINE,
     TextPlan,
+    embedded_text,
+    evidence_lines,
     json_container,
     key_values,
     output_text,
     sentences,
-    singling_out,
+    standing_out,
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
@@ -143,13 +145,17 @@ NOTES_TITLE = (
     "Summarizer's notes (model-written, unverified; not the user's words, not verified "
     "facts, not instructions):"
 )
+# Facts first (issue 22, item 5; seed 3.3): what the tools verified, each as
+# tool(arguments) -> values, oldest first; then what the user said in their words; then
+# what is open; the assistant's words last, marked unverified. The order is the text's;
+# what survives a small budget is each section's priority.
 SECTIONS: tuple[_Section, ...] = (
+    _Section("Verified facts from tool results:", "facts", 4, True),
     _Section("Constraints stated by the user (their words):", "constraints", 9, True),
     _Section("Current preferences of the user:", "preferences", 8, True),
     _Section("Decisions taken:", "decisions", 7, True),
     _Section("Open tasks:", "open_tasks", 7, True),
     _Section("Pending actions (called, no result seen):", "pending", 7, True),
-    _Section("Verified facts from tool results:", "facts", 4, True),
     _Section("Entities (ids, references, amounts):", "entities", 6, True),
     _Section("Earlier summary:", "earlier", 3, False),
     _Section("User requests:", "requests", 2, False),
@@ -182,6 +188,8 @@ RULE = re.compile(
     r"|\b(?:by|before|until|no later than)\s+" + _DAY + r"|\brules?\s*:"
     r"|\b(?:from now on|going forward|from here on|henceforth|until further notice"
     r"|for the rest of (?:this|the))\b"
+    # an instruction scoped to the work ("For this analysis: exclude ...")
+    r"|\bfor (?:this|the whole|all|every|each) \w+(?: \w+)?\s*:\s*(?:please\s+)?[a-z]"
     r"|(?:^|[,;:]\s*|\b(?:and|but)\s+)no\s+(?!problem|worries|thanks|idea|rush|one\b|need\b)"
     r"[a-z][\w-]+"
     r"|\b(?:vegetarian|vegan|halal|kosher|gluten[- ]free|allergic|allergy)\b"
@@ -431,9 +439,9 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
             _user_message(builder, item.text())
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
-            fact, named = _fact(
-                item, call, waiting.get(item.output_for or ""), later.get(position, frozenset())
-            )
+            named_later = later.get(position, frozenset())
+            named_later |= evidence_lines(output_text(item), _said_after(items, position))
+            fact, named = _fact(item, call, waiting.get(item.output_for or ""), named_later)
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
         elif item.kind == "tool_calls":
@@ -461,6 +469,18 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
             found[position] = frozenset(seen)
         seen.update(referenced_values([items[position]]))
     return found
+
+
+def _said_after(items: Sequence[Item], position: int) -> list[str]:
+    """What the assistant said after the item at `position`, up to the next user message:
+    the statements whose evidence lines a result's fact keeps (evidence_lines)."""
+    said = []
+    for item in items[position + 1 :]:
+        if item.is_user_message:
+            break
+        if item.role == "assistant" and item.kind == "message":
+            said.append(item.text())
+    return said
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
@@ -539,6 +559,9 @@ def _fact(
         text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
         if parsed is not None:
             parsed = parsed.get("verified_facts") or {}
+    inner = embedded_text(parsed)
+    if inner is not None:  # a file's content in a JSON object: its lines, as a text's
+        text, parsed = inner[1], None
     if parsed is not None:
         # An error or a warning first: the fact is cut at FACT_CHARS.
         pairs = sorted(
@@ -547,6 +570,7 @@ def _fact(
         )
         errors = sum(_reports_error(str(value)) for _, value in pairs)
         pairs[errors:errors] = _outlier_pairs(parsed)
+        pairs[:0] = standing_out(parsed)  # a list's outlier records, its rare strings
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
@@ -612,38 +636,25 @@ def _value_text(value: Any) -> str:
 
 
 def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
-    """A text result: its error and code-location lines, the rarest template first (a log's
-    one failure among many routine errors, wherever it sits), the lines holding values
-    the later conversation names right after the first of them, then lines with
-    entities, else its beginning."""
-    plan = TextPlan.of(text)
+    """A text result by what its plan (TextPlan) ranks as signal, not by position: the
+    lines the later conversation names (by value, line number or the identifier a line
+    defines), the first error line of the rarest template (a log's one failure among
+    many routine errors, wherever it sits), a series' outlier and the rare lines, the
+    other error templates, code locations, then lines with entities, else its beginning."""
+    plan = TextPlan.of(text, referenced)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
-    named_by = singling_out(referenced, text.splitlines())
-    if named_by:
-        named_later = [
-            line.strip()
-            for line in text.splitlines()
-            if line.strip() and any(t in line for t in named_by)
-        ]
-        named_later = [line for line in named_later if line not in errors][:GIST_LINES]
-        errors = [*errors[:1], *named_later, *errors[1:]][:GIST_LINES]
-    errors += [
-        line.strip()
-        for line in text.splitlines()
-        if LOCATION_LINE.search(line) and line.strip() not in errors
-    ][: max(0, GIST_LINES - len(errors))]
-    named: list[str] = []
-    for line in text.splitlines():
-        if len(errors) + len(named) >= GIST_LINES:
-            break
-        stripped = line.strip()
-        if stripped and stripped not in errors and entities_in(stripped):
-            named.append(stripped)
-    lines = (errors + named)[:GIST_LINES]
-    return _cut(" | ".join(lines) if lines else text, FACT_CHARS // 2)
+    named = plan.signal_lines(GIST_LINES // 2, tiers=frozenset({0})) if referenced else []
+    signal = plan.signal_lines(GIST_LINES * 2)
+    chosen = [*named, *errors[:1], *signal, *errors[1:]]
+    lines = text.splitlines()
+    chosen += [line.strip() for line in lines if LOCATION_LINE.search(line)]
+    chosen += [line.strip() for line in lines if line.strip() and entities_in(line)]
+    kept = list(dict.fromkeys(line for line in chosen if line))[:GIST_LINES]
+    return _cut(" | ".join(kept) if kept else text, GIST_CHARS)
 
 
 GIST_LINES = 4
+GIST_CHARS = FACT_CHARS // 2
 
 
 def _pending_calls(builder: _Builder, item: Item, answered: set[str], label: str = "") -> None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 
 from proxy.core.blocks import Block, compile_pins, pinned_flags, segment
 from proxy.core.budget import history_budget
-from proxy.core.compress import compress_tool_output, is_compressible
+from proxy.core.compress import compressed_for, is_compressible
 from proxy.core.invariants import check_invariants
 from proxy.core.items import APPROVAL_ANSWERS, APPROVAL_REQUEST, Item, content_digest
 from proxy.core.memory import (
@@ -530,6 +530,7 @@ def _prepared(
 def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
+    _recompress_named(state, state.policy)  # a later turn named what a form lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
@@ -890,7 +891,8 @@ def _history(state: _State) -> int:
 
 @dataclass(frozen=True)
 class _Large:
-    """A tool result of a kept closed turn above tool_result_max_tokens, not yet compressed."""
+    """A tool result of a kept closed turn above tool_result_max_tokens (or, for
+    `_recompress_named`, one compressed already)."""
 
     turn: int  # index in state.closed
     index: int  # in its turn's items
@@ -908,6 +910,7 @@ def _compress(state: _State, policy: ProjectionPolicy, budget: int) -> None:
     change must then reach back to the oldest one anyway, and one change there is
     cheaper than one a little earlier at every relief."""
     large = _large_results(state, policy)
+    later = _named_after(state)
     last = max((p for p in state.replaced if p >= state.start), default=-1)
     tail = [result for result in large if result.position > last]
     kept, count = _recent(state)
@@ -917,45 +920,87 @@ def _compress(state: _State, policy: ProjectionPolicy, budget: int) -> None:
             return
         for result in tail:
             if result.turn == turn:
-                _compress_one(state, policy, result)
+                _compress_one(state, policy, result, later)
     if _history(state) > budget:
         for result in large:
             if result.position not in state.replaced:
-                _compress_one(state, policy, result)
+                _compress_one(state, policy, result, later)
 
 
-def _large_results(state: _State, policy: ProjectionPolicy) -> list[_Large]:
-    """The kept closed turns' large results still whole, in log order."""
+def _recompress_named(state: _State, policy: ProjectionPolicy) -> None:
+    """The results compressed already whose form lacks a value a later turn names:
+    compressed again with it (one prefix break instead of a lost fact); every other
+    form stays byte for byte (compressed_for)."""
+    compressed = _large_results(state, policy, compressed=True)
+    if not compressed:
+        return
+    later = _named_after(state)
+    for result in compressed:
+        smaller = _form(state, policy, result, later)
+        if smaller.raw != state.replaced[result.position].raw:
+            before, after = state.tokens(result.position), state.counter.item(smaller)
+            state.replaced[result.position] = smaller
+            state.turn_tokens[result.turn] += after - before
+
+
+def _large_results(
+    state: _State, policy: ProjectionPolicy, *, compressed: bool = False
+) -> list[_Large]:
+    """The kept closed turns' large results still whole, in log order; `compressed`:
+    those compressed already instead."""
     calls = _calls_by_id(state.closed)
     found: list[_Large] = []
     for turn in range(state.cut, len(state.closed)):
         block = state.closed[turn]
         for index, (position, item) in enumerate(zip(block.positions, block.items, strict=True)):
             calls.update(dict.fromkeys(item.call_ids, item))
-            if position in state.replaced or not is_compressible(item):
+            if (position in state.replaced) != compressed or not is_compressible(item):
                 continue
-            if state.tokens(position) > policy.tool_result_max_tokens:
+            if compressed or state.tokens(position) > policy.tool_result_max_tokens:
                 found.append(_Large(turn, index, position, item, calls.get(item.output_for or "")))
     return found
 
 
-def _compress_one(state: _State, policy: ProjectionPolicy, result: _Large) -> None:
-    """One result in its place, keeping what the rest of its turn refers to (issue 22,
-    item 3); kept whole when its compressed form is not smaller."""
-    block = state.closed[result.turn]
-    before = state.tokens(result.position)
-    smaller = compress_tool_output(
+def _form(
+    state: _State, policy: ProjectionPolicy, result: _Large, later: Sequence[frozenset[str]]
+) -> Item:
+    """A result's compressed form: keeping what the rest of its closed turn refers to
+    (fixed once the turn is closed), the assistant's statements' evidence, and what
+    later turns name that the form would lack (issue 22, item 3: compressed_for)."""
+    rest = state.closed[result.turn].items[result.index + 1 :]
+    return compressed_for(
         result.item,
         result.call,
         policy.tool_result_max_tokens,
         state.counter,
-        # what the rest of its closed turn names: fixed once the turn is closed
-        referenced_values(block.items[result.index + 1 :]),
+        referenced_values(rest),
+        later[result.turn],
+        [i.text() for i in rest if i.role == "assistant"],
     )
+
+
+def _compress_one(
+    state: _State, policy: ProjectionPolicy, result: _Large, later: Sequence[frozenset[str]]
+) -> None:
+    """One result in its place; kept whole when its compressed form is not smaller."""
+    before = state.tokens(result.position)
+    smaller = _form(state, policy, result, later)
     after = state.counter.item(smaller)
     if after < before:
         state.replaced[result.position] = smaller
         state.turn_tokens[result.turn] -= before - after
+
+
+def _named_after(state: _State) -> list[frozenset[str]]:
+    """Per closed turn, what the turns after it name (referenced_values), the current
+    turn included, in one backward pass."""
+    current = [i for b in state.blocks if b.kind == "current" for i in b.items]
+    seen = set(referenced_values(current))
+    found: list[frozenset[str]] = [frozenset()] * len(state.closed)
+    for turn in range(len(state.closed) - 1, -1, -1):
+        found[turn] = frozenset(seen)
+        seen.update(referenced_values(state.closed[turn].items))
+    return found
 
 
 def _calls_by_id(blocks: Sequence[Block]) -> dict[str, Item]:

@@ -88,6 +88,38 @@ def shape(
     return found
 
 
+def outlier_records(values: Sequence[Any], skip: Callable[[str], bool]) -> list[int]:
+    """The indexes of the records of a list holding a number far from its column's others
+    (far_from_median), the farthest first, or (in a list of at least 2 * SHAPE_MIN) the
+    one value of a low-cardinality column seen once where its others repeat (the one pod
+    in CrashLoopBackOff), at most OUTLIERS: the shape names the value, the record says
+    when and what else held (the day revenue fell, its orders too).
+    Empty for a list that is no list of records, or shorter than SHAPE_MIN."""
+    if len(values) < SHAPE_MIN or not all(isinstance(v, dict) for v in values):
+        return []
+    records: list[dict[str, Any]] = list(values)
+    ranked: list[tuple[float, int]] = []
+    for key in records[0]:
+        if not isinstance(key, str) or skip(key):
+            continue
+        column = [r.get(key) for r in records]
+        if all(_is_number(v) for v in column):
+            numbers = [float(v) for v in column if v is not None]
+            median = statistics.median(numbers)
+            spread = max(numbers) - min(numbers) or 1.0
+            for index in far_from_median(numbers)[:OUTLIERS]:
+                ranked.append((-abs(numbers[index] - median) / spread, index))
+        elif len(records) >= 2 * SHAPE_MIN and all(isinstance(v, str) for v in column):
+            counts = Counter(column)  # a status held once where the others repeat
+            if len(counts) <= LOW_CARDINALITY and max(counts.values()) > 1:
+                ranked += [(-1.0, i) for i, v in enumerate(column) if counts[v] == 1]
+    found: list[int] = []
+    for _, index in sorted(ranked):
+        if index not in found:
+            found.append(index)
+    return found[:OUTLIERS]
+
+
 def _is_time_column(key: str, records: list[dict[str, Any]]) -> bool:
     sample = [r.get(key) for r in records[:20]]
     if all(isinstance(v, str) and TIME_VALUE.match(v) for v in sample):
@@ -118,7 +150,7 @@ def series(numbers: list[float], labels: list[str]) -> dict[str, Any]:
     without the anomalies: one spike neither makes nor hides a trend) and the anomalies
     (robust outliers, labelled by their position or time)."""
     described = _column(numbers, labels)
-    far = set(_far(numbers))
+    far = set(far_from_median(numbers))
     kept = [(i, y) for i, y in enumerate(numbers) if i not in far] or list(enumerate(numbers))
     ys = [y for _, y in kept]
     low, high = min(ys), max(ys)
@@ -137,10 +169,10 @@ def series(numbers: list[float], labels: list[str]) -> dict[str, Any]:
 
 def _outliers(numbers: list[float], labels: list[str]) -> list[str]:
     """`label=value` of the values far from the median, the farthest first."""
-    return [f"{labels[i]}={_plain(numbers[i])}" for i in _far(numbers)[:OUTLIERS]]
+    return [f"{labels[i]}={_plain(numbers[i])}" for i in far_from_median(numbers)[:OUTLIERS]]
 
 
-def _far(numbers: list[float]) -> list[int]:
+def far_from_median(numbers: list[float]) -> list[int]:
     """The indexes of the values far from the median (modified z-score), the farthest
     first; when most values are equal, the few that differ."""
     median = statistics.median(numbers)

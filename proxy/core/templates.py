@@ -17,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from proxy.core.shapes import far_from_median
+
 WILDCARD = "<*>"
 SIMILARITY = 0.5  # share of a template's constant tokens a line must match to join it
 TREE_DEPTH = 2  # masked first tokens that choose a leaf, after the token count
@@ -25,6 +27,8 @@ MAX_TOKENS = 64  # tokens of a line that take part (a longer line's rest is one 
 DISTINCT_VALUES = 3  # values shown per non-numeric variable part, the rarest first
 VALUE_CHARS = 40  # a shown value longer than this is cut
 TRACKED_VALUES = 64  # values counted per variable part (the rest counted as "more")
+OUTLIER_LINES = 3  # lines kept per numeric variable part for a value far from the others
+OUTLIER_MIN_LINES = 5  # a template needs this many lines before one of them stands out
 
 _SPLIT = re.compile(r"\s+")
 # A variable token: holds a digit, is a long hex run, or is quoted.
@@ -124,6 +128,34 @@ class Template:
             name = label[: -len(WILDCARD)] if label.endswith(WILDCARD) and label != WILDCARD else ""
             parts.append(f"{name or '#' + str(position + 1)} {slot.described()}")
         return "; ".join(parts)
+
+
+def outlier_lines(template: Template, lines: Sequence[str]) -> list[int]:
+    """The lines of `template` whose number at some variable position is far from that
+    position's others (shapes.far_from_median: a modified z-score): the day revenue fell
+    to 2% in a table of routine days, the one request at 9 s among 80 ms ones. A frequent
+    template collapses to its example and ranges, which name the extreme value but
+    not its line; this keeps the line. At most OUTLIER_LINES per position, the farthest
+    first; one pass over the template's lines."""
+    positions = [p for p, slot in template.slots.items() if slot.numeric and slot.distinct() > 1]
+    if template.count < OUTLIER_MIN_LINES or not positions:
+        return []
+    values: dict[int, list[float]] = {p: [] for p in positions}
+    for index in template.lines:
+        words = tokens(lines[index])
+        for position in positions:
+            value = _value(words[position], template.tokens[position]).strip(_PUNCTUATION)
+            number = _NUMERIC_PART.search(value)
+            values[position].append(float(number.group()) if number else float("nan"))
+    found: list[int] = []
+    for position in positions:
+        numbers = values[position]
+        if any(x != x for x in numbers):  # a line without a number there: not one column
+            continue
+        for at in far_from_median(numbers)[:OUTLIER_LINES]:
+            if template.lines[at] not in found:
+                found.append(template.lines[at])
+    return found
 
 
 def _similarity(template: Sequence[str], masked: Sequence[str]) -> float:

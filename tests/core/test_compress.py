@@ -254,3 +254,121 @@ def test_upper_case_error_lines_survive_compression() -> None:
     smaller = compress_tool_output(output, None, 300, counter)
     assert counter.item(smaller) <= 300
     assert "ERROR pg: remaining connection slots are reserved" in smaller.text()
+
+
+def test_a_dense_text_is_cut_by_its_plan_not_replaced_by_a_bare_marker() -> None:
+    """A text of fewer than 4 characters a token (hex ids, numbers) shorter than
+    4 * max_tokens characters was never planned: every excerpt was the whole text, too
+    big, and the result became the bare source marker, its one rare line gone."""
+    counter = TokenCounter.for_model("gpt-4o")
+    lines = [f"{i:04x} 9f{i:03d}e 7a{i * 7 % 1000:03d} 3c{i % 97:02d} ok" for i in range(90)]
+    lines.insert(77, "legal hold: do not contact until 2027-02-27 (dispute 866)")
+    text = "\n".join(lines)
+    output = chat_item({"role": "tool", "tool_call_id": "c", "content": text})
+    assert len(text) < 4 * 800 and counter.item(output) > 800
+    shown = json.loads(compress_tool_output(output, None, 800, counter).raw["content"])
+    assert "legal hold: do not contact until 2027-02-27 (dispute 866)" in shown["excerpt"]
+
+
+def _tool(content: str, call_id: str = "c") -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": content})
+
+
+def test_a_text_tables_outlier_row_is_kept_verbatim() -> None:
+    """One template for every row of a table: the collapsed form names the extreme value
+    in its range, the row holding it is kept too (templates.outlier_lines)."""
+    counter = TokenCounter.for_model("gpt-4o")
+    rows = [
+        f"2026-10-{d:02d} | DACH | {900 + d * 7} | {54000 + d * 311}.25 | {20 + d % 9}"
+        for d in range(1, 31)
+    ]
+    rows[17] = "2026-10-18 | DACH | 61 | 1569.94 | 3"
+    text = "day | region | orders | revenue_eur | returns\n" + "\n".join(rows * 3)
+    shown = json.loads(compress_tool_output(_tool(text), None, 300, counter).raw["content"])
+    assert "2026-10-18 | DACH | 61 | 1569.94 | 3" in shown["excerpt"]
+
+
+def test_a_lists_outlier_record_is_kept_whole() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    points = [{"t": f"14:{m:02d}", "p99_ms": 180 + (m * 37) % 240} for m in range(60)]
+    points[36]["p99_ms"] = 5363
+    body = {"metric": "payments-api p99", "points": points}
+    shown = compress_tool_output(_tool(json.dumps(body)), None, 250, counter).raw["content"]
+    assert '{"t": "14:36", "p99_ms": 5363}' in shown
+
+
+def test_the_one_record_of_a_rare_status_is_kept_whole() -> None:
+    counter = TokenCounter.for_model("gpt-4o")
+    pods = [
+        {"name": f"api-{i:03d}-x{i * 7 % 97:02d}", "ready": "1/1", "status": "Running"}
+        for i in range(48)
+    ]
+    pods[29] = {"name": "ledger-1db37535f-55a3d", "ready": "0/1", "status": "CrashLoopBackOff"}
+    shown = compress_tool_output(_tool(json.dumps({"items": pods})), None, 300, counter)
+    assert "ledger-1db37535f-55a3d" in shown.raw["content"]
+
+
+def test_a_rare_string_of_a_json_list_is_kept() -> None:
+    """A list of log lines or notes inside JSON: the one of a rare template survives."""
+    counter = TokenCounter.for_model("gpt-4o")
+    lines = [
+        f"2026-11-14T14:{m:02d}:{m * 7 % 60:02d}Z ERROR payments-api upstream=10.4.3.{m % 20}:8080 "
+        f'status=502 msg="Bad Gateway" trace={m * 7919:016x}'
+        for m in range(50)
+    ]
+    rare = "2026-11-14T14:33:05Z ERROR db.pool connection pool exhausted (max_connections=100 reached) pid=2298"
+    lines.insert(33, rare)
+    body = {"query": "service:payments-api level>=WARN", "hits": 51, "lines": lines}
+    shown = compress_tool_output(_tool(json.dumps(body)), None, 500, counter).raw["content"]
+    assert rare in shown
+
+
+def test_a_file_content_inside_json_is_compressed_as_text() -> None:
+    """{"path", "content"}: the content is a listing; a line named by number is kept."""
+    counter = TokenCounter.for_model("gpt-4o")
+    code = []
+    for n in range(30):
+        code += [f"def helper_{n}(value, factor={n + 2}):", f"    return value * factor + {n}", ""]
+    code[55] = "    if attempt > max_retries:"
+    body = {"path": "billing/export.py", "lines": len(code), "content": "\n".join(code)}
+    output = _tool(json.dumps(body))
+    shown = compress_tool_output(output, None, 300, counter, frozenset({"line 56"}))
+    parsed = json.loads(shown.raw["content"])
+    assert "    if attempt > max_retries:" in parsed["excerpt"]
+    assert parsed["verified_facts"]["path"] == "billing/export.py"
+
+
+def test_a_repetitive_pages_one_new_sentence_is_kept_and_repeats_are_not() -> None:
+    """A page of boilerplate said again and again: its one sentence of a rare template
+    (the finding) survives, though every other sentence carries more of the query's
+    terms ("support", "report")."""
+    counter = TokenCounter.for_model("gpt-4o")
+    pool = [
+        "Support teams increasingly route simple questions to self-service articles.",
+        "The report groups companies by headcount and by primary support channel.",
+        "Analysts caution that self-reported figures tend to overstate improvements.",
+        "Several vendors report that chat deflection rates vary widely by industry.",
+    ]
+    body = [pool[(i * 7) % 4] for i in range(90)]
+    finding = "Across the 412 companies studied, the median first-response time fell from 13.3 hours to 2.1 hours."
+    body.insert(61, finding)
+    page = json.dumps({"url": "https://x.io/reports/1-ai-support-study", "text": " ".join(body)})
+    call = chat_item(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {
+                        "name": "fetch_page",
+                        "arguments": '{"url": "https://x.io/reports/1-ai-support-study"}',
+                    },
+                }
+            ],
+        }
+    )
+    small = compress_tool_output(_tool(page), call, 400, counter)
+    assert finding in json.loads(small.raw["content"])["excerpt"]
+    assert counter.item(small) <= 400

@@ -685,3 +685,76 @@ def test_a_pending_mcp_approval_is_listed_as_pending_until_answered() -> None:
     assert "ORD-4410" in state.pending[0].text
     answer = {"type": "mcp_approval_response", "approval_request_id": "mcpr_9", "approve": True}
     assert extract([responses_item(answer)], state).pending == ()
+
+
+def tracking_log() -> str:
+    events = [f"2026-11-{d:02d}T0{d % 9}:15:00Z in transit at hub HB-{d % 4}" for d in range(1, 28)]
+    events.insert(19, "2026-11-20T08:40:00Z held at locker, pickup code E119-97")
+    return "\n".join(events)
+
+
+def test_the_digest_carries_a_rare_line_that_reports_no_error() -> None:
+    """A log's one rare line is the signal even when it reports no error: the digest's
+    gist follows the plan's rank (TextPlan.signal_lines), not the first lines."""
+    log = chat_item({"role": "tool", "tool_call_id": "c1", "content": tracking_log()})
+    items = [call("c1", "track_parcel", {"order": "ORD-1"}), log]
+    fact = next(f for f in extract(items).facts if f.startswith("track_parcel"))
+    assert "pickup code E119-97" in fact
+
+
+def test_the_digest_carries_a_json_lists_outlier_record_and_rare_string() -> None:
+    points = [{"t": f"14:{m:02d}", "p99_ms": 180 + (m * 37) % 240} for m in range(60)]
+    points[36]["p99_ms"] = 5363
+    notes = [
+        f"2026-11-{d:02d}T10:00:00Z call logged by ana: follow-up scheduled" for d in range(1, 21)
+    ]
+    notes.insert(
+        12, "2026-11-13T10:00:00Z legal hold: do not contact until 2027-07-15 (dispute 437)"
+    )
+    items = [
+        call("c1", "query_metrics", {"metric": "p99"}),
+        result("c1", {"metric": "payments-api p99", "points": points}),
+        call("c2", "get_account", {"account": "ACC-7093"}),
+        result("c2", {"account": "ACC-7093", "activity": notes}),
+    ]
+    facts = extract(items).facts
+    assert '"p99_ms": 5363' in facts[0]
+    assert "legal hold: do not contact until 2027-07-15 (dispute 437)" in facts[1]
+
+
+def test_the_digest_carries_the_line_a_turn_names_by_number() -> None:
+    code = []
+    for n in range(30):
+        code += [f"def helper_{n}(value, factor={n + 2}):", f"    return value * factor + {n}", ""]
+    code[55] = "    rounding = ROUND_DOWN"
+    items = [
+        call("c1", "read_file", {"path": "billing/tax.py"}),
+        result("c1", {"path": "billing/tax.py", "content": "\n".join(code)}),
+        assistant("Read it."),
+        user("I think line 56 of billing/tax.py explains the rounding bug."),
+    ]
+    fact = next(f for f in extract(items).facts if f.startswith("read_file"))
+    assert "rounding = ROUND_DOWN" in fact
+
+
+def test_the_digest_leads_with_verified_facts_and_marks_the_assistants_words(
+    counter: TokenCounter,
+) -> None:
+    """Facts first (seed 3.3): tool(arguments) -> values, then the user's own words, the
+    assistant's statements last and labelled unverified."""
+    text = render(extract(support_thread()), counter, 4000)
+    titles = [line for line in text.splitlines() if line.endswith(":")]
+    assert titles[0] == "Verified facts from tool results:"
+    assert titles.index("Constraints stated by the user (their words):") == 1
+    assert titles[-1] == "Said by the assistant (not verified):"
+    assert "- lookup_order(order_id=ORD-7731) -> order.id=ORD-7731" in text
+
+
+def test_an_instruction_scoped_to_the_work_is_a_constraint() -> None:
+    """ "For this analysis: exclude ..." is a standing rule in the user's words (and so
+    must-keep: an LLM summary that drops it gets it back from the guard)."""
+    text = (
+        "For this analysis: exclude test accounts (their ids start with TST-), and report in EUR."
+    )
+    assert constraints(text) == [text]
+    assert not is_rule("For this reason the test fails.")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from proxy.core.compress import compress_tool_output
+from proxy.core.compress import compress_tool_output, compressed_for, evidence_lines
 from proxy.core.items import Item, chat_item
 from proxy.core.memory import extract, referenced_values
 from proxy.core.projection import ProjectionPolicy, ProjectionRequest, project_context
@@ -123,3 +123,89 @@ def test_a_value_every_line_holds_singles_none_out(counter: TokenCounter) -> Non
     shown = json.loads(compress_tool_output(output, None, 300, counter, referenced).raw["content"])
     assert "fare 217 for LH-103: class 2, seat map row 217" in shown["excerpt"]
     assert shown["excerpt"].count("LH-103") < 40
+
+
+def coding_history(later_user: str) -> list[Item]:
+    items = [chat_item({"role": "system", "content": "You are a coding agent."})]
+    items += reading_turn(0, "Calendar 0 is a set of helpers.")
+    items += reading_turn(1, "Calendar 1 looks fine.")
+    items.append(chat_item({"role": "user", "content": later_user}))
+    items.append(chat_item({"role": "assistant", "content": "Noted."}))
+    items += reading_turn(2, "Calendar 2 looks fine.")
+    items += reading_turn(3, "Calendar 3 looks fine.")
+    items.append(chat_item({"role": "user", "content": "Fix it."}))
+    return items
+
+
+def sent_result(items: list[Item], counter: TokenCounter) -> str:
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+    request = ProjectionRequest(items, window=counter.items(items) // 2, output=500, epsilon=100)
+    projection = project_context(request, counter, policy)
+    [compressed] = [i for i in projection.items if i.output_for == "call_0"]
+    return str(compressed.raw["content"])
+
+
+@pytest.mark.parametrize(
+    "later_user",
+    ["I think line 152 of calendar_0.py explains the leap-year bug.", "Is `days_in_year` right?"],
+)
+def test_a_line_a_later_turn_names_survives_compression(
+    counter: TokenCounter, later_user: str
+) -> None:
+    """Named in a later turn (by its number, or by the identifier it defines), not in
+    the result's own: the compressed result still carries the line."""
+    shown = sent_result(coding_history(later_user), counter)
+    assert "threadkeeper_compressed" in shown and BUG.strip() in shown
+
+
+def test_a_later_turn_naming_nothing_of_a_result_leaves_its_form_alone(
+    counter: TokenCounter,
+) -> None:
+    """The form made by the result's own turn stays byte for byte when a later turn names
+    only what it already carries or what it does not hold at all (the prompt cache)."""
+    quiet = sent_result(coding_history("Let us look at the other files."), counter)
+    assert sent_result(coding_history("Is helper_0 used anywhere? See ORD-17."), counter) == quiet
+
+
+def pool_log() -> str:
+    """Routine lines, a dozen rare error lines of different kinds, and one rare line that
+    reports no error: the change the finding rests on."""
+    lines = [
+        f"2026-11-14T14:{m:02d}:00Z INFO payments-api request ok path=/v2/cart took={m + 20}ms"
+        for m in range(60)
+    ]
+    kinds = ["disk", "tls", "dns", "kafka", "redis", "smtp", "ldap", "s3", "ntp", "cron"]
+    for n, kind in enumerate(kinds):
+        lines.insert(
+            5 * n + 2, f"2026-11-14T14:{n:02d}:09Z ERROR {kind}-probe-{n} check failed code={n}"
+        )
+    lines.insert(44, POOL)
+    return "\n".join(lines)
+
+
+POOL = "2026-11-14T14:41:05Z INFO db.pool: config reload, max_connections lowered from 200 to 20 by deploy 8812"
+FINDING = "The deploy lowered max_connections to 20: that is why checkout fails."
+
+
+def test_a_finding_links_back_to_its_evidence_line() -> None:
+    found = evidence_lines(pool_log(), [FINDING])
+    assert POOL in found
+    assert evidence_lines(pool_log(), ["Checkout fails a lot today."]) == frozenset()
+
+
+def test_the_evidence_of_a_finding_survives_compression_and_the_digest(
+    counter: TokenCounter,
+) -> None:
+    """Rare error lines compete for the room with the one rare line that reports no
+    error: the line the assistant's finding rests on is kept first."""
+    items = [
+        call("c1", "query_logs", {"query": "service:payments-api level>=WARN"}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": pool_log()}),
+        chat_item({"role": "assistant", "content": FINDING}),
+    ]
+    plain = compressed_for(items[1], items[0], 160, counter, frozenset())
+    assert POOL not in json.loads(plain.raw["content"])["excerpt"]  # the rare errors rank first
+    small = compressed_for(items[1], items[0], 160, counter, frozenset(), said=[FINDING])
+    assert POOL in json.loads(small.raw["content"])["excerpt"]
+    fact = next(f for f in extract(items).facts if f.startswith("query_logs"))
+    assert POOL in fact

@@ -65,6 +65,7 @@ from proxy.namespaces import fields
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
+from proxy.server.inputs import TRIGGER, ends_with_trigger, resolve_references, validate_input
 from proxy.server.modes import last_seq, previous_response
 from proxy.server.observe import summarizer_target
 from proxy.server.provider_counts import budget_counter
@@ -328,33 +329,10 @@ def compaction_threshold(body: JsonDict) -> int | None:
     return threshold
 
 
-TRIGGER = "compaction_trigger"
-
-
-def ends_with_trigger(body: JsonDict) -> bool:
-    """Whether `input` ends with a compaction_trigger item; one anywhere else is OpenAI's
-    400 naming it (CompactionTriggerItemParam: "Must be the final input item")."""
-    given = body.get("input")
-    if not isinstance(given, list):
-        return False
-    last = len(given) - 1
-    for index, item in enumerate(given):
-        if isinstance(item, dict) and item.get("type") == TRIGGER and index != last:
-            raise invalid(
-                f"Invalid 'input[{index}]': a compaction_trigger item must be the final "
-                "input item.",
-                param=f"input[{index}]",
-                code="invalid_value",
-            )
-    return last >= 0 and isinstance(given[last], dict) and given[last].get("type") == TRIGGER
-
-
 def validate_compact(body: JsonDict) -> None:
     """OpenAI's CompactResponseMethodPublicBody: `model` required; `input` a string or
     items; `previous_response_id`, `instructions`, `prompt_cache_key` (<= 64) strings.
     Neither `input` nor `previous_response_id` is a compaction of an empty history."""
-    from proxy.server.responses import validate_input  # responses imports this module
-
     required_string(body, "model")
     validate_input(body)
     optional(body, "previous_response_id", str)
@@ -370,8 +348,6 @@ def validate_compact(body: JsonDict) -> None:
 async def compact(request: web.Request) -> web.StreamResponse:
     if not is_local(request):
         return await passthrough.passthrough(request)
-    from proxy.server.responses import resolve_references  # responses imports this module
-
     body, _ = await read_json_object(request)
     validate_compact(body)
     await resolve_references(request, body)

@@ -20,12 +20,9 @@ Which request fields are forwarded and which the proxy serves: docs/request-fiel
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from proxy.core import fastjson
-from proxy.core.validate import validate_input_item
 from proxy.counting import counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
@@ -33,25 +30,23 @@ from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     CONTEXT_MANAGEMENT,
     compaction_threshold,
-    ends_with_trigger,
     expand_compactions,
     is_local,
     rewriters,
 )
-from proxy.server.errors import ApiError, invalid
+from proxy.server.errors import invalid
+from proxy.server.inputs import ends_with_trigger, resolve_references, validate_input
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
 from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.rewrite import REWRITERS
-from proxy.server.state import LOG_FIELDS, NAMESPACE, STORE, TENANT_POLICY, thread_service
+from proxy.server.state import LOG_FIELDS, TENANT_POLICY, thread_service
 from proxy.server.turn import Mode, New, Plan, Turn, Window, projected_once, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
-    missing,
-    no_repeated_ids,
     optional,
     optional_positive_int,
     read_json_object,
@@ -59,18 +54,6 @@ from proxy.server.validate import (
     unsupported_value,
     wrong_type,
 )
-
-
-def validate_input(body: JsonDict) -> None:
-    """`input` (of a response or a compaction): a string, or input items none of which
-    repeats another's id."""
-    value = body.get("input")
-    if value is not None and not isinstance(value, str):
-        items = list_of_objects(value, "input")
-        for index, item in enumerate(items):
-            validate_input_item(item, f"input[{index}]")
-        no_repeated_ids(items, "input")
-        ends_with_trigger(body)
 
 
 def validate_responses(body: JsonDict) -> None:
@@ -156,43 +139,6 @@ def responses_mode(request: web.Request, body: JsonDict, *, background: bool) ->
     if body.get("store") is not False or is_stateful(body):
         return ResponseChain(request, body, background=background)
     return Stateless()
-
-
-# Stored items that need their id as input (a reasoning item is replayed by id).
-REFERENCE_KEEPS_ID = frozenset({"reasoning", "compaction"})
-
-
-async def resolve_references(request: web.Request, body: JsonDict) -> bool:
-    """Replaces each `item_reference` of `input` by the tenant's stored item it names, so
-    it is budgeted and forwarded as an item (providers other than OpenAI do not know the
-    reference, nor do they have the item). A 404 names the input index of an unknown id.
-
-    The copy drops the stored item's `id` (except REFERENCE_KEEPS_ID types): it is a new
-    occurrence in this turn, committed under a fresh id, and the provider refuses two
-    items with one id. Returns whether `input` changed."""
-    given = body.get("input")
-    if not isinstance(given, list) or not any(_is_reference(item) for item in given):
-        return False
-    store, tenant = request.app[STORE], request[NAMESPACE]
-    resolved: list[JsonDict] = []
-    for index, item in enumerate(given):
-        if not _is_reference(item):
-            resolved.append(item)
-            continue
-        item_id = item.get("id")
-        if not isinstance(item_id, str):
-            raise missing(f"input[{index}].id")
-        stored = await store.find_item(tenant, item_id)
-        if stored is None or stored.api != RESPONSES.name:
-            raise ApiError(404, f"Item with id '{item_id}' not found.", param=f"input[{index}]")
-        keep_id = stored.raw.get("type") in REFERENCE_KEEPS_ID
-        resolved.append({k: v for k, v in stored.raw.items() if keep_id or k != "id"})
-    body["input"] = resolved
-    return True
-
-
-def _is_reference(item: Any) -> bool:
-    return isinstance(item, dict) and item.get("type") == "item_reference"
 
 
 async def input_tokens(request: web.Request) -> web.StreamResponse:

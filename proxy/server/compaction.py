@@ -67,7 +67,7 @@ from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.inputs import TRIGGER, ends_with_trigger, resolve_references, validate_input
 from proxy.server.modes import last_seq, previous_response
-from proxy.server.observe import summarizer_target
+from proxy.server.observe import summarizer_target, summary_job
 from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.rewrite import (
@@ -86,7 +86,7 @@ from proxy.server.state import (
     TENANT_POLICY,
     thread_service,
 )
-from proxy.server.summaries import Job, kept_for
+from proxy.server.summaries import kept_for
 from proxy.server.turn import New, Rewriter, Turn, Window
 from proxy.server.validate import (
     list_of_objects,
@@ -261,19 +261,9 @@ async def llm_summary(
         return plan.previous_item(counter), plan.digest(SUMMARY_TOKENS)
 
     previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
-    job = Job(
-        namespace=request[NAMESPACE],
-        thread_id=thread_id,  # None: left to the retention
-        policy=policy,
-        target=target,
-        api=RESPONSES.name,
-        digest=digest,
-        items=plan.items,
-        max_tokens=SUMMARY_TOKENS,
-        previous=previous,
-        counter=counter,
-        base=plan.base,
-    )
+    chunk = (digest, plan.items, SUMMARY_TOKENS, previous)
+    # thread_id None: left to the retention
+    job = summary_job(request, target, thread_id, RESPONSES.name, counter, chunk, plan.base)
     stored = await background.now(job)
     return stored.state if stored is not None else None
 

@@ -23,9 +23,9 @@ from proxy.core.budget import MAX_SAMPLES, Learned, Sample
 from proxy.policy import Policy
 from proxy.store.base import LearnedRecord, LearnedStore, StoreError
 
-log = structlog.get_logger("threadkeeper.learned")
+learned_log = structlog.get_logger("threadkeeper.learned")
 
-MAX_ENTRIES = 4096  # model names come from clients: never an unbounded map
+MAX_MODELS = 4096  # model names come from clients: never an unbounded map
 TTL_SECONDS = 60.0  # how long a process trusts its copy before reading the store again
 WRITE_EVERY = 8  # answers between writes while the correction holds still
 MEANINGFUL = 0.01  # a ratio that moved by this share is written at once
@@ -46,7 +46,7 @@ class _Entry:
 class LearnedLimits:
     def __init__(
         self,
-        max_entries: int = MAX_ENTRIES,
+        max_entries: int = MAX_MODELS,
         *,
         ttl: float = TTL_SECONDS,
         monotonic: Callable[[], float] = time.monotonic,
@@ -85,7 +85,7 @@ class LearnedLimits:
             record = await store.learned_get(*key)
         except StoreError as exc:
             # Read again after the TTL, not on every request while the store is down.
-            log.warning("learned_limits_unreadable", model=key[2], error=str(exc))
+            learned_log.warning("learned_limits_unreadable", model=key[2], error=str(exc))
             if entry is None:
                 entry = self._entries[key] = _Entry(Learned(), self._now())
             entry.read_at = self._now()
@@ -126,7 +126,7 @@ class LearnedLimits:
         try:
             await store.learned_put(LearnedRecord(*key, to_state(learned), now))
         except StoreError as exc:
-            log.warning("learned_limits_unwritten", model=key[2], error=str(exc))
+            learned_log.warning("learned_limits_unwritten", model=key[2], error=str(exc))
             return
         entry.written, entry.pending = learned, 0
 

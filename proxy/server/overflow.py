@@ -23,7 +23,7 @@ from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.upstream import UpstreamResponse
 
-log = structlog.get_logger("threadkeeper.overflow")
+overflow_log = structlog.get_logger("threadkeeper.overflow")
 
 CODE = "context_length_exceeded"
 
@@ -78,7 +78,7 @@ def learn(
         if estimate > 0:
             learned = calibrated(learned, Sample(estimate, items, overflow.prompt_tokens))
     limits.put(key, learned)
-    log.info(
+    overflow_log.info(
         "provider_context_refusal",
         model=model,
         window=overflow.window,

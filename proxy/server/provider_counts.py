@@ -47,9 +47,9 @@ from proxy.server.relay import upstream_base
 from proxy.server.state import PROVIDER_COUNTS, TENANT_POLICY
 from proxy.upstream import Deadline
 
-log = structlog.get_logger("threadkeeper.provider_counts")
+counts_log = structlog.get_logger("threadkeeper.provider_counts")
 
-MAX_ENTRIES = 65536  # item counts kept; item digests come from clients: bounded
+MAX_ITEM_COUNTS = 65536  # item counts kept; item digests come from clients: bounded
 MAX_ASKS_PER_TURN = 16  # items asked about in one turn (the newest); the rest estimated
 CONCURRENCY = 4  # questions in flight at once for one turn
 SLOW_BACKOFF_SECONDS = 300.0  # a provider that did not answer in time is left alone this long
@@ -69,7 +69,7 @@ class ProviderCounts:
     (upstream, model, API), and which upstreams have no counting endpoint."""
 
     def __init__(
-        self, max_entries: int = MAX_ENTRIES, *, monotonic: Callable[[], float] = time.monotonic
+        self, max_entries: int = MAX_ITEM_COUNTS, *, monotonic: Callable[[], float] = time.monotonic
     ) -> None:
         self._counts: OrderedDict[tuple[str, str, str, str], int] = OrderedDict()
         self._max = max_entries
@@ -100,11 +100,11 @@ class ProviderCounts:
 
     def missing(self, where: Where) -> None:
         if where not in self._missing:
-            log.info("provider_counting_unavailable", upstream=where[0], api=where[1])
+            counts_log.info("provider_counting_unavailable", upstream=where[0], api=where[1])
         self._missing.add(where)
 
     def slow(self, where: Where) -> None:
-        log.info("provider_counting_slow", upstream=where[0], api=where[1])
+        counts_log.info("provider_counting_slow", upstream=where[0], api=where[1])
         self._slow_until[where] = self._now() + SLOW_BACKOFF_SECONDS
 
 
@@ -209,7 +209,7 @@ async def _ask_all(
             try:
                 return await _count(request, base, model, where[1], raws, deadline)
             except _Missing as exc:
-                log.info("provider_counting_missing", upstream=base, reason=str(exc))
+                counts_log.info("provider_counting_missing", upstream=base, reason=str(exc))
                 counts.missing(where)
                 return None
 

@@ -377,7 +377,7 @@ class Policy(_Frozen):
         return self._tokenizers.get(key) if key is not None else None
 
     def counts_with_provider(self, model: str) -> bool:
-        """Whether the model's entry says `tokenizer: provider` (proxy/server/provider_counts.py)."""
+        """Whether the model's entry says `tokenizer: provider` (proxy/server/model_budget.py)."""
         key = self._entry_for(model)
         return key is not None and self.models[key].tokenizer == PROVIDER_TOKENIZER
 

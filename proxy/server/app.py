@@ -52,8 +52,7 @@ from proxy.server import (
 from proxy.server.auth import authorize
 from proxy.server.errors import Handler, error_for
 from proxy.server.idempotency import idempotent, mark_not_replayed, purge_ctx
-from proxy.server.learned import LearnedLimits
-from proxy.server.provider_counts import ProviderCounts
+from proxy.server.model_budget import LearnedLimits, ProviderCounts
 from proxy.server.recovery import keep_alive
 from proxy.server.startup import serving_fields
 from proxy.server.state import (
@@ -321,7 +320,7 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
 
 
 async def _learned_ctx(app: web.Application) -> AsyncIterator[None]:
-    """What was learnt and not yet written (proxy/server/learned.py) goes to the store at
+    """What was learnt and not yet written (proxy/server/model_budget.py) goes to the store at
     shutdown, so a restart starts from it."""
     yield
     await app[LEARNED].flush(app.get(STORE), app[CLOCK].iso())

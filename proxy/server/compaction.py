@@ -66,9 +66,9 @@ from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.inputs import TRIGGER, ends_with_trigger, resolve_references, validate_input
+from proxy.server.model_budget import budget_counter
 from proxy.server.modes import last_seq, previous_response
 from proxy.server.observe import summarizer_target, summary_job
-from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.rewrite import (
     answer_dangling_calls,

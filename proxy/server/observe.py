@@ -5,7 +5,7 @@ they never change them.
   breakdown is logged where the projection is made, proxy/server/rebuild.py), and the
   truth every answer tells about the provider's count (issue 21, item 2): its prompt
   tokens against the proxy's own count of exactly what was sent, a sample of the model's
-  correction (proxy/server/learned.py). Cached tokens are part of the prompt tokens and
+  correction (proxy/server/model_budget.py). Cached tokens are part of the prompt tokens and
   change nothing; a request with hosted tools (web search, file search...) is no sample,
   as the provider adds their results to the prompt it counts. An answer far below what
   was sent is a provider that cut the prompt without a word (Ollama at its num_ctx):
@@ -36,8 +36,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.counting import calibrated_counter, raw_count
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
-from proxy.server.learned import Key
-from proxy.server.provider_counts import counted_by_provider
+from proxy.server.model_budget import Key, counted_by_provider
 from proxy.server.rebuild import is_small, learned_key, rebuild
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import (

@@ -17,7 +17,7 @@ from proxy.core.tokens import TokenCounter
 from proxy.counting import calibrated_counter, raw_count
 from proxy.server.errors import ApiError
 from proxy.server.explain import provider_error
-from proxy.server.learned import model_window
+from proxy.server.model_budget import model_window
 from proxy.server.rebuild import learned_key
 from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, TENANT_POLICY
 from proxy.server.validate import JsonDict
@@ -57,7 +57,7 @@ def learn(
     items: int,
 ) -> Learned:
     """The provider's window and its count against the proxy's, kept for the model's next
-    budgets (proxy/server/learned.py). `base`: the counter of the refused projection,
+    budgets (proxy/server/model_budget.py). `base`: the counter of the refused projection,
     uncorrected; `items`: how many items it sent."""
     limits = request.app[LEARNED]
     key = learned_key(request, model)

@@ -39,8 +39,7 @@ from proxy.policy import Policy
 from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.learned import Key, model_window
-from proxy.server.provider_counts import Counted, provider_counts
+from proxy.server.model_budget import Counted, Key, model_window, provider_counts
 from proxy.server.relay import upstream_base
 from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY, TRACING
 from proxy.threads import Loaded

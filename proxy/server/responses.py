@@ -36,9 +36,9 @@ from proxy.server.compaction import (
 )
 from proxy.server.errors import invalid
 from proxy.server.inputs import ends_with_trigger, resolve_references, validate_input
+from proxy.server.model_budget import budget_counter
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
-from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.rewrite import REWRITERS
@@ -177,7 +177,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
     # In the provider's count: its own counts (`tokenizer: provider`), else as its
-    # answers' usage taught it (proxy/server/learned.py).
+    # answers' usage taught it (proxy/server/model_budget.py).
     sent_items = len(sent) + (1 if inputs.instructions else 0)
     count = provider_count(counter, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

@@ -36,8 +36,8 @@ from proxy.core.tokens import TokenCounter
 from proxy.counting import calibrated_counter, raw_count
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
-from proxy.server.model_budget import Key, counted_by_provider
-from proxy.server.rebuild import is_small, learned_key, rebuild
+from proxy.server.model_budget import Key, counted_by_provider, learned_key
+from proxy.server.rebuild import is_small, rebuild
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import (
     CLOCK,

@@ -14,7 +14,7 @@ graph applies it):
     forward   the provider's body; the client's tool outputs into the ledger; the
               mode's begin; the provider's answer (chat_upstream.send_model), or one the
               proxy serves itself; a context-length refusal is projected again and sent
-              once more (overflow.py)                                  -> Forwarded
+              once more (model_budget.py)                                -> Forwarded
     relay     the answer through a transformer (relay.py): the ledger's holdback when a
               tool is guarded, else Keep (a stored turn) or Passthrough
     commit    the mode's commit, which the relay calls before the answer's end reaches
@@ -50,7 +50,7 @@ from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
 from proxy.server.holdback import Guarded, holdback
 from proxy.server.ledger import LedgerGuard
-from proxy.server.overflow import (
+from proxy.server.model_budget import (
     Refusal,
     cannot_fit,
     context_refusal,

@@ -69,6 +69,7 @@ from proxy.server.state import (
     SETTINGS,
     STORE,
     SUMMARIES,
+    THREADS,
     TRACING,
     UPSTREAM,
     UPSTREAM_APIS,
@@ -78,7 +79,7 @@ from proxy.server.validate import check_url_keys
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.summarizer import LlmSummarizer
-from proxy.threads import WindowCache
+from proxy.threads import ThreadService, WindowCache
 from proxy.tracing import Tracing, set_attributes
 from proxy.upstream import Upstream
 
@@ -272,6 +273,9 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
         )
         await store.migrate()
         app[STORE] = store
+        app[THREADS] = ThreadService(
+            store, app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING]
+        )
         # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).
         async with keep_alive(store, app[OWNER], app[CLOCK]):
             yield

@@ -84,7 +84,7 @@ from proxy.server.state import (
     STORE,
     SUMMARIES,
     TENANT_POLICY,
-    thread_service,
+    THREADS,
 )
 from proxy.server.summaries import kept_for
 from proxy.server.turn import New, Rewriter, Turn, Window
@@ -414,7 +414,7 @@ async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | N
     if previous is None:
         return None, []
     tenant = request[NAMESPACE]
-    stored, _ = await previous_response(thread_service(request.app), tenant, previous)
+    stored, _ = await previous_response(request.app[THREADS], tenant, previous)
     assert stored.thread_id is not None
     request[LOG_FIELDS]["thread_id"] = stored.thread_id  # its answer is the thread's data
     store: ThreadStore = request.app[STORE]
@@ -464,7 +464,7 @@ async def serve_compaction_trigger(turn: Turn, window: Window, new: New) -> tupl
     counter = await counter_for(request[TENANT_POLICY], turn.inputs.model)
     known: Sequence[Item] = ()
     if window.loaded is not None:
-        known = (await thread_service(request.app).whole(window.loaded)).items
+        known = (await request.app[THREADS].whole(window.loaded)).items
     key, tenant = await request_key(request), request[NAMESPACE]
     made = await compaction_of(request, key, [*known, *items], counter, kept_for(window.loaded))
     instructions = turn.body.get("instructions")

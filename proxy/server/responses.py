@@ -42,7 +42,7 @@ from proxy.server.observe import SummariesAhead, Usage
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.rewrite import REWRITERS
-from proxy.server.state import LOG_FIELDS, TENANT_POLICY, thread_service
+from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
 from proxy.server.turn import Mode, New, Plan, Turn, Window, projected_once, run_turn
 from proxy.server.validate import (
     JsonDict,
@@ -152,10 +152,10 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         items = items[:-1]
     loaded = None
     if is_stateful(body):
-        loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
+        loaded = (await resolve_chain(request, request.app[THREADS], body)).loaded
     turn = Turn(request, RESPONSES, body, b"", Stateless(), None, (), tuple(items))
     if loaded is not None and turn.verbatim:  # the whole thread would be sent
-        loaded = await thread_service(request.app).whole(loaded)
+        loaded = await request.app[THREADS].whole(loaded)
     window, new = Window(loaded), New(tuple(items))
     if is_local(request):  # compaction items count as the summary the provider would get
         window, new = await expand_compactions(turn, window, new)

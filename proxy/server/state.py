@@ -26,6 +26,9 @@ UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
+# The one way handlers reach threads: the app's store, clock and hot-window cache (set
+# with the store, app._store_ctx)
+THREADS = web.AppKey("threads", ThreadService)
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
 # What the providers taught about their models (proxy/server/model_budget.py)
@@ -52,8 +55,3 @@ TENANT_POLICY = web.RequestKey("tenant_policy", Policy)
 # The tenant id every store call of the request uses (auth.store_namespace): the tenant's
 # own id, or one namespace per caller key in passthrough mode (SPEC section 1).
 NAMESPACE = web.RequestKey("store_namespace", str)
-
-
-def thread_service(app: web.Application) -> ThreadService:
-    """The one way handlers reach threads: the app's store, clock and hot-window cache."""
-    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING])

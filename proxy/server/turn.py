@@ -72,8 +72,8 @@ from proxy.server.state import (
     LOG_FIELDS,
     SUMMARIES,
     TENANT_POLICY,
+    THREADS,
     TRACING,
-    thread_service,
 )
 from proxy.server.summaries import Ready, replayed, sent_chunks
 from proxy.server.transform import Keep, Keeper, Passthrough, Transformer
@@ -287,7 +287,7 @@ async def load(
     thread_id = window.thread_id if window is not None else None
     turn = Turn(request, api, body, raw, mode, thread_id, history, tuple(given))
     if turn.verbatim and window is not None:
-        window = await thread_service(request.app).whole(window)
+        window = await request.app[THREADS].whole(window)
     return turn, Window(window)
 
 

@@ -41,9 +41,17 @@ from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_c
 from proxy.server.observe import SummariesAhead, Usage
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
-from proxy.server.rewrite import REWRITERS
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
-from proxy.server.turn import Mode, New, Plan, Turn, Window, projected_once, run_turn
+from proxy.server.turn import (
+    REWRITERS,
+    Mode,
+    New,
+    Plan,
+    Turn,
+    Window,
+    projected_once,
+    run_turn,
+)
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,

@@ -6,7 +6,8 @@ graph applies it):
     load      the mode's seam reads the thread (proxy/server/modes.py: Stateless,
               ChatThread, ResponseChain, Conversation)                 -> Turn, Window
     rewrite   the ordered item rewriters, (window, new) -> (window, new), named for
-              what they do (proxy/server/rewrite.py; compaction's in compaction.py)
+              what they do (REWRITERS; the ledger's in ledger.py, compaction's in
+              compaction.py)
                                                                        -> Window, New
     project   budget + projection (SPEC 4-5, rebuild.rebuild_turn, which logs the
               budget breakdown), again with LLM summaries other processes wrote
@@ -49,7 +50,12 @@ from proxy.server.compacted import LocalAnswer, WithCompaction
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
 from proxy.server.holdback import Guarded, holdback
-from proxy.server.ledger import LedgerGuard
+from proxy.server.ledger import (
+    LedgerGuard,
+    answer_dangling_calls,
+    refuse_orphans,
+    restore_ledger_calls,
+)
 from proxy.server.model_budget import (
     Refusal,
     cannot_fit,
@@ -70,6 +76,7 @@ from proxy.server.relay import relay_answer
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
+    NAMESPACE,
     SUMMARIES,
     TENANT_POLICY,
     THREADS,
@@ -298,6 +305,26 @@ async def rewrite(
     for rewriter in rewriters:
         window, new = await rewriter(turn, window, new)
     return window, new
+
+
+async def attach_ready_summaries(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """The LLM summaries ready for the projection's chunks, for a tenant whose policy
+    sets a summarizer (the projection asks it for each chunk it cuts)."""
+    settings = turn.request[TENANT_POLICY].memory.summarizer
+    background = turn.request.app.get(SUMMARIES)
+    if settings is None or background is None:
+        return window, new
+    ready = background.ready(turn.request[NAMESPACE], settings.model, turn.api.name)
+    return replace(window, summaries=ready), new
+
+
+# Every turn's rewriters, in order (a Responses turn with local compaction adds its own).
+REWRITERS: tuple[Rewriter, ...] = (
+    restore_ledger_calls,
+    refuse_orphans,
+    answer_dangling_calls,
+    attach_ready_summaries,
+)
 
 
 async def project(turn: Turn, window: Window, new: New) -> Projected:

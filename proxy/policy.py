@@ -267,6 +267,11 @@ class CompactionPolicy(_Frozen):
     mode: Literal["local", "upstream"] = "local"
     """`local` serves OpenAI's compaction here for any provider; `upstream` passes compaction requests and items through untouched."""
 
+    @property
+    def local(self) -> bool:
+        """Compaction is the proxy's (mode `local`), not the provider's."""
+        return self.mode == "local"
+
 
 class ToolPolicy(_Frozen):
     side_effect: bool = False

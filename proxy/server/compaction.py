@@ -82,7 +82,7 @@ from proxy.server.state import (
     THREADS,
 )
 from proxy.server.summaries import kept_for
-from proxy.server.turn import New, Rewriter, Turn, Window, attach_ready_summaries
+from proxy.server.turn import ForItems, New, Rewriter, Turn, Window, attach_ready_summaries
 from proxy.server.validate import (
     list_of_objects,
     missing,
@@ -142,10 +142,6 @@ async def request_key(request: web.Request) -> CompactionKey:
     return await app[COMPACTION_KEY].key(app[STORE], app[CLOCK])
 
 
-def is_local(request: web.Request) -> bool:
-    return request[TENANT_POLICY].compaction.mode == "local"
-
-
 # -- opening and expanding -------------------------------------------------------------------
 
 
@@ -164,7 +160,9 @@ def opened(key: CompactionKey, tenant: str, item: Item, param: str) -> JsonDict:
 async def check_stored_compactions(request: web.Request, raws: Sequence[JsonDict]) -> None:
     """Compaction items a conversation is given must open for its tenant: one that does
     not would refuse every later turn of the conversation (400 naming `items[i]`)."""
-    if not is_local(request) or not any(raw.get("type") == "compaction" for raw in raws):
+    if not request[TENANT_POLICY].compaction.local or not any(
+        raw.get("type") == "compaction" for raw in raws
+    ):
         return
     key, tenant = await request_key(request), request[NAMESPACE]
     for index, raw in enumerate(raws):
@@ -331,7 +329,7 @@ def validate_compact(body: JsonDict) -> None:
 
 
 async def compact(request: web.Request) -> web.StreamResponse:
-    if not is_local(request):
+    if not request[TENANT_POLICY].compaction.local:
         return await passthrough.passthrough(request)
     body, _ = await read_json_object(request)
     validate_compact(body)
@@ -435,11 +433,13 @@ def rewriters(threshold: int | None) -> tuple[Rewriter, ...]:
     reach the provider as text, a final `compaction_trigger` makes the answer one
     compaction of the whole history (the provider gets no request), and
     `context_management` compacts a turn that crosses its threshold (before the dangling
-    calls are answered)."""
+    calls are answered). The first two are called only for a turn that holds such an
+    item (turn.ForItems): others never enter this module. LOCAL_REWRITERS: the list
+    without a threshold."""
     past = (compact_past(threshold),) if threshold is not None else ()
     return (
-        serve_compaction_trigger,
-        expand_compactions,
+        ForItems(frozenset({TRIGGER}), serve_compaction_trigger),
+        ForItems(frozenset({"compaction"}), expand_compactions),
         restore_ledger_calls,
         refuse_orphans,
         *past,
@@ -528,6 +528,10 @@ async def expand_compactions(turn: Turn, window: Window, new: New) -> tuple[Wind
         new = replace(new, items=tuple(given.items))
         summary = given.summary or summary
     return window, replace(new, summary=summary)
+
+
+# A turn's rewriters with local compaction and no `context_management` threshold.
+LOCAL_REWRITERS = rewriters(None)
 
 
 def compact_past(threshold: int) -> Rewriter:

@@ -20,6 +20,8 @@ Which request fields are forwarded and which the proxy serves: docs/request-fiel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aiohttp import web
 
 from proxy.core import fastjson
@@ -29,9 +31,9 @@ from proxy.server.background import RUNS, follow
 from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     CONTEXT_MANAGEMENT,
+    LOCAL_REWRITERS,
     compaction_threshold,
     expand_compactions,
-    is_local,
     rewriters,
 )
 from proxy.server.errors import invalid
@@ -47,6 +49,7 @@ from proxy.server.turn import (
     Mode,
     New,
     Plan,
+    Rewriter,
     Turn,
     Window,
     projected_once,
@@ -93,7 +96,8 @@ def validate_responses(body: JsonDict) -> None:
     truncation = optional(body, "truncation", str)
     if truncation is not None and truncation not in TRUNCATION:
         raise unsupported_value(truncation, TRUNCATION, "truncation")
-    compaction_threshold(body)
+    if CONTEXT_MANAGEMENT in body:
+        compaction_threshold(body)
 
 
 # OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; docs/features.md).
@@ -117,8 +121,8 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     # The provider never gets what the proxy serves: `background` (proxy/server/
     # background.py), and `context_management` when compaction is the proxy's.
     background = body.pop("background", None)
-    local = is_local(request)  # else compaction is the provider's (policy compaction.mode)
-    threshold = compaction_threshold(body)
+    local = request[TENANT_POLICY].compaction.local  # else the provider's (compaction.mode)
+    threshold = compaction_threshold(body) if CONTEXT_MANAGEMENT in body else None
     managed = local and CONTEXT_MANAGEMENT in body
     if managed:
         del body[CONTEXT_MANAGEMENT]
@@ -128,7 +132,7 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     mode = responses_mode(request, body, background=background is True)
     plan = Plan(
         mode,
-        rewriters(threshold) if local else REWRITERS,
+        turn_rewriters(local, threshold),
         [SummariesAhead(request), Usage()],
     )
     if not isinstance(mode, ResponseChain) or not mode.background:
@@ -137,6 +141,14 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     if run.stream:
         return await follow(request, run.tenant, run.id, after=-1)
     return await get_response(request, run.id)
+
+
+def turn_rewriters(local: bool, threshold: int | None) -> Sequence[Rewriter]:
+    """Every turn's rewriters; with compaction the proxy's, compaction's too (and its
+    compaction past `context_management`'s threshold when the request sets one)."""
+    if not local:
+        return REWRITERS
+    return LOCAL_REWRITERS if threshold is None else rewriters(threshold)
 
 
 def responses_mode(request: web.Request, body: JsonDict, *, background: bool) -> Mode:
@@ -165,7 +177,8 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
     if loaded is not None and turn.verbatim:  # the whole thread would be sent
         loaded = await request.app[THREADS].whole(loaded)
     window, new = Window(loaded), New(tuple(items))
-    if is_local(request):  # compaction items count as the summary the provider would get
+    # Compaction items count as the summary the provider would get.
+    if request[TENANT_POLICY].compaction.local:
         window, new = await expand_compactions(turn, window, new)
     inputs = turn.inputs
     learned = await learned_for(request, inputs.model)

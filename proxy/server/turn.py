@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import chain
 from typing import Any, Protocol
 
 import structlog
@@ -166,6 +167,21 @@ class New:
 
 # An item rewriter: the window and new items in, the window and new items out.
 Rewriter = Callable[[Turn, Window, New], Awaitable[tuple[Window, New]]]
+
+
+@dataclass(frozen=True)
+class ForItems:
+    """A rewriter with work only for a turn whose items, stored or new, include an item of
+    one of `types`: any other turn passes it by uncalled, so what does not apply to a
+    turn is seen in its plan (a turn without a compaction item has none to expand)."""
+
+    types: frozenset[str]
+    rewriter: Rewriter
+
+    async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+        if any(item.type in self.types for item in chain(window.items, new.items)):
+            return await self.rewriter(turn, window, new)
+        return window, new
 
 
 @dataclass(frozen=True)

@@ -130,11 +130,7 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
         raw = fastjson.dumps(body)
     await check_translatable(request, request[TENANT_POLICY], body)
     mode = responses_mode(request, body, background=background is True)
-    plan = Plan(
-        mode,
-        turn_rewriters(local, threshold),
-        [SummariesAhead(request), Usage()],
-    )
+    plan = Plan(mode, turn_rewriters(local, threshold), [SummariesAhead(request), Usage()])
     if not isinstance(mode, ResponseChain) or not mode.background:
         return await run_turn(request, RESPONSES, body, raw, plan)
     run = await request.app[RUNS].start(request, RESPONSES, body, raw, plan, mode.id)

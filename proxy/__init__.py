@@ -17,7 +17,8 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     compaction items -> their summary text;   proxy/server/compaction.py (its rewriters),
       context_management compacts the turn    proxy/core/compaction.py, proxy/core/memory.py
     orphan check (output for an unknown call) proxy/threads.py (first_orphan), ledger.py
-    budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
+    budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py; the model's window and
+                                              count: proxy/server/model_budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress,
                                               memory)
     invariant check (never send a broken one) proxy/core/invariants.py

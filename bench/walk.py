@@ -8,7 +8,8 @@ next turn of the chain through the real socket under `sys.setprofile`: every Pyt
 call whose code lives under proxy/ (the stub's own file left out: it is the provider)
 is recorded in call order while the handler runs (responses.create_response, from its
 entry to its return, which comes after the commit: the middlewares around it are left
-out).
+out). Calls made meanwhile by the app's background loops (proxy/periodic.py: heartbeats,
+sweeps, the background runs' cancel watch) are not the request's and are left out too.
 
 A coroutine resumed after an await is not a call (the profiler reports each resume as
 one, in every frame of the awaiting chain: the middlewares around the handler included).
@@ -45,6 +46,7 @@ from proxy.settings import Settings  # noqa: E402
 
 PROXY_DIR = ROOT / "proxy"
 PROVIDER_FILE = PROXY_DIR / "fake_provider.py"
+PERIODIC_FILE = str(PROXY_DIR / "periodic.py")
 POLICY = """\
 tenant: default
 allow_unknown_keys: true
@@ -84,7 +86,7 @@ class Walk:
             self.handler = frame
         if self.handler is None or not path.startswith(str(PROXY_DIR)):
             return
-        if path == str(PROVIDER_FILE):
+        if path == str(PROVIDER_FILE) or in_background_loop(frame):
             return
         here = str(Path(path).relative_to(ROOT))
         self.calls.append(here)
@@ -99,6 +101,16 @@ class Walk:
             "all_proxy": counted(self.calls),
             "stages": list(dict.fromkeys(self.stages)),
         }
+
+
+def in_background_loop(frame: FrameType) -> bool:
+    """Whether a call is made under one of the app's periodic loops (not the request)."""
+    caller = frame.f_back
+    while caller is not None:
+        if caller.f_code.co_filename == PERIODIC_FILE:
+            return True
+        caller = caller.f_back
+    return False
 
 
 def counted(calls: list[str]) -> dict[str, Any]:

@@ -12,12 +12,13 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     items view of the history                 proxy/core/items.py
     load the thread (X-Thread-Id, stored      proxy/threads.py, proxy/server/modes.py
       responses, conversations)
-    side-effect ledger: restore calls, judge  proxy/server/rewrite.py, server/ledger.py,
+    side-effect ledger: restore calls, judge  proxy/server/ledger.py (its rewriters),
       repeated calls, record tool outputs     proxy/core/ledger.py, server/holdback.py
     compaction items -> their summary text;   proxy/server/compaction.py (its rewriters),
       context_management compacts the turn    proxy/core/compaction.py, proxy/core/memory.py
-    orphan check (output for an unknown call) proxy/threads.py (first_orphan), rewrite.py
-    budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py
+    orphan check (output for an unknown call) proxy/threads.py (first_orphan), ledger.py
+    budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py; the model's window and
+                                              count: proxy/server/model_budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress,
                                               memory)
     invariant check (never send a broken one) proxy/core/invariants.py

@@ -328,7 +328,7 @@ async def _models(store: Any, args: argparse.Namespace) -> str:
     from proxy.core.tokens import encoding_name_for_model
     from proxy.native_tokenizers import is_mistral_name, mistral_default
     from proxy.policy import PolicyError, PolicyRegistry
-    from proxy.server.learned import from_state, model_window
+    from proxy.server.model_budget import from_state, model_window
     from proxy.settings import load_settings
 
     cli = {"store": args.store, "config": args.config, "policies": args.policies}

@@ -101,7 +101,7 @@ class ProviderCounter(CalibratedCounter):
     provider's count is what fills the provider's window); any other item, instructions
     and tools cost the calibrated estimate (`CalibratedCounter`), which is what the
     projection's own text counts (summaries, compression) stay consistent with. `prompt`:
-    what the provider's template adds once per prompt (proxy/server/provider_counts.py);
+    what the provider's template adds once per prompt (proxy/server/model_budget.py);
     None, the estimate's reply cost."""
 
     def __init__(

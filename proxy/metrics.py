@@ -66,7 +66,7 @@ class Metrics:
             ("route", "outcome"),
             registry=self.registry,
         )
-        # The usage correction (proxy/server/learned.py): one series per (tenant, model).
+        # The usage correction (proxy/server/model_budget.py): one series per (tenant, model).
         self.count_correction = Gauge(
             "threadkeeper_count_correction",
             "How the provider's prompt count relates to the proxy's own, fitted from its "

@@ -267,6 +267,11 @@ class CompactionPolicy(_Frozen):
     mode: Literal["local", "upstream"] = "local"
     """`local` serves OpenAI's compaction here for any provider; `upstream` passes compaction requests and items through untouched."""
 
+    @property
+    def local(self) -> bool:
+        """Compaction is the proxy's (mode `local`), not the provider's."""
+        return self.mode == "local"
+
 
 class ToolPolicy(_Frozen):
     side_effect: bool = False
@@ -377,7 +382,7 @@ class Policy(_Frozen):
         return self._tokenizers.get(key) if key is not None else None
 
     def counts_with_provider(self, model: str) -> bool:
-        """Whether the model's entry says `tokenizer: provider` (proxy/server/provider_counts.py)."""
+        """Whether the model's entry says `tokenizer: provider` (proxy/server/model_budget.py)."""
         key = self._entry_for(model)
         return key is not None and self.models[key].tokenizer == PROVIDER_TOKENIZER
 

@@ -13,7 +13,7 @@ from proxy.core.items import chat_item, content_digest
 from proxy.core.tokens import TokenCounter
 from proxy.counting import ProviderCounter
 from proxy.policy import PolicyError, load_policy_file
-from proxy.server.provider_counts import SLOW_BACKOFF_SECONDS, ProviderCounts, count_in
+from proxy.server.model_budget import SLOW_BACKOFF_SECONDS, ProviderCounts, count_in
 
 
 @pytest.mark.parametrize(

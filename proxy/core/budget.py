@@ -60,7 +60,7 @@ MIN_SPREAD = 1e-4
 class Learned:
     """What the provider taught about one (tenant, upstream, model): its window, in its own
     tokens, and how its count relates to the proxy's: `ratio` times the proxy's raw count
-    plus `overhead` per item. Refusals (proxy/server/overflow.py) and every answer's usage
+    plus `overhead` per item. Refusals (proxy/server/model_budget.py) and every answer's usage
     (`calibrated`) write it; `discovered` is the window the provider lists for the model
     (proxy/server/discovery.py), used when only the policy's "*" names it. `answers`:
     how many samples the correction rests on, ever; `samples`: the recent ones."""

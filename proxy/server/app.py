@@ -52,8 +52,7 @@ from proxy.server import (
 from proxy.server.auth import authorize
 from proxy.server.errors import Handler, error_for
 from proxy.server.idempotency import idempotent, mark_not_replayed, purge_ctx
-from proxy.server.learned import LearnedLimits
-from proxy.server.provider_counts import ProviderCounts
+from proxy.server.model_budget import LearnedLimits, ProviderCounts
 from proxy.server.recovery import keep_alive
 from proxy.server.startup import serving_fields
 from proxy.server.state import (
@@ -70,6 +69,7 @@ from proxy.server.state import (
     SETTINGS,
     STORE,
     SUMMARIES,
+    THREADS,
     TRACING,
     UPSTREAM,
     UPSTREAM_APIS,
@@ -79,7 +79,7 @@ from proxy.server.validate import check_url_keys
 from proxy.settings import Settings
 from proxy.store.base import Store
 from proxy.summarizer import LlmSummarizer
-from proxy.threads import WindowCache
+from proxy.threads import ThreadService, WindowCache
 from proxy.tracing import Tracing, set_attributes
 from proxy.upstream import Upstream
 
@@ -273,6 +273,9 @@ def _store_ctx(given: Store | None):  # type: ignore[no-untyped-def]
         )
         await store.migrate()
         app[STORE] = store
+        app[THREADS] = ThreadService(
+            store, app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING]
+        )
         # Responses of dead processes become incomplete; live replicas' do not (SPEC 7, 8).
         async with keep_alive(store, app[OWNER], app[CLOCK]):
             yield
@@ -321,7 +324,7 @@ def _upstream_ctx(given: Upstream | None):  # type: ignore[no-untyped-def]
 
 
 async def _learned_ctx(app: web.Application) -> AsyncIterator[None]:
-    """What was learnt and not yet written (proxy/server/learned.py) goes to the store at
+    """What was learnt and not yet written (proxy/server/model_budget.py) goes to the store at
     shutdown, so a restart starts from it."""
     yield
     await app[LEARNED].flush(app.get(STORE), app[CLOCK].iso())

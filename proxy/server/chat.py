@@ -17,9 +17,8 @@ from proxy.server.api import CHAT
 from proxy.server.errors import invalid
 from proxy.server.modes import THREAD_HEADER, ChatThread, Stateless
 from proxy.server.observe import SummariesAhead, Usage
-from proxy.server.rewrite import REWRITERS
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY
-from proxy.server.turn import Mode, Plan, run_turn
+from proxy.server.turn import REWRITERS, Mode, Plan, run_turn
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,

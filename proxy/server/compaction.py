@@ -66,16 +66,11 @@ from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.inputs import TRIGGER, ends_with_trigger, resolve_references, validate_input
+from proxy.server.ledger import answer_dangling_calls, refuse_orphans, restore_ledger_calls
+from proxy.server.model_budget import budget_counter
 from proxy.server.modes import last_seq, previous_response
-from proxy.server.observe import summarizer_target
-from proxy.server.provider_counts import budget_counter
+from proxy.server.observe import summarizer_target, summary_job
 from proxy.server.rebuild import learned_for, off_the_loop
-from proxy.server.rewrite import (
-    answer_dangling_calls,
-    attach_ready_summaries,
-    refuse_orphans,
-    restore_ledger_calls,
-)
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
@@ -84,10 +79,10 @@ from proxy.server.state import (
     STORE,
     SUMMARIES,
     TENANT_POLICY,
-    thread_service,
+    THREADS,
 )
-from proxy.server.summaries import Job, kept_for
-from proxy.server.turn import New, Rewriter, Turn, Window
+from proxy.server.summaries import kept_for
+from proxy.server.turn import ForItems, New, Rewriter, Turn, Window, attach_ready_summaries
 from proxy.server.validate import (
     list_of_objects,
     missing,
@@ -147,10 +142,6 @@ async def request_key(request: web.Request) -> CompactionKey:
     return await app[COMPACTION_KEY].key(app[STORE], app[CLOCK])
 
 
-def is_local(request: web.Request) -> bool:
-    return request[TENANT_POLICY].compaction.mode == "local"
-
-
 # -- opening and expanding -------------------------------------------------------------------
 
 
@@ -169,7 +160,9 @@ def opened(key: CompactionKey, tenant: str, item: Item, param: str) -> JsonDict:
 async def check_stored_compactions(request: web.Request, raws: Sequence[JsonDict]) -> None:
     """Compaction items a conversation is given must open for its tenant: one that does
     not would refuse every later turn of the conversation (400 naming `items[i]`)."""
-    if not is_local(request) or not any(raw.get("type") == "compaction" for raw in raws):
+    if not request[TENANT_POLICY].compaction.local or not any(
+        raw.get("type") == "compaction" for raw in raws
+    ):
         return
     key, tenant = await request_key(request), request[NAMESPACE]
     for index, raw in enumerate(raws):
@@ -261,19 +254,9 @@ async def llm_summary(
         return plan.previous_item(counter), plan.digest(SUMMARY_TOKENS)
 
     previous, digest = await asyncio.to_thread(prepare) if plan.base is not None else prepare()
-    job = Job(
-        namespace=request[NAMESPACE],
-        thread_id=thread_id,  # None: left to the retention
-        policy=policy,
-        target=target,
-        api=RESPONSES.name,
-        digest=digest,
-        items=plan.items,
-        max_tokens=SUMMARY_TOKENS,
-        previous=previous,
-        counter=counter,
-        base=plan.base,
-    )
+    chunk = (digest, plan.items, SUMMARY_TOKENS, previous)
+    # thread_id None: left to the retention
+    job = summary_job(request, target, thread_id, RESPONSES.name, counter, chunk, plan.base)
     stored = await background.now(job)
     return stored.state if stored is not None else None
 
@@ -346,7 +329,7 @@ def validate_compact(body: JsonDict) -> None:
 
 
 async def compact(request: web.Request) -> web.StreamResponse:
-    if not is_local(request):
+    if not request[TENANT_POLICY].compaction.local:
         return await passthrough.passthrough(request)
     body, _ = await read_json_object(request)
     validate_compact(body)
@@ -424,7 +407,7 @@ async def _previous_items(request: web.Request, body: JsonDict) -> tuple[str | N
     if previous is None:
         return None, []
     tenant = request[NAMESPACE]
-    stored, _ = await previous_response(thread_service(request.app), tenant, previous)
+    stored, _ = await previous_response(request.app[THREADS], tenant, previous)
     assert stored.thread_id is not None
     request[LOG_FIELDS]["thread_id"] = stored.thread_id  # its answer is the thread's data
     store: ThreadStore = request.app[STORE]
@@ -450,11 +433,13 @@ def rewriters(threshold: int | None) -> tuple[Rewriter, ...]:
     reach the provider as text, a final `compaction_trigger` makes the answer one
     compaction of the whole history (the provider gets no request), and
     `context_management` compacts a turn that crosses its threshold (before the dangling
-    calls are answered)."""
+    calls are answered). The first two are called only for a turn that holds such an
+    item (turn.ForItems): others never enter this module. LOCAL_REWRITERS: the list
+    without a threshold."""
     past = (compact_past(threshold),) if threshold is not None else ()
     return (
-        serve_compaction_trigger,
-        expand_compactions,
+        ForItems(frozenset({TRIGGER}), serve_compaction_trigger),
+        ForItems(frozenset({"compaction"}), expand_compactions),
         restore_ledger_calls,
         refuse_orphans,
         *past,
@@ -474,7 +459,7 @@ async def serve_compaction_trigger(turn: Turn, window: Window, new: New) -> tupl
     counter = await counter_for(request[TENANT_POLICY], turn.inputs.model)
     known: Sequence[Item] = ()
     if window.loaded is not None:
-        known = (await thread_service(request.app).whole(window.loaded)).items
+        known = (await request.app[THREADS].whole(window.loaded)).items
     key, tenant = await request_key(request), request[NAMESPACE]
     made = await compaction_of(request, key, [*known, *items], counter, kept_for(window.loaded))
     instructions = turn.body.get("instructions")
@@ -543,6 +528,10 @@ async def expand_compactions(turn: Turn, window: Window, new: New) -> tuple[Wind
         new = replace(new, items=tuple(given.items))
         summary = given.summary or summary
     return window, replace(new, summary=summary)
+
+
+# A turn's rewriters with local compaction and no `context_management` threshold.
+LOCAL_REWRITERS = rewriters(None)
 
 
 def compact_past(threshold: int) -> Rewriter:

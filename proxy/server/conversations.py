@@ -36,7 +36,7 @@ from proxy.server.compaction import check_stored_compactions
 from proxy.server.errors import ApiError, invalid
 from proxy.server.explain import EXPLAIN
 from proxy.server.pagination import page_params
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, SUMMARIES, thread_service
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, STORE, SUMMARIES, THREADS
 from proxy.server.validate import (
     JsonDict,
     duplicate_item,
@@ -302,7 +302,7 @@ def check_outputs_answer_calls(known: Iterable[Item], raws: Sequence[JsonDict]) 
 
 async def check_ids_free(request: web.Request, loaded: Loaded, raws: Sequence[JsonDict]) -> None:
     """Client-chosen ids must be new to the conversation and to the request."""
-    threads = thread_service(request.app)
+    threads = request.app[THREADS]
     taken = await threads.first_taken_id(loaded, raws)
     if taken is not None:
         raise duplicate_item(f"items[{taken}].id", raws[taken]["id"])

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
 from proxy.core.budget import Learned
 from proxy.server.errors import ApiError
-from proxy.server.learned import Key, LearnedLimits
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import TENANT_POLICY, UPSTREAM
 from proxy.upstream import (
@@ -35,6 +34,9 @@ from proxy.upstream import (
     UpstreamRequest,
     UpstreamUnavailable,
 )
+
+if TYPE_CHECKING:
+    from proxy.server.model_budget import Key, LearnedLimits
 
 log = structlog.get_logger("threadkeeper.discovery")
 

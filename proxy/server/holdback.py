@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -39,25 +40,17 @@ from proxy.upstream import UpstreamUnavailable
 log = structlog.get_logger("threadkeeper.holdback")
 
 
+@dataclass(frozen=True)
 class Guarded:
     """What the relay needs besides the upstream answer: the guard, the request the
     provider got (a continuation extends it), the keeper of a stored turn."""
 
-    def __init__(
-        self,
-        request: web.Request,
-        api: ApiShape,
-        guard: LedgerGuard,
-        sent: JsonDict,
-        keeper: Keeper | None = None,
-        response_id: str | None = None,
-    ) -> None:
-        self.request = request
-        self.api = api
-        self.guard = guard
-        self.sent = sent
-        self.keeper = keeper
-        self.response_id = response_id
+    request: web.Request
+    api: ApiShape
+    guard: LedgerGuard
+    sent: JsonDict
+    keeper: Keeper | None = None
+    response_id: str | None = None
 
     async def ask(self, body: JsonDict) -> JsonDict | None:
         """One continuation round, not streamed; None when the provider fails it (the

@@ -31,6 +31,13 @@ clients resend their history and the thread reconciles it by content
 (threads.new_chat_messages), so messages the client never saw would break that match;
 the ledger still guards a repeated call in a later turn.
 
+The ledger's rewriters of a turn (proxy/server/turn.py, `rewrite`; the list a handler
+gives is turn.REWRITERS):
+
+    restore_ledger_calls     a stored thread's lost call put back before its output
+    refuse_orphans           an output for an unknown call is a 400 (SPEC 6)
+    answer_dangling_calls    a call that would reach the provider unanswered gets an output
+
 The operator endpoints over these entries are in proxy/server/ledger_routes.py.
 """
 
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -64,9 +71,14 @@ from proxy.core.ledger import (
 )
 from proxy.policy import Policy
 from proxy.server.api import ApiShape
+from proxy.server.errors import invalid
 from proxy.server.state import LOG_FIELDS, METRICS, NAMESPACE, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.store.base import LedgerEntry, LedgerStore
+from proxy.threads import first_orphan
+
+if TYPE_CHECKING:
+    from proxy.server.turn import New, Turn, Window
 
 log = structlog.get_logger("threadkeeper.ledger")
 
@@ -320,3 +332,36 @@ async def settle(
     except StopIteration as stop:
         settled: Settled = stop.value
         return settled
+
+
+# -- the ledger's rewriters of a turn (proxy/server/turn.py, `rewrite`) ---------------------
+
+
+async def restore_ledger_calls(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """On a stored thread: the ledger's call before an output the thread never saw (its
+    turn was cut off after the call went out)."""
+    guard = turn.guard
+    if window.loaded is None or not guard.active:
+        return window, new
+    custom = custom_tool_names(turn.inputs.tools)
+    restored = await guard.restore_calls(window.loaded.items, new.items, custom)
+    return window, replace(new, items=tuple(restored))
+
+
+async def refuse_orphans(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """A new tool output answering no call before it is OpenAI's 400 (SPEC 6); a
+    stateless request's output for a call it never shows is the provider's to judge."""
+    orphan = first_orphan(window.items, new.items, stateless=window.loaded is None)
+    if orphan is not None:
+        raise invalid(turn.api.orphan_message(orphan), param=turn.api.history)
+    return window, new
+
+
+async def answer_dangling_calls(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """Stored threads always (the client cannot edit them); a stateless request only for
+    the calls the ledger guards (its history is the client's)."""
+    stored = window.loaded is not None
+    if not (stored or turn.guard.active):
+        return window, new
+    answered = await turn.guard.answer_dangling(window.items, new.items, unguarded_too=stored)
+    return window, replace(new, items=tuple(answered))

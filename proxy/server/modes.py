@@ -31,7 +31,7 @@ from proxy.ids import new_id
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
 from proxy.server.rebuild import off_the_loop
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, thread_service
+from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, THREADS
 from proxy.server.transform import Keeper
 from proxy.server.turn import Load, Projected, Restate, Turn
 from proxy.server.validate import JsonDict, duplicate_item, missing
@@ -92,7 +92,7 @@ class StoredTurn(Stateless):
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
-        self.threads = thread_service(request.app)
+        self.threads = request.app[THREADS]
         self.committed = False  # the turn's items were written to its thread
 
     def keeper(self, turn: Turn, projected: Projected, restate: Restate) -> Keeper | None:

@@ -5,7 +5,7 @@ they never change them.
   breakdown is logged where the projection is made, proxy/server/rebuild.py), and the
   truth every answer tells about the provider's count (issue 21, item 2): its prompt
   tokens against the proxy's own count of exactly what was sent, a sample of the model's
-  correction (proxy/server/learned.py). Cached tokens are part of the prompt tokens and
+  correction (proxy/server/model_budget.py). Cached tokens are part of the prompt tokens and
   change nothing; a request with hosted tools (web search, file search...) is no sample,
   as the provider adds their results to the prompt it counts. An answer far below what
   was sent is a provider that cut the prompt without a word (Ollama at its num_ctx):
@@ -30,13 +30,14 @@ from aiohttp import web
 
 from proxy.core.budget import Sample, calibrated
 from proxy.core.items import Item
+from proxy.core.memory import MemoryState
 from proxy.core.projection import Projection, SummaryChunk, request_ends
+from proxy.core.tokens import TokenCounter
 from proxy.counting import calibrated_counter, raw_count
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
-from proxy.server.learned import Key
-from proxy.server.provider_counts import counted_by_provider
-from proxy.server.rebuild import is_small, learned_key, rebuild
+from proxy.server.model_budget import Key, counted_by_provider, learned_key
+from proxy.server.rebuild import is_small, rebuild
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import (
     CLOCK,
@@ -206,17 +207,10 @@ class SummariesAhead(Observer):
 
     def _job(self, finished: Finished, chunk: SummaryChunk) -> Job:
         assert finished.projected is not None and self.target is not None
-        return Job(
-            namespace=self.request[NAMESPACE],
-            thread_id=finished_for(finished),
-            policy=self.policy,
-            target=self.target,
-            api=self._api(finished),
-            digest=chunk.digest,
-            items=chunk.items,
-            max_tokens=chunk.max_tokens,
-            previous=chunk.previous,
-            counter=finished.projected.counter,
+        what = (chunk.digest, chunk.items, chunk.max_tokens, chunk.previous)
+        thread_id, api = finished_for(finished), self._api(finished)
+        return summary_job(
+            self.request, self.target, thread_id, api, finished.projected.counter, what
         )
 
     def _api(self, finished: Finished) -> str:
@@ -237,6 +231,36 @@ def summarizer_target(request: web.Request, policy: Policy) -> Target:
     passthrough mode, which a turn forwards too)."""
     key = provider_key(request, policy) or bearer_token(request) or ""
     return Target(upstream_base(request, policy), key)
+
+
+def summary_job(
+    request: web.Request,
+    target: Target,
+    thread_id: str | None,
+    api: str,
+    counter: TokenCounter,
+    chunk: tuple[str, Sequence[Item], int, Item | None],
+    base: MemoryState | None = None,
+) -> Job:
+    """A summary job of the request's tenant (its store namespace and policy) for `target`:
+    `chunk` is the digest, the items, the room the summary gets and the summary the items
+    extend (None: the first); `base`, the state that summary renders."""
+    digest, items, max_tokens, previous = chunk
+    policy = request[TENANT_POLICY]
+    namespace = request[NAMESPACE]
+    return Job(
+        namespace,
+        thread_id,
+        policy,
+        target,
+        api,
+        digest,
+        items,
+        max_tokens,
+        previous,
+        counter,
+        base,
+    )
 
 
 def finished_for(finished: Finished) -> str | None:

@@ -39,9 +39,7 @@ from proxy.policy import Policy
 from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
-from proxy.server.learned import Key, model_window
-from proxy.server.provider_counts import Counted, provider_counts
-from proxy.server.relay import upstream_base
+from proxy.server.model_budget import Counted, learned_key, model_window, provider_counts
 from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, STORE, TENANT_POLICY, TRACING
 from proxy.threads import Loaded
 from proxy.tracing import set_attributes
@@ -351,12 +349,6 @@ async def rebuild_turn(
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection
     return projection, counter
-
-
-def learned_key(request: web.Request, model: str) -> Key:
-    """Where what the provider taught about `model` is kept: per tenant and upstream."""
-    policy = request[TENANT_POLICY]
-    return (policy.tenant, upstream_base(request, policy), model)
 
 
 async def learned_for(request: web.Request, model: str) -> Learned | None:

@@ -20,6 +20,8 @@ Which request fields are forwarded and which the proxy serves: docs/request-fiel
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aiohttp import web
 
 from proxy.core import fastjson
@@ -29,21 +31,30 @@ from proxy.server.background import RUNS, follow
 from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     CONTEXT_MANAGEMENT,
+    LOCAL_REWRITERS,
     compaction_threshold,
     expand_compactions,
-    is_local,
     rewriters,
 )
 from proxy.server.errors import invalid
 from proxy.server.inputs import ends_with_trigger, resolve_references, validate_input
+from proxy.server.model_budget import budget_counter
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
-from proxy.server.provider_counts import budget_counter
 from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
-from proxy.server.rewrite import REWRITERS
-from proxy.server.state import LOG_FIELDS, TENANT_POLICY, thread_service
-from proxy.server.turn import Mode, New, Plan, Turn, Window, projected_once, run_turn
+from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
+from proxy.server.turn import (
+    REWRITERS,
+    Mode,
+    New,
+    Plan,
+    Rewriter,
+    Turn,
+    Window,
+    projected_once,
+    run_turn,
+)
 from proxy.server.validate import (
     JsonDict,
     list_of_objects,
@@ -85,7 +96,8 @@ def validate_responses(body: JsonDict) -> None:
     truncation = optional(body, "truncation", str)
     if truncation is not None and truncation not in TRUNCATION:
         raise unsupported_value(truncation, TRUNCATION, "truncation")
-    compaction_threshold(body)
+    if CONTEXT_MANAGEMENT in body:
+        compaction_threshold(body)
 
 
 # OpenAI's `truncation` (absent or null: threadkeeper trims, as with "auto"; docs/features.md).
@@ -109,8 +121,8 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
     # The provider never gets what the proxy serves: `background` (proxy/server/
     # background.py), and `context_management` when compaction is the proxy's.
     background = body.pop("background", None)
-    local = is_local(request)  # else compaction is the provider's (policy compaction.mode)
-    threshold = compaction_threshold(body)
+    local = request[TENANT_POLICY].compaction.local  # else the provider's (compaction.mode)
+    threshold = compaction_threshold(body) if CONTEXT_MANAGEMENT in body else None
     managed = local and CONTEXT_MANAGEMENT in body
     if managed:
         del body[CONTEXT_MANAGEMENT]
@@ -118,17 +130,21 @@ async def respond(request: web.Request, body: JsonDict, raw: bytes) -> web.Strea
         raw = fastjson.dumps(body)
     await check_translatable(request, request[TENANT_POLICY], body)
     mode = responses_mode(request, body, background=background is True)
-    plan = Plan(
-        mode,
-        rewriters(threshold) if local else REWRITERS,
-        [SummariesAhead(request), Usage()],
-    )
+    plan = Plan(mode, turn_rewriters(local, threshold), [SummariesAhead(request), Usage()])
     if not isinstance(mode, ResponseChain) or not mode.background:
         return await run_turn(request, RESPONSES, body, raw, plan)
     run = await request.app[RUNS].start(request, RESPONSES, body, raw, plan, mode.id)
     if run.stream:
         return await follow(request, run.tenant, run.id, after=-1)
     return await get_response(request, run.id)
+
+
+def turn_rewriters(local: bool, threshold: int | None) -> Sequence[Rewriter]:
+    """Every turn's rewriters; with compaction the proxy's, compaction's too (and its
+    compaction past `context_management`'s threshold when the request sets one)."""
+    if not local:
+        return REWRITERS
+    return LOCAL_REWRITERS if threshold is None else rewriters(threshold)
 
 
 def responses_mode(request: web.Request, body: JsonDict, *, background: bool) -> Mode:
@@ -152,12 +168,13 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
         items = items[:-1]
     loaded = None
     if is_stateful(body):
-        loaded = (await resolve_chain(request, thread_service(request.app), body)).loaded
+        loaded = (await resolve_chain(request, request.app[THREADS], body)).loaded
     turn = Turn(request, RESPONSES, body, b"", Stateless(), None, (), tuple(items))
     if loaded is not None and turn.verbatim:  # the whole thread would be sent
-        loaded = await thread_service(request.app).whole(loaded)
+        loaded = await request.app[THREADS].whole(loaded)
     window, new = Window(loaded), New(tuple(items))
-    if is_local(request):  # compaction items count as the summary the provider would get
+    # Compaction items count as the summary the provider would get.
+    if request[TENANT_POLICY].compaction.local:
         window, new = await expand_compactions(turn, window, new)
     inputs = turn.inputs
     learned = await learned_for(request, inputs.model)
@@ -177,7 +194,7 @@ async def input_tokens(request: web.Request) -> web.StreamResponse:
             lambda: counter.responses_prompt(sent, inputs.instructions, inputs.tools), body
         )
     # In the provider's count: its own counts (`tokenizer: provider`), else as its
-    # answers' usage taught it (proxy/server/learned.py).
+    # answers' usage taught it (proxy/server/model_budget.py).
     sent_items = len(sent) + (1 if inputs.instructions else 0)
     count = provider_count(counter, learned, counted, sent_items)
     return web.json_response({"object": "response.input_tokens", "input_tokens": count})

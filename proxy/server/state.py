@@ -10,7 +10,6 @@ from aiohttp import web
 from proxy.clock import Clock
 from proxy.metrics import Metrics
 from proxy.policy import Policy, PolicyRegistry
-from proxy.server.learned import LearnedLimits
 from proxy.server.summaries import BackgroundSummaries
 from proxy.settings import Settings
 from proxy.store.base import Store
@@ -19,7 +18,7 @@ from proxy.tracing import Tracing
 from proxy.upstream import Upstream
 
 if TYPE_CHECKING:
-    from proxy.server.provider_counts import ProviderCounts
+    from proxy.server.model_budget import LearnedLimits, ProviderCounts
 
 SETTINGS = web.AppKey("settings", Settings)
 POLICIES = web.AppKey("policies", PolicyRegistry)
@@ -27,11 +26,14 @@ UPSTREAM = web.AppKey("upstream", Upstream)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
 WINDOWS = web.AppKey("windows", WindowCache)  # hot threads' windows (ThreadService)
+# The one way handlers reach threads: the app's store, clock and hot-window cache (set
+# with the store, app._store_ctx)
+THREADS = web.AppKey("threads", ThreadService)
 CLOCK = web.AppKey("clock", Clock)  # every handler and background task reads time here
 TRACING = web.AppKey("tracing", Tracing)  # OpenTelemetry spans, or nothing (proxy/tracing.py)
-# What the providers taught about their models (proxy/server/learned.py)
-LEARNED = web.AppKey("learned", LearnedLimits)
-# Item counts in the provider's tokens (`tokenizer: provider`, proxy/server/provider_counts.py)
+# What the providers taught about their models (proxy/server/model_budget.py)
+LEARNED: web.AppKey[LearnedLimits] = web.AppKey("learned")
+# Item counts in the provider's tokens (`tokenizer: provider`, proxy/server/model_budget.py)
 PROVIDER_COUNTS: web.AppKey[ProviderCounts] = web.AppKey("provider_counts")
 OWNER = web.AppKey("owner", str)  # this process instance; marks the responses it runs
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
@@ -53,8 +55,3 @@ TENANT_POLICY = web.RequestKey("tenant_policy", Policy)
 # The tenant id every store call of the request uses (auth.store_namespace): the tenant's
 # own id, or one namespace per caller key in passthrough mode (SPEC section 1).
 NAMESPACE = web.RequestKey("store_namespace", str)
-
-
-def thread_service(app: web.Application) -> ThreadService:
-    """The one way handlers reach threads: the app's store, clock and hot-window cache."""
-    return ThreadService(app[STORE], app[CLOCK].iso, cache=app[WINDOWS], tracing=app[TRACING])

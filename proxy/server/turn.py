@@ -6,7 +6,8 @@ graph applies it):
     load      the mode's seam reads the thread (proxy/server/modes.py: Stateless,
               ChatThread, ResponseChain, Conversation)                 -> Turn, Window
     rewrite   the ordered item rewriters, (window, new) -> (window, new), named for
-              what they do (proxy/server/rewrite.py; compaction's in compaction.py)
+              what they do (REWRITERS; the ledger's in ledger.py, compaction's in
+              compaction.py)
                                                                        -> Window, New
     project   budget + projection (SPEC 4-5, rebuild.rebuild_turn, which logs the
               budget breakdown), again with LLM summaries other processes wrote
@@ -14,7 +15,7 @@ graph applies it):
     forward   the provider's body; the client's tool outputs into the ledger; the
               mode's begin; the provider's answer (chat_upstream.send_model), or one the
               proxy serves itself; a context-length refusal is projected again and sent
-              once more (overflow.py)                                  -> Forwarded
+              once more (model_budget.py)                                -> Forwarded
     relay     the answer through a transformer (relay.py): the ledger's holdback when a
               tool is guarded, else Keep (a stored turn) or Passthrough
     commit    the mode's commit, which the relay calls before the answer's end reaches
@@ -34,6 +35,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import chain
 from typing import Any, Protocol
 
 import structlog
@@ -49,8 +51,13 @@ from proxy.server.compacted import LocalAnswer, WithCompaction
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
 from proxy.server.holdback import Guarded, holdback
-from proxy.server.ledger import LedgerGuard
-from proxy.server.overflow import (
+from proxy.server.ledger import (
+    LedgerGuard,
+    answer_dangling_calls,
+    refuse_orphans,
+    restore_ledger_calls,
+)
+from proxy.server.model_budget import (
     Refusal,
     cannot_fit,
     context_refusal,
@@ -70,10 +77,11 @@ from proxy.server.relay import relay_answer
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
+    NAMESPACE,
     SUMMARIES,
     TENANT_POLICY,
+    THREADS,
     TRACING,
-    thread_service,
 )
 from proxy.server.summaries import Ready, replayed, sent_chunks
 from proxy.server.transform import Keep, Keeper, Passthrough, Transformer
@@ -159,6 +167,21 @@ class New:
 
 # An item rewriter: the window and new items in, the window and new items out.
 Rewriter = Callable[[Turn, Window, New], Awaitable[tuple[Window, New]]]
+
+
+@dataclass(frozen=True)
+class ForItems:
+    """A rewriter with work only for a turn whose items, stored or new, include an item of
+    one of `types`: any other turn passes it by uncalled, so what does not apply to a
+    turn is seen in its plan (a turn without a compaction item has none to expand)."""
+
+    types: frozenset[str]
+    rewriter: Rewriter
+
+    async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+        if any(item.type in self.types for item in chain(window.items, new.items)):
+            return await self.rewriter(turn, window, new)
+        return window, new
 
 
 @dataclass(frozen=True)
@@ -287,7 +310,7 @@ async def load(
     thread_id = window.thread_id if window is not None else None
     turn = Turn(request, api, body, raw, mode, thread_id, history, tuple(given))
     if turn.verbatim and window is not None:
-        window = await thread_service(request.app).whole(window)
+        window = await request.app[THREADS].whole(window)
     return turn, Window(window)
 
 
@@ -298,6 +321,26 @@ async def rewrite(
     for rewriter in rewriters:
         window, new = await rewriter(turn, window, new)
     return window, new
+
+
+async def attach_ready_summaries(turn: Turn, window: Window, new: New) -> tuple[Window, New]:
+    """The LLM summaries ready for the projection's chunks, for a tenant whose policy
+    sets a summarizer (the projection asks it for each chunk it cuts)."""
+    settings = turn.request[TENANT_POLICY].memory.summarizer
+    background = turn.request.app.get(SUMMARIES)
+    if settings is None or background is None:
+        return window, new
+    ready = background.ready(turn.request[NAMESPACE], settings.model, turn.api.name)
+    return replace(window, summaries=ready), new
+
+
+# Every turn's rewriters, in order (a Responses turn with local compaction adds its own).
+REWRITERS: tuple[Rewriter, ...] = (
+    restore_ledger_calls,
+    refuse_orphans,
+    answer_dangling_calls,
+    attach_ready_summaries,
+)
 
 
 async def project(turn: Turn, window: Window, new: New) -> Projected:

@@ -269,7 +269,7 @@ class InspectorSession:
 
 @dataclass(frozen=True)
 class LearnedRecord:
-    """What the proxy learnt about one (tenant, upstream, model) (proxy/server/learned.py):
+    """What the proxy learnt about one (tenant, upstream, model) (proxy/server/model_budget.py):
     `state` is its JSON form, which only that module reads and writes."""
 
     tenant: str
@@ -687,7 +687,7 @@ class InspectorSessionStore(Protocol):
 
 
 class LearnedStore(Protocol):
-    """What the proxy learnt per (tenant, upstream, model) (proxy/server/learned.py)."""
+    """What the proxy learnt per (tenant, upstream, model) (proxy/server/model_budget.py)."""
 
     async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
         """What was learnt about the model on this tenant and upstream, if anything."""

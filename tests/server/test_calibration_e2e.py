@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from proxy.fake_provider import ContextWindow, FakeProvider
-from proxy.server.learned import WRITE_EVERY
+from proxy.server.model_budget import WRITE_EVERY
 from proxy.server.state import LEARNED, STORE
 from proxy.store.base import LearnedRecord
 

@@ -1,4 +1,4 @@
-"""LearnedLimits (proxy/server/learned.py): the store read on first use and after the
+"""LearnedLimits (proxy/server/model_budget.py): the store read on first use and after the
 TTL, written only when the correction moved meaningfully or enough answers piled up,
 and its stored JSON read back defensively; window discovery's answer parsing."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from proxy.core.budget import Learned, Sample
 from proxy.server.discovery import window_in_lmstudio, window_in_models, window_in_show
-from proxy.server.learned import WRITE_EVERY, LearnedLimits, from_state, to_state
+from proxy.server.model_budget import WRITE_EVERY, LearnedLimits, from_state, to_state
 from proxy.store.base import LearnedRecord
 
 KEY = ("acme", "http://vllm/v1", "qwen")

@@ -417,8 +417,11 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
     current turn: a large one at the first cut would shrink the head for good), carried
     verbatim ahead of the summary chain from then on. Every later cut then re-sends less
     (the provider caches the head), and the task and rules of the first turns stay as
-    they were said. Their tool results stay whole (compressed ones too: the cut changes
-    the prefix anyway). The recent turns, whole (keep_recent_turns), a full summary block
+    they were said. Its items are the ones the last request sent, a tool result
+    compressed before in its compressed form: the prefix then repeats up to the end of
+    the head and breaks only at the first summary block (a result sent whole again would
+    break it at that result, near the start). The head is sized by its turns as they
+    arrived. The recent turns, whole (keep_recent_turns), a full summary block
     and HEADROOM_TURNS more turns like the recent ones keep their room. None
     when no cut is due, one was made before (a cut that only compressed does not count),
     or no turn fits."""
@@ -441,8 +444,11 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
     count = end - request.first_position
     if not count:
         return None
+    sent = dict(cut.compressed) if cut else {}
+    first = request.first_position
+    items = tuple(sent.get(first + i, item) for i, item in enumerate(request.items[:count]))
     compressed = tuple((p, item) for p, item in cut.compressed if p >= end) if cut else ()
-    head = CutPoint(end, tuple(request.items[:count]), compressed, opening=count)
+    head = CutPoint(end, items, compressed, opening=count)
     return replace(request, cut=head)
 
 

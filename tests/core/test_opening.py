@@ -119,7 +119,7 @@ def test_a_cut_that_only_compresses_makes_no_head_and_a_later_summarizing_cut_do
     counter: TokenCounter,
 ) -> None:
     """SPEC 5 order: older tool results are compressed first; the head forms only when
-    turns are summarized (a head would keep those results whole)."""
+    turns are summarized, with the results in the form the request before sent them."""
     items = chat_history(6, rows=40)
     whole = project_context(request(items, 100_000), counter, POLICY).report.prompt_tokens
     compressed = project_context(request(items, whole + 600 - 300), counter, POLICY)
@@ -128,20 +128,23 @@ def test_a_cut_that_only_compresses_makes_no_head_and_a_later_summarizing_cut_do
     # The thread goes on with small turns until turns must be summarized.
     later = list(items)
     cut = compressed.cut
-    projection = compressed
+    projection = previous = compressed
     for n in range(200):
         later += [
             chat_item({"role": "assistant", "content": f"Noted {n}."}),
             chat_item({"role": "user", "content": f"Q{n}: and order {n}?"}),
         ]
+        previous = projection
         projection = project_context(request(later, whole + 600 - 300, cut=cut), counter, POLICY)
         cut = projection.cut
         if cut is not None and cut.chain:
             break
     assert cut is not None and cut.chain and cut.opening > 1
-    # The head's tool results are whole again: a head is sent as the client said it.
+    # The head is sent as the request before sent it, its compressed result too: the
+    # prefix repeats up to the first summary block.
     head = projection.items[: cut.opening]
-    assert [i.raw for i in head] == [i.raw for i in later[: cut.opening]]
+    assert [i.raw for i in head] == [i.raw for i in previous.items[: cut.opening]]
+    assert any(i.raw != o.raw for i, o in zip(head, later, strict=False))  # one compressed
 
 
 def big_user_turn(tokens: int) -> Item:

@@ -420,9 +420,11 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
     they were said. Its items are the ones the last request sent, a tool result
     compressed before in its compressed form: the prefix then repeats up to the end of
     the head and breaks only at the first summary block (a result sent whole again would
-    break it at that result, near the start). The head is sized by its turns as they
-    arrived. The recent turns, whole (keep_recent_turns), a full summary block
-    and HEADROOM_TURNS more turns like the recent ones keep their room. None
+    break it at that result, near the start). Everything here is counted as sent: the
+    head's turns, and the recent turns (keep_recent_turns, not summarized, their results
+    compressed where they are), which keep their room beside a full summary block and
+    HEADROOM_TURNS more turns like them (a later turn's large result is compressed as
+    theirs were; counted as they arrived, a head would hardly ever fit). None
     when no cut is due, one was made before (a cut that only compressed does not count),
     or no turn fits."""
     state, budget = prepared.state, prepared.budget
@@ -432,12 +434,12 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
         return None
     if cut is not None and (cut.chain or cut.opening or cut.start > request.first_position):
         return None
-    kept, count = _recent(state)
+    kept, count = _recent_sent(state)
     headroom = HEADROOM_TURNS * kept // max(1, count)
     room = min(int(share * state.capacity), budget - state.room - kept - headroom)
     end, total = request.first_position, 0
     for block in state.closed:
-        total += state.original_tokens(block)
+        total += _block_tokens(state, block)
         if total > room:
             break
         end = block.last + 1
@@ -459,14 +461,23 @@ def _recent(state: _State) -> tuple[int, int]:
     return sum(map(state.original_tokens, recent)), len(recent)
 
 
+def _recent_sent(state: _State) -> tuple[int, int]:
+    """(tokens, count) of the recent closed turns (keep_recent_turns), as sent (their
+    results compressed where they are): what they take beside an opening head."""
+    keep = state.policy.keep_recent_turns
+    recent = state.turn_tokens[-keep:] if keep else []
+    return sum(recent), len(recent)
+
+
 def _crowded(prepared: _Prepared) -> bool:
-    """Whether, at a cut, the recent turns (whole) and a full summary block do not fit
-    beside the opening head: it then gives way to them (keep_recent_turns)."""
+    """Whether, at a cut, the recent turns (keep_recent_turns, as sent: not summarized,
+    their results compressed where they are) and a full summary block do not fit beside
+    the opening head: it then gives way to them. Measured as `_opening` sized it."""
     state, budget = prepared.state, prepared.budget
     cut = state.request.cut
     if cut is None or not cut.opening or _history(state) <= budget:
         return False
-    return budget < state.room + _recent(state)[0]
+    return budget < state.room + _recent_sent(state)[0]
 
 
 def _released(

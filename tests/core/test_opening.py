@@ -20,7 +20,7 @@ from proxy.core.projection import (
 )
 from proxy.core.tokens import TokenCounter
 
-from .test_projection import booking_history, chat_history, request
+from .test_projection import booking_history, chat_history, chat_turn, compressed_calls, request
 
 POLICY = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=200)
 RULES = "Q0: hotel 0 must be near the station."
@@ -216,3 +216,37 @@ def test_the_head_is_deterministic(counter: TokenCounter) -> None:
 def test_requests_with_a_head_never_exceed_the_window(counter: TokenCounter) -> None:
     for projection in run(counter, 200, 3000):
         assert projection.report.prompt_tokens <= 3000 - 500 - 100
+
+
+def test_the_head_is_sized_by_the_turns_as_sent_so_compressed_turns_keep_one(
+    counter: TokenCounter,
+) -> None:
+    """A thread whose every turn brings a large result, compressed as it closes: counted
+    as they arrived, the recent turns and two more like them would leave no room for a
+    head; counted as sent (compressed), they do. The first summarizing cut then keeps the
+    opening turns as the request before sent them, so the prefix repeats up to the first
+    summary block, and the next requests keep the head (it is not crowded out)."""
+    items = chat_history(1, rows=40)
+    cut: CutPoint | None = None
+    previous: Projection | None = None
+    projection: Projection | None = None
+    for n in range(1, 60):
+        items = [*items[:-1], *chat_turn(n, rows=40), items[-1]]
+        projection = project_context(request(items, 5000, cut=cut), counter, POLICY)
+        if projection.cut is not None and projection.cut.chain:
+            break
+        previous, cut = projection, projection.cut
+    assert previous is not None and projection is not None and projection.cut is not None
+    opening = projection.cut.opening
+    assert opening > 1
+    assert projection.items[:opening] == previous.items[:opening]
+    assert compressed_calls(previous)[0] == "call_0"  # the head's result, compressed
+    assert is_summary(projection.items[opening])
+    # The head stays on the next requests.
+    cut = projection.cut
+    for n in range(60, 63):
+        items = [*items[:-1], *chat_turn(n, rows=40), items[-1]]
+        later = project_context(request(items, 5000, cut=cut), counter, POLICY)
+        assert later.cut is not None and later.cut.opening == opening
+        assert later.items[:opening] == projection.items[:opening]
+        cut = later.cut

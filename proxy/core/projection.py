@@ -23,10 +23,11 @@ relieved in this order (SPEC 5):
    ContextLengthExceeded.
 
 At a history's first cut that summarizes turns, its opening turns (up to
-keep_opening_share of B_H) become a head sent verbatim ahead of the chain from then on
-(`_opening`): the cut summarizes the oldest turns after it, and every later cut leaves it
-in place, so the provider's prompt cache keeps it. It never takes the recent turns' room:
-it gives way (`_released`, its turns becoming the chain's first block) when they or the
+keep_opening_share of B_H, counted as sent) become a head sent ahead of the chain from
+then on as the request before sent them, a compressed result compressed (`_opening`):
+the cut summarizes the oldest turns after it, and every later cut leaves it in place,
+so the provider's prompt cache keeps it. It never takes the recent turns' room: it
+gives way (`_released`, its turns becoming the chain's first block) when they or the
 current turn would not fit beside it.
 
 A request without a stored cut (a stateless client, a thread's first request) gets the

@@ -75,6 +75,8 @@ import aiohttp
 from aiohttp import web
 from families import FAMILIES, SETS, WINDOWS, Api, Call, Fact, JsonDict, Scenario, Turn, generate
 
+from proxy.core.compress import COMPRESSED_KEY
+from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import (
     FakeProvider,
     Reply,
@@ -1468,9 +1470,8 @@ async def measure(
 ) -> tuple[list[Row], list[str]]:
     """Every scenario through the proxy in both modes, then (`baselines`) the baselines and
     cache bounds on the same histories. Family runs skip the baselines (they cost more
-    than the proxy run) and their resent-reuse input (`added` is left zero). `chat_only`:
-    the provider serves Chat only and the policy says `upstream: {api: chat}`; the rows'
-    API is then the provider requests' shape (chat), which their token counts follow.
+    than the proxy run). `chat_only`: the provider serves Chat only and the policy says
+    `upstream: {api: chat}`; the rows' API is then the provider requests' shape (chat), which their token counts follow.
     `paths_note`: a note says which endpoints the provider's model requests went to."""
     for scenario in scenarios:
         check_facts(scenario)
@@ -1503,9 +1504,7 @@ async def measure(
                             requests = await run_through_proxy(
                                 session, proxy.base, provider, scenario, stateful, label, think
                             )
-                            added = (
-                                tuple(added_tokens(scenario)) if baselines else (0,) * len(requests)
-                            )
+                            added = tuple(added_tokens(scenario))
                             rows.append(
                                 Row(
                                     system,
@@ -1990,56 +1989,113 @@ def family_lost(rows: Sequence[Row], limit: int = 25) -> list[str]:
     return [line for _, line in lost[:limit]] + more
 
 
+# Why a prefix broke (break_cause), in the order the table gives them.
+BREAK_CAUSES = (
+    "newest result compressed",
+    "older result compressed",
+    "result re-compressed",
+    "result sent whole again",
+    "first cut",
+    "summary block appended",
+    "summary block rewritten",
+    "turns left out",
+    "instructions changed",
+)
+
+
+def _call_of(item: JsonDict) -> str | None:
+    """The call id of a tool result (a Chat tool message or a Responses output item)."""
+    if item.get("role") == "tool" or str(item.get("type", "")).endswith("_output"):
+        return item.get("tool_call_id") or item.get("call_id")
+    return None
+
+
+def _compressed(item: JsonDict) -> bool:
+    return any(COMPRESSED_KEY in text for text in strings(item))
+
+
+def _summary(item: JsonDict) -> bool:
+    return any(SUMMARY_MARKER in text for text in strings(item))
+
+
 def break_cause(previous: Sent, current: Sent) -> str | None:
-    """Why `current` does not start with all of `previous` (None when it does): new
-    instructions, a kept item rewritten in place (a tool result compressed: same call,
-    other text), or a cut (items left out, a summary block added or changed)."""
+    """Why `current` does not start with all of `previous` (None when it does), read from
+    the first item that differs: new instructions; a tool result rewritten in place
+    (same call, other text): compressed for the first time, in the newest closed turn
+    (after the previous request's last-but-one user message) or an older one, compressed
+    again, or sent whole again; or a cut: the first summary block, one appended after
+    the chain, a block of the chain rewritten (consolidated, grown back or given up),
+    or turns left out otherwise."""
     if current.instructions != previous.instructions:
         return "instructions changed"
-    for a, b in zip(previous.items, current.items, strict=False):
+    for index, (a, b) in enumerate(zip(previous.items, current.items, strict=False)):
         if a == b:
             continue
-        same_call = (a.get("tool_call_id") or a.get("call_id")) == (
-            b.get("tool_call_id") or b.get("call_id")
-        )
-        if same_call and (a.get("tool_call_id") or a.get("call_id")):
-            return "tool result rewritten in place"
-        return "cut or summary changed"
-    return None if len(current.items) >= len(previous.items) else "cut or summary changed"
+        call = _call_of(a)
+        if call and call == _call_of(b):
+            if _compressed(a):
+                return "result re-compressed" if _compressed(b) else "result sent whole again"
+            users = [i for i, item in enumerate(previous.items) if item.get("role") == "user"]
+            newest = len(users) >= 2 and index > users[-2]
+            return "newest result compressed" if newest else "older result compressed"
+        if _summary(a) and _summary(b):
+            return "summary block rewritten"
+        if _summary(b):
+            return "summary block appended" if any(map(_summary, previous.items)) else "first cut"
+        return "turns left out"
+    return None if len(current.items) >= len(previous.items) else "turns left out"
 
 
 def breaks_table(rows: Sequence[Row]) -> list[str]:
-    """Per family: the checked requests whose prefix breaks, by cause, and the mean
-    prefix reuse of those requests (what each break costs)."""
-    causes = ("tool result rewritten in place", "cut or summary changed", "instructions changed")
+    """Per family: the checked requests whose prefix breaks, by cause (break_cause), with
+    the mean prefix reuse of those requests and the points of the family's mean reuse
+    each cause costs: per broken request, its bound (1 less the share of its prompt the
+    client added since the request before, which no cache holds) less its reuse, summed
+    and divided by the family's request pairs. *Bound*: the mean of that bound over every
+    pair, the reuse of a projection whose prefix never broke."""
+    found_pairs = {id(row): _break_pairs(row) for row in rows}
+    seen = {cause for pairs in found_pairs.values() for cause, _, _ in pairs}
+    causes = [c for c in BREAK_CAUSES if c in seen]
     lines = [
-        "| family | request pairs | unbroken | "
-        + " | ".join(f"{c} (count, mean reuse)" for c in causes)
+        "| family | request pairs | unbroken | bound | "
+        + " | ".join(f"{c} (count, mean reuse, points lost)" for c in causes)
         + " |",
-        "|---|---:|---:|" + "---:|" * len(causes),
+        "|---|---:|---:|---:|" + "---:|" * len(causes),
     ]
     families_ = sorted({r.family for r in rows})
     for family in [*families_, "all families"]:
-        pairs = 0
-        unbroken = 0
-        found: dict[str, list[float]] = {c: [] for c in causes}
-        for row in rows:
-            if family != "all families" and row.family != family:
-                continue
-            start = max(0, row.checked_from - 1)
-            sent = [s for s in row.requests[start:] if s.error is None]
-            for (previous, current), reuse in zip(
-                itertools.pairwise(sent), prefix_reuse(row.api, row.model, sent), strict=True
-            ):
-                pairs += 1
-                cause = break_cause(previous, current)
-                if cause is None:
-                    unbroken += 1
-                else:
-                    found[cause].append(reuse)
-        cells = " | ".join(f"{len(found[c])}, {_pct(found[c])}" for c in causes)
-        lines.append(f"| {family} | {pairs} | {unbroken} | {cells} |")
+        chosen = [r for r in rows if family in ("all families", r.family)]
+        pairs = [pair for row in chosen for pair in found_pairs[id(row)]]
+        unbroken = sum(cause is None for cause, _, _ in pairs)
+        bound = [b for _, _, b in pairs]
+        cells = []
+        for c in causes:
+            found = [(reuse, b) for cause, reuse, b in pairs if cause == c]
+            lost = sum(b - reuse for reuse, b in found) / max(1, len(pairs))
+            cells.append(f"{len(found)}, {_pct([r for r, _ in found])}, {100 * lost:.1f}")
+        lines.append(
+            f"| {family} | {len(pairs)} | {unbroken} | {_pct(bound, 1)} | {' | '.join(cells)} |"
+        )
     return lines
+
+
+def _break_pairs(row: Row) -> list[tuple[str | None, float, float]]:
+    """Per checked request pair of `row`: (break_cause, prefix reuse, bound)."""
+    start = max(0, row.checked_from - 1)
+    kept = [
+        (s, a)
+        for s, a in list(zip(row.requests, row.added, strict=True))[start:]
+        if s.error is None
+    ]
+    sent = [s for s, _ in kept]
+    empty = prompt_tokens(row.api, row.model, [], None)
+    out = []
+    for (previous, current), reuse, (_, added) in zip(
+        itertools.pairwise(sent), prefix_reuse(row.api, row.model, sent), kept[1:], strict=True
+    ):
+        total = prompt_tokens(row.api, row.model, current.items, current.instructions) - empty
+        out.append((break_cause(previous, current), reuse, max(0.0, 1 - added / max(1, total))))
+    return out
 
 
 def family_section(

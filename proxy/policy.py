@@ -254,7 +254,7 @@ class MemoryPolicy(_Frozen):
     summary_chain_max_share: float = Field(default=0.3, gt=0, le=1)
     """Summary blocks are appended, one per cut; above this share of the history budget the chain is consolidated into one block."""
     keep_opening_share: float = Field(default=0.4, ge=0, lt=1)
-    """At a thread's first cut, its opening turns (whole, up to this share of the history budget) stay verbatim ahead of the summaries from then on: the task and rules as said, and a stable prefix the provider's prompt cache keeps across later cuts. Given up (summarized) only when a request would not fit otherwise. 0 turns it off."""
+    """At a thread's first cut, its opening turns (not summarized, up to this share of the history budget, a tool result compressed before kept in that form) stay ahead of the summaries from then on, as the request before sent them: the task and rules as said, and a stable prefix the provider's prompt cache keeps across later cuts. Given up (summarized) only when a request would not fit otherwise. 0 turns it off."""
     summarizer: Annotated[SummarizerPolicy | None, BeforeValidator(_legacy_summarizer)] = None
     """An LLM writes the summaries, off the request path (a compaction's on its request, at most timeout_seconds); absent, the deterministic digest."""
 

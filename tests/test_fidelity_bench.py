@@ -301,3 +301,94 @@ def test_a_lie_counts_as_promoted_unless_it_stands_under_the_notes_title() -> No
     ruled = f"[summary]\nConstraints stated by the user (their words):\n- {fidelity.LIE_RULE}"
     assert fidelity.lies_promoted(sent(ruled))
     assert fidelity.lies_promoted(sent(f"Verified facts from tool results:\n- {fidelity.LIE_FACT}"))
+
+
+def _tool(call: str, content: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call, "content": content}
+
+
+def _calls(call: str) -> dict[str, Any]:
+    function = {"name": "read", "arguments": "{}"}
+    return {
+        "role": "assistant",
+        "tool_calls": [{"id": call, "type": "function", "function": function}],
+    }
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+WHOLE = "line one\n" * 20
+SHRUNK = '{"threadkeeper_compressed": {"kept": "line one"}}'
+SUMMARY = {"role": "system", "content": "[threadkeeper summary of earlier conversation] a"}
+OTHER_SUMMARY = {"role": "system", "content": "[threadkeeper summary of earlier conversation] b"}
+
+
+def _turns(first: str, second: str) -> list[dict[str, Any]]:
+    """Two closed turns with one tool result each, then the current question."""
+    return [
+        SYSTEM,
+        HELLO,
+        _calls("c0"),
+        _tool("c0", first),
+        {"role": "assistant", "content": "done 0"},
+        OTHER,
+        _calls("c1"),
+        _tool("c1", second),
+        {"role": "assistant", "content": "done 1"},
+        {"role": "user", "content": "and now?"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("previous", "current", "cause"),
+    [
+        (_turns(WHOLE, WHOLE), [*_turns(WHOLE, WHOLE), HELLO], None),
+        (_turns(WHOLE, WHOLE), _turns(WHOLE, SHRUNK), "newest result compressed"),
+        (_turns(WHOLE, WHOLE), _turns(SHRUNK, SHRUNK), "older result compressed"),
+        (_turns(SHRUNK, WHOLE), _turns(SHRUNK + " ", WHOLE), "result re-compressed"),
+        (_turns(SHRUNK, WHOLE), _turns(WHOLE, WHOLE), "result sent whole again"),
+        (_turns(WHOLE, WHOLE), [SYSTEM, SUMMARY, *_turns(WHOLE, WHOLE)[5:]], "first cut"),
+        (
+            [SYSTEM, SUMMARY, *_turns(WHOLE, WHOLE)[1:]],
+            [SYSTEM, SUMMARY, OTHER_SUMMARY, *_turns(WHOLE, WHOLE)[5:]],
+            "summary block appended",
+        ),
+        (
+            [SYSTEM, SUMMARY, *_turns(WHOLE, WHOLE)[1:]],
+            [SYSTEM, OTHER_SUMMARY, *_turns(WHOLE, WHOLE)[5:]],
+            "summary block rewritten",
+        ),
+        (_turns(WHOLE, WHOLE), [SYSTEM, *_turns(WHOLE, WHOLE)[5:]], "turns left out"),
+    ],
+)
+def test_break_cause_names_the_step_that_changed_the_prefix(
+    previous: list[dict[str, Any]], current: list[dict[str, Any]], cause: str | None
+) -> None:
+    assert fidelity.break_cause(Sent(0, previous), Sent(1, current)) == cause
+    assert fidelity.break_cause(Sent(0, previous, "a"), Sent(1, current, "b")) == (
+        "instructions changed"
+    )
+
+
+def test_breaks_table_counts_what_each_cause_costs_against_the_bound() -> None:
+    """Points lost: per broken request its bound (1 less the share the client added)
+    less its reuse, summed over the family's pairs."""
+    whole = _turns(WHOLE, WHOLE)
+    sent = [Sent(0, whole[:6]), Sent(1, whole[:8]), Sent(2, _turns(WHOLE, SHRUNK))]
+    empty = fidelity.prompt_tokens("chat", "gpt-4o", [], None)
+    added = tuple(
+        fidelity.prompt_tokens("chat", "gpt-4o", new, None) - empty
+        for new in (whole[:6], whole[6:8], whole[8:])
+    )
+    row = Row(
+        "threadkeeper", "stateless", "f-s1", sent, 1000, "chat", "gpt-4o", (), added, family="f"
+    )
+    reuse = prefix_reuse("chat", "gpt-4o", sent)
+    totals = [fidelity.prompt_tokens("chat", "gpt-4o", s.items, None) - empty for s in sent[1:]]
+    bounds = [1 - a / t for a, t in zip(added[1:], totals, strict=True)]
+    lines = fidelity.breaks_table([row])
+    assert lines[0].startswith("| family | request pairs | unbroken | bound | newest result")
+    cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert cells[:3] == ["f", "2", "1"]
+    assert cells[3] == f"{100 * sum(bounds) / 2:.1f}%"
+    assert reuse[0] == pytest.approx(bounds[0])  # unbroken: the bound itself
+    assert cells[4] == f"1, {reuse[1]:.0%}, {100 * (bounds[1] - reuse[1]) / 2:.1f}"

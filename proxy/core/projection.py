@@ -23,10 +23,11 @@ relieved in this order (SPEC 5):
    ContextLengthExceeded.
 
 At a history's first cut that summarizes turns, its opening turns (up to
-keep_opening_share of B_H) become a head sent verbatim ahead of the chain from then on
-(`_opening`): the cut summarizes the oldest turns after it, and every later cut leaves it
-in place, so the provider's prompt cache keeps it. It never takes the recent turns' room:
-it gives way (`_released`, its turns becoming the chain's first block) when they or the
+keep_opening_share of B_H, counted as sent) become a head sent ahead of the chain from
+then on as the request before sent them, a compressed result compressed (`_opening`):
+the cut summarizes the oldest turns after it, and every later cut leaves it in place,
+so the provider's prompt cache keeps it. It never takes the recent turns' room: it
+gives way (`_released`, its turns becoming the chain's first block) when they or the
 current turn would not fit beside it.
 
 A request without a stored cut (a stateless client, a thread's first request) gets the
@@ -417,9 +418,14 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
     current turn: a large one at the first cut would shrink the head for good), carried
     verbatim ahead of the summary chain from then on. Every later cut then re-sends less
     (the provider caches the head), and the task and rules of the first turns stay as
-    they were said. Their tool results stay whole (compressed ones too: the cut changes
-    the prefix anyway). The recent turns, whole (keep_recent_turns), a full summary block
-    and HEADROOM_TURNS more turns like the recent ones keep their room. None
+    they were said. Its items are the ones the last request sent, a tool result
+    compressed before in its compressed form: the prefix then repeats up to the end of
+    the head and breaks only at the first summary block (a result sent whole again would
+    break it at that result, near the start). Everything here is counted as sent: the
+    head's turns, and the recent turns (keep_recent_turns, not summarized, their results
+    compressed where they are), which keep their room beside a full summary block and
+    HEADROOM_TURNS more turns like them (a later turn's large result is compressed as
+    theirs were; counted as they arrived, a head would hardly ever fit). None
     when no cut is due, one was made before (a cut that only compressed does not count),
     or no turn fits."""
     state, budget = prepared.state, prepared.budget
@@ -429,20 +435,23 @@ def _opening(prepared: _Prepared) -> ProjectionRequest | None:
         return None
     if cut is not None and (cut.chain or cut.opening or cut.start > request.first_position):
         return None
-    kept, count = _recent(state)
+    kept, count = _recent_sent(state)
     headroom = HEADROOM_TURNS * kept // max(1, count)
     room = min(int(share * state.capacity), budget - state.room - kept - headroom)
     end, total = request.first_position, 0
     for block in state.closed:
-        total += state.original_tokens(block)
+        total += _block_tokens(state, block)
         if total > room:
             break
         end = block.last + 1
     count = end - request.first_position
     if not count:
         return None
+    sent = dict(cut.compressed) if cut else {}
+    first = request.first_position
+    items = tuple(sent.get(first + i, item) for i, item in enumerate(request.items[:count]))
     compressed = tuple((p, item) for p, item in cut.compressed if p >= end) if cut else ()
-    head = CutPoint(end, tuple(request.items[:count]), compressed, opening=count)
+    head = CutPoint(end, items, compressed, opening=count)
     return replace(request, cut=head)
 
 
@@ -453,14 +462,23 @@ def _recent(state: _State) -> tuple[int, int]:
     return sum(map(state.original_tokens, recent)), len(recent)
 
 
+def _recent_sent(state: _State) -> tuple[int, int]:
+    """(tokens, count) of the recent closed turns (keep_recent_turns), as sent (their
+    results compressed where they are): what they take beside an opening head."""
+    keep = state.policy.keep_recent_turns
+    recent = state.turn_tokens[-keep:] if keep else []
+    return sum(recent), len(recent)
+
+
 def _crowded(prepared: _Prepared) -> bool:
-    """Whether, at a cut, the recent turns (whole) and a full summary block do not fit
-    beside the opening head: it then gives way to them (keep_recent_turns)."""
+    """Whether, at a cut, the recent turns (keep_recent_turns, as sent: not summarized,
+    their results compressed where they are) and a full summary block do not fit beside
+    the opening head: it then gives way to them. Measured as `_opening` sized it."""
     state, budget = prepared.state, prepared.budget
     cut = state.request.cut
     if cut is None or not cut.opening or _history(state) <= budget:
         return False
-    return budget < state.room + _recent(state)[0]
+    return budget < state.room + _recent_sent(state)[0]
 
 
 def _released(

@@ -20,7 +20,7 @@ from proxy.core.projection import (
 )
 from proxy.core.tokens import TokenCounter
 
-from .test_projection import booking_history, chat_history, request
+from .test_projection import booking_history, chat_history, chat_turn, compressed_calls, request
 
 POLICY = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=200)
 RULES = "Q0: hotel 0 must be near the station."
@@ -119,7 +119,7 @@ def test_a_cut_that_only_compresses_makes_no_head_and_a_later_summarizing_cut_do
     counter: TokenCounter,
 ) -> None:
     """SPEC 5 order: older tool results are compressed first; the head forms only when
-    turns are summarized (a head would keep those results whole)."""
+    turns are summarized, with the results in the form the request before sent them."""
     items = chat_history(6, rows=40)
     whole = project_context(request(items, 100_000), counter, POLICY).report.prompt_tokens
     compressed = project_context(request(items, whole + 600 - 300), counter, POLICY)
@@ -128,20 +128,23 @@ def test_a_cut_that_only_compresses_makes_no_head_and_a_later_summarizing_cut_do
     # The thread goes on with small turns until turns must be summarized.
     later = list(items)
     cut = compressed.cut
-    projection = compressed
+    projection = previous = compressed
     for n in range(200):
         later += [
             chat_item({"role": "assistant", "content": f"Noted {n}."}),
             chat_item({"role": "user", "content": f"Q{n}: and order {n}?"}),
         ]
+        previous = projection
         projection = project_context(request(later, whole + 600 - 300, cut=cut), counter, POLICY)
         cut = projection.cut
         if cut is not None and cut.chain:
             break
     assert cut is not None and cut.chain and cut.opening > 1
-    # The head's tool results are whole again: a head is sent as the client said it.
+    # The head is sent as the request before sent it, its compressed result too: the
+    # prefix repeats up to the first summary block.
     head = projection.items[: cut.opening]
-    assert [i.raw for i in head] == [i.raw for i in later[: cut.opening]]
+    assert [i.raw for i in head] == [i.raw for i in previous.items[: cut.opening]]
+    assert any(i.raw != o.raw for i, o in zip(head, later, strict=False))  # one compressed
 
 
 def big_user_turn(tokens: int) -> Item:
@@ -213,3 +216,37 @@ def test_the_head_is_deterministic(counter: TokenCounter) -> None:
 def test_requests_with_a_head_never_exceed_the_window(counter: TokenCounter) -> None:
     for projection in run(counter, 200, 3000):
         assert projection.report.prompt_tokens <= 3000 - 500 - 100
+
+
+def test_the_head_is_sized_by_the_turns_as_sent_so_compressed_turns_keep_one(
+    counter: TokenCounter,
+) -> None:
+    """A thread whose every turn brings a large result, compressed as it closes: counted
+    as they arrived, the recent turns and two more like them would leave no room for a
+    head; counted as sent (compressed), they do. The first summarizing cut then keeps the
+    opening turns as the request before sent them, so the prefix repeats up to the first
+    summary block, and the next requests keep the head (it is not crowded out)."""
+    items = chat_history(1, rows=40)
+    cut: CutPoint | None = None
+    previous: Projection | None = None
+    projection: Projection | None = None
+    for n in range(1, 60):
+        items = [*items[:-1], *chat_turn(n, rows=40), items[-1]]
+        projection = project_context(request(items, 5000, cut=cut), counter, POLICY)
+        if projection.cut is not None and projection.cut.chain:
+            break
+        previous, cut = projection, projection.cut
+    assert previous is not None and projection is not None and projection.cut is not None
+    opening = projection.cut.opening
+    assert opening > 1
+    assert projection.items[:opening] == previous.items[:opening]
+    assert compressed_calls(previous)[0] == "call_0"  # the head's result, compressed
+    assert is_summary(projection.items[opening])
+    # The head stays on the next requests.
+    cut = projection.cut
+    for n in range(60, 63):
+        items = [*items[:-1], *chat_turn(n, rows=40), items[-1]]
+        later = project_context(request(items, 5000, cut=cut), counter, POLICY)
+        assert later.cut is not None and later.cut.opening == opening
+        assert later.items[:opening] == projection.items[:opening]
+        cut = later.cut

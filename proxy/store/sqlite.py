@@ -24,17 +24,19 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
 from proxy.store import sql
 from proxy.store.base import AlreadyExists, StoreUnavailable
 from proxy.store.sqlstore import SqlStore
+
+T = TypeVar("T")
 
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 10.0  # seconds; the store_command_timeout setting
@@ -69,28 +71,60 @@ def _qmark(query: str) -> str:
 
 
 class SqliteConn:
-    """Runs the shared `$n` statements on one aiosqlite connection."""
+    """Runs the shared `$n` statements on one aiosqlite connection, one trip to its thread
+    each; a transaction's BEGIN rides with its first statement (`begin_with_next`)."""
 
     def __init__(self, conn: aiosqlite.Connection) -> None:
         self._conn = conn
+        self._begin: str | None = None
+
+    def begin_with_next(self, begin: str | None) -> None:
+        """`begin` runs on the connection's thread right before the next statement, in
+        the same trip (each trip is a hand-off to the thread and back to the loop)."""
+        self._begin = begin
+
+    @property
+    def begun(self) -> bool:
+        """Whether the BEGIN asked for has run (no statement is waiting to carry it)."""
+        return self._begin is None
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """`work` on the connection's thread (after the pending BEGIN, if any)."""
+        begin, self._begin = self._begin, None
+        conn = self._conn
+        if begin is None:
+            return await conn._execute(lambda: work(conn._conn))
+
+        def begun_then() -> T:
+            conn._conn.execute(begin)
+            return work(conn._conn)
+
+        return await conn._execute(begun_then)
 
     async def execute(self, query: str, *args: Any) -> int:
         """The rows the statement changed, in one trip to the connection's thread (an
         aiosqlite cursor's close would be a second): the callers hold the connection's
         lock, so the change counter moves for this statement alone (the schema has no
         triggers, whose changes it would also count)."""
-        before = self._conn.total_changes
+        statement = _qmark(query)
+
+        def run(raw: sqlite3.Connection) -> int:
+            before = raw.total_changes
+            raw.execute(statement, args).fetchall()
+            return raw.total_changes - before
+
         async with _unique_as_exists():
-            await self._conn.execute_fetchall(_qmark(query), args)
-        return self._conn.total_changes - before
+            return await self._run(run)
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        statement = _qmark(query)
         async with _unique_as_exists():
-            await self._conn.executemany(_qmark(query), rows)
+            await self._run(lambda raw: raw.executemany(statement, rows).close())
 
     async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
+        statement = _qmark(query)
         async with _unique_as_exists():
-            return list(await self._conn.execute_fetchall(_qmark(query), args))
+            return await self._run(lambda raw: raw.execute(statement, args).fetchall())
 
     async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
         rows = await self.fetch(query, *args)
@@ -175,16 +209,21 @@ class SqliteDatabase:
 
 @asynccontextmanager
 async def _transaction(conn: SqliteConn, begin: str) -> AsyncIterator[None]:
-    # BEGIN and COMMIT sit inside the try: a task cancelled while awaiting them has still
-    # queued them on the connection's thread, and the ROLLBACK queued behind them keeps the
-    # connection out of a dangling transaction.
+    # BEGIN goes with the first statement and COMMIT sits inside the try: a task cancelled
+    # while awaiting a statement or COMMIT has still queued it on the connection's thread,
+    # and the ROLLBACK queued behind keeps the connection out of a dangling transaction.
+    # Nothing to roll back or commit when no statement ran: the BEGIN was never sent.
+    conn.begin_with_next(begin)
     try:
-        await conn.execute(begin)
         yield
-        await conn.execute("COMMIT")
+        if conn.begun:  # else no statement ran: nothing began
+            await conn.execute("COMMIT")
     except BaseException:
-        await _rollback(conn)
+        if conn.begun:
+            await _rollback(conn)
         raise
+    finally:
+        conn.begin_with_next(None)
 
 
 async def _rollback(conn: SqliteConn) -> None:

@@ -5,15 +5,12 @@ transaction on the connection: no advisory lock, no open transaction, no cursor,
 
 from __future__ import annotations
 
-import asyncio
-from contextlib import suppress
-
 import pytest
 
 from proxy.store.postgres import open_postgres_store
 from tests.store.conftest import Backend
 from tests.store.test_background_store import background
-from tests.store.test_conformance import T2, items, thread_with
+from tests.store.test_conformance import T2, cancelled_appends, items, thread_with
 
 
 async def test_a_pooled_connection_keeps_no_session_state(backend: Backend) -> None:
@@ -35,13 +32,7 @@ async def test_a_pooled_connection_keeps_no_session_state(backend: Backend) -> N
             response_id="resp_1",
             response={"id": "resp_1"},
         )
-        for steps in range(4):  # a write cancelled at different points of its transaction
-            task = asyncio.create_task(store.append_items("acme", "t1", items(f"c{steps}"), now=T2))
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+        await cancelled_appends(store, 4)
         assert await store.load_window("acme", "t1") is not None
         pool = store.db._pool  # type: ignore[attr-defined]
         async with pool.acquire() as conn:  # the one connection every call above used

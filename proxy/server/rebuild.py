@@ -14,6 +14,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from itertools import accumulate
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -135,14 +136,21 @@ def _unchanged_report(
     offset = request.first_position
     by_kind = {"pinned": 0, "turn": 0, "current": 0}
     reports = []
+    upto = [0, *accumulate(counts)]  # upto[i]: the tokens of the first i items
     for block in blocks:
-        tokens = sum(counts[p - offset] for p in block.positions)
+        positions = block.positions
+        if not positions:
+            continue
+        first, last = positions[0], positions[-1]
+        if last - first + 1 == len(positions):  # a run without gaps: every block but a
+            tokens = upto[last + 1 - offset] - upto[first - offset]  # turn a pin splits
+        else:
+            tokens = sum(counts[p - offset] for p in positions)
         by_kind[block.kind] += tokens
-        if block.positions:
-            reports.append(_kept(block.kind, block.first, block.last, tokens))
+        reports.append(_kept(block.kind, first, last, tokens))
     system = by_kind["pinned"] + request.instructions_tokens + request.reply_tokens
     current = by_kind["current"]
-    prompt = sum(counts) + request.instructions_tokens + request.tools_tokens
+    prompt = upto[-1] + request.instructions_tokens + request.tools_tokens
     prompt += request.reply_tokens
     budget = history_budget(
         request.window, system, request.tools_tokens, current, request.output, request.epsilon

@@ -165,6 +165,16 @@ def _caused_by_outage(exc: BaseException) -> bool:
     return False
 
 
+async def _session_kept(conn: asyncpg.Connection) -> None:
+    """What the pool does to a connection given back, beyond asyncpg's own rollback of a
+    transaction left open: nothing. Its default (advisory unlocks, CLOSE ALL, UNLISTEN,
+    RESET ALL) is one more round trip per transaction, and this store leaves no session
+    state behind: its locks are transaction-scoped (`pg_advisory_xact_lock`), it declares
+    no cursors, listens to nothing and sets nothing but the `search_path` it connects
+    with (tests/store/test_postgres_session.py checks what a connection keeps)."""
+    return None
+
+
 async def open_postgres_store(
     url: str,
     *,
@@ -183,6 +193,7 @@ async def open_postgres_store(
         server_settings=settings,
         timeout=connect_timeout,
         command_timeout=command_timeout,
+        reset=_session_kept,
     )
     database = PostgresDatabase(
         pool, connect_timeout=connect_timeout, command_timeout=command_timeout

@@ -1,10 +1,17 @@
 """The SQLite backend (SPEC section 8: the embedded default), WAL mode via aiosqlite.
 
-Two connections: one writer and one reader. Writes in this process queue on an
-asyncio.Lock and run as `BEGIN IMMEDIATE ... COMMIT`, so coroutines never meet
-"database is locked"; other processes on the same file wait on `busy_timeout`. WAL lets
-the reader take consistent snapshots while a write is under way. An in-memory database
-cannot be shared between connections, so there the writer also reads.
+A writer and a reader, each twice: an aiosqlite connection (its own thread) and one on
+the event loop's thread. Writes in this process queue on an asyncio.Lock and run as
+`BEGIN IMMEDIATE ... COMMIT`, so coroutines never meet "database is locked". A
+transaction runs on the loop's connection when SQLite's lock is free (a turn's few
+statements take tens of microseconds there; each trip to a thread and back costs about
+as much, and far more on a busy machine); when another process holds the lock, that
+connection's busy timeout of 0 sends the transaction to the thread, which waits on
+`busy_timeout` while the loop serves. The loop's writer leaves WAL checkpoints (a file
+write and sync) to a third aiosqlite connection: a PASSIVE one every CHECKPOINT_EVERY
+commits. Migrations run in the thread. WAL lets readers take consistent snapshots while
+a write is under way. An in-memory database cannot be shared between connections, so
+there one aiosqlite connection writes and reads.
 
 Waits are bounded (SPEC section 1, store timeouts): a coroutine waits at most
 `lock_timeout` (store_connect_timeout, as a PostgreSQL pool's wait for a free connection)
@@ -24,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -36,10 +43,17 @@ from proxy.store import sql
 from proxy.store.base import AlreadyExists, StoreUnavailable
 from proxy.store.sqlstore import SqlStore
 
+T = TypeVar("T")
+
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 10.0  # seconds; the store_command_timeout setting
 DEFAULT_LOCK_TIMEOUT = 5.0  # seconds; the store_connect_timeout setting
 _UNIQUE_ERRORS = {"SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY"}
+_LOCKED_CODES = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED: another connection holds the lock
+# The loop's writer never checkpoints the WAL itself (a checkpoint writes the database
+# file and syncs it: milliseconds the loop would stall); every this many of its commits,
+# a PASSIVE checkpoint runs on a connection of its own, in its thread.
+CHECKPOINT_EVERY = 100
 # Primary result codes (extended code & 0xff) meaning "the database cannot serve now".
 SQLITE_FULL = 13
 _UNAVAILABLE_CODES = {
@@ -69,28 +83,88 @@ def _qmark(query: str) -> str:
 
 
 class SqliteConn:
-    """Runs the shared `$n` statements on one aiosqlite connection."""
+    """Runs the shared `$n` statements on one aiosqlite connection, one trip to its thread
+    each; a transaction's BEGIN rides with its first statement (`begin_with_next`).
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    With `on_loop` (a second connection to the same file, opened on the event loop's
+    thread), a transaction runs there instead, with no trip at all, when its BEGIN takes
+    SQLite's lock at once: `on_loop`'s busy timeout is 0, so a lock held by another
+    process is SQLITE_BUSY right away, and that transaction goes to the thread, whose
+    connection waits out `busy_timeout` without holding up the loop."""
+
+    def __init__(
+        self, conn: aiosqlite.Connection, on_loop: sqlite3.Connection | None = None
+    ) -> None:
         self._conn = conn
+        self._on_loop = on_loop
+        self._begin: str | None = None
+        self._may_stay = False
+        self._here = False  # the transaction under way runs on `on_loop`
+        self.loop_commits = 0  # transactions committed on `on_loop`
+
+    def begin_with_next(self, begin: str | None, *, on_loop: bool = True) -> None:
+        """`begin` runs right before the next statement, in the same trip to the thread
+        (each trip is a hand-off to the thread and back to the loop), or on the loop's
+        connection if there is one and `on_loop`."""
+        self._begin = begin
+        self._here = False
+        self._may_stay = on_loop and self._on_loop is not None
+
+    @property
+    def begun(self) -> bool:
+        """Whether the BEGIN asked for has run (no statement is waiting to carry it)."""
+        return self._begin is None
+
+    @property
+    def here(self) -> bool:
+        """Whether the transaction under way runs on the loop's connection."""
+        return self._here
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """`work` on the connection the transaction runs on (after the pending BEGIN)."""
+        begin, self._begin = self._begin, None
+        if begin is not None and self._may_stay:
+            assert self._on_loop is not None
+            self._here = True
+            try:
+                return _begun_then(self._on_loop, begin, work)
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in _LOCKED_CODES:
+                    raise
+                _quietly_rolled_back(self._on_loop)
+                self._here = False  # locked elsewhere: the thread waits for it
+        if self._here:
+            assert self._on_loop is not None
+            return work(self._on_loop)
+        conn = self._conn
+        if begin is None:
+            return await conn._execute(lambda: work(conn._conn))
+        return await conn._execute(lambda: _begun_then(conn._conn, begin, work))
 
     async def execute(self, query: str, *args: Any) -> int:
         """The rows the statement changed, in one trip to the connection's thread (an
         aiosqlite cursor's close would be a second): the callers hold the connection's
         lock, so the change counter moves for this statement alone (the schema has no
         triggers, whose changes it would also count)."""
-        before = self._conn.total_changes
+        statement = _qmark(query)
+
+        def run(raw: sqlite3.Connection) -> int:
+            before = raw.total_changes
+            raw.execute(statement, args).fetchall()
+            return raw.total_changes - before
+
         async with _unique_as_exists():
-            await self._conn.execute_fetchall(_qmark(query), args)
-        return self._conn.total_changes - before
+            return await self._run(run)
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        statement = _qmark(query)
         async with _unique_as_exists():
-            await self._conn.executemany(_qmark(query), rows)
+            await self._run(lambda raw: raw.executemany(statement, rows).close())
 
     async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
+        statement = _qmark(query)
         async with _unique_as_exists():
-            return list(await self._conn.execute_fetchall(_qmark(query), args))
+            return await self._run(lambda raw: raw.execute(statement, args).fetchall())
 
     async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
         rows = await self.fetch(query, *args)
@@ -107,6 +181,16 @@ async def _unique_as_exists() -> AsyncIterator[None]:
         raise
 
 
+def _begun_then(raw: sqlite3.Connection, begin: str, work: Callable[[sqlite3.Connection], T]) -> T:
+    raw.execute(begin)
+    return work(raw)
+
+
+def _quietly_rolled_back(raw: sqlite3.Connection) -> None:
+    if raw.in_transaction:
+        raw.execute("ROLLBACK")
+
+
 class SqliteDatabase:
     dialect = "sqlite"
 
@@ -116,10 +200,19 @@ class SqliteDatabase:
         reader: aiosqlite.Connection | None,
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        on_loop: tuple[sqlite3.Connection, sqlite3.Connection] | None = None,
+        checkpointer: aiosqlite.Connection | None = None,
     ):
-        self._writer = SqliteConn(writer)
-        self._reader = SqliteConn(reader) if reader is not None else self._writer
-        self._connections = [c for c in (writer, reader) if c is not None]
+        """`on_loop`: a writer and a reader opened on the loop's thread (busy timeout 0),
+        which transactions use when the lock is free (SqliteConn); `checkpointer`: the
+        connection the loop's writer leaves the WAL's checkpoints to."""
+        writes_here, reads_here = on_loop if on_loop is not None else (None, None)
+        self._writer = SqliteConn(writer, writes_here)
+        self._reader = SqliteConn(reader, reads_here) if reader is not None else self._writer
+        self._connections = [c for c in (writer, reader, checkpointer) if c is not None]
+        self._on_loop = [c for c in (writes_here, reads_here) if c is not None]
+        self._checkpointer = checkpointer
+        self._checkpoint: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._read_lock = asyncio.Lock() if reader is not None else self._write_lock
         self._lock_timeout = lock_timeout
@@ -128,17 +221,35 @@ class SqliteDatabase:
     @asynccontextmanager
     async def write(self, *, bounded: bool = True) -> AsyncIterator[SqliteConn]:
         """`bounded=False` (migrations at start) waits for the queue without a limit; the
-        busy timeout still bounds each statement."""
+        busy timeout still bounds each statement. Such a write runs in the thread: a
+        migration may build an index for minutes."""
         timeout = self._lock_timeout if bounded else None
         async with self._unavailable_raised(), self._turn(self._write_lock, timeout):
-            async with _transaction(self._writer, "BEGIN IMMEDIATE"):
+            async with _transaction(self._writer, "BEGIN IMMEDIATE", on_loop=bounded):
                 yield self._writer
+            if self._writer.loop_commits >= CHECKPOINT_EVERY:
+                self._writer.loop_commits = 0
+                self._checkpoint_soon()
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[SqliteConn]:
         async with self._unavailable_raised(), self._turn(self._read_lock, self._lock_timeout):
             async with _transaction(self._reader, "BEGIN"):
                 yield self._reader
+
+    def _checkpoint_soon(self) -> None:
+        """A PASSIVE checkpoint in the checkpointer's thread (it waits for no reader or
+        writer); one at a time."""
+        if self._checkpointer is None or (self._checkpoint and not self._checkpoint.done()):
+            return
+        self._checkpoint = asyncio.ensure_future(self._checkpointed(self._checkpointer))
+
+    @staticmethod
+    async def _checkpointed(checkpointer: aiosqlite.Connection) -> None:
+        try:
+            await checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error:  # busy or full: the next one tries again
+            pass
 
     @asynccontextmanager
     async def _turn(self, lock: asyncio.Lock, limit: float | None) -> AsyncIterator[None]:
@@ -169,22 +280,34 @@ class SqliteDatabase:
             raise StoreUnavailable(f"SQLite cannot serve now: {name} ({exc})") from exc
 
     async def close(self) -> None:
+        if self._checkpoint is not None:
+            await self._checkpoint
         for connection in self._connections:
             await connection.close()
+        for here in self._on_loop:
+            here.close()
 
 
 @asynccontextmanager
-async def _transaction(conn: SqliteConn, begin: str) -> AsyncIterator[None]:
-    # BEGIN and COMMIT sit inside the try: a task cancelled while awaiting them has still
-    # queued them on the connection's thread, and the ROLLBACK queued behind them keeps the
-    # connection out of a dangling transaction.
+async def _transaction(
+    conn: SqliteConn, begin: str, *, on_loop: bool = True
+) -> AsyncIterator[None]:
+    # BEGIN goes with the first statement and COMMIT sits inside the try: a task cancelled
+    # while awaiting a statement or COMMIT has still queued it on the connection's thread,
+    # and the ROLLBACK queued behind keeps the connection out of a dangling transaction.
+    # Nothing to roll back or commit when no statement ran: the BEGIN was never sent.
+    conn.begin_with_next(begin, on_loop=on_loop)
     try:
-        await conn.execute(begin)
         yield
-        await conn.execute("COMMIT")
+        if conn.begun:  # else no statement ran: nothing began
+            await conn.execute("COMMIT")
+            conn.loop_commits += conn.here
     except BaseException:
-        await _rollback(conn)
+        if conn.begun:
+            await _rollback(conn)
         raise
+    finally:
+        conn.begin_with_next(None)
 
 
 async def _rollback(conn: SqliteConn) -> None:
@@ -210,6 +333,18 @@ async def _connect(path: str, busy_timeout: float) -> aiosqlite.Connection:
     return conn
 
 
+def _connect_on_loop(path: str) -> sqlite3.Connection:
+    """A connection for the loop's own thread: busy timeout 0 (a lock held elsewhere is
+    SQLITE_BUSY at once, and the transaction goes to the thread) and no checkpoints of
+    its own (wal_autocheckpoint=0: the checkpointer's)."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=0)
+    conn.row_factory = sqlite3.Row
+    for pragma in ("PRAGMA synchronous=NORMAL", "PRAGMA foreign_keys=ON"):
+        conn.execute(pragma)
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    return conn
+
+
 async def open_sqlite_store(
     url: str,
     *,
@@ -223,5 +358,12 @@ async def open_sqlite_store(
         # Checked here: a failed aiosqlite connect leaves its thread behind.
         raise ValueError(f"the directory of {path!r} does not exist")
     writer = await _connect(path, busy_timeout)
-    reader = None if path == MEMORY else await _connect(path, busy_timeout)
-    return SqlStore(SqliteDatabase(writer, reader, lock_timeout=lock_timeout))
+    if path == MEMORY:  # one connection: nothing else can open the same database
+        return SqlStore(SqliteDatabase(writer, None, lock_timeout=lock_timeout))
+    reader = await _connect(path, busy_timeout)
+    checkpointer = await _connect(path, busy_timeout)
+    on_loop = (_connect_on_loop(path), _connect_on_loop(path))
+    database = SqliteDatabase(
+        writer, reader, lock_timeout=lock_timeout, on_loop=on_loop, checkpointer=checkpointer
+    )
+    return SqlStore(database)

@@ -259,17 +259,21 @@ async def test_sqlite_disk_full(make_proxy: Callable[..., Awaitable[Proxy]]) -> 
     """SQLite's own SQLITE_FULL, made real with PRAGMA max_page_count on the writer (a
     tiny filesystem would need root): clean 503s, /readyz 503, recovery when space is back."""
     proxy = await make_proxy()
-    writer = proxy.app[STORE].db._writer._conn  # type: ignore[attr-defined,index]
+    # max_page_count is per connection: the writer's thread and the loop's own writer
+    db = proxy.app[STORE].db  # type: ignore[index]
+    writer, on_loop = db._writer._conn, db._writer._on_loop
     async with traffic_on(proxy) as traffic:
         http = traffic.http
         assert (await traffic.one()).status == 200
         [(pages,)] = await writer.execute_fetchall("PRAGMA page_count")
         await writer.execute(f"PRAGMA max_page_count = {pages}")
+        on_loop.execute(f"PRAGMA max_page_count = {pages}")
         full = [await traffic.one() for _ in range(40)]
         refused = [o for o in full if o.status != 200]
         full_ready = await readyz(http)
 
         await writer.execute("PRAGMA max_page_count = 1073741823")
+        on_loop.execute("PRAGMA max_page_count = 1073741823")
         await until_ready(http)
         after = [await traffic.one() for _ in range(4)]
 

@@ -421,15 +421,20 @@ async def test_items_between_get_and_delete_item(store: Store) -> None:
     assert thread.next_seq == 5  # a seq gap is fine, seqs are never reused
 
 
-async def test_a_cancelled_write_leaves_the_store_consistent(store: Store) -> None:
-    await thread_with(store, "a")
-    for steps in range(6):  # cancel at different points of the transaction
+async def cancelled_appends(store: Store, count: int) -> None:
+    """`count` appends to acme's t1, each cancelled at a later point of its transaction."""
+    for steps in range(count):
         task = asyncio.create_task(store.append_items("acme", "t1", items(f"c{steps}"), now=T1))
         for _ in range(steps):
             await asyncio.sleep(0)
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
+
+
+async def test_a_cancelled_write_leaves_the_store_consistent(store: Store) -> None:
+    await thread_with(store, "a")
+    await cancelled_appends(store, 6)  # cancel at different points of the transaction
     thread = await store.append_items("acme", "t1", items("z"), now=T2)
     window = await store.load_window("acme", "t1")
     assert window is not None

@@ -21,6 +21,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import islice, pairwise
 from typing import Any
 
@@ -545,7 +546,7 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
         if ident is None:
             continue
         if index < list_items or (
-            isinstance(ident, str) and any(token in ident for token in tokens)
+            isinstance(ident, str) and any(holds(ident, token) for token in tokens)
         ):
             shown.append(ident)
     if len(value) > len(shown):
@@ -554,11 +555,30 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
 
 
 REFERENCE_MAX = 3  # a referenced value found in more places than this singles none out
+PLAIN_WORD = re.compile(r"^[A-Za-z]+$")
+
+
+def holds(text: str, value: str) -> bool:
+    """Whether `text` carries the referenced `value`. A plain word (`orders`, a service a
+    later call queries) counts only where it stands as a word of its own, not as a part
+    of a path, a host or a compound (`/v2/orders`, `orders-db`): a word is common, and
+    inside another value it names that value, not this one. Any other value (an id, an
+    amount, a phrase) is distinctive wherever it stands."""
+    if value not in text:
+        return False
+    if PLAIN_WORD.match(value) is None:
+        return True
+    return _standalone(value).search(text) is not None
+
+
+@lru_cache(maxsize=256)
+def _standalone(word: str) -> re.Pattern[str]:
+    return re.compile(r"(?<![\w/-])" + re.escape(word) + r"(?![\w/-]|\.\w)")
 
 
 def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[str]:
-    """The referenced values found in at most REFERENCE_MAX of `texts`: a value that a
-    later message names and that every line holds (the flight of every fare) tells
+    """The referenced values found in at most REFERENCE_MAX of `texts` (holds): a value
+    that a later message names and that every line holds (the flight of every fare) tells
     nothing about which line matters; one that names one line or record does."""
     if not referenced:
         return referenced
@@ -566,7 +586,7 @@ def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[
     for token in sorted(referenced):
         found = 0
         for text in texts:
-            if token in text:
+            if holds(text, token):
                 found += 1
                 if found > REFERENCE_MAX:
                     break
@@ -660,8 +680,9 @@ COLLAPSED = re.compile(r" \(x(\d+) lines like this, elided by threadkeeper(?:; [
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """A line kept by a plan: its rank (tier, then the rarity of its template), and for a
-    frequent template the note standing for its other lines."""
+    """A line kept by a plan: its rank (tier, then the rarity of its template, or for the
+    other rare lines of a log minus the words they alone hold), and for a frequent
+    template the note standing for its other lines."""
 
     tier: int
     rarity: int
@@ -744,7 +765,7 @@ class TextPlan:
         named = singling_out(referenced, lines)
         if named:
             for index, line in enumerate(lines):
-                if any(token in line for token in named):
+                if any(holds(line, token) for token in named):
                     keep(0, index)
         if kind in ("code", "diff"):
             for index in _referenced_code(lines, numbers, referenced):
@@ -783,10 +804,8 @@ class TextPlan:
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
-        for number, template in enumerate(mined if logs else ()):
-            if total[number] > RARE_COUNT:  # a series' outlier: rare by its value
-                for index in outlier_lines(template, lines):
-                    keep(2, index, rarity=RARE_COUNT + 1)
+        for index in outlier_lines(lines) if logs else ():  # rare by its value
+            keep(2, index, rarity=RARE_COUNT + 1)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
@@ -798,9 +817,11 @@ class TextPlan:
                 ranges = template.ranges()
                 note += f"; {ranges})" if ranges else ")"
                 keep(4 if errors[example] else 7, example, note)
+        own = _own_words(lines, owner) if logs else []
         for index in range(len(lines)) if logs else ():
             if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
-                keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
+                tier = 5 if not FRAME_LINE.match(lines[index]) else 6
+                keep(tier, index, rarity=-own[index])
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
@@ -891,6 +912,21 @@ class TextPlan:
 
     def _shown(self, entry: _Entry) -> str:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _own_words(lines: Sequence[str], owner: Sequence[int]) -> list[int]:
+    """Per line, how many of its words (_words) no line of another template holds: what
+    the line alone says. Among lines that are each rare (a list of contacts, of hotels by
+    name), rarity tells them apart no more than position; the one whose words are said
+    nowhere else (`legal hold: do not contact until ...` among routine notes, the one
+    hotel with `step-free: yes` and a name of its own) is the news. One pass each way."""
+    words = [_words(line) if owner[i] >= 0 else set() for i, line in enumerate(lines)]
+    seen: dict[str, int] = {}  # a word: the template holding it, or -2 for several
+    for index, found in enumerate(words):
+        for word in found:
+            if seen.setdefault(word, owner[index]) != owner[index]:
+                seen[word] = -2
+    return [sum(seen[w] >= 0 for w in found) for found in words]
 
 
 def _rank(entry: _Entry) -> tuple[int, int, int]:
@@ -1314,7 +1350,7 @@ def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozense
         kept = "\n".join(leaf_texts(parsed))
     lines = text.splitlines()
     present = frozenset(token for token in named if token in text)
-    missing = {token for token in singling_out(present, lines) if token not in kept}
+    missing = {token for token in singling_out(present, lines) if not holds(kept, token)}
     code = [t for t in sorted(named - missing) if LINE_REFERENCE.search(t) or t in present]
     if code and (inner is not None or json_container(text) is None):
         kind, numbers = text_kind(lines)

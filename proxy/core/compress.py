@@ -701,7 +701,8 @@ class TextPlan:
     holding values referenced later; a stack trace's exception and innermost frames; the
     error and warning lines of rare templates, the rarest first (not the first ones); the
     first and the last line; the frequent error templates, the rarer first; the other rare
-    lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
+    lines, those saying most that no other template's line says first (_own_words); the
+    other frequent templates, the larger first; then any other line. Kept lines are shown
     in their order, every gap marked as elided; room left over shows the other lines in
     order. Built once (linear in the text), rendered
     at any size.

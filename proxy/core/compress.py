@@ -27,7 +27,7 @@ from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
 from proxy.core.shapes import FEW_IDS, SHAPE_MIN, outlier_records, shape
-from proxy.core.templates import mine, outlier_lines
+from proxy.core.templates import Template, mine, outlier_lines
 from proxy.core.tokens import TokenCounter, leaf_texts
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -805,7 +805,7 @@ class TextPlan:
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
-        for index in outlier_lines(lines) if logs else ():  # rare by its value
+        for index in outlier_lines(mined, lines) if logs else ():  # rare by its value
             keep(2, index, rarity=RARE_COUNT + 1)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
@@ -818,11 +818,9 @@ class TextPlan:
                 ranges = template.ranges()
                 note += f"; {ranges})" if ranges else ")"
                 keep(4 if errors[example] else 7, example, note)
-        own = _own_words(lines, owner) if logs else []
-        for index in range(len(lines)) if logs else ():
-            if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
-                tier = 5 if not FRAME_LINE.match(lines[index]) else 6
-                keep(tier, index, rarity=-own[index])
+        own = _own_words(lines, owner, mined, total) if logs else {}
+        for index, words in own.items():
+            keep(5 if not FRAME_LINE.match(lines[index]) else 6, index, rarity=-words)
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
@@ -915,19 +913,35 @@ class TextPlan:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
 
 
-def _own_words(lines: Sequence[str], owner: Sequence[int]) -> list[int]:
-    """Per line, how many of its words (_words) no line of another template holds: what
-    the line alone says. Among lines that are each rare (a list of contacts, of hotels by
-    name), rarity tells them apart no more than position; the one whose words are said
-    nowhere else (`legal hold: do not contact until ...` among routine notes, the one
-    hotel with `step-free: yes` and a name of its own) is the news. One pass each way."""
-    words = [_words(line) if owner[i] >= 0 else set() for i, line in enumerate(lines)]
+def _own_words(
+    lines: Sequence[str], owner: Sequence[int], mined: Sequence[Template], total: Sequence[int]
+) -> dict[int, int]:
+    """Per line of a rare template, how many of its words (_words) no other template
+    holds: what the line alone says. Among lines that are each rare (a list of contacts,
+    of hotels by name), rarity tells them apart no more than position; the one whose
+    words are said nowhere else (`legal hold: do not contact until ...` among routine
+    notes, the one hotel with `step-free: yes` and a name of its own) is the news. A
+    frequent template holds the words of its constant tokens and of the values its
+    variable parts were seen to hold (Template.slots), so its lines are not read again."""
     seen: dict[str, int] = {}  # a word: the template holding it, or -2 for several
-    for index, found in enumerate(words):
-        for word in found:
-            if seen.setdefault(word, owner[index]) != owner[index]:
+
+    def mark(words: set[str], template: int) -> None:
+        for word in words:
+            if seen.setdefault(word, template) != template:
                 seen[word] = -2
-    return [sum(seen[w] >= 0 for w in found) for found in words]
+
+    for number, template in enumerate(mined):
+        if total[number] > RARE_COUNT:
+            values = (value for slot in template.slots.values() for value in slot.counts)
+            mark(_words(" ".join([*template.tokens, *values])), number)
+    rare = {
+        i: _words(line)
+        for i, line in enumerate(lines)
+        if owner[i] >= 0 and total[owner[i]] <= RARE_COUNT
+    }
+    for index, words in rare.items():
+        mark(words, owner[index])
+    return {index: sum(seen[w] >= 0 for w in words) for index, words in rare.items()}
 
 
 def _rank(entry: _Entry) -> tuple[int, int, int]:

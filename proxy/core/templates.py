@@ -130,58 +130,61 @@ class Template:
         return "; ".join(parts)
 
 
-def outlier_lines(lines: Sequence[str]) -> list[int]:
+def outlier_lines(templates: Sequence[Template], lines: Sequence[str]) -> list[int]:
     """The lines whose number in some column is far from that column's others
     (shapes.far_from_median: a modified z-score): the day revenue fell to 2% in a table
     of routine days, the one request at 9 s among 80 ms ones, the one deal of 306,451 EUR
     among deals of 10,000. A column is the numbers at one position of the lines of one
     shape (column_key: as many tokens, numbers at the same positions with the same unit
-    or key), whatever their words: a table whose status column splits its rows into
-    several templates of four rows each is still one column of amounts. A frequent
-    template collapses to its example and ranges, which name the extreme value but not
-    its line; this keeps the line. At most OUTLIER_LINES per column, the farthest first;
-    one pass over the lines."""
+    or key), whatever template they fall in: a table whose status column splits its rows
+    into templates of four rows each is still one column of amounts. A frequent template
+    collapses to its example and ranges, which name the extreme value but not its line;
+    this keeps the line. At most OUTLIER_LINES per column, the farthest first; one pass
+    over the lines of the templates holding numbers."""
     columns: dict[tuple[object, ...], tuple[list[int], list[list[float]]]] = {}
-    for index, line in enumerate(lines):
-        key, numbers = column_key(tokens(line))
-        if numbers:
-            rows, values = columns.setdefault(key, ([], [[] for _ in numbers]))
+    for template in templates:
+        key, positions = column_key(template)
+        if not positions:
+            continue
+        rows, values = columns.setdefault(key, ([], [[] for _ in positions]))
+        for index in template.lines:
+            words = tokens(lines[index])
             rows.append(index)
-            for column, number in zip(values, numbers, strict=True):
-                column.append(number)
+            for column, position in zip(values, positions, strict=True):
+                value = _value(words[position], template.tokens[position]).strip(_PUNCTUATION)
+                number = _NUMERIC_PART.search(value)
+                column.append(float(number.group()) if number else float("nan"))
     found: list[int] = []
     for rows, values in columns.values():
         if len(rows) < OUTLIER_MIN_LINES:
             continue
         for numbers in values:
+            if any(x != x for x in numbers):  # a row without a number there: not one column
+                continue
             for at in far_from_median(numbers)[:OUTLIER_LINES]:
                 if rows[at] not in found:
                     found.append(rows[at])
     return found
 
 
-def column_key(words: Sequence[str]) -> tuple[tuple[object, ...], list[float]]:
-    """A line's shape as a table row, and its numbers: the token count and, for each
-    token that is a number (`306451`, `9030ms`, `took=1939ms`), its position and what
-    names it (its key, else the next token: its unit, `EUR`)."""
-    key: list[object] = [len(words)]
-    numbers: list[float] = []
-    for position, word in enumerate(words):
-        value, name = word.strip(_PUNCTUATION), ""
-        pair = _KEY_VALUE.match(value)
-        if pair is not None:
-            name, value = pair.group(1), pair.group(2)
-        if not _NUMBER.match(value):
+def column_key(template: Template) -> tuple[tuple[object, ...], list[int]]:
+    """A template's shape as a table row, and the positions of its numbers: its token
+    count and, for each variable part holding numbers only (`306451`, `9030ms`,
+    `took=1939ms`), its position and what names it (its key, else the next token: its
+    unit, `EUR`)."""
+    key: list[object] = [len(template.tokens)]
+    positions: list[int] = []
+    for position, slot in sorted(template.slots.items()):
+        if not slot.numeric or slot.low is None:
             continue
-        number = _NUMERIC_PART.search(value)
-        if number is None:
-            continue
+        known = template.tokens[position]
+        name = known[: -len(WILDCARD)]
         if not name:
-            following = words[position + 1] if position + 1 < len(words) else ""
-            name = _mask(following)
+            following = position + 1
+            name = template.tokens[following] if following < len(template.tokens) else ""
         key += [position, name]
-        numbers.append(float(number.group()))
-    return tuple(key), numbers
+        positions.append(position)
+    return tuple(key), positions
 
 
 def _similarity(template: Sequence[str], masked: Sequence[str]) -> float:

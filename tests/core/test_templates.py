@@ -191,7 +191,8 @@ def test_an_outlier_is_judged_against_its_column_not_its_template(big_row: int) 
     four rows, but its column (the quantities of all rows of that shape) has sixteen."""
     text = stock_report(big_row)
     big = next(line for line in text.splitlines() if " 95000 pcs" in line)
-    assert [text.splitlines()[i] for i in outlier_lines(text.splitlines())] == [big]
+    lines = text.splitlines()
+    assert [lines[i] for i in outlier_lines(mine(lines)[0], lines)] == [big]
     [fact] = extract(tool_turn(text)).facts
     assert " ".join(big.split()) in fact  # the digest collapses runs of spaces
 

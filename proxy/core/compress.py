@@ -21,12 +21,13 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import islice, pairwise
 from typing import Any
 
 from proxy.core.items import Item, JsonDict, chat_item, message_text, responses_item
 from proxy.core.shapes import FEW_IDS, SHAPE_MIN, outlier_records, shape
-from proxy.core.templates import mine, outlier_lines
+from proxy.core.templates import Template, mine, outlier_lines
 from proxy.core.tokens import TokenCounter, leaf_texts
 
 COMPRESSED_KEY = "threadkeeper_compressed"
@@ -545,7 +546,7 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
         if ident is None:
             continue
         if index < list_items or (
-            isinstance(ident, str) and any(token in ident for token in tokens)
+            isinstance(ident, str) and any(holds(ident, token) for token in tokens)
         ):
             shown.append(ident)
     if len(value) > len(shown):
@@ -554,11 +555,30 @@ def _list_summary(value: list[Any], list_items: int, referenced: frozenset[str])
 
 
 REFERENCE_MAX = 3  # a referenced value found in more places than this singles none out
+PLAIN_WORD = re.compile(r"^[A-Za-z]+$")
+
+
+def holds(text: str, value: str) -> bool:
+    """Whether `text` carries the referenced `value`. A plain word (`orders`, a service a
+    later call queries) counts only where it stands as a word of its own, not as a part
+    of a path, a host or a compound (`/v2/orders`, `orders-db`): a word is common, and
+    inside another value it names that value, not this one. Any other value (an id, an
+    amount, a phrase) is distinctive wherever it stands."""
+    if value not in text:
+        return False
+    if PLAIN_WORD.match(value) is None:
+        return True
+    return _standalone(value).search(text) is not None
+
+
+@lru_cache(maxsize=256)
+def _standalone(word: str) -> re.Pattern[str]:
+    return re.compile(r"(?<![\w/-])" + re.escape(word) + r"(?![\w/-]|\.\w)")
 
 
 def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[str]:
-    """The referenced values found in at most REFERENCE_MAX of `texts`: a value that a
-    later message names and that every line holds (the flight of every fare) tells
+    """The referenced values found in at most REFERENCE_MAX of `texts` (holds): a value
+    that a later message names and that every line holds (the flight of every fare) tells
     nothing about which line matters; one that names one line or record does."""
     if not referenced:
         return referenced
@@ -566,7 +586,7 @@ def singling_out(referenced: frozenset[str], texts: Sequence[str]) -> frozenset[
     for token in sorted(referenced):
         found = 0
         for text in texts:
-            if token in text:
+            if holds(text, token):
                 found += 1
                 if found > REFERENCE_MAX:
                     break
@@ -660,8 +680,9 @@ COLLAPSED = re.compile(r" \(x(\d+) lines like this, elided by threadkeeper(?:; [
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    """A line kept by a plan: its rank (tier, then the rarity of its template), and for a
-    frequent template the note standing for its other lines."""
+    """A line kept by a plan: its rank (tier, then the rarity of its template, or for the
+    other rare lines of a log minus the words they alone hold), and for a frequent
+    template the note standing for its other lines."""
 
     tier: int
     rarity: int
@@ -680,7 +701,8 @@ class TextPlan:
     holding values referenced later; a stack trace's exception and innermost frames; the
     error and warning lines of rare templates, the rarest first (not the first ones); the
     first and the last line; the frequent error templates, the rarer first; the other rare
-    lines in order; the other frequent templates, the larger first; then any other line. Kept lines are shown
+    lines, those saying most that no other template's line says first (_own_words); the
+    other frequent templates, the larger first; then any other line. Kept lines are shown
     in their order, every gap marked as elided; room left over shows the other lines in
     order. Built once (linear in the text), rendered
     at any size.
@@ -744,7 +766,7 @@ class TextPlan:
         named = singling_out(referenced, lines)
         if named:
             for index, line in enumerate(lines):
-                if any(token in line for token in named):
+                if any(holds(line, token) for token in named):
                     keep(0, index)
         if kind in ("code", "diff"):
             for index in _referenced_code(lines, numbers, referenced):
@@ -783,10 +805,8 @@ class TextPlan:
         for index in range(len(lines)):
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
-        for number, template in enumerate(mined if logs else ()):
-            if total[number] > RARE_COUNT:  # a series' outlier: rare by its value
-                for index in outlier_lines(template, lines):
-                    keep(2, index, rarity=RARE_COUNT + 1)
+        for index in outlier_lines(mined, lines) if logs else ():  # rare by its value
+            keep(2, index, rarity=RARE_COUNT + 1)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
@@ -798,9 +818,9 @@ class TextPlan:
                 ranges = template.ranges()
                 note += f"; {ranges})" if ranges else ")"
                 keep(4 if errors[example] else 7, example, note)
-        for index in range(len(lines)) if logs else ():
-            if owner[index] >= 0 and total[owner[index]] <= RARE_COUNT:
-                keep(5 if not FRAME_LINE.match(lines[index]) else 6, index)
+        own = _own_words(lines, owner, mined, total) if logs else {}
+        for index, words in own.items():
+            keep(5 if not FRAME_LINE.match(lines[index]) else 6, index, rarity=-words)
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
@@ -891,6 +911,37 @@ class TextPlan:
 
     def _shown(self, entry: _Entry) -> str:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _own_words(
+    lines: Sequence[str], owner: Sequence[int], mined: Sequence[Template], total: Sequence[int]
+) -> dict[int, int]:
+    """Per line of a rare template, how many of its words (_words) no other template
+    holds: what the line alone says. Among lines that are each rare (a list of contacts,
+    of hotels by name), rarity tells them apart no more than position; the one whose
+    words are said nowhere else (`legal hold: do not contact until ...` among routine
+    notes, the one hotel with `step-free: yes` and a name of its own) is the news. A
+    frequent template holds the words of its constant tokens and of the values its
+    variable parts were seen to hold (Template.slots), so its lines are not read again."""
+    seen: dict[str, int] = {}  # a word: the template holding it, or -2 for several
+
+    def mark(words: set[str], template: int) -> None:
+        for word in words:
+            if seen.setdefault(word, template) != template:
+                seen[word] = -2
+
+    for number, template in enumerate(mined):
+        if total[number] > RARE_COUNT:
+            values = (value for slot in template.slots.values() for value in slot.counts)
+            mark(_words(" ".join([*template.tokens, *values])), number)
+    rare = {
+        i: _words(line)
+        for i, line in enumerate(lines)
+        if owner[i] >= 0 and total[owner[i]] <= RARE_COUNT
+    }
+    for index, words in rare.items():
+        mark(words, owner[index])
+    return {index: sum(seen[w] >= 0 for w in words) for index, words in rare.items()}
 
 
 def _rank(entry: _Entry) -> tuple[int, int, int]:
@@ -1314,7 +1365,7 @@ def lacking_evidence(item: Item, shown: Item, named: frozenset[str]) -> frozense
         kept = "\n".join(leaf_texts(parsed))
     lines = text.splitlines()
     present = frozenset(token for token in named if token in text)
-    missing = {token for token in singling_out(present, lines) if token not in kept}
+    missing = {token for token in singling_out(present, lines) if not holds(kept, token)}
     code = [t for t in sorted(named - missing) if LINE_REFERENCE.search(t) or t in present]
     if code and (inner is not None or json_container(text) is None):
         kind, numbers = text_kind(lines)

@@ -596,6 +596,24 @@ def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
                         found.append(
                             (f"{label[: -len('_shape')]}.{column} {kind}", described[kind])
                         )
+    return found + _extremes(parsed)
+
+
+def _extremes(parsed: Any) -> list[tuple[str, Any]]:
+    """The records holding a column's min and max in a list of identified records
+    (`rows.mrr_eur max=ACC-371173=876.91`): after the outliers, since a later turn may
+    name a record by its extreme ("the account with the highest MRR")."""
+    found: list[tuple[str, Any]] = []
+    for label, shape in key_values(parsed, max_values=64, list_items=0):
+        if not label.endswith("_shape") or not isinstance(shape, dict):
+            continue
+        for column, described in shape.items():
+            if not isinstance(described, dict):
+                continue
+            for kind, value in (("min", "min_at"), ("max", "max_at")):
+                if described.get(value) is not None:
+                    shown = f"{described[value]}={_value_text(described.get(kind))}"
+                    found.append((f"{label[: -len('_shape')]}.{column} {kind}", shown))
     return found
 
 

@@ -2,7 +2,8 @@
 
 A list of records is known by its columns: the identifiers when there are few, the
 distinct values of a low-cardinality column (statuses) with their counts, a numeric
-column as first / last / min / max and its outliers. A series of numbers (metric points)
+column as first / last / min / max and its outliers (in a list of identified records,
+min and max with the records holding them instead of first and last). A series of numbers (metric points)
 is known by first, last, min, max, its trend and its anomalies. Outliers are robust
 (Iglewicz and Hoaglin's modified z-score over the median absolute deviation), so one
 spike among ten points is found, which a 3-sigma rule over so few points never can.
@@ -80,7 +81,7 @@ def shape(
             if time_key is not None and len(numeric) <= 2:
                 found[key] = series(numbers, point_labels)
             else:
-                found[key] = _column(numbers, point_labels)
+                found[key] = _column(numbers, point_labels, by_id=id_key is not None)
         elif all(isinstance(v, str | bool) or v is None for v in column):
             counts = Counter(v for v in column if v is not None)
             if len(counts) <= LOW_CARDINALITY and len(counts) < len(column):
@@ -132,13 +133,21 @@ def _numeric_column(key: str, records: list[dict[str, Any]]) -> bool:
     return bool(present) and sum(_is_number(v) for v in present) >= RECORD_SHARE * len(present)
 
 
-def _column(numbers: list[float], labels: list[str]) -> dict[str, Any]:
-    described: dict[str, Any] = {
-        "first": _plain(numbers[0]),
-        "last": _plain(numbers[-1]),
-        "min": _plain(min(numbers)),
-        "max": _plain(max(numbers)),
-    }
+def _column(numbers: list[float], labels: list[str], by_id: bool = False) -> dict[str, Any]:
+    """first / last / min / max and the outliers. `by_id` (the labels are the records'
+    identifiers, no time orders them): min and max each with the record holding it
+    (`min_at`, `max_at`, when one record alone holds it) instead of first and last, the
+    values of whichever records happen to come first: "the account with the highest MRR"
+    names a record by its column's extreme, as an id would, never by its position."""
+    low, high = min(numbers), max(numbers)
+    described: dict[str, Any] = {}
+    if not by_id:
+        described.update(first=_plain(numbers[0]), last=_plain(numbers[-1]))
+    for name, extreme in (("min", low), ("max", high)):
+        described[name] = _plain(extreme)
+        holders = [label for x, label in zip(numbers, labels, strict=True) if x == extreme]
+        if by_id and len(holders) == 1 and low < high:
+            described[f"{name}_at"] = holders[0]
     outliers = _outliers(numbers, labels)
     if outliers:
         described["outliers"] = outliers

@@ -27,8 +27,8 @@ MAX_TOKENS = 64  # tokens of a line that take part (a longer line's rest is one 
 DISTINCT_VALUES = 3  # values shown per non-numeric variable part, the rarest first
 VALUE_CHARS = 40  # a shown value longer than this is cut
 TRACKED_VALUES = 64  # values counted per variable part (the rest counted as "more")
-OUTLIER_LINES = 3  # lines kept per numeric variable part for a value far from the others
-OUTLIER_MIN_LINES = 5  # a template needs this many lines before one of them stands out
+OUTLIER_LINES = 3  # lines kept per column for a value far from the others
+OUTLIER_MIN_LINES = 5  # a column needs this many rows before one of them stands out
 
 _SPLIT = re.compile(r"\s+")
 # A variable token: holds a digit, is a long hex run, or is quoted.
@@ -130,32 +130,61 @@ class Template:
         return "; ".join(parts)
 
 
-def outlier_lines(template: Template, lines: Sequence[str]) -> list[int]:
-    """The lines of `template` whose number at some variable position is far from that
-    position's others (shapes.far_from_median: a modified z-score): the day revenue fell
-    to 2% in a table of routine days, the one request at 9 s among 80 ms ones. A frequent
-    template collapses to its example and ranges, which name the extreme value but
-    not its line; this keeps the line. At most OUTLIER_LINES per position, the farthest
-    first; one pass over the template's lines."""
-    positions = [p for p, slot in template.slots.items() if slot.numeric and slot.distinct() > 1]
-    if template.count < OUTLIER_MIN_LINES or not positions:
-        return []
-    values: dict[int, list[float]] = {p: [] for p in positions}
-    for index in template.lines:
-        words = tokens(lines[index])
-        for position in positions:
-            value = _value(words[position], template.tokens[position]).strip(_PUNCTUATION)
-            number = _NUMERIC_PART.search(value)
-            values[position].append(float(number.group()) if number else float("nan"))
-    found: list[int] = []
-    for position in positions:
-        numbers = values[position]
-        if any(x != x for x in numbers):  # a line without a number there: not one column
+def outlier_lines(templates: Sequence[Template], lines: Sequence[str]) -> list[int]:
+    """The lines whose number in some column is far from that column's others
+    (shapes.far_from_median: a modified z-score): the day revenue fell to 2% in a table
+    of routine days, the one request at 9 s among 80 ms ones, the one deal of 306,451 EUR
+    among deals of 10,000. A column is the numbers at one position of the lines of one
+    shape (column_key: as many tokens, numbers at the same positions with the same unit
+    or key), whatever template they fall in: a table whose status column splits its rows
+    into templates of four rows each is still one column of amounts. A frequent template
+    collapses to its example and ranges, which name the extreme value but not its line;
+    this keeps the line. At most OUTLIER_LINES per column, the farthest first; one pass
+    over the lines of the templates holding numbers."""
+    columns: dict[tuple[object, ...], tuple[list[int], list[list[float]]]] = {}
+    for template in templates:
+        key, positions = column_key(template)
+        if not positions:
             continue
-        for at in far_from_median(numbers)[:OUTLIER_LINES]:
-            if template.lines[at] not in found:
-                found.append(template.lines[at])
+        rows, values = columns.setdefault(key, ([], [[] for _ in positions]))
+        for index in template.lines:
+            words = tokens(lines[index])
+            rows.append(index)
+            for column, position in zip(values, positions, strict=True):
+                value = _value(words[position], template.tokens[position]).strip(_PUNCTUATION)
+                number = _NUMERIC_PART.search(value)
+                column.append(float(number.group()) if number else float("nan"))
+    found: list[int] = []
+    for rows, values in columns.values():
+        if len(rows) < OUTLIER_MIN_LINES:
+            continue
+        for numbers in values:
+            if any(x != x for x in numbers):  # a row without a number there: not one column
+                continue
+            for at in far_from_median(numbers)[:OUTLIER_LINES]:
+                if rows[at] not in found:
+                    found.append(rows[at])
     return found
+
+
+def column_key(template: Template) -> tuple[tuple[object, ...], list[int]]:
+    """A template's shape as a table row, and the positions of its numbers: its token
+    count and, for each variable part holding numbers only (`306451`, `9030ms`,
+    `took=1939ms`), its position and what names it (its key, else the next token: its
+    unit, `EUR`)."""
+    key: list[object] = [len(template.tokens)]
+    positions: list[int] = []
+    for position, slot in sorted(template.slots.items()):
+        if not slot.numeric or slot.low is None:
+            continue
+        known = template.tokens[position]
+        name = known[: -len(WILDCARD)]
+        if not name:
+            following = position + 1
+            name = template.tokens[following] if following < len(template.tokens) else ""
+        key += [position, name]
+        positions.append(position)
+    return tuple(key), positions
 
 
 def _similarity(template: Sequence[str], masked: Sequence[str]) -> float:

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from proxy.core.compress import compress_tool_output, compressed_for, evidence_lines
+from proxy.core.compress import compress_tool_output, compressed_for, evidence_lines, holds
 from proxy.core.items import Item, chat_item
 from proxy.core.memory import extract, referenced_values
 from proxy.core.projection import ProjectionPolicy, ProjectionRequest, project_context
@@ -209,3 +209,53 @@ def test_the_evidence_of_a_finding_survives_compression_and_the_digest(
     assert POOL in json.loads(small.raw["content"])["excerpt"]
     fact = next(f for f in extract(items).facts if f.startswith("query_logs"))
     assert POOL in fact
+
+
+def test_a_plain_word_names_a_line_only_standing_alone() -> None:
+    assert holds("region eu-west: refunds paused", "refunds")
+    assert holds("service=refunds status=503", "refunds")
+    assert not holds("GET path=/v1/refunds took=12ms", "refunds")
+    assert not holds("host refunds-db-2 down", "refunds")
+    assert holds("GET path=/v1/refunds/RF-2231", "RF-2231")  # an id, wherever it stands
+
+
+def queried_log() -> str:
+    """Routine 503s and slow requests, one slow request on the path /v1/refunds, and
+    one rare failure."""
+    lines = ["# query: service:billing level>=WARN last 30m"]
+    for i in range(36):
+        stamp = f"2026-12-01T09:{i:02d}:{(7 * i) % 60:02d}Z"
+        if i % 3:
+            lines.append(
+                f"{stamp} ERROR billing upstream=10.2.0.{i % 4}:9000 status=503"
+                f' msg="Service Unavailable" trace={i * 7919:016x}'
+            )
+        else:
+            path = "/v1/refunds" if i == 21 else ("/v1/invoices", "/v1/plans")[i % 2]
+            lines.append(
+                f"{stamp} WARN billing slow request path={path} took={900 + 37 * i}ms"
+                f" trace={i * 104729:016x}"
+            )
+    lines.insert(17, f"2026-12-01T09:16:41Z ERROR ledger: {REPLICA_LAG}")
+    return "\n".join(lines)
+
+
+REPLICA_LAG = "replication slot lag exceeded on replica-2 (48213 s behind) wal_sender pid=7731"
+
+
+def test_a_later_query_of_a_plain_word_does_not_crowd_out_the_rare_line() -> None:
+    """A later call queries the service `refunds`; the word stands in one line of this
+    log only inside a path (/v1/refunds), which it does not name: the digest still
+    leads with the rare failure, whole."""
+    items = [
+        chat_item({"role": "user", "content": "Pull the billing warnings."}),
+        call("call_1", "query_logs", {"service": "billing", "level": "WARN"}),
+        chat_item({"role": "tool", "tool_call_id": "call_1", "content": queried_log()}),
+        chat_item({"role": "assistant", "content": "Mostly 503s."}),
+        chat_item({"role": "user", "content": "Now the refunds service."}),
+        call("call_2", "query_logs", {"service": "refunds", "level": "WARN"}),
+        chat_item({"role": "tool", "tool_call_id": "call_2", "content": "no hits"}),
+    ]
+    fact = extract(items).facts[0]
+    assert REPLICA_LAG in fact
+    assert "path=/v1/refunds" not in fact

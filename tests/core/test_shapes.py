@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.core.compress import compress_tool_output
-from proxy.core.items import chat_item
+from proxy.core.items import Item, chat_item
 from proxy.core.shapes import series
 from proxy.core.tokens import TokenCounter
 
@@ -106,14 +106,10 @@ def test_one_spike_among_ten_points_is_an_anomaly() -> None:
     assert described["anomalies"] == ["5=95"] and described["trend"] == "flat"
 
 
-def test_the_digest_names_the_outlier_of_a_list() -> None:
-    """Summarized, the one odd amount among 400 routine ones is in the tool fact."""
-    from proxy.core.memory import extract
-
-    rows = invoices(400, 9)
-    rows[333]["amount"] = 14250.0
-    function = {"name": "list_invoices", "arguments": "{}"}
-    items = [
+def tool_turn(name: str, body: Any) -> list[Item]:
+    """A call of `name` and its JSON result `body`."""
+    function = {"name": name, "arguments": "{}"}
+    return [
         chat_item(
             {
                 "role": "assistant",
@@ -121,7 +117,48 @@ def test_the_digest_names_the_outlier_of_a_list() -> None:
                 "tool_calls": [{"id": "c", "type": "function", "function": function}],
             }
         ),
-        chat_item({"role": "tool", "tool_call_id": "c", "content": json.dumps({"invoices": rows})}),
+        chat_item({"role": "tool", "tool_call_id": "c", "content": json.dumps(body)}),
     ]
-    [fact] = extract(items).facts
+
+
+def test_the_digest_names_the_outlier_of_a_list() -> None:
+    """Summarized, the one odd amount among 400 routine ones is in the tool fact."""
+    from proxy.core.memory import extract
+
+    rows = invoices(400, 9)
+    rows[333]["amount"] = 14250.0
+    [fact] = extract(tool_turn("list_invoices", {"invoices": rows})).facts
     assert "invoices.amount outliers=[INV-00333=14250]" in fact
+
+
+def accounts() -> list[dict[str, Any]]:
+    rng = random.Random(4)
+    rows: list[dict[str, Any]] = [
+        {"account_id": f"CUS-{rng.randrange(10**5, 10**6)}", "plan": "team", "mrr": 0.0}
+        for _ in range(3)
+    ]
+    rows += [
+        {"account_id": f"CUS-{rng.randrange(10**5, 10**6)}", "plan": "pro", "mrr": m}
+        for m in (412.5, 388.0, 905.25, 120.0, 615.75, 240.0, 530.0, 77.0, 450.0)
+    ]
+    return rows
+
+
+def test_the_extremes_of_an_identified_list_name_their_records(counter: TokenCounter) -> None:
+    """A record named by its column's extreme ("the account with the highest MRR"): the
+    shape says which record holds the max (one record alone holds it); the min, held by
+    three, names none; first and last, the values of whichever rows come first, give way."""
+    rows = accounts()
+    top = next(r["account_id"] for r in rows if r["mrr"] == 905.25)
+    facts = json.loads(compressed({"accounts": rows}, counter))["verified_facts"]
+    described = facts["accounts_shape"]["mrr"]
+    assert described == {"min": 0, "max": 905.25, "max_at": top}
+
+
+def test_the_digest_names_the_record_holding_a_columns_extreme() -> None:
+    from proxy.core.memory import extract
+
+    rows = accounts()
+    top = next(r["account_id"] for r in rows if r["mrr"] == 905.25)
+    [fact] = extract(tool_turn("churned_accounts", {"accounts": rows})).facts
+    assert f"accounts.mrr max={top}=905.25" in fact

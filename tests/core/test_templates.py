@@ -12,7 +12,7 @@ import pytest
 from proxy.core.compress import ERROR_LINE, LOCATION_LINE, TextPlan, compress_tool_output
 from proxy.core.items import Item, chat_item
 from proxy.core.memory import ENTITY, extract, summarize_turns
-from proxy.core.templates import WILDCARD, mine
+from proxy.core.templates import WILDCARD, mine, outlier_lines
 from proxy.core.tokens import TokenCounter
 
 RARE = "ERROR db.pool: connection pool exhausted (max_connections=200 reached) pid=31337"
@@ -157,3 +157,67 @@ def test_error_and_entity_patterns_are_linear_on_a_pathological_line(line: str) 
     assert ERROR_LINE.search(line) is None
     assert LOCATION_LINE.search(line) is None
     assert len(ENTITY.findall(line)) <= 1  # one run, matched once at most
+
+
+def stock_report(big_row: int) -> str:
+    """A warehouse report: its header, four pickers, a table of 16 stock rows whose
+    status word splits them into four templates of four rows (each too few to stand out
+    on its own), one quantity far above the others, then routine activity lines."""
+    rng = random.Random(big_row)
+    statuses = ("RESERVED", "ON_HAND", "INBOUND", "DAMAGED")
+    lines = ["Warehouse WH-0412 (Tilburg)", "Pickers:", "  Anouk Smit", "  Joris Peeters"]
+    lines += ["  Femke Jansen", "  Ruben de Wit", "Stock:"]
+    for row in range(16):
+        quantity = 95_000 if row == big_row else rng.randrange(120, 900)
+        lines.append(f"  SKU-{10_000 + 37 * row}  {statuses[row % 4]:<9} {quantity:>6} pcs")
+    lines.append("Activity:")
+    for day in range(14):
+        kind = ("cycle count", "restock", "pick wave")[day % 3]
+        lines.append(f"  2026-11-{day + 3:02d}T08:{day * 4:02d}:00Z {kind} logged by ana: done")
+    return "\n".join(lines)
+
+
+def tool_turn(text: str) -> list[Item]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "report", "arguments": "{}"}}
+    return [
+        chat_item({"role": "assistant", "content": None, "tool_calls": [call]}),
+        chat_item({"role": "tool", "tool_call_id": "call_1", "content": text}),
+    ]
+
+
+@pytest.mark.parametrize("big_row", [2, 9, 15])
+def test_an_outlier_is_judged_against_its_column_not_its_template(big_row: int) -> None:
+    """The one quantity of 95,000 among hundreds: its row's template (one status) has
+    four rows, but its column (the quantities of all rows of that shape) has sixteen."""
+    text = stock_report(big_row)
+    big = next(line for line in text.splitlines() if " 95000 pcs" in line)
+    lines = text.splitlines()
+    assert [lines[i] for i in outlier_lines(mine(lines)[0], lines)] == [big]
+    [fact] = extract(tool_turn(text)).facts
+    assert " ".join(big.split()) in fact  # the digest collapses runs of spaces
+
+
+def notes_log(note_at: int) -> str:
+    """An account: contacts (each line its own template), then routine activity, with one
+    note that says what no other line says, placed by `note_at`."""
+    lines = ["Account ACC-5521 (Gouda)", "Contacts:"]
+    lines += ["  Maud Visser - finance", "  Bram Kok - it", "  Lotte Kok - buyer"]
+    lines += ["  Daan Bos - finance", "Activity:"]
+    for day in range(18):
+        kind = ("call", "e-mail", "meeting")[day % 3]
+        lines.append(f"  2026-10-{day + 2:02d}T09:{day:02d}:00Z {kind} logged by ben: follow-up")
+    lines.insert(7 + note_at, f"  2026-10-{note_at + 2:02d}T11:30:00Z {NOTE}")
+    return "\n".join(lines)
+
+
+NOTE = "compliance: account frozen pending audit review (case 4471)"
+
+
+@pytest.mark.parametrize("note_at", [0, 8, 17])
+def test_among_rare_lines_the_digest_keeps_the_one_that_says_most_of_its_own(
+    note_at: int,
+) -> None:
+    """Every contact line is rare (its own template), so rarity ranks them no better
+    than position; the note's words are said by no other line."""
+    [fact] = extract(tool_turn(notes_log(note_at))).facts
+    assert NOTE in fact

@@ -269,3 +269,35 @@ async def test_deleting_a_conversation_deletes_its_records(
         assert (await explain(proxy, request_id)).status_code == 404
     kept = await explain(proxy, other.headers["x-threadkeeper-request-id"])
     assert kept.status_code == 200
+
+
+async def test_the_records_of_requests_one_after_the_other_share_a_write(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer gathers a batch for BATCH_WAIT_SECONDS after its first record: one
+    client's requests in a row are written in one store transaction, each record served
+    from the queue meanwhile."""
+    from proxy.server import explain as explain_module
+
+    monkeypatch.setattr(explain_module, "BATCH_WAIT_SECONDS", 30.0)
+    proxy = await make_proxy()
+    store = proxy.app[STORE]  # type: ignore[index]
+    batches: list[int] = []
+    put = store.explain_put
+
+    async def counted(records: Any) -> None:
+        batches.append(len(records))
+        await put(records)
+
+    monkeypatch.setattr(store, "explain_put", counted)
+    ids = []
+    for turn in range(4):
+        answer = await chat(proxy, [{"role": "user", "content": f"Hi {turn}"}])
+        ids.append(answer.headers["x-threadkeeper-request-id"])
+        assert (await explain(proxy, ids[-1])).json()["id"] == ids[-1]  # from the queue
+    assert batches == [], "nothing is written while the batch gathers"
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+    await recorder.drain()  # what shutdown does; the waiting writer finds the queue empty
+    assert batches == [4]
+    for request_id in ids:
+        assert (await store.explain_get("acme", request_id)) is not None

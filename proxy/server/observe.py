@@ -306,10 +306,11 @@ class Usage(Observer):
         limits.put(key, updated)
         self.key = key
         tenant = request[TENANT_POLICY].tenant
-        gauge = request.app[METRICS].count_correction
-        gauge.labels(tenant, model, "ratio").set(round(updated.ratio, 4))
-        gauge.labels(tenant, model, "overhead").set(round(updated.overhead, 3))
-        gauge.labels(tenant, model, "answers").set(updated.answers)
+        metrics = request.app[METRICS]
+        gauge = metrics.count_correction
+        metrics.child(gauge, tenant, model, "ratio").set(round(updated.ratio, 4))
+        metrics.child(gauge, tenant, model, "overhead").set(round(updated.overhead, 3))
+        metrics.child(gauge, tenant, model, "answers").set(updated.answers)
 
     async def finished(self, finished: Finished) -> None:
         """The correction is written when it moved meaningfully or enough answers piled

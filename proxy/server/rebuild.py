@@ -286,7 +286,7 @@ def observe_projection(
     metrics: Metrics, route: str, projection: Projection, seconds: float
 ) -> None:
     metrics.rebuild_seconds.observe(seconds)
-    metrics.context_tokens.labels(route).observe(projection.report.prompt_tokens)
+    metrics.child(metrics.context_tokens, route).observe(projection.report.prompt_tokens)
     removed: dict[str, int] = {}
     for block in projection.report.blocks:
         if block.action in ("dropped", "compressed", "summarized"):

@@ -258,7 +258,13 @@ async def rebuild(
         )
 
     rules = projection_policy(policy)
-    on_loop = not background and cut is None and counted_already(items, base, tools, instructions)
+    # What a small client body holds is small: counting it on the loop is bounded.
+    bounded = small and len(items) <= FIT_INLINE_ITEMS
+    on_loop = (
+        not background
+        and cut is None
+        and (bounded or counted_already(items, base, tools, instructions))
+    )
 
     def run() -> Projection:
         request = asked()

@@ -314,11 +314,11 @@ class Usage(Observer):
 
     async def finished(self, finished: Finished) -> None:
         """The correction is written when it moved meaningfully or enough answers piled
-        up (LearnedLimits.save): most turns never touch the store here."""
+        up (LearnedLimits.save), in a task of its own: the answer does not wait for it."""
         if self.key is None or finished.turn is None:
             return
         app = finished.turn.request.app
-        await app[LEARNED].save(self.key, app.get(STORE), app[CLOCK].iso())
+        app[LEARNED].save_soon(self.key, app.get(STORE), app[CLOCK].iso())
 
 
 # Tools whose results the provider adds to the prompt itself (Responses' hosted tools):

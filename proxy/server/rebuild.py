@@ -352,7 +352,8 @@ async def rebuild_turn(
             window_cap=window_cap,
             provider=provider,
         )
-        set_attributes(span, budget_attributes(projection))
+        if span is not None:  # tracing on
+            set_attributes(span, budget_attributes(projection))
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection

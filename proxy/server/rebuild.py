@@ -138,7 +138,11 @@ def _unchanged_report(
     by_kind = {"pinned": 0, "turn": 0, "current": 0}
     reports = []
     for block in blocks:
-        tokens = sum(counts[p - offset] for p in block.positions)
+        positions = block.positions
+        if positions and positions[-1] - positions[0] + 1 == len(positions):  # no gap
+            tokens = sum(counts[positions[0] - offset : positions[-1] - offset + 1])
+        else:
+            tokens = sum(counts[p - offset] for p in positions)
         by_kind[block.kind] += tokens
         if block.positions:
             reports.append(_kept(block.kind, block.first, block.last, tokens))

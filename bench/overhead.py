@@ -421,7 +421,7 @@ def env() -> dict[str, str]:
 def start_stub() -> Server:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE
+        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE, cwd=ROOT
     )
     assert process.stdout is not None
     process.stdout.readline()
@@ -489,7 +489,9 @@ def start_proxy(
     proxy_env["THREADKEEPER_LOG_LEVEL"] = "info"
     log = Path(tmp, f"{name}.log")
     with log.open("wb") as sink:  # the child keeps its own descriptor
-        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink)
+        # cwd: `python -m` puts the working directory first on sys.path, before
+        # PYTHONPATH, so a bench run from another checkout would serve that one's proxy/
+        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink, cwd=ROOT)
     server = Server(name, f"http://127.0.0.1:{port}", process)
     wait_ready(f"{server.base}/healthz", 60, process, log)
     return server

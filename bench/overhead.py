@@ -448,6 +448,7 @@ def serve_supports_workers() -> bool:
     shown = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--help"],
         env=env(),
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,

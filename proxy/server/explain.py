@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,7 +39,7 @@ log = structlog.get_logger("threadkeeper.explain")
 
 QUEUE_MAX = 1000  # records waiting for the writer; more are dropped
 BATCH_MAX = 100  # records per store transaction
-# After the first record of a batch, the writer waits this long for more: one client's
+# Before each batch the writer waits this long for more records: one client's
 # requests one after the other then share a transaction (one a request cost each a write
 # transaction, three hops to SQLite's thread, beside the next request). A record waiting
 # is served from the queue (`unwritten`) and written at shutdown (`drain`).
@@ -77,8 +77,11 @@ class PendingRecord:
 class ExplainRecorder:
     """A bounded queue of records and the one task that writes them."""
 
-    def __init__(self, store: ExplainStore) -> None:
+    def __init__(
+        self, store: ExplainStore, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    ) -> None:
         self.store = store
+        self._sleep = sleep  # injectable so tests can hold the wait without taking it
         self.dropped = 0
         self._queue: asyncio.Queue[PendingRecord] = asyncio.Queue(QUEUE_MAX)
         self._arrived = asyncio.Event()  # set by `offer`
@@ -111,14 +114,15 @@ class ExplainRecorder:
         return found[0].record() if len(found) == 1 else None
 
     async def run(self) -> None:
-        """Writes what is queued, a batch at a time; the first record of a batch waits
-        BATCH_WAIT_SECONDS for the next ones, in the queue (a writer cancelled meanwhile
-        leaves it to `drain`)."""
+        """Writes what is queued, a batch at a time; before each batch (the records that
+        came during the last write too) the writer waits BATCH_WAIT_SECONDS for more,
+        the records in the queue (a writer cancelled meanwhile leaves them to `drain`)."""
         while True:
             if self._queue.empty():
                 self._arrived.clear()
                 await self._arrived.wait()
-                await asyncio.sleep(BATCH_WAIT_SECONDS)
+            if self._queue.qsize() < BATCH_MAX:  # also after a write the next ones met
+                await self._sleep(BATCH_WAIT_SECONDS)
             size = min(BATCH_MAX, self._queue.qsize())
             await self._write([self._queue.get_nowait() for _ in range(size)])
 

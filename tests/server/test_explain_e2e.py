@@ -301,3 +301,51 @@ async def test_the_records_of_requests_one_after_the_other_share_a_write(
     assert batches == [4]
     for request_id in ids:
         assert (await store.explain_get("acme", request_id)) is not None
+
+
+async def test_the_records_that_come_during_a_write_wait_for_the_next_batch(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer waits before every batch, not only the first after an idle queue: the
+    records of the requests answered while a batch was being written gather too (else
+    one client's requests one after the other were written one or two at a time)."""
+    proxy = await make_proxy()
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+    store = proxy.app[STORE]  # type: ignore[index]
+    waits: list[asyncio.Event] = []
+
+    async def held(seconds: float) -> None:
+        waits.append(asyncio.Event())
+        await waits[-1].wait()
+
+    recorder._sleep = held
+    batches: list[int] = []
+    writing = asyncio.Event()
+    put = store.explain_put
+
+    async def slow(records: Any) -> None:
+        batches.append(len(records))
+        await writing.wait()
+        await put(records)
+
+    monkeypatch.setattr(store, "explain_put", slow)
+
+    async def until(done: Callable[[], bool], what: str) -> None:
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not within 10 s: {what}")
+
+    await chat(proxy, [{"role": "user", "content": "first"}])
+    await until(lambda: len(waits) == 1, "the first record waits")
+    assert batches == []
+    waits[0].set()
+    await until(lambda: batches == [1], "the first batch written")
+    for turn in range(3):  # answered while the write is held up
+        await chat(proxy, [{"role": "user", "content": f"during the write {turn}"}])
+    writing.set()
+    await until(lambda: len(waits) == 2, "the next batch waits before it is written")
+    assert batches == [1]
+    waits[1].set()
+    await until(lambda: batches == [1, 3], "the three written together")

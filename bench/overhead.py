@@ -2,7 +2,8 @@
 threadkeeper (and LiteLLM), one run.
 
     python bench/overhead.py [--seconds 3] [--write] [--title T] [--profile-only]
-                             [--litellm-python PATH] [--postgres DSN]
+                             [--litellm-python PATH] [--postgres DSN] [--chat-only]
+                             [--profile CASE,...]
 
 Every figure of issue 23's "Measurement" section, from one run on loopback, as ratios to
 the bare relay (bench/bare_relay.py: the floor any Python hop pays). The provider stub
@@ -24,9 +25,13 @@ stateless ones in interleaved rounds so load drift hits every target alike:
   with 1 and 2 workers (on a schema of its own, dropped after the run): what `--workers`
   gives stateful turns when the store is not one SQLite file;
 - the proxy's resident memory (VmRSS of it and its child processes) after the run;
-- two profiles, each in a fresh proxy under pyinstrument: the passthrough hammered for a
-  few seconds, and warm turns on 200-item conversations (seeded by another proxy on the
-  same database); the heaviest frames of the call tree and of self time.
+- profiles, each in a fresh proxy under pyinstrument (`--profile`, PROFILED: by default
+  the passthrough hammered by 8 clients for a few seconds, and warm turns on 200-item
+  conversations seeded by another proxy on the same database; also the passthrough at 1
+  and 32 clients and the streamed chat at 1 client); the heaviest frames of the call tree
+  and of self time.
+
+`--chat-only` measures the chat cells alone (the passthrough and the streamed chat).
 
 LiteLLM is looked for in this interpreter, then in `.venv-litellm/` at the repo root
 (`python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`),
@@ -416,7 +421,7 @@ def env() -> dict[str, str]:
 def start_stub() -> Server:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE
+        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE, cwd=ROOT
     )
     assert process.stdout is not None
     process.stdout.readline()
@@ -443,6 +448,7 @@ def serve_supports_workers() -> bool:
     shown = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--help"],
         env=env(),
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
@@ -484,7 +490,9 @@ def start_proxy(
     proxy_env["THREADKEEPER_LOG_LEVEL"] = "info"
     log = Path(tmp, f"{name}.log")
     with log.open("wb") as sink:  # the child keeps its own descriptor
-        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink)
+        # cwd: `python -m` puts the working directory first on sys.path, before
+        # PYTHONPATH, so a bench run from another checkout would serve that one's proxy/
+        process = subprocess.Popen(command, env=proxy_env, stdout=sink, stderr=sink, cwd=ROOT)
     server = Server(name, f"http://127.0.0.1:{port}", process)
     wait_ready(f"{server.base}/healthz", 60, process, log)
     return server
@@ -628,7 +636,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
                 on_pg.append(start_proxy(name, stub, tmp, workers=workers, store=url))
                 servers.append(on_pg[-1])
         run.postgres = bool(on_pg)
-        asyncio.run(run_cells(run, stub, bare, one, two, litellm, on_pg))
+        asyncio.run(run_cells(run, stub, bare, one, two, litellm, on_pg, args.chat_only))
         run.rss["threadkeeper"] = resident_mb(one.process.pid)
         run.rss["bare"] = resident_mb(bare.process.pid)
         if litellm:
@@ -636,7 +644,7 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
         for server in servers[1:]:
             server.stop()
         del servers[1:]
-        profile(run, stub, tmp)
+        profile(run, stub, tmp, args.profile)
     finally:
         for server in servers:
             server.stop()
@@ -675,7 +683,7 @@ def profile_only(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     try:
         Path(tmp, "policies").mkdir()
         Path(tmp, "policies", "default.yaml").write_text(POLICY)
-        profile(run, stub, tmp)
+        profile(run, stub, tmp, args.profile)
     finally:
         stub.stop()
     return [[run.profile_note], *run.profiles.values()]
@@ -689,6 +697,7 @@ async def run_cells(
     two: Server | None,
     litellm: Server | None,
     on_pg: Sequence[Server] = (),
+    chat_only: bool = False,
 ) -> None:
     seconds = run.seconds
     chat, streamed = encode(chat_body()), encode(chat_body(stream=True))
@@ -713,6 +722,8 @@ async def run_cells(
         run.cells[("ttfb", name)] = cell
     run.cells.setdefault(("ttfb", "threadkeeper-2w"), unsupported)
     run.cells.setdefault(("ttfb", "litellm"), no_litellm)
+    if chat_only:
+        return
 
     # Responses: stateless same-size requests direct and to LiteLLM, conversation turns
     # through threadkeeper (its conversations seeded before the clock starts).
@@ -749,26 +760,36 @@ async def run_cells(
         run.cells.setdefault((label, "litellm"), no_litellm)
 
 
-def profile(run: Run, stub: Server, tmp: Path) -> None:
+def profile(run: Run, stub: Server, tmp: Path, cases: Sequence[str]) -> None:
     """Each profiled case in a fresh proxy under pyinstrument, then its heaviest frames."""
     try:
         from pyinstrument.session import Session
     except ImportError:
         run.profile_note = "skipped: pyinstrument is not installed (`pip install -e '.[bench]'`)"
         return
-    # The conversations are seeded by a proxy that is not profiled, on the same database.
-    seeder = start_proxy("seeder", stub, tmp, workers=None)
-    try:
-        conversations = asyncio.run(seed_conversations(seeder.base, PROFILE_CONVERSATIONS))
-    finally:
-        seeder.stop()
+    conversations: list[str] = []
+    if "responses" in cases:
+        # The conversations are seeded by a proxy that is not profiled, on the same database.
+        seeder = start_proxy("seeder", stub, tmp, workers=None)
+        try:
+            conversations = asyncio.run(seed_conversations(seeder.base, PROFILE_CONVERSATIONS))
+        finally:
+            seeder.stop()
 
     async def hammer_turns(proxy: Server, seconds: float) -> int:
         """Turns on the seeded 200-item conversations, one client."""
         cell = await conversation_turns(proxy.base, conversations, 1, seconds * 4, PROFILE_TURNS)
         return len(cell.latencies)
 
-    for case, drive in (("passthrough", hammer_chat), ("responses", hammer_turns)):
+    drivers: dict[str, Callable[[Server, float], Awaitable[int]]] = {
+        "passthrough": hammer_chat(PROFILE_CLIENTS),
+        "passthrough-1": hammer_chat(1),
+        "passthrough-32": hammer_chat(MANY),
+        "streamed": hammer_streams,
+        "responses": hammer_turns,
+    }
+    for case in cases:
+        drive = drivers[case]
         session_file = Path(tmp, f"profile-{case}.pyisession")
         prefix = [sys.executable, "-m", "pyinstrument", "-r", "pyisession", "-o", str(session_file)]
         database = "seeder" if case == "responses" else None
@@ -794,10 +815,20 @@ def profile(run: Run, stub: Server, tmp: Path) -> None:
         run.profiles[case] = profile_report(samples, requests)
 
 
-async def hammer_chat(proxy: Server, seconds: float) -> int:
-    """The passthrough under load: PROFILE_CLIENTS clients for `seconds`; requests sent."""
-    request = post(proxy.base + "/v1/chat/completions", encode(chat_body()))
-    return len((await timed(request, PROFILE_CLIENTS, seconds)).latencies) + WARMUP
+def hammer_chat(clients: int) -> Callable[[Server, float], Awaitable[int]]:
+    """The passthrough under load: `clients` clients for `seconds`; requests sent."""
+
+    async def drive(proxy: Server, seconds: float) -> int:
+        request = post(proxy.base + "/v1/chat/completions", encode(chat_body()))
+        return len((await timed(request, clients, seconds)).latencies) + WARMUP
+
+    return drive
+
+
+async def hammer_streams(proxy: Server, seconds: float) -> int:
+    """Streamed chat, 1 client, each stream read to its end, for `seconds`."""
+    request = first_byte(proxy.base + "/v1/chat/completions", encode(chat_body(stream=True)))
+    return len((await timed(request, 1, seconds)).latencies) + WARMUP
 
 
 # One sample: the frames from the event loop's callback down (outermost first), seconds.
@@ -976,8 +1007,14 @@ def render(run: Run, title: str) -> str:
     rows = [
         latency_row("chat_1", "", 2),
         throughput_row("chat_32", "", 0.70),
-        latency_row("responses_1", stateless, 3),
-        throughput_row("responses_32", stateless, 0.40),
+        *(
+            [
+                latency_row("responses_1", stateless, 3),
+                throughput_row("responses_32", stateless, 0.40),
+            ]
+            if d("responses_1", "direct").ok
+            else []
+        ),
         latency_row("ttfb", "", 2),
         [
             TARGETS["rss"],
@@ -1076,6 +1113,9 @@ def postgres_lines(run: Run) -> list[str]:
 
 PROFILED = {
     "passthrough": f"the chat passthrough, {PROFILE_CLIENTS} clients",
+    "passthrough-1": "the chat passthrough, 1 client",
+    "passthrough-32": f"the chat passthrough, {MANY} clients",
+    "streamed": "the streamed chat, 1 client",
     "responses": f"Responses turns on {PROFILE_CONVERSATIONS} conversations of "
     f"{PRIOR_ITEMS} items (up to {PROFILE_TURNS} turns each), 1 client",
 }
@@ -1110,7 +1150,16 @@ def main() -> None:
     parser.add_argument(
         "--postgres", metavar="DSN", help="also run the Responses cells on this PostgreSQL"
     )
+    parser.add_argument("--chat-only", action="store_true", help="the chat cells alone")
+    parser.add_argument(
+        "--profile",
+        type=lambda text: [case for case in text.split(",") if case],
+        default=["passthrough", "responses"],
+        help=f"the profiled cases, comma-separated ({', '.join(PROFILED)}; none: '')",
+    )
     args = parser.parse_args()
+    if unknown := set(args.profile) - set(PROFILED):
+        parser.error(f"--profile: no case {', '.join(sorted(unknown))}")
     if args.profile_only:
         with tempfile.TemporaryDirectory() as tmp:
             print("\n\n".join("\n".join(lines) for lines in profile_only(args, Path(tmp))))

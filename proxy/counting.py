@@ -12,6 +12,7 @@ from provider usage (issue 21, item 2) wraps.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Mapping
 
@@ -22,6 +23,7 @@ from proxy.native_tokenizers import is_mistral_name, mistral_default, mistral_de
 from proxy.policy import Policy
 
 
+@functools.lru_cache(maxsize=1024)  # a counter holds no state of its own: one per model
 def estimate_counter(model: str) -> TokenCounter:
     """The counter of a model whose entry names no tokenizer (built on first use)."""
     return TokenCounter.for_model(model)

@@ -17,6 +17,7 @@ lists included, has bearer/basic credentials, OpenAI-style keys (sk-..., sk-proj
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import re
@@ -26,6 +27,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
+import orjson
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
@@ -66,6 +68,10 @@ SECRET_TEXT = (
         rf"\1{REDACTED}",
     ),
 )
+# Every pattern of SECRET_TEXT needs one of these characters (a space after "bearer" or
+# "basic", the dash of "sk-", the ":" or "=" after a key's name): a text without any, an
+# id say, is not searched by each of them.
+_MAY_HOLD_SECRET_TEXT = re.compile(r"[\s:=-]")
 # Registered secrets shorter than this are ignored: they would blank out ordinary text.
 MIN_SECRET_LENGTH = 6
 # Past this many, new secrets are not registered (the first ones, provider keys registered
@@ -159,8 +165,9 @@ class Redactor:
             text = compiled.sub(REDACTED, text)
         for secret in pending:
             text = text.replace(secret, REDACTED)
-        for regex, replacement in SECRET_TEXT:
-            text = regex.sub(replacement, text)
+        if _MAY_HOLD_SECRET_TEXT.search(text) is not None:
+            for regex, replacement in SECRET_TEXT:
+                text = regex.sub(replacement, text)
         return text
 
     def _registered(self) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
@@ -228,13 +235,112 @@ def register_secret(value: str) -> None:
 
 
 class _JsonLinesHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Marks the handler configure_logging installed, so calling it again replaces it."""
+    """Marks the handler configure_logging installed, so calling it again replaces it; it
+    holds the redactor, and writes structlog's lines as they are (no LogRecord)."""
+
+    def __init__(self, stream: TextIO, redactor: Redactor) -> None:
+        super().__init__(stream)
+        self.redactor = redactor
+
+    def write_line(self, line: str) -> None:
+        """One rendered line, as `emit` would write it (the same lock, flushed)."""
+        with self.lock:  # type: ignore[union-attr]
+            self.stream.write(line + self.terminator)
+            self.flush()
+
+
+def _installed() -> _JsonLinesHandler | None:
+    for handler in logging.root.handlers:
+        if isinstance(handler, _JsonLinesHandler):
+            return handler
+    return None
+
+
+class _LineLogger:
+    """What structlog's events are written by: the rendered line goes to the handler
+    configure_logging installed (looked up on every line, so a cached logger follows a
+    reconfiguration), straight, without the stdlib's LogRecord and formatter on the way.
+    Without that handler (it was removed) the line goes to the stdlib logger of the name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stdlib = logging.getLogger(name)
+
+    def _write(self, level: int, line: str) -> None:
+        handler = _installed()
+        if handler is not None:
+            handler.write_line(line)
+        else:
+            self.stdlib.log(level, line)
+
+    def debug(self, line: str) -> None:
+        self._write(logging.DEBUG, line)
+
+    def info(self, line: str) -> None:
+        self._write(logging.INFO, line)
+
+    def warning(self, line: str) -> None:
+        self._write(logging.WARNING, line)
+
+    def error(self, line: str) -> None:
+        self._write(logging.ERROR, line)
+
+    def critical(self, line: str) -> None:
+        self._write(logging.CRITICAL, line)
+
+    msg = info
+    exception = error
+    fatal = critical
+
+
+def _line_logger(*args: Any) -> _LineLogger:
+    """structlog's logger_factory: `structlog.get_logger(name)`'s logger."""
+    return _LineLogger(args[0] if args and isinstance(args[0], str) else "")
+
+
+_METHOD_LEVELS = {**LEVELS, "exception": logging.ERROR, "fatal": logging.CRITICAL}
+
+
+def _enabled(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """The level filter: the stdlib logger of the name decides, as for stdlib records."""
+    if not logger.stdlib.isEnabledFor(_METHOD_LEVELS.get(method_name, logging.INFO)):
+        raise structlog.DropEvent
+    return event_dict
+
+
+def _redacted(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """The installed handler's redactor (the process's when none is installed)."""
+    handler = _installed()
+    redactor = handler.redactor if handler is not None else DEFAULT_REDACTOR
+    return redactor(logger, method_name, event_dict)
+
+
+def render_json(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> str:
+    """The line: orjson's rendering when it is plain ASCII, else the stdlib's (which
+    escapes non-ASCII text and lone surrogates as before); both are the same JSON."""
+    try:
+        line = orjson.dumps(event_dict, default=_fallback).decode()
+    except (TypeError, orjson.JSONEncodeError):
+        line = ""
+    if line and line.isascii():
+        return line
+    return json.dumps(event_dict, default=_fallback)
+
+
+def _fallback(value: Any) -> Any:
+    """What structlog's JSONRenderer writes for a value JSON has no form for."""
+    structured = getattr(value, "__structlog__", None)
+    return structured() if callable(structured) else repr(value)
 
 
 def configure_logging(
     level: str = "info", stream: TextIO | None = None, redactor: Redactor | None = None
 ) -> Redactor:
-    """Send structlog and stdlib logging to `stream` (default stdout) as redacted JSON lines."""
+    """Send structlog and stdlib logging to `stream` (default stdout) as redacted JSON lines.
+
+    structlog's events are rendered by its processors and written by `_LineLogger`;
+    stdlib records (aiohttp, proxy.core.tokens' warnings) go through the handler's
+    formatter, with the same processors."""
     redactor = redactor or DEFAULT_REDACTOR
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
@@ -244,15 +350,18 @@ def configure_logging(
     ]
     structlog.configure(
         processors=[
-            structlog.stdlib.filter_by_level,
+            _enabled,
             *shared,
             structlog.stdlib.PositionalArgumentsFormatter(),
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+            structlog.processors.format_exc_info,
+            _redacted,
+            render_json,
         ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
+        logger_factory=_line_logger,
         wrapper_class=structlog.stdlib.BoundLogger,
         # Loggers are built once, not on every call. Safe across reconfiguration: the
-        # stream and the redactor live on the stdlib handler, replaced below.
+        # level is the stdlib logger's, the stream and the redactor the installed
+        # handler's, each looked up on every line.
         cache_logger_on_first_use=True,
     )
     formatter = structlog.stdlib.ProcessorFormatter(
@@ -261,10 +370,10 @@ def configure_logging(
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
             redactor,
-            structlog.processors.JSONRenderer(),
+            render_json,
         ],
     )
-    handler = _JsonLinesHandler(stream or sys.stdout)
+    handler = _JsonLinesHandler(stream or sys.stdout, redactor)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _JsonLinesHandler)]:

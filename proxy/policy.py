@@ -52,6 +52,7 @@ POLICY_SUFFIXES = (".yaml", ".yml")
 PROVIDER_TOKENIZER = "provider"
 BUILTIN_CONTEXT_WINDOW = 128_000
 BUILTIN_MAX_OUTPUT_TOKENS = 16_384
+MAX_KEPT_ENTRIES = 4096  # model names whose entry a Policy keeps (_entry_for)
 
 
 class PolicyError(ValueError):
@@ -350,6 +351,9 @@ class Policy(_Frozen):
     _source: str = PrivateAttr(default="")
     # models key -> its loaded tokenizer (tiktoken:, hf:, mistral:), by _load_tokenizers
     _tokenizers: dict[str, Tokenizer] = PrivateAttr(default_factory=dict)
+    # model name -> the models key its requests read (_entry_for): asked several times a
+    # request, and the policy is frozen. Model names come from clients: bounded.
+    _entries: dict[str, str | None] = PrivateAttr(default_factory=dict)
 
     @field_validator("allow_unknown_keys")
     @classmethod
@@ -392,6 +396,15 @@ class Policy(_Frozen):
         return self._entry_for(model) not in (None, "*")
 
     def _entry_for(self, model: str) -> str | None:
+        entries = self._entries
+        if model in entries:
+            return entries[model]
+        if len(entries) >= MAX_KEPT_ENTRIES:
+            entries.clear()
+        entry = entries[model] = self._find_entry(model)
+        return entry
+
+    def _find_entry(self, model: str) -> str | None:
         for name in _model_names(model):
             if name in self.models:
                 return name

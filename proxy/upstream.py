@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import logging
 import random
@@ -326,7 +327,8 @@ class UpstreamResponse:
         if self._body is None:
             chunks: list[bytes] = []
             size = 0
-            async with contextlib.aclosing(self._chunks()) as body:
+            # One deadline scope for the whole body (nothing else runs between its reads).
+            async with within(self._deadline), contextlib.aclosing(self._chunks(False)) as body:
                 async for chunk in body:
                     size += len(chunk)
                     if size > self._max_body_bytes:
@@ -358,12 +360,13 @@ class UpstreamResponse:
         if tail := scrubber.feed(rest) + scrubber.flush():
             yield tail
 
-    async def _chunks(self) -> AsyncGenerator[bytes]:
-        """The raw decoded body, each read within the deadline; released however it ends."""
+    async def _chunks(self, timed: bool = True) -> AsyncGenerator[bytes]:
+        """The raw decoded body, each read within the deadline (`timed` False: the caller
+        reads it all within one); released however it ends."""
         content = self._response.content
         try:
             while True:
-                if self._deadline is None:
+                if self._deadline is None or not timed:
                     chunk = await content.readany()
                 else:
                     async with within(self._deadline):
@@ -752,8 +755,13 @@ def _env_proxy(url: URL) -> str | None:
     return urllib.request.getproxies().get(url.scheme)
 
 
+@functools.lru_cache(maxsize=1024)  # a URL is immutable; the same few are sent every time
+def _url(url: str) -> URL:
+    return URL(url)
+
+
 def _url_with_query(url: str, params: str | None) -> URL:
-    parsed = URL(url)
+    parsed = _url(url)
     if not params:
         return parsed
     # The raw query goes through as is (re-encoding could change what it means); only

@@ -10,9 +10,18 @@ from typing import Any
 
 import pytest
 import structlog
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.core.tokens import encoding_name_for_model
-from proxy.logs import REDACTED, Redactor, configure_logging, register_secret
+from proxy.logs import (
+    _MAY_HOLD_SECRET_TEXT,
+    REDACTED,
+    SECRET_TEXT,
+    Redactor,
+    configure_logging,
+    register_secret,
+)
 
 PROVIDER_KEY = "sk-proj-Abc123XyZ_provider-secret-value"
 PROXY_KEY = "sk-tk-acme-0123456789abcdef"
@@ -171,3 +180,45 @@ def test_short_values_are_not_registered() -> None:
     redactor = Redactor()
     redactor.register("abc")
     assert redactor.text("abc abcdef") == "abc abcdef"
+
+
+@given(
+    st.text(alphabet=st.sampled_from("abBkKsS-_:= \t\"'eEarRyYcCiI0123456789xXpP/+."), max_size=40)
+)
+def test_a_text_without_the_prefilters_characters_matches_no_secret_shape(text: str) -> None:
+    """The redactor skips SECRET_TEXT's patterns for a text with none of
+    _MAY_HOLD_SECRET_TEXT's characters: each of them needs one."""
+    if _MAY_HOLD_SECRET_TEXT.search(text) is None:
+        assert all(regex.search(text) is None for regex, _ in SECRET_TEXT)
+    for shaped in (f"sk-{text}abcdef", f"Bearer {text}x", f"api_key={text}x"):
+        if _MAY_HOLD_SECRET_TEXT.search(shaped) is None:
+            assert all(regex.search(shaped) is None for regex, _ in SECRET_TEXT)
+
+
+def test_a_cached_logger_follows_a_reconfiguration() -> None:
+    """Loggers are cached on first use; the stream, the redactor and the level are the
+    ones configured last, and a line not in ASCII is the stdlib's JSON as before."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    first, second = io.StringIO(), io.StringIO()
+    log = structlog.get_logger("proxy.test.cached")
+    try:
+        configure_logging("info", first, redactor=Redactor())
+        log.info("one", text="caf\u00e9", big=2**70, odd={1, 2} - {1})
+        redactor = Redactor()
+        redactor.register("second-stream-secret")
+        configure_logging("warning", second, redactor=redactor)
+        log.info("hidden")
+        log.warning("two", value="second-stream-secret")
+    finally:
+        structlog.reset_defaults()
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    [one] = first.getvalue().splitlines()
+    assert "\\u00e9" in one  # escaped, as json.dumps writes it
+    assert json.loads(one)["text"] == "caf\u00e9"
+    assert json.loads(one)["big"] == 2**70
+    assert json.loads(one)["odd"] == [2]
+    [two] = lines(second)
+    assert two["event"] == "two"
+    assert two["value"] == REDACTED

@@ -70,3 +70,22 @@ def test_two_apps_do_not_share_counts() -> None:
     key = ("threadkeeper_upstream_retries_total", (("route", "/v1/responses"),))
     assert samples(first)[key] == 3
     assert key not in samples(second)
+
+
+def test_a_kept_child_is_the_registrys_series() -> None:
+    """Metrics.child keeps `labels(...)`'s child: increments through it and through
+    `labels` land on one series, and each label set has its own."""
+    metrics = Metrics()
+    first = metrics.child(metrics.requests, "chat.completions", "200", "acme")
+    assert metrics.child(metrics.requests, "chat.completions", "200", "acme") is first
+    first.inc()
+    metrics.requests.labels("chat.completions", "200", "acme").inc()
+    metrics.child(metrics.requests, "chat.completions", "500", "acme").inc()
+    metrics.child(metrics.count_correction, "acme", "gpt-4o", "ratio").set(1.25)
+    shown = samples(metrics)
+    labels = (("route", "chat.completions"), ("status", "200"), ("tenant", "acme"))
+    assert shown[("threadkeeper_requests_total", labels)] == 2
+    failed = (("route", "chat.completions"), ("status", "500"), ("tenant", "acme"))
+    assert shown[("threadkeeper_requests_total", failed)] == 1
+    ratio = (("model", "gpt-4o"), ("part", "ratio"), ("tenant", "acme"))
+    assert shown[("threadkeeper_count_correction", ratio)] == 1.25

@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from proxy.policy import (
     BUILTIN_LIMITS,
+    MAX_KEPT_ENTRIES,
     ModelLimits,
     Policy,
     PolicyError,
@@ -526,3 +527,22 @@ def test_compaction_mode_is_local_unless_a_tenant_says_upstream(tmp_path: Path) 
     (tmp_path / "globex.yaml").write_text("tenant: globex\ncompaction: {mode: openai}\n")
     with pytest.raises(PolicyError, match=r"compaction\.mode"):
         PolicyRegistry.load(tmp_path)
+
+
+def test_a_models_entry_is_the_same_asked_again_and_for_many_names() -> None:
+    """The entry a model's requests read is kept per name (asked several times a
+    request): the same answer every time, past the bound of kept names too."""
+    policy = Policy.model_validate(
+        {
+            "tenant": "acme",
+            "models": {"*": {"context_window": 1000}, "gpt-4o": {"context_window": 2000}},
+        }
+    )
+    for _ in range(2):
+        assert policy.limits_for("gpt-4o-mini").context_window == 2000  # the prefix
+        assert policy.limits_for("ft:gpt-4o:org::x").context_window == 2000
+        assert policy.limits_for("llama3").context_window == 1000
+        assert policy.names_model("gpt-4o") and not policy.names_model("llama3")
+    for number in range(MAX_KEPT_ENTRIES + 10):
+        assert policy.limits_for(f"model-{number}").context_window == 1000
+    assert policy.limits_for("gpt-4o").context_window == 2000

@@ -151,8 +151,7 @@ def _current_start(items: Sequence[Item], turn_of: list[int], pinned: list[bool]
     It is the first item of the (merged) turn holding the last user message; a history
     without user messages is all current except its leading pinned items.
     """
-    last_user = next((i for i in range(len(items) - 1, -1, -1) if items[i].is_user_message), None)
-    if last_user is None:
-        return next((i for i in range(len(items)) if not pinned[i]), len(items))
-    turn = turn_of[last_user]
-    return next(i for i in range(len(items)) if turn_of[i] == turn)
+    for last_user in range(len(items) - 1, -1, -1):
+        if items[last_user].is_user_message:
+            return turn_of.index(turn_of[last_user])  # the turn's first item
+    return next((i for i in range(len(items)) if not pinned[i]), len(items))

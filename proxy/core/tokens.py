@@ -501,11 +501,10 @@ def measure_template(render_count: RenderCount, count: Callable[[str], int]) -> 
 # --- counting -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Key:
-    api: str
-    tokenizer: str  # Tokenizer.name: counts of different tokenizers never mix
-    digest: str
+# A count's cache key: (api, tokenizer name, content digest). Counts of different
+# tokenizers never mix. A tuple: built for every item counted, a frozen dataclass's
+# __init__ cost more than the lookup.
+_Key = tuple[str, str, str]
 
 
 class TokenCounter:
@@ -554,7 +553,7 @@ class TokenCounter:
         with the item when it was counted with this tokenizer, else counted once and cached."""
         if item.tokens is not None and item.encoding == self.tokenizer_id:
             return item.tokens
-        key = _Key(item.api, self.tokenizer_id, item.digest)
+        key = (item.api, self.tokenizer_id, item.digest)
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -643,7 +642,7 @@ class TokenCounter:
         if not tools:
             return 0
         try:
-            key = _Key("tools", self.tokenizer_id, content_digest(tools))
+            key = ("tools", self.tokenizer_id, content_digest(tools))
         except (TypeError, ValueError, RecursionError):  # not JSON: counted, not cached
             return sum(self._tool(tool) for tool in tools) + self.tokenizer.tools_tokens
         cached = self._tools_cache.get(key)

@@ -150,7 +150,8 @@ async def _in_context(
         fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
         latency_ms = round((time.perf_counter() - started) * 1000, 3)
-        request.app[METRICS].requests.labels(route, str(status), tenant).inc()
+        metrics = request.app[METRICS]
+        metrics.child(metrics.requests, route, str(status), tenant).inc()
         if route not in ("healthz", "readyz", "metrics"):
             log.info(
                 "request",

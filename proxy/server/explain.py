@@ -6,8 +6,8 @@ projection report (every block with its decision and its tokens before and after
 texts that stood in for history: summaries and compressed tool results. Verbatim items are
 not copied; the record names the thread they live in.
 
-Records are queued and written in batches by one background task, so no request waits for
-this write, nor for the record's composition: the request queues the facts (its log
+Records are queued and written in batches by one background task (a batch gathers for
+BATCH_WAIT_SECONDS after its first record), so no request waits for this write, nor for the record's composition: the request queues the facts (its log
 fields and its projection) and the writer turns them into the record's JSON. When the queue is full (a store that is down), records are dropped and counted
 in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a record to the tenant that
 made the request, from the queue while it is not written yet. Records older than
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -39,6 +39,11 @@ log = structlog.get_logger("threadkeeper.explain")
 
 QUEUE_MAX = 1000  # records waiting for the writer; more are dropped
 BATCH_MAX = 100  # records per store transaction
+# Before each batch the writer waits this long for more records: one client's
+# requests one after the other then share a transaction (one a request cost each a write
+# transaction, three hops to SQLite's thread, beside the next request). A record waiting
+# is served from the queue (`unwritten`) and written at shutdown (`drain`).
+BATCH_WAIT_SECONDS = 0.05
 PURGE_INTERVAL_SECONDS = 600.0
 # Log fields the record carries in a fuller form of its own.
 REPLACED_FIELDS = ("budget", "trimmed_blocks")
@@ -72,10 +77,14 @@ class PendingRecord:
 class ExplainRecorder:
     """A bounded queue of records and the one task that writes them."""
 
-    def __init__(self, store: ExplainStore) -> None:
+    def __init__(
+        self, store: ExplainStore, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    ) -> None:
         self.store = store
+        self._sleep = sleep  # injectable so tests can hold the wait without taking it
         self.dropped = 0
         self._queue: asyncio.Queue[PendingRecord] = asyncio.Queue(QUEUE_MAX)
+        self._arrived = asyncio.Event()  # set by `offer`
         self._unwritten: dict[tuple[str, str], PendingRecord] = {}
         self._gone: set[tuple[str, str | None]] = set()  # threads deleted since the last write
 
@@ -86,6 +95,7 @@ class ExplainRecorder:
             self._dropped(1, "queue_full")
             return
         self._unwritten[(pending.tenant, pending.request_id)] = pending
+        self._arrived.set()
 
     def forget_thread(self, tenant: str, thread_id: str) -> None:
         """The thread was deleted (its stored records with it): its queued ones are not
@@ -104,11 +114,17 @@ class ExplainRecorder:
         return found[0].record() if len(found) == 1 else None
 
     async def run(self) -> None:
+        """Writes what is queued, a batch at a time; before each batch (the records that
+        came during the last write too) the writer waits BATCH_WAIT_SECONDS for more,
+        the records in the queue (a writer cancelled meanwhile leaves them to `drain`)."""
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < BATCH_MAX and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._write(batch)
+            if self._queue.empty():
+                self._arrived.clear()
+                await self._arrived.wait()
+            if self._queue.qsize() < BATCH_MAX:  # also after a write the next ones met
+                await self._sleep(BATCH_WAIT_SECONDS)
+            size = min(BATCH_MAX, self._queue.qsize())
+            await self._write([self._queue.get_nowait() for _ in range(size)])
 
     async def drain(self) -> None:
         """What is still queued, written once more before the process stops."""

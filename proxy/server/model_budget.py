@@ -10,7 +10,8 @@ that a context-length refusal writes, that every answer's usage calibrates
 Kept in memory, per process, bounded (the least recently used entry goes first), and in
 the store so replicas and restarts share it. The store is never on every turn's path: an
 entry is read on its first use and again after TTL_SECONDS, and written when the
-correction changed meaningfully, after WRITE_EVERY answers otherwise, and at shutdown.
+correction changed meaningfully, after WRITE_EVERY answers otherwise, and at shutdown;
+an answer's write (`save_soon`) runs in a task of its own, so no answer waits for it.
 
 Counting in the provider's own tokens (`ProviderCounts`) for a model whose entry says
 `tokenizer: provider` (issue 21, item 1; docs/integrations.md, "Counting with the
@@ -118,6 +119,7 @@ class LearnedLimits:
         self._max = max_entries
         self._ttl = ttl
         self._now = monotonic
+        self._saving: dict[Key, asyncio.Task[None]] = {}  # save_soon's writes in flight
 
     def get(self, key: Key) -> Learned | None:
         found = self._entries.get(key)
@@ -193,8 +195,30 @@ class LearnedLimits:
             return
         entry.written, entry.pending = learned, 0
 
+    def save_soon(self, key: Key, store: LearnedStore | None, now: str) -> None:
+        """`save` in a task of its own when a write is due, off the answer's path (a
+        SQLite write waits for the write lock behind other writers); one per key at a
+        time, a later due answer writes what this one did not."""
+        if store is None or key in self._saving or not self.write_due(key):
+            return
+        task = asyncio.get_running_loop().create_task(self.save(key, store, now))
+        self._saving[key] = task
+
+        def done(finished: asyncio.Task[None]) -> None:
+            self._saving.pop(key, None)
+            if not finished.cancelled() and (error := finished.exception()) is not None:
+                learned_log.error("learned_limits_unwritten", model=key[2], error=repr(error))
+
+        task.add_done_callback(done)
+
+    async def settled(self) -> None:
+        """Until the writes `save_soon` started have ended."""
+        while self._saving:
+            await asyncio.wait(list(self._saving.values()))
+
     async def flush(self, store: LearnedStore | None, now: str) -> None:
-        """Everything not yet written (at shutdown)."""
+        """Everything not yet written (at shutdown), once the writes in flight ended."""
+        await self.settled()
         for key in [k for k, e in self._entries.items() if e.pending]:
             await self.save(key, store, now, force=True)
 

@@ -330,18 +330,19 @@ class Usage(Observer):
         limits.put(key, updated)
         self.key = key
         tenant = request[TENANT_POLICY].tenant
-        gauge = request.app[METRICS].count_correction
-        gauge.labels(tenant, model, "ratio").set(round(updated.ratio, 4))
-        gauge.labels(tenant, model, "overhead").set(round(updated.overhead, 3))
-        gauge.labels(tenant, model, "answers").set(updated.answers)
+        metrics = request.app[METRICS]
+        gauge = metrics.count_correction
+        metrics.child(gauge, tenant, model, "ratio").set(round(updated.ratio, 4))
+        metrics.child(gauge, tenant, model, "overhead").set(round(updated.overhead, 3))
+        metrics.child(gauge, tenant, model, "answers").set(updated.answers)
 
     async def finished(self, finished: Finished) -> None:
         """The correction is written when it moved meaningfully or enough answers piled
-        up (LearnedLimits.save): most turns never touch the store here."""
+        up (LearnedLimits.save), in a task of its own: the answer does not wait for it."""
         if self.key is None or finished.turn is None:
             return
         app = finished.turn.request.app
-        await app[LEARNED].save(self.key, app.get(STORE), app[CLOCK].iso())
+        app[LEARNED].save_soon(self.key, app.get(STORE), app[CLOCK].iso())
 
 
 # Tools whose results the provider adds to the prompt itself (Responses' hosted tools):

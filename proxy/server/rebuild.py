@@ -264,7 +264,13 @@ async def rebuild(
         )
 
     rules = projection_policy(policy)
-    on_loop = not background and cut is None and counted_already(items, base, tools, instructions)
+    # What a small client body holds is small: counting it on the loop is bounded.
+    bounded = small and len(items) <= FIT_INLINE_ITEMS
+    on_loop = (
+        not background
+        and cut is None
+        and (bounded or counted_already(items, base, tools, instructions))
+    )
 
     def run() -> Projection:
         request = asked()
@@ -292,7 +298,7 @@ def observe_projection(
     metrics: Metrics, route: str, projection: Projection, seconds: float
 ) -> None:
     metrics.rebuild_seconds.observe(seconds)
-    metrics.context_tokens.labels(route).observe(projection.report.prompt_tokens)
+    metrics.child(metrics.context_tokens, route).observe(projection.report.prompt_tokens)
     removed: dict[str, int] = {}
     for block in projection.report.blocks:
         if block.action in ("dropped", "compressed", "summarized"):
@@ -352,7 +358,8 @@ async def rebuild_turn(
             window_cap=window_cap,
             provider=provider,
         )
-        set_attributes(span, budget_attributes(projection))
+        if span is not None:  # tracing on
+            set_attributes(span, budget_attributes(projection))
     if observe:
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection

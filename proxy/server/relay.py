@@ -260,7 +260,7 @@ async def send_upstream(
         raise upstream_error(exc) from None
     elapsed = time.perf_counter() - started
     metrics = request.app[METRICS]
-    metrics.upstream_latency.labels(route).observe(elapsed)
+    metrics.child(metrics.upstream_latency, route).observe(elapsed)
     if response.retries:
         metrics.upstream_retries.labels(route).inc(response.retries)
     # Time to the provider's headers (its whole answer when not streamed): the request's

@@ -366,6 +366,7 @@ async def test_the_correction_is_written_debounced_not_on_every_answer(
 
     monkeypatch.setattr(store, "learned_put", counted)
     await chat_thread(proxy, 40)
+    await proxy.app[LEARNED].settled()  # type: ignore[index]
     learned = proxy.app[LEARNED].get(("acme", provider.base_url, MODEL))  # type: ignore[index]
     assert learned is not None and learned.answers >= 39
     # Settled, the correction moves by under 1% an answer: a write every WRITE_EVERY
@@ -374,3 +375,34 @@ async def test_the_correction_is_written_debounced_not_on_every_answer(
     stored = await store.learned_get("acme", provider.base_url, MODEL)
     assert stored is not None
     assert learned.answers - stored.state["answers"] < WRITE_EVERY
+
+
+async def test_an_answer_does_not_wait_for_the_corrections_write(
+    make_proxy: Callable[..., Awaitable[Proxy]],
+    provider: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write of a due correction runs beside the answer (a SQLite write may wait for
+    the write lock behind other writers): answers arrive while it is held up, and it is
+    written once it is let go."""
+    import asyncio
+
+    proxy = await make_proxy(models_extra=ENTRY)
+    heavy(provider)
+    store = proxy.app[STORE]
+    held = asyncio.Event()
+    started: list[LearnedRecord] = []
+    put = store.learned_put
+
+    async def held_up(record: LearnedRecord) -> None:
+        started.append(record)
+        await held.wait()
+        await put(record)
+
+    monkeypatch.setattr(store, "learned_put", held_up)
+    await chat_thread(proxy, 3)  # the first answer's correction is due at once
+    assert started, "a write was due and started"
+    assert await store.learned_get("acme", provider.base_url, MODEL) is None
+    held.set()
+    await proxy.app[LEARNED].settled()  # type: ignore[index]
+    assert await store.learned_get("acme", provider.base_url, MODEL) is not None

@@ -269,3 +269,83 @@ async def test_deleting_a_conversation_deletes_its_records(
         assert (await explain(proxy, request_id)).status_code == 404
     kept = await explain(proxy, other.headers["x-threadkeeper-request-id"])
     assert kept.status_code == 200
+
+
+async def test_the_records_of_requests_one_after_the_other_share_a_write(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer gathers a batch for BATCH_WAIT_SECONDS after its first record: one
+    client's requests in a row are written in one store transaction, each record served
+    from the queue meanwhile."""
+    from proxy.server import explain as explain_module
+
+    monkeypatch.setattr(explain_module, "BATCH_WAIT_SECONDS", 30.0)
+    proxy = await make_proxy()
+    store = proxy.app[STORE]  # type: ignore[index]
+    batches: list[int] = []
+    put = store.explain_put
+
+    async def counted(records: Any) -> None:
+        batches.append(len(records))
+        await put(records)
+
+    monkeypatch.setattr(store, "explain_put", counted)
+    ids = []
+    for turn in range(4):
+        answer = await chat(proxy, [{"role": "user", "content": f"Hi {turn}"}])
+        ids.append(answer.headers["x-threadkeeper-request-id"])
+        assert (await explain(proxy, ids[-1])).json()["id"] == ids[-1]  # from the queue
+    assert batches == [], "nothing is written while the batch gathers"
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+    await recorder.drain()  # what shutdown does; the waiting writer finds the queue empty
+    assert batches == [4]
+    for request_id in ids:
+        assert (await store.explain_get("acme", request_id)) is not None
+
+
+async def test_the_records_that_come_during_a_write_wait_for_the_next_batch(
+    make_proxy: Callable[..., Awaitable[Proxy]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer waits before every batch, not only the first after an idle queue: the
+    records of the requests answered while a batch was being written gather too (else
+    one client's requests one after the other were written one or two at a time)."""
+    proxy = await make_proxy()
+    recorder = proxy.app[EXPLAIN]  # type: ignore[index]
+    store = proxy.app[STORE]  # type: ignore[index]
+    waits: list[asyncio.Event] = []
+
+    async def held(seconds: float) -> None:
+        waits.append(asyncio.Event())
+        await waits[-1].wait()
+
+    recorder._sleep = held
+    batches: list[int] = []
+    writing = asyncio.Event()
+    put = store.explain_put
+
+    async def slow(records: Any) -> None:
+        batches.append(len(records))
+        await writing.wait()
+        await put(records)
+
+    monkeypatch.setattr(store, "explain_put", slow)
+
+    async def until(done: Callable[[], bool], what: str) -> None:
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"not within 10 s: {what}")
+
+    await chat(proxy, [{"role": "user", "content": "first"}])
+    await until(lambda: len(waits) == 1, "the first record waits")
+    assert batches == []
+    waits[0].set()
+    await until(lambda: batches == [1], "the first batch written")
+    for turn in range(3):  # answered while the write is held up
+        await chat(proxy, [{"role": "user", "content": f"during the write {turn}"}])
+    writing.set()
+    await until(lambda: len(waits) == 2, "the next batch waits before it is written")
+    assert batches == [1]
+    waits[1].set()
+    await until(lambda: batches == [1, 3], "the three written together")

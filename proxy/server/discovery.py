@@ -1,7 +1,7 @@
 """The window a provider lists for a model the policy does not name (issue 21, item 3).
 
 Asked once per (tenant, upstream, model) and DISCOVERY_TTL_SECONDS (proxy/server/
-learned.py), with one bounded attempt each, never on every request:
+model_budget.py), with one bounded attempt each, never on every request:
 
 - `GET {base}/models`: vLLM's ModelCard has `max_model_len` (vllm/entrypoints/openai/
   protocol.py), OpenRouter's model `context_length` (and `top_provider.context_length`),

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from proxy.core.blocks import Block, segment
+from proxy.core.blocks import Block, segment_after
 from proxy.core.budget import Learned, corrected_window, history_budget, output_reserve
 from proxy.core.invariants import check_sent_as_given
 from proxy.core.items import Item
@@ -56,6 +56,8 @@ INLINE_CHARS = 64 * 1024
 FIT_INLINE_ITEMS = 512
 
 T = TypeVar("T")
+
+SETTLED = "settled_blocks"  # Loaded.memo's key for whole_fit's blocks.SettledBlocks
 
 
 async def off_the_loop(work: Callable[[], T], *reads: Any, small: bool = False) -> T:
@@ -105,7 +107,11 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
 
 
 def whole_fit(
-    request: ProjectionRequest, counter: TokenCounter, policy: ProjectionPolicy
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    memo: dict[str, Any] | None = None,
+    lasting: int = 0,
 ) -> Projection | None:
     """project_context's answer for a request whose whole history fits, without
     projecting it; None when it may not fit (the caller then projects).
@@ -116,7 +122,11 @@ def whole_fit(
     <= W, SPEC 4: the blocks partition the items), and while they fit it changes
     nothing: it sends the items as given, keeps no cut, and checks the invariants such a
     context can break (`check_sent_as_given`: what the projection would refuse, this
-    refuses). The report is the one the projection writes for an unchanged history."""
+    refuses). The report is the one the projection writes for an unchanged history.
+
+    `memo` (a stored window's Loaded.memo) keeps the blocks settled among the first
+    `lasting` items (the window's), so the next turn segments only what follows them
+    (blocks.segment_after, which checks the memo against the items)."""
     if request.verbatim or request.cut is not None:
         return None
     items = request.items
@@ -125,7 +135,12 @@ def whole_fit(
     if sum(counts) + once + request.output + request.epsilon > request.window:
         return None
     check_sent_as_given(items)
-    blocks = segment(items, policy.pin_patterns, request.first_position)
+    settled = memo.get(SETTLED) if memo is not None else None
+    blocks, settled = segment_after(
+        settled, items, policy.pin_patterns, request.first_position, lasting=lasting
+    )
+    if memo is not None and settled is not None:
+        memo[SETTLED] = settled
     return Projection(tuple(items), _unchanged_report(request, blocks, counts), None, False)
 
 
@@ -218,6 +233,8 @@ async def rebuild(
     learned: Learned | None = None,
     window_cap: int | None = None,
     provider: Counted | None = None,
+    memo: dict[str, Any] | None = None,
+    lasting: int = 0,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
@@ -230,7 +247,8 @@ async def rebuild(
     per-item overhead, the window it lists), applied to W and to every item's count (the
     report is in those counts); `window_cap`: a W the projection must stay under (the
     retry after a refusal). `provider`: the provider's own counts (`tokenizer: provider`):
-    the budget then counts in its tokens. The counter returned is the tokenizer's own,
+    the budget then counts in its tokens. `memo` and `lasting`: a stored window's memo
+    and its item count (whole_fit). The counter returned is the tokenizer's own,
     uncorrected: what is stored with items."""
     base = await counter_for(policy, model)
     counter: TokenCounter
@@ -274,12 +292,12 @@ async def rebuild(
 
     def run() -> Projection:
         request = asked()
-        fit = None if on_loop else whole_fit(request, counter, rules)  # tried on the loop
+        fit = None if on_loop else whole_fit(request, counter, rules, memo, lasting)
         return fit or project_context(request, counter, rules)
 
     started = time.perf_counter()
     try:
-        fit = whole_fit(asked(), counter, rules) if on_loop else None
+        fit = whole_fit(asked(), counter, rules, memo, lasting) if on_loop else None
         if fit is not None:
             projection = fit
         elif background or len(items) > INLINE_ITEMS:
@@ -357,6 +375,8 @@ async def rebuild_turn(
             learned=learned,
             window_cap=window_cap,
             provider=provider,
+            memo=loaded.memo if loaded is not None else None,
+            lasting=len(loaded.items) if loaded is not None else 0,
         )
         if span is not None:  # tracing on
             set_attributes(span, budget_attributes(projection))

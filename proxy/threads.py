@@ -113,6 +113,12 @@ class Loaded:
         return self._cut
 
     @cached_property
+    def item_types(self) -> frozenset[str | None]:
+        """The types of the window's items, gathered once per Loaded (the rewriters that
+        apply only to some types ask every turn, turn.ForItems)."""
+        return frozenset(item.type for item in self.items)
+
+    @cached_property
     def _cut(self) -> CutPoint | None:
         cut = state_to_cut(self.state)
         if cut is None:
@@ -211,7 +217,8 @@ class _Window:
     stored: tuple[StoredItem, ...]
     items: tuple[Item, ...]
     sizes: tuple[int, ...]  # bytes of each item's JSON text
-    memo: dict[str, Any]  # Loaded.memo, passed on as the window is extended
+    # Loaded.memo, passed on as the window is extended
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(

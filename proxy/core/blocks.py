@@ -192,7 +192,7 @@ def segment_after(
         return segment(items, pins, first_position), None
     if not isinstance(items, list | tuple):
         items = list(items)
-    reused = _reusable(settled, items, first_position)
+    reused = reusable(settled, items, first_position)
     if reused is None:
         blocks = segment(items, (), first_position)
         return blocks, _settle(None, blocks, items, first_position, lasting)
@@ -202,12 +202,12 @@ def segment_after(
     return blocks, _settle(reused, tail, items, first_position, lasting)
 
 
-def _reusable(
+def reusable(
     settled: SettledBlocks | None, items: Sequence[Item], first_position: int
 ) -> SettledBlocks | None:
-    """`settled` when its blocks are `items`' own: the same first items (by identity) at the
-    same position, a user message right after them, and no later item that answers one of
-    their calls or asks an approval."""
+    """`settled` when its blocks are `items`' own (segment_after reuses them): the same
+    first items (by identity) at the same position, a user message right after them,
+    and no later item that answers one of their calls or asks an approval."""
     if settled is None or settled.first_position != first_position:
         return None
     start = len(settled.items)

@@ -12,6 +12,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from proxy.core.blocks import segment
+from proxy.core.budget import Learned
 from proxy.core.invariants import InvariantViolation, check_invariants, check_sent_as_given
 from proxy.core.items import chat_item, responses_item
 from proxy.core.projection import (
@@ -22,6 +23,7 @@ from proxy.core.projection import (
     project_context,
 )
 from proxy.core.tokens import REPLY_PRIMING
+from proxy.counting import CalibratedCounter
 from proxy.server.rebuild import whole_fit
 from tests.core.test_projection_properties import (
     COUNTER,
@@ -218,3 +220,17 @@ def test_a_memo_of_a_window_that_changed_is_not_used() -> None:
         assert memo  # settled blocks kept each time
         fits.append(fit)
     assert fits[1] is not None and len(fits[1].report.blocks) == 4
+
+
+def test_a_memo_counted_by_another_counter_is_not_used() -> None:
+    """The calibration taught a per-item overhead between two turns (another counter):
+    the settled items are counted again, and the fit is the full projection's."""
+    items = [responses_item({"role": "user", "content": f"question {n}"}) for n in range(6)]
+    memo: dict[str, object] = {}
+    calibrated = CalibratedCounter(COUNTER, Learned(overhead=5.0))
+    unpinned = replace(POLICY, pin_patterns=())
+    for counter, window in ((COUNTER, 4), (calibrated, 5), (COUNTER, 6)):
+        request = ProjectionRequest(items[:window], 10**9, OUTPUT, EPSILON, tools_tokens=TOOLS)
+        fit = whole_fit(request, counter, unpinned, memo, window - 1)
+        assert fit == project_context(request, counter, unpinned)
+        assert memo

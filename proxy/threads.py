@@ -32,7 +32,7 @@ import random
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Literal, Protocol
 
@@ -90,6 +90,9 @@ class Loaded:
     stored: tuple[StoredItem, ...] = ()
     items: tuple[Item, ...] = ()
     fork_of: tuple[str, int] | None = None
+    # What later turns of this window reuse (the projection's settled blocks, rebuild.py),
+    # kept with the window in the WindowCache; each user checks it against `items`.
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def state(self) -> JsonDict:
@@ -108,6 +111,12 @@ class Loaded:
     def cut(self) -> CutPoint | None:
         """The stored cut in the projection's positions (read once per Loaded)."""
         return self._cut
+
+    @cached_property
+    def item_types(self) -> frozenset[str | None]:
+        """The types of the window's items, gathered once per Loaded (the rewriters that
+        apply only to some types ask every turn, turn.ForItems)."""
+        return frozenset(item.type for item in self.items)
 
     @cached_property
     def _cut(self) -> CutPoint | None:
@@ -208,6 +217,8 @@ class _Window:
     stored: tuple[StoredItem, ...]
     items: tuple[Item, ...]
     sizes: tuple[int, ...]  # bytes of each item's JSON text
+    # Loaded.memo, passed on as the window is extended
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -217,6 +228,7 @@ class _Window:
         stored: tuple[StoredItem, ...],
         items: tuple[Item, ...],
         sizes: tuple[int, ...],
+        memo: dict[str, Any] | None = None,
     ) -> _Window:
         return cls(
             thread.created_at,
@@ -227,6 +239,7 @@ class _Window:
             stored,
             items,
             sizes,
+            memo if memo is not None else {},
         )
 
     def extends_to(self, thread: Thread) -> bool:
@@ -348,13 +361,16 @@ class ThreadService:
         stored = window.items
         items = tuple(map(stored_item_view, stored))
         sizes = tuple(_json_size(s.raw) for s in stored)
+        memo = None
         if held is not None:
             keep = bisect_left([s.seq for s in held.stored], start)
             stored = held.stored[keep:] + stored
             items = held.items[keep:] + items
             sizes = held.sizes[keep:] + sizes
-        cache.put(tenant, thread_id, _Window.of(thread, start, stored, items, sizes))
-        return Loaded(tenant, thread_id, thread.kind, thread, stored, items)
+            memo = held.memo
+        entry = _Window.of(thread, start, stored, items, sizes, memo)
+        cache.put(tenant, thread_id, entry)
+        return Loaded(tenant, thread_id, thread.kind, thread, stored, items, memo=entry.memo)
 
     async def load_or_new(self, tenant: str, thread_id: str, kind: ThreadKind) -> Loaded:
         """The thread, or an empty one the first commit creates."""
@@ -457,7 +473,7 @@ class ThreadService:
         kept = len(held.stored) + len(added) - len(stored)  # left behind by the window start
         items_now = (*held.items, *map(stored_item_view, added))[kept:]
         sizes = (*held.sizes, *(_json_size(s.raw) for s in added))[kept:]
-        entry = _Window.of(thread, start, stored, items_now, sizes)
+        entry = _Window.of(thread, start, stored, items_now, sizes, held.memo)
         if held.window_start <= start:
             cache.put(loaded.tenant, loaded.thread_id, entry)
 

@@ -234,3 +234,42 @@ def test_window_cache_is_bounded_by_bytes_least_recent_out() -> None:
     assert cache.get("acme", "big") is None and cache.bytes == 80
     cache.drop("acme", "a")
     assert (len(cache), cache.bytes) == (1, 40)
+
+
+async def test_a_window_memo_follows_appends_and_is_new_for_another_window(
+    tmp_path: Path,
+) -> None:
+    """Loaded.memo lives with the cached window: appends (this process's commit, another
+    process's write) keep it, a window read whole again (the thread created again) gets a
+    new one. Whoever reads it checks it against the items (rebuild.whole_fit)."""
+    store = await open_store(f"sqlite:///{tmp_path / 'memo.db'}")
+    await store.migrate()
+    service = ThreadService(store, clock, cache=WindowCache(1 << 20))
+    message = {"role": "user", "content": "hi"}
+
+    async def restate(loaded: Loaded) -> dict[str, Any]:
+        return loaded.state
+
+    try:
+        await store.create_thread(
+            "acme", "t1", kind="chat", items=[NewItem("m0", message, "chat")], now=NOW
+        )
+        first = await service.load("acme", "t1")
+        assert first is not None
+        first.memo["seen"] = 1
+        await store.append_items("acme", "t1", [NewItem("m1", message, "chat")], now=NOW)
+        grown = await service.load("acme", "t1")  # another process appended
+        assert grown is not None and len(grown.items) == 2 and grown.memo is first.memo
+        await service.commit(
+            grown, [NewItem("m2", message, "chat")], state=grown.state, restate=restate
+        )
+        after = await service.load("acme", "t1")
+        assert after is not None and len(after.items) == 3 and after.memo is first.memo
+        await store.delete_thread("acme", "t1")
+        await store.create_thread(
+            "acme", "t1", kind="chat", items=[NewItem("n0", message, "chat")], now="2026"
+        )
+        again = await service.load("acme", "t1")
+        assert again is not None and again.memo == {}
+    finally:
+        await store.close()

@@ -18,13 +18,14 @@ turns in between are merged so no cut can fall between the call and its output.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from proxy.core.items import Item, is_pending_approval, pending_approvals
+from proxy.core.items import APPROVAL_REQUEST, Item, is_pending_approval, pending_approvals
 
 BlockKind = Literal["pinned", "turn", "current"]
 
@@ -155,3 +156,102 @@ def _current_start(items: Sequence[Item], turn_of: list[int], pinned: list[bool]
         if items[last_user].is_user_message:
             return turn_of.index(turn_of[last_user])  # the turn's first item
     return next((i for i in range(len(items)) if not pinned[i]), len(items))
+
+
+@dataclass(frozen=True, slots=True)
+class SettledBlocks:
+    """The blocks of a history's first `len(items)` items that no item after them can
+    change, kept so a longer history starting with these very items (a stored window one
+    turn later) is segmented without walking them again (`segment_after`).
+
+    They end before a user message, the start of a turn; no pin pattern applies and no
+    MCP approval request is among them (either makes an item's pin depend on later
+    items), so each of their blocks stays as it is while no later output answers one of
+    their `calls` (a late output merges the turns between)."""
+
+    items: tuple[Item, ...]
+    first_position: int
+    blocks: tuple[Block, ...]
+    calls: frozenset[str]
+
+
+def segment_after(
+    settled: SettledBlocks | None,
+    items: Sequence[Item],
+    pin_patterns: Iterable[str] = (),
+    first_position: int = 0,
+    *,
+    lasting: int = 0,
+) -> tuple[list[Block], SettledBlocks | None]:
+    """`segment(items, pin_patterns, first_position)`, reusing `settled` when `items`
+    start with its very items (compared by identity), and what is settled of the first
+    `lasting` items (those that outlive this call: a stored window's) for the next call.
+    tests/core/test_blocks.py checks the blocks equal `segment`'s."""
+    pins = tuple(pin_patterns)
+    if pins:
+        return segment(items, pins, first_position), None
+    if not isinstance(items, list | tuple):
+        items = list(items)
+    reused = reusable(settled, items, first_position)
+    if reused is None:
+        blocks = segment(items, (), first_position)
+        return blocks, _settle(None, blocks, items, first_position, lasting)
+    start = len(reused.items)
+    tail = segment(items[start:], (), first_position + start)
+    blocks = [*reused.blocks, *tail]
+    return blocks, _settle(reused, tail, items, first_position, lasting)
+
+
+def reusable(
+    settled: SettledBlocks | None, items: Sequence[Item], first_position: int
+) -> SettledBlocks | None:
+    """`settled` when its blocks are `items`' own (segment_after reuses them): the same
+    first items (by identity) at the same position, a user message right after them,
+    and no later item that answers one of their calls or asks an approval."""
+    if settled is None or settled.first_position != first_position:
+        return None
+    start = len(settled.items)
+    if start >= len(items) or not items[start].is_user_message:
+        return None
+    if not all(map(operator.is_, settled.items, items)):
+        return None
+    calls = settled.calls
+    for item in items[start:]:
+        if item.kind == APPROVAL_REQUEST or (
+            item.output_for is not None and item.output_for in calls
+        ):
+            return None
+    return settled
+
+
+def _settle(
+    reused: SettledBlocks | None,
+    blocks: Sequence[Block],
+    items: Sequence[Item],
+    first_position: int,
+    lasting: int,
+) -> SettledBlocks | None:
+    """What is settled of `items[:lasting]`: the items before its last user message, with
+    their blocks (`reused`'s and those of `blocks`, which cover the items after it)."""
+    start = len(reused.items) if reused is not None else 0
+    end = next(
+        (i for i in range(min(lasting, len(items)) - 1, start - 1, -1) if items[i].is_user_message),
+        None,
+    )
+    if end is None or end <= start:
+        return reused
+    fresh = items[start:end]
+    if any(item.kind == APPROVAL_REQUEST for item in fresh):
+        return None
+    edge = first_position + end
+    kept: list[Block] = []
+    for block in blocks:
+        if block.last < edge:
+            kept.append(block)
+        elif block.first < edge:  # a late output's merge reaches past the edge
+            return None
+    calls = {call_id for item in fresh for call_id in item.call_ids}
+    if reused is not None:
+        calls.update(reused.calls)
+        kept[:0] = reused.blocks
+    return SettledBlocks(tuple(items[:end]), first_position, tuple(kept), frozenset(calls))

@@ -10,6 +10,7 @@ import json
 from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from proxy.core.items import MCP_KINDS, Item, pending_approvals
 
@@ -45,6 +46,46 @@ def check_sent_as_given(items: Sequence[Item]) -> None:
     (tests/server/test_rebuild_fit.py checks it against check_invariants)."""
     _check_one_api(items)
     _check_calls_before_outputs(items)
+
+
+@dataclass(frozen=True)
+class SentAsGiven:
+    """What `check_sent_as_given` needs of a history that passed it to check a longer
+    one starting with it (`check_sent_after`): its API, the calls it makes, and the
+    outputs it holds before any call of theirs, in log order (none of their calls may
+    follow)."""
+
+    api: str | None
+    called: frozenset[str]
+    early: tuple[str, ...]
+
+
+NOTHING_SENT = SentAsGiven(None, frozenset(), ())
+
+
+def check_sent_after(before: SentAsGiven, items: Sequence[Item]) -> SentAsGiven:
+    """`check_sent_as_given(prefix + items)` for a prefix that passed it and that `before`
+    describes (the same verdict, the same message); what describes `prefix + items`."""
+    apis: set[str] = {item.api for item in items}
+    if before.api is not None:
+        apis.add(before.api)
+    if len(apis) > 1:
+        raise InvariantViolation(f"context mixes item shapes of {sorted(apis)}")
+    later = _call_ids(items)
+    for output_for in before.early:
+        if output_for in later:
+            raise InvariantViolation(f"output for {output_for!r} is sent before its call")
+    every = before.called | later
+    called = set(before.called)
+    early = dict.fromkeys(before.early)
+    for item in items:
+        called.update(item.call_ids)
+        if item.output_for is not None and item.output_for not in called:
+            if item.output_for in every:
+                raise InvariantViolation(f"output for {item.output_for!r} is sent before its call")
+            early[item.output_for] = None
+    api = next(iter(apis)) if apis else None
+    return SentAsGiven(api, frozenset(called), tuple(early))
 
 
 def _check_one_api(sent: Sequence[Item]) -> None:

@@ -13,15 +13,20 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from itertools import accumulate
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from proxy.core.blocks import Block, segment
+from proxy.core.blocks import Block, SettledBlocks, reusable, segment_after
 from proxy.core.budget import Learned, corrected_window, history_budget, output_reserve
-from proxy.core.invariants import check_sent_as_given
+from proxy.core.invariants import (
+    NOTHING_SENT,
+    SentAsGiven,
+    check_sent_after,
+    check_sent_as_given,
+)
 from proxy.core.items import Item
 from proxy.core.projection import (
     BlockReport,
@@ -56,6 +61,9 @@ INLINE_CHARS = 64 * 1024
 FIT_INLINE_ITEMS = 512
 
 T = TypeVar("T")
+
+SETTLED = "settled_blocks"  # Loaded.memo's keys: whole_fit's blocks.SettledBlocks,
+FITTED = "settled_fit"  # and what it found of their items (_Fitted)
 
 
 async def off_the_loop(work: Callable[[], T], *reads: Any, small: bool = False) -> T:
@@ -104,8 +112,27 @@ def projection_policy(policy: Policy) -> ProjectionPolicy:
     )
 
 
+@dataclass(frozen=True)
+class _Fitted:
+    """What whole_fit found of a window's settled items (`settled`, counted by the
+    `tokenizer` counter) while the history they began fitted: their tokens, their
+    blocks' reports and tokens by kind, what the invariants need of them."""
+
+    settled: SettledBlocks
+    tokenizer: str
+    tokens: int
+    reports: tuple[BlockReport, ...]
+    pinned: int
+    turns: int
+    checked: SentAsGiven
+
+
 def whole_fit(
-    request: ProjectionRequest, counter: TokenCounter, policy: ProjectionPolicy
+    request: ProjectionRequest,
+    counter: TokenCounter,
+    policy: ProjectionPolicy,
+    memo: dict[str, Any] | None = None,
+    lasting: int = 0,
 ) -> Projection | None:
     """project_context's answer for a request whose whole history fits, without
     projecting it; None when it may not fit (the caller then projects).
@@ -116,24 +143,89 @@ def whole_fit(
     <= W, SPEC 4: the blocks partition the items), and while they fit it changes
     nothing: it sends the items as given, keeps no cut, and checks the invariants such a
     context can break (`check_sent_as_given`: what the projection would refuse, this
-    refuses). The report is the one the projection writes for an unchanged history."""
+    refuses). The report is the one the projection writes for an unchanged history.
+
+    `memo` (a stored window's Loaded.memo) keeps what is settled among the first
+    `lasting` items (the window's): their blocks (blocks.segment_after), counts, reports
+    and invariant facts, so the next turn counts, checks and segments only the items
+    after them. It is used only for the very items it was made of (blocks.reusable
+    compares them by identity) and the same tokenizer."""
     if request.verbatim or request.cut is not None:
         return None
     items = request.items
-    counts = [counter.item(item) for item in items]
+    offset = request.first_position
+    settled = memo.get(SETTLED) if memo is not None else None
+    fitted = memo.get(FITTED) if memo is not None else None
+    if fitted is not None and (
+        fitted.tokenizer != counter.tokenizer_id
+        or policy.pin_patterns
+        or fitted.settled is not settled
+        or reusable(settled, items, offset) is None
+    ):
+        fitted = None
+    start = len(fitted.settled.items) if fitted is not None else 0
+    counts = [counter.item(item) for item in items[start:]]
     once = request.instructions_tokens + request.tools_tokens + request.reply_tokens
-    if sum(counts) + once + request.output + request.epsilon > request.window:
+    earlier = fitted.tokens if fitted is not None else 0
+    if earlier + sum(counts) + once + request.output + request.epsilon > request.window:
         return None
-    check_sent_as_given(items)
-    blocks = segment(items, policy.pin_patterns, request.first_position)
-    return Projection(tuple(items), _unchanged_report(request, blocks, counts), None, False)
+    if fitted is not None:
+        check_sent_after(fitted.checked, items[start:])
+    else:
+        check_sent_as_given(items)
+    blocks, settled = segment_after(settled, items, policy.pin_patterns, offset, lasting=lasting)
+    before = len(fitted.reports) if fitted is not None else 0
+    report, tail = _unchanged_report(request, blocks[before:], counts, start, fitted)
+    if memo is not None:
+        if settled is not None:
+            memo[SETTLED] = settled
+            memo[FITTED] = _fitted(fitted, settled, counter, items, counts, tail)
+        else:
+            memo.pop(SETTLED, None)
+            memo.pop(FITTED, None)
+    return Projection(tuple(items), report, None, False)
+
+
+def _fitted(
+    fitted: _Fitted | None,
+    settled: SettledBlocks,
+    counter: TokenCounter,
+    items: Sequence[Item],
+    counts: Sequence[int],
+    reports: Sequence[BlockReport],
+) -> _Fitted:
+    """`fitted` (of the first `start` items) carried on to the items `settled` holds:
+    `counts` and `reports` are those of the items and blocks after `start`."""
+    if fitted is not None and fitted.settled is settled:
+        return fitted  # nothing more settled this turn
+    start = len(fitted.settled.items) if fitted is not None else 0
+    end = len(settled.items)
+    new = reports[: len(settled.blocks) - (len(fitted.reports) if fitted is not None else 0)]
+    pinned = sum(r.tokens_before for r in new if r.kind == "pinned")
+    turns = sum(r.tokens_before for r in new if r.kind == "turn")
+    known = fitted if fitted is not None else _Fitted(settled, "", 0, (), 0, 0, NOTHING_SENT)
+    return _Fitted(
+        settled,
+        counter.tokenizer_id,
+        known.tokens + sum(counts[: end - start]),
+        (*known.reports, *new),
+        known.pinned + pinned,
+        known.turns + turns,
+        check_sent_after(known.checked, items[start:end]),
+    )
 
 
 def _unchanged_report(
-    request: ProjectionRequest, blocks: Sequence[Block], counts: Sequence[int]
-) -> ProjectionReport:
-    """The projection's report of a history sent as given: every block kept."""
-    offset = request.first_position
+    request: ProjectionRequest,
+    blocks: Sequence[Block],
+    counts: Sequence[int],
+    start: int = 0,
+    fitted: _Fitted | None = None,
+) -> tuple[ProjectionReport, list[BlockReport]]:
+    """The projection's report of a history sent as given: every block kept. `blocks`
+    and `counts` are those after the first `start` items, whose reports and tokens
+    `fitted` holds; the reports of `blocks` come back too."""
+    offset = request.first_position + start
     by_kind = {"pinned": 0, "turn": 0, "current": 0}
     reports = []
     upto = [0, *accumulate(counts)]  # upto[i]: the tokens of the first i items
@@ -148,14 +240,20 @@ def _unchanged_report(
             tokens = sum(counts[p - offset] for p in positions)
         by_kind[block.kind] += tokens
         reports.append(_kept(block.kind, first, last, tokens))
+    earlier: tuple[BlockReport, ...] = ()
+    if fitted is not None:
+        by_kind["pinned"] += fitted.pinned
+        by_kind["turn"] += fitted.turns
+        earlier = fitted.reports
     system = by_kind["pinned"] + request.instructions_tokens + request.reply_tokens
     current = by_kind["current"]
-    prompt = upto[-1] + request.instructions_tokens + request.tools_tokens
+    history = upto[-1] + (fitted.tokens if fitted is not None else 0)
+    prompt = history + request.instructions_tokens + request.tools_tokens
     prompt += request.reply_tokens
     budget = history_budget(
         request.window, system, request.tools_tokens, current, request.output, request.epsilon
     )
-    return ProjectionReport(
+    report = ProjectionReport(
         window=request.window,
         system=system,
         tools=request.tools_tokens,
@@ -166,12 +264,13 @@ def _unchanged_report(
         history_before=by_kind["turn"],
         history_after=prompt - system - request.tools_tokens - current,
         prompt_tokens=prompt,
-        blocks=tuple(reports),
+        blocks=(*earlier, *reports),
         # the log before the window, as the projection counts it without a cut
-        dropped=offset,
+        dropped=request.first_position,
         compressed=0,
         summarized=0,
     )
+    return report, reports
 
 
 @functools.lru_cache(maxsize=8192)
@@ -218,6 +317,8 @@ async def rebuild(
     learned: Learned | None = None,
     window_cap: int | None = None,
     provider: Counted | None = None,
+    memo: dict[str, Any] | None = None,
+    lasting: int = 0,
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
@@ -230,7 +331,8 @@ async def rebuild(
     per-item overhead, the window it lists), applied to W and to every item's count (the
     report is in those counts); `window_cap`: a W the projection must stay under (the
     retry after a refusal). `provider`: the provider's own counts (`tokenizer: provider`):
-    the budget then counts in its tokens. The counter returned is the tokenizer's own,
+    the budget then counts in its tokens. `memo` and `lasting`: a stored window's memo
+    and its item count (whole_fit). The counter returned is the tokenizer's own,
     uncorrected: what is stored with items."""
     base = await counter_for(policy, model)
     counter: TokenCounter
@@ -274,12 +376,12 @@ async def rebuild(
 
     def run() -> Projection:
         request = asked()
-        fit = None if on_loop else whole_fit(request, counter, rules)  # tried on the loop
+        fit = None if on_loop else whole_fit(request, counter, rules, memo, lasting)
         return fit or project_context(request, counter, rules)
 
     started = time.perf_counter()
     try:
-        fit = whole_fit(asked(), counter, rules) if on_loop else None
+        fit = whole_fit(asked(), counter, rules, memo, lasting) if on_loop else None
         if fit is not None:
             projection = fit
         elif background or len(items) > INLINE_ITEMS:
@@ -357,6 +459,8 @@ async def rebuild_turn(
             learned=learned,
             window_cap=window_cap,
             provider=provider,
+            memo=loaded.memo if loaded is not None else None,
+            lasting=len(loaded.items) if loaded is not None else 0,
         )
         if span is not None:  # tracing on
             set_attributes(span, budget_attributes(projection))

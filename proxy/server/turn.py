@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from itertools import chain
 from typing import Any, Protocol
 
 import structlog
@@ -152,6 +151,10 @@ class Window:
     def items(self) -> Sequence[Item]:
         return self.loaded.items if self.loaded is not None else ()
 
+    @property
+    def item_types(self) -> frozenset[str | None]:
+        return self.loaded.item_types if self.loaded is not None else frozenset()
+
 
 @dataclass(frozen=True)
 class New:
@@ -179,7 +182,8 @@ class ForItems:
     rewriter: Rewriter
 
     async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
-        if any(item.type in self.types for item in chain(window.items, new.items)):
+        types = self.types
+        if not types.isdisjoint(window.item_types) or any(i.type in types for i in new.items):
             return await self.rewriter(turn, window, new)
         return window, new
 

@@ -8,6 +8,7 @@ from proxy.core.blocks import (
     compile_pins,
     pinned_flags,
     segment,
+    segment_after,
 )
 from proxy.core.items import Item, chat_item, responses_item
 
@@ -185,3 +186,94 @@ def test_segment_equals_the_item_by_item_segmentation(
         gathered = [items[p - offset] for p in block.positions]
         assert all(a is b for a, b in zip(block.items, gathered, strict=True))
     assert segment(tuple(items), pins, offset) == blocks
+
+
+def approval(request_id: str) -> Item:
+    return responses_item(
+        {"type": "mcp_approval_request", "id": request_id, "name": "f", "server_label": "s"}
+    )
+
+
+def approved(request_id: str) -> Item:
+    return responses_item(
+        {"type": "mcp_approval_response", "approval_request_id": request_id, "approve": True}
+    )
+
+
+growing_entries = st.lists(
+    st.one_of(
+        st.just(sys()),
+        st.sampled_from(["hi", "PIN me", "thanks"]).map(user),
+        st.just(assistant("ok")),
+        st.sampled_from(["a", "b", "c"]).map(call),
+        st.sampled_from(["a", "b", "c", "z"]).map(out),
+        st.sampled_from(["p", "q"]).map(approval),
+        st.sampled_from(["p", "q"]).map(approved),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=400, derandomize=True)
+@given(
+    growing_entries,
+    st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), min_size=1, max_size=8),
+    st.sampled_from([(), ("PIN",)]),
+    st.integers(0, 3),
+)
+def test_segment_after_equals_segment_as_a_window_grows(
+    items: list[Item], steps: list[tuple[int, int]], pins: tuple[str, ...], offset: int
+) -> None:
+    """A stored window growing turn by turn (its first items the same objects), each turn
+    with new items after it: the blocks equal segment's, whatever was settled before."""
+    settled = None
+    window = 0
+    for grow, new in steps:
+        window = min(len(items), window + grow)
+        history = items[: window + new]
+        blocks, settled = segment_after(settled, history, pins, offset, lasting=window)
+        assert blocks == segment(history, pins, offset)
+        for block in blocks:
+            gathered = [history[p - offset] for p in block.positions]
+            assert all(a is b for a, b in zip(block.items, gathered, strict=True))
+        if settled is not None:
+            assert len(settled.items) <= window
+
+
+def agent_turns(count: int) -> list[Item]:
+    items: list[Item] = [sys()]
+    for turn in range(count):
+        items += [user(f"q{turn}"), call(f"c{turn}"), out(f"c{turn}"), assistant("done")]
+    return items
+
+
+def test_segment_after_reuses_the_settled_blocks_of_the_same_items() -> None:
+    window = agent_turns(5)
+    first, settled = segment_after(None, [*window, user("next")], lasting=len(window))
+    assert settled is not None and len(settled.items) == 17  # up to the window's last question
+    grown = [*window, user("next"), assistant("ok")]
+    again, _ = segment_after(settled, [*grown, user("more")], lasting=len(grown))
+    assert again == segment([*grown, user("more")])
+    assert all(a is b for a, b in zip(again[:5], first[:5], strict=True))  # not made again
+
+
+def test_segment_after_does_not_reuse_blocks_of_other_items() -> None:
+    """The same count of items, but not the same ones (the window was compacted, an item
+    erased and another stored meanwhile): the blocks are made again."""
+    window = agent_turns(3)
+    _, settled = segment_after(None, window, lasting=len(window))
+    assert settled is not None
+    changed = [user("q0"), sys(), *window[2:]]  # an instruction where a call was
+    blocks, _ = segment_after(settled, [*changed, user("next")], lasting=len(changed))
+    assert blocks == segment([*changed, user("next")])
+    moved, _ = segment_after(settled, [*window, user("next")], (), 1, lasting=len(window))
+    assert moved == segment([*window, user("next")], (), 1)
+
+
+def test_segment_after_a_late_output_for_a_settled_call() -> None:
+    window = [*agent_turns(2)[:-2], user("later")]  # c1's output comes after a question
+    _, settled = segment_after(None, window, lasting=len(window))
+    late = [*window, out("c1"), user("next")]
+    blocks, _ = segment_after(settled, late, lasting=len(window))
+    assert blocks == segment(late)
+    assert shape(blocks)[-2][1] == tuple(range(5, 9))  # c1's turn merged with "later"'s

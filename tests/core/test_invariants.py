@@ -1,8 +1,19 @@
+import functools
+import itertools
 import math
+from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proxy.core.invariants import InvariantViolation, check_invariants
+from proxy.core.invariants import (
+    NOTHING_SENT,
+    InvariantViolation,
+    check_invariants,
+    check_sent_after,
+    check_sent_as_given,
+)
 from proxy.core.items import Item, chat_item, responses_item
 
 
@@ -142,3 +153,45 @@ def test_a_pending_approval_dropped_is_a_violation() -> None:
     check_invariants(history, [R_SYSTEM, ASK, R_U2], [0, 2], [3])
     with pytest.raises(InvariantViolation, match="pending approval"):
         check_invariants(history, [R_SYSTEM, R_U2], [0], [3])
+
+
+def _verdict(check: Callable[[], object]) -> str | None:
+    try:
+        check()
+    except InvariantViolation as exc:
+        return str(exc)
+    return None
+
+
+sent_entries = st.lists(
+    st.one_of(
+        st.sampled_from(["a", "b", "c"]).map(call),
+        st.sampled_from(["a", "b", "c", "z"]).map(out),
+        st.just(responses_item({"role": "user", "content": "hi"})),
+        st.just(chat_item({"role": "user", "content": "hi"})),
+    ),
+    max_size=14,
+)
+
+
+@settings(max_examples=400, derandomize=True)
+@given(sent_entries, st.lists(st.integers(0, 5), max_size=4))
+def test_check_sent_after_is_check_sent_as_given_of_the_whole(
+    items: list[Item], splits: list[int]
+) -> None:
+    """A history checked in pieces, each piece after what the ones before passed: the
+    same verdict and message as the whole checked at once (a piece refused means the
+    whole is refused too: what precedes the refused piece passed, as the contract asks)."""
+    whole = _verdict(lambda: check_sent_as_given(items))
+    state, at = NOTHING_SENT, 0
+    for end in [*itertools.accumulate(splits), len(items)]:
+        end = min(max(end, at), len(items))
+        try:
+            state = check_sent_after(state, items[at:end])
+        except InvariantViolation as exc:
+            assert whole is not None
+            prefix = _verdict(functools.partial(check_sent_as_given, items[:end]))
+            assert str(exc) == prefix  # what passed, then this piece: as the whole up to it
+            return
+        at = end
+    assert whole is None

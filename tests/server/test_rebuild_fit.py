@@ -12,15 +12,18 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from proxy.core.blocks import segment
+from proxy.core.budget import Learned
 from proxy.core.invariants import InvariantViolation, check_invariants, check_sent_as_given
 from proxy.core.items import chat_item, responses_item
 from proxy.core.projection import (
     ContextLengthExceeded,
     CutPoint,
+    ProjectionPolicy,
     ProjectionRequest,
     project_context,
 )
 from proxy.core.tokens import REPLY_PRIMING
+from proxy.counting import CalibratedCounter
 from proxy.server.rebuild import whole_fit
 from tests.core.test_projection_properties import (
     COUNTER,
@@ -144,3 +147,90 @@ def test_an_output_before_its_call_is_refused_by_both() -> None:
         project_context(request, COUNTER, POLICY)
     with pytest.raises(InvariantViolation):
         whole_fit(request, COUNTER, POLICY)
+
+
+UNPINNED = replace(POLICY, pin_patterns=())  # pin patterns: no blocks are settled
+
+
+@PROPERTY_SETTINGS
+@given(
+    cases(),
+    st.lists(st.integers(0, 8), min_size=2, max_size=6),
+    st.sampled_from([0, 7]),
+    st.sampled_from([POLICY, UNPINNED, UNPINNED]),
+)
+def test_a_window_growing_turn_by_turn_fits_as_the_full_projection(
+    case: Case, steps: list[int], first_position: int, policy: ProjectionPolicy
+) -> None:
+    """A stored window's memo (Loaded.memo) carried from turn to turn, its first items the
+    same objects, the turn's new items after them: each fit is the full projection's."""
+    memo: dict[str, object] = {}
+    window = 0
+    for grow in steps:
+        window = min(len(case.items), window + grow)
+        history = case.items[: window + 2]
+        request = replace(asked(case, 10**9, first_position, 0), items=history, stateless=False)
+        try:
+            full = project_context(request, COUNTER, policy)
+        except ContextLengthExceeded:
+            assert whole_fit(request, COUNTER, policy, memo, window) is None
+            continue
+        except InvariantViolation:
+            with pytest.raises(InvariantViolation):
+                whole_fit(request, COUNTER, policy, memo, window)
+            continue
+        fit = whole_fit(request, COUNTER, policy, memo, window)
+        if fit is not None:
+            assert fit == full
+
+
+def test_a_memo_of_a_window_that_changed_is_not_used() -> None:
+    """The window's items are not the ones the memo settled (compacted, an item erased,
+    another worker's turn stored in between): the fit is made from the items themselves."""
+
+    def turn(n: int) -> list:
+        return [
+            responses_item({"role": "user", "content": f"q{n}"}),
+            responses_item(
+                {"type": "function_call", "call_id": f"c{n}", "name": "f", "arguments": "{}"}
+            ),
+            responses_item(
+                {"type": "function_call_output", "call_id": f"c{n}", "output": "ok " * n}
+            ),
+        ]  # turns of different sizes: a block of another turn reports other tokens
+
+    def user(text: str):
+        return responses_item({"role": "user", "content": text})
+
+    memo: dict[str, object] = {}
+    window = [item for n in range(4) for item in turn(n)]
+    fits = []
+    for items, first in (
+        (window, 0),
+        ([*window[:3], *window[6:]], 0),  # q1's turn erased
+        ([*window[:3], *(user(t) for t in "abc"), *window[6:]], 0),  # as many, other turns
+        ([responses_item({"role": "system", "content": "summary"}), *window[6:]], 6),
+    ):
+        history = [*items, responses_item({"role": "user", "content": "next"})]
+        request = ProjectionRequest(
+            history, 10**9, OUTPUT, EPSILON, tools_tokens=TOOLS, first_position=first
+        )
+        fit = whole_fit(request, COUNTER, UNPINNED, memo, len(items))
+        assert fit == project_context(request, COUNTER, UNPINNED)
+        assert memo  # settled blocks kept each time
+        fits.append(fit)
+    assert fits[1] is not None and len(fits[1].report.blocks) == 4
+
+
+def test_a_memo_counted_by_another_counter_is_not_used() -> None:
+    """The calibration taught a per-item overhead between two turns (another counter):
+    the settled items are counted again, and the fit is the full projection's."""
+    items = [responses_item({"role": "user", "content": f"question {n}"}) for n in range(6)]
+    memo: dict[str, object] = {}
+    calibrated = CalibratedCounter(COUNTER, Learned(overhead=5.0))
+    unpinned = replace(POLICY, pin_patterns=())
+    for counter, window in ((COUNTER, 4), (calibrated, 5), (COUNTER, 6)):
+        request = ProjectionRequest(items[:window], 10**9, OUTPUT, EPSILON, tools_tokens=TOOLS)
+        fit = whole_fit(request, counter, unpinned, memo, window - 1)
+        assert fit == project_context(request, counter, unpinned)
+        assert memo

@@ -1,0 +1,117 @@
+"""Where the CPU of a stateful turn at 32 clients goes, by process, for 1 and 2 workers.
+
+    python bench/turn_workers.py [--postgres DSN] [--seconds 8] [--clients 32]
+
+For each target (threadkeeper with 1 and 2 workers on SQLite, and on PostgreSQL when a
+DSN is given) it seeds bench/overhead.py's 200-item conversations, then runs the
+32-client Responses turns cell for `--seconds` and reports the turns a second and the
+CPU time per turn (user + system, from /proc) of: the proxy's process tree, the provider
+stub, this process (the bench's client), the PostgreSQL server's processes (all of them:
+a shared server counts others' work too) and the whole machine (/proc/stat, all cores),
+with the machine's busy share of its cores. A second worker can only add turns a second
+while the machine has idle CPU left: when the busy share is near 100% with one worker,
+the turn is bound by the machine, not by the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import overhead as o
+from chat_ab import cpu_seconds
+
+
+def own_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def postgres_cpu() -> float:
+    pids = subprocess.run(["pgrep", "postgres"], capture_output=True, text=True).stdout.split()
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def machine() -> tuple[float, float]:
+    """(busy, total) CPU seconds of all cores since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle, iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    return (sum(values) - idle) / tick, sum(values) / tick
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--postgres", help="also run on this PostgreSQL")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--clients", type=int, default=o.MANY)
+    args = parser.parse_args()
+    print(f"1-minute load average {os.getloadavg()[0]:.1f} at the start, {os.cpu_count()} cores")
+    stack = contextlib.ExitStack()
+    with tempfile.TemporaryDirectory() as name, stack:
+        tmp = Path(name)
+        (tmp / "policies").mkdir()
+        (tmp / "policies" / "default.yaml").write_text(o.POLICY)
+        stub = o.start_stub()
+        try:
+            targets: list[tuple[str, int, str | None]] = [("sqlite", 1, None), ("sqlite", 2, None)]
+            if args.postgres:
+                for workers in (1, 2):
+                    targets.append(
+                        ("postgres", workers, stack.enter_context(o.pg_schema(args.postgres)))
+                    )
+            for store_name, workers, url in targets:
+                label = f"{store_name}-{workers}w"
+                proxy = o.start_proxy(label, stub, tmp, workers=workers, store=url)
+                try:
+                    count = args.clients * 4
+                    seeded = asyncio.run(o.seed_conversations(proxy.base, count))
+                    asyncio.run(
+                        o.conversation_turns(proxy.base, seeded[: args.clients], args.clients, 3, 2)
+                    )
+                    before = (
+                        cpu_seconds(proxy.process.pid),
+                        cpu_seconds(stub.process.pid),
+                        own_cpu(),
+                        postgres_cpu(),
+                        *machine(),
+                    )
+                    cell = asyncio.run(
+                        o.conversation_turns(proxy.base, seeded, args.clients, args.seconds, 10)
+                    )
+                    after = (
+                        cpu_seconds(proxy.process.pid),
+                        cpu_seconds(stub.process.pid),
+                        own_cpu(),
+                        postgres_cpu(),
+                        *machine(),
+                    )
+                finally:
+                    proxy.stop()
+                turns = len(cell.latencies)
+                spent = [(b - a) / turns * 1000 for a, b in zip(before, after, strict=True)]
+                busy = (after[4] - before[4]) / (after[5] - before[5])
+                print(
+                    f"{label:12} {turns / cell.seconds:6.1f} turns/s  p50 {cell.p50:7.1f} ms  "
+                    f"cpu ms/turn: proxy {spent[0]:5.2f}  stub {spent[1]:5.2f}  "
+                    f"client {spent[2]:5.2f}  postgres {spent[3]:5.2f}  machine {spent[4]:5.2f}  "
+                    f"(busy {busy:4.0%} of the cores)"
+                )
+                time.sleep(1)
+        finally:
+            stub.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,12 @@ from typing import Any
 
 import orjson
 
+# What the stdlib cannot write (dataclasses, datetimes, subclasses) must not pass either.
+_STDLIB_TYPES_ONLY = (
+    orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_RUN = b"0" * 19  # 2**63 has 19 digits: anything shorter fits orjson's integers
 
@@ -53,3 +59,20 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         return json.dumps(value, separators=(",", ":")).encode()
+
+
+def dumps_text(value: Any) -> str:
+    """Compact JSON text that `loads` and the stdlib read back as `value` itself: what a
+    store column keeps (proxy/store/sql.py). orjson writes it, UTF-8 and in insertion
+    order, except where it would not give `value` back: it refuses integers beyond 64
+    bits, lone surrogates and non-string keys, and writes NaN and infinities as null (a
+    text holding a null is read back and compared). Those keep the stdlib's text, ASCII
+    escaped as the store always wrote it. Float text may differ from the stdlib's; the
+    float it reads back is the same (tests/core/test_fastjson.py)."""
+    try:
+        fast = orjson.dumps(value, option=_STDLIB_TYPES_ONLY)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(value, separators=(",", ":"))
+    if b"null" in fast and orjson.loads(fast) != value:  # a NaN, an infinity, a tuple
+        return json.dumps(value, separators=(",", ":"))
+    return fast.decode()

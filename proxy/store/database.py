@@ -34,10 +34,17 @@ class Database(Protocol):
     dialect: str  # "sqlite" | "postgres": names the migrations folder
     full_at: float | None  # time.monotonic() of the last write refused for lack of space
 
-    def read(self) -> AbstractAsyncContextManager[Conn]: ...
+    def read(self, *, single: bool = False) -> AbstractAsyncContextManager[Conn]: ...
 
-    def write(self, *, bounded: bool = True) -> AbstractAsyncContextManager[Conn]:
-        """`bounded=False`: no store timeout (migrations at start)."""
+    def write(
+        self, *, bounded: bool = True, single: bool = False
+    ) -> AbstractAsyncContextManager[Conn]:
+        """`bounded=False`: no store timeout (migrations at start).
+
+        `single` (read or write): the block runs one statement, which is its own
+        transaction (atomic, and one snapshot, on both databases), so no BEGIN and COMMIT
+        are sent around it; a cancelled one may have committed. A second statement in
+        such a block would be a transaction of its own: a misuse."""
         ...
 
     async def close(self) -> None: ...

@@ -110,20 +110,28 @@ class PostgresDatabase:
         self.full_at: float | None = None
 
     @asynccontextmanager
-    async def write(self, *, bounded: bool = True) -> AsyncIterator[PostgresConn]:
+    async def write(
+        self, *, bounded: bool = True, single: bool = False
+    ) -> AsyncIterator[PostgresConn]:
         """`bounded=False` (migrations at start: an index build may take minutes, and
-        replicas queue on the migration lock) lifts the command timeout."""
+        replicas queue on the migration lock) lifts the command timeout. `single`: one
+        statement, its own transaction (no BEGIN and COMMIT round trips)."""
         timeout = None if bounded else UNBOUNDED_STATEMENT_SECONDS
-        async with self._connection(bounded=bounded) as conn, conn.transaction():
-            yield PostgresConn(conn, timeout)
+        async with self._connection(bounded=bounded) as conn:
+            if single:
+                yield PostgresConn(conn, timeout)
+                return
+            async with conn.transaction():
+                yield PostgresConn(conn, timeout)
 
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[PostgresConn]:
-        async with (
-            self._connection() as conn,
-            conn.transaction(isolation="repeatable_read", readonly=True),
-        ):
-            yield PostgresConn(conn)
+    async def read(self, *, single: bool = False) -> AsyncIterator[PostgresConn]:
+        async with self._connection() as conn:
+            if single:
+                yield PostgresConn(conn)
+                return
+            async with conn.transaction(isolation="repeatable_read", readonly=True):
+                yield PostgresConn(conn)
 
     @asynccontextmanager
     async def _connection(self, *, bounded: bool = True) -> AsyncIterator[asyncpg.Connection]:

@@ -7,7 +7,6 @@ run the same text (both support `ON CONFLICT` and `RETURNING`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,8 +41,8 @@ def to_qmark(sql: str) -> str:
 
 
 def dumps(value: Any) -> str:
-    # Insertion order is kept by json; ASCII escapes keep lone surrogates storable.
-    return json.dumps(value, separators=(",", ":"))
+    """A column's JSON text: read back by `loads` as `value` (fastjson.dumps_text)."""
+    return fastjson.dumps_text(value)
 
 
 def loads(text: str | None) -> Any:

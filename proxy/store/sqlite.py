@@ -54,6 +54,9 @@ _LOCKED_CODES = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED: another connection holds t
 # file and syncs it: milliseconds the loop would stall); every this many of its commits,
 # a PASSIVE checkpoint runs on a connection of its own, in its thread.
 CHECKPOINT_EVERY = 100
+# The "BEGIN" of a block that runs one statement: none is sent, the statement is its own
+# transaction (SQLite's autocommit), so neither BEGIN nor COMMIT costs a statement.
+SINGLE = ""
 # Primary result codes (extended code & 0xff) meaning "the database cannot serve now".
 SQLITE_FULL = 13
 _UNAVAILABLE_CODES = {
@@ -121,7 +124,8 @@ class SqliteConn:
         return self._here
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        """`work` on the connection the transaction runs on (after the pending BEGIN)."""
+        """`work` on the connection the transaction runs on (after the pending BEGIN;
+        SINGLE: none, the statement is its own transaction)."""
         begin, self._begin = self._begin, None
         if begin is not None and self._may_stay:
             assert self._on_loop is not None
@@ -182,7 +186,8 @@ async def _unique_as_exists() -> AsyncIterator[None]:
 
 
 def _begun_then(raw: sqlite3.Connection, begin: str, work: Callable[[sqlite3.Connection], T]) -> T:
-    raw.execute(begin)
+    if begin != SINGLE:
+        raw.execute(begin)
     return work(raw)
 
 
@@ -219,22 +224,25 @@ class SqliteDatabase:
         self.full_at: float | None = None
 
     @asynccontextmanager
-    async def write(self, *, bounded: bool = True) -> AsyncIterator[SqliteConn]:
+    async def write(
+        self, *, bounded: bool = True, single: bool = False
+    ) -> AsyncIterator[SqliteConn]:
         """`bounded=False` (migrations at start) waits for the queue without a limit; the
         busy timeout still bounds each statement. Such a write runs in the thread: a
         migration may build an index for minutes."""
         timeout = self._lock_timeout if bounded else None
+        begin = SINGLE if single else "BEGIN IMMEDIATE"
         async with self._unavailable_raised(), self._turn(self._write_lock, timeout):
-            async with _transaction(self._writer, "BEGIN IMMEDIATE", on_loop=bounded):
+            async with _transaction(self._writer, begin, on_loop=bounded):
                 yield self._writer
             if self._writer.loop_commits >= CHECKPOINT_EVERY:
                 self._writer.loop_commits = 0
                 self._checkpoint_soon()
 
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[SqliteConn]:
+    async def read(self, *, single: bool = False) -> AsyncIterator[SqliteConn]:
         async with self._unavailable_raised(), self._turn(self._read_lock, self._lock_timeout):
-            async with _transaction(self._reader, "BEGIN"):
+            async with _transaction(self._reader, SINGLE if single else "BEGIN"):
                 yield self._reader
 
     def _checkpoint_soon(self) -> None:
@@ -296,14 +304,16 @@ async def _transaction(
     # while awaiting a statement or COMMIT has still queued it on the connection's thread,
     # and the ROLLBACK queued behind keeps the connection out of a dangling transaction.
     # Nothing to roll back or commit when no statement ran: the BEGIN was never sent.
+    # SINGLE: the one statement committed itself (a cancelled one in the thread may too).
     conn.begin_with_next(begin, on_loop=on_loop)
     try:
         yield
         if conn.begun:  # else no statement ran: nothing began
-            await conn.execute("COMMIT")
+            if begin != SINGLE:
+                await conn.execute("COMMIT")
             conn.loop_commits += conn.here
     except BaseException:
-        if conn.begun:
+        if conn.begun and begin != SINGLE:
             await _rollback(conn)
         raise
     finally:

@@ -186,6 +186,15 @@ class SqlStore:
         return thread
 
     async def load_window(self, tenant: str, thread_id: str, *, from_seq: int = 0) -> Window | None:
+        # The thread row alone first, one statement: a window held up to its next_seq
+        # (a warm turn's) needs nothing more; else the row again, with its items, in one
+        # snapshot.
+        async with self.db.read(single=True) as conn:
+            thread = await _thread(conn, tenant, thread_id)
+        if thread is None:
+            return None
+        if max(sql.window_start(thread.state), from_seq) >= thread.next_seq:
+            return Window(thread=thread, items=())
         async with self.db.read() as conn:
             thread = await _thread(conn, tenant, thread_id)
             if thread is None:
@@ -260,15 +269,16 @@ class SqlStore:
     async def begin_response(
         self, response: StoredResponse, *, max_running: int | None = None
     ) -> None:
-        async with self.db.write() as conn:
-            if response.background and max_running is not None:
+        limit = max_running if response.background else None
+        async with self.db.write(single=limit is None) as conn:  # else a count, then the row
+            if limit is not None:
                 # SQLite's write transactions are serial already; PostgreSQL's are not
                 # (each count would miss the other's uncommitted row): the tenant's lock.
                 if self.db.dialect == "postgres":
                     await conn.execute(sql.LOCK_BACKGROUND_TENANT, response.tenant)
                 row = await conn.fetchrow(sql.COUNT_BACKGROUND_RUNNING, response.tenant)
-                if row is not None and int(row["running"]) >= max_running:
-                    raise TooManyRunning(max_running)
+                if row is not None and int(row["running"]) >= limit:
+                    raise TooManyRunning(limit)
             if await conn.execute(sql.INSERT_RESPONSE, *sql.response_params(response)) == 0:
                 raise AlreadyExists(f"response {response.id!r} exists")
 

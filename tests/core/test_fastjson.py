@@ -109,3 +109,44 @@ def test_loads_refuses_bytes_that_are_not_utf8_as_the_stdlib_does() -> None:
         json.loads(b'{"a": "\xff"}')
     with pytest.raises(UnicodeDecodeError):
         fastjson.loads(b'{"a": "\xff"}')
+
+
+stored_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**63 - 2, max_value=2**70)
+    | st.floats()  # NaN and infinities included: orjson would write them as null
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, derandomize=True)
+@given(stored_values)
+def test_dumps_text_reads_back_as_the_value_itself(value: Any) -> None:
+    text = fastjson.dumps_text(value)
+    assert same(json.loads(text), value)
+    assert same(fastjson.loads(text), value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"score": float("nan"), "id": None},  # orjson writes NaN as null
+        [float("inf"), None, float("-inf")],
+        {"n": 10**40},  # beyond 64 bits: orjson refuses
+        {"text": "\ud800 lone"},  # a lone surrogate: orjson refuses
+        {1: "a non-string key"},  # the stdlib writes it as "1"
+        {"pair": (1, None)},  # a tuple reads back as a list, as from the stdlib's text
+    ],
+)
+def test_dumps_text_keeps_the_stdlibs_text_where_orjson_would_differ(value: Any) -> None:
+    assert fastjson.dumps_text(value) == json.dumps(value, separators=(",", ":"))
+
+
+def test_dumps_text_is_utf8_text_in_insertion_order() -> None:
+    assert fastjson.dumps_text({"b": "é", "a": [1.5, None]}) == '{"b":"é","a":[1.5,null]}'

@@ -17,7 +17,7 @@ import pytest
 from proxy.store import sqlite as sqlite_store
 from proxy.store.sqlite import open_sqlite_store
 from proxy.store.sqlstore import SqlStore
-from tests.store.test_conformance import T1, T2, items, new_item, thread_with
+from tests.store.test_conformance import T1, T2, items, new_item, response, thread_with
 
 
 @pytest.fixture
@@ -79,6 +79,54 @@ async def test_a_lock_held_elsewhere_sends_the_write_to_the_thread_and_the_loop_
     assert thread.next_seq == 2
     window = await store.load_window("acme", "t1")
     assert window is not None and [i.item_id for i in window.items] == ["a", "b"]
+
+
+def statements_on_the_loop(store: SqlStore) -> list[str]:
+    """Every statement the loop's reader and writer run, in order."""
+    ran: list[str] = []
+    for conn in (store.db._reader, store.db._writer):  # type: ignore[attr-defined]
+        conn._on_loop.set_trace_callback(lambda text: ran.append(text.split()[0].upper()))
+    return ran
+
+
+async def test_a_warm_turns_one_statement_reads_and_writes_send_no_begin_or_commit(
+    store: SqlStore,
+) -> None:
+    await thread_with(store, "a")
+    ran = statements_on_the_loop(store)
+    window = await store.load_window("acme", "t1", from_seq=1)  # the window is held
+    assert window is not None and window.items == () and window.thread.next_seq == 1
+    await store.begin_response(response("r1"))
+    assert ran == ["SELECT", "INSERT"]
+    assert (await store.get_response("acme", "r1")) is not None
+    ran.clear()
+    window = await store.load_window("acme", "t1")  # items to read: one snapshot
+    assert window is not None and [i.item_id for i in window.items] == ["a"]
+    assert ran == ["SELECT", "BEGIN", "SELECT", "SELECT", "COMMIT"]
+
+
+async def test_a_lock_held_elsewhere_sends_a_one_statement_write_to_the_thread(
+    store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await thread_with(store, "a")
+    trips = count_trips(monkeypatch)
+    holder = sqlite3.connect(tmp_path / "loop.db", isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")  # as another process would
+    try:
+        begun = asyncio.create_task(store.begin_response(response("r1")))
+        ticks = 0
+        while trips[0] == 0 or ticks < 20:  # the loop runs while the write waits
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not begun.done()
+        assert await store.get_response("acme", "r1") is None
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    await begun
+    stored = await store.get_response("acme", "r1")
+    assert stored is not None and stored.status == "in_progress"
+    assert not store.db._writer._on_loop.in_transaction  # type: ignore[attr-defined]
 
 
 async def test_a_failed_first_statement_on_the_loop_leaves_no_transaction_open(

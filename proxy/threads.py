@@ -93,6 +93,11 @@ class Loaded:
     # What later turns of this window reuse (the projection's settled blocks, rebuild.py),
     # kept with the window in the WindowCache; each user checks it against `items`.
     memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The types of these very `items` (compared by identity: `replace` may change them),
+    # gathered by the WindowCache as its window grows.
+    types_of: tuple[tuple[Item, ...], frozenset[str | None]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def state(self) -> JsonDict:
@@ -114,9 +119,12 @@ class Loaded:
 
     @cached_property
     def item_types(self) -> frozenset[str | None]:
-        """The types of the window's items, gathered once per Loaded (the rewriters that
-        apply only to some types ask every turn, turn.ForItems)."""
-        return frozenset(item.type for item in self.items)
+        """The types of the window's items, gathered once per Loaded, or once per window
+        and extended as it grows (the rewriters that apply only to some types ask every
+        turn, turn.ForItems)."""
+        if self.types_of is not None and self.types_of[0] is self.items:
+            return self.types_of[1]
+        return types_of(self.items)
 
     @cached_property
     def _cut(self) -> CutPoint | None:
@@ -161,6 +169,10 @@ class Loaded:
             if exact and (index >= len(seqs) or seqs[index] != seq):
                 return None
         return self.first_position + index
+
+
+def types_of(items: Iterable[Item]) -> frozenset[str | None]:
+    return frozenset(item.type for item in items)
 
 
 def first_orphan(
@@ -219,6 +231,7 @@ class _Window:
     sizes: tuple[int, ...]  # bytes of each item's JSON text
     # Loaded.memo, passed on as the window is extended
     memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    types: frozenset[str | None] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -229,7 +242,9 @@ class _Window:
         items: tuple[Item, ...],
         sizes: tuple[int, ...],
         memo: dict[str, Any] | None = None,
+        types: frozenset[str | None] | None = None,
     ) -> _Window:
+        """`types`: those of `items`, if known (else gathered here)."""
         return cls(
             thread.created_at,
             thread.version,
@@ -240,7 +255,35 @@ class _Window:
             items,
             sizes,
             memo if memo is not None else {},
+            types if types is not None else types_of(items),
         )
+
+    def loaded(self, tenant: str, thread_id: str, thread: Thread) -> Loaded:
+        types = self.types if self.types is not None else types_of(self.items)
+        return Loaded(
+            tenant,
+            thread_id,
+            thread.kind,
+            thread,
+            self.stored,
+            self.items,
+            memo=self.memo,
+            types_of=(self.items, types),
+        )
+
+    def grown(
+        self, thread: Thread, start: int, stored: Sequence[StoredItem], items: Sequence[Item]
+    ) -> _Window:
+        """This window with `stored` (and their views, `items`) appended, and the items
+        before the window's new `start` left behind."""
+        every = (*self.stored, *stored)
+        kept = 0 if not every or every[0].seq >= start else bisect_left(every, start, key=_seq)
+        sizes = (*self.sizes, *(_json_size(s.raw) for s in stored))
+        if kept == 0:
+            types = self.types.union(types_of(items)) if self.types is not None else None
+            return _Window.of(thread, start, every, (*self.items, *items), sizes, self.memo, types)
+        left = (*self.items, *items)[kept:]
+        return _Window.of(thread, start, every[kept:], left, sizes[kept:], self.memo)
 
     def extends_to(self, thread: Thread) -> bool:
         """Whether `thread` is this window's thread, moved on by appends only: then the
@@ -252,6 +295,10 @@ class _Window:
             and thread.next_seq >= self.next_seq
             and sql.window_start(thread.state) >= self.window_start
         )
+
+
+def _seq(stored: StoredItem) -> int:
+    return stored.seq
 
 
 def _json_size(raw: JsonDict) -> int:
@@ -358,19 +405,14 @@ class ThreadService:
             return None
         thread = window.thread
         start = sql.window_start(thread.state)
-        stored = window.items
-        items = tuple(map(stored_item_view, stored))
-        sizes = tuple(_json_size(s.raw) for s in stored)
-        memo = None
+        items = tuple(map(stored_item_view, window.items))
         if held is not None:
-            keep = bisect_left([s.seq for s in held.stored], start)
-            stored = held.stored[keep:] + stored
-            items = held.items[keep:] + items
-            sizes = held.sizes[keep:] + sizes
-            memo = held.memo
-        entry = _Window.of(thread, start, stored, items, sizes, memo)
+            entry = held.grown(thread, start, window.items, items)
+        else:
+            sizes = tuple(_json_size(s.raw) for s in window.items)
+            entry = _Window.of(thread, start, window.items, items, sizes)
         cache.put(tenant, thread_id, entry)
-        return Loaded(tenant, thread_id, thread.kind, thread, stored, items, memo=entry.memo)
+        return entry.loaded(tenant, thread_id, thread)
 
     async def load_or_new(self, tenant: str, thread_id: str, kind: ThreadKind) -> Loaded:
         """The thread, or an empty one the first commit creates."""
@@ -468,14 +510,11 @@ class ThreadService:
         if (thread.created_at, thread.epoch) != (held.created_at, held.epoch):
             return
         start = sql.window_start(thread.state)
+        if held.window_start > start:
+            return
         added = stored_items(items, first_seq, now, response_id)
-        stored = tuple(s for s in (*held.stored, *added) if s.seq >= start)
-        kept = len(held.stored) + len(added) - len(stored)  # left behind by the window start
-        items_now = (*held.items, *map(stored_item_view, added))[kept:]
-        sizes = (*held.sizes, *(_json_size(s.raw) for s in added))[kept:]
-        entry = _Window.of(thread, start, stored, items_now, sizes, held.memo)
-        if held.window_start <= start:
-            cache.put(loaded.tenant, loaded.thread_id, entry)
+        entry = held.grown(thread, start, added, tuple(map(stored_item_view, added)))
+        cache.put(loaded.tenant, loaded.thread_id, entry)
 
     async def _create(self, loaded: Loaded) -> Thread:
         """The thread's first commit creates it; a concurrent first commit that created it
@@ -507,6 +546,8 @@ class ThreadService:
         item_reference's id names an item the thread holds on purpose: it is skipped."""
         given = [None if raw.get("type") == "item_reference" else raw.get("id") for raw in raws]
         ids = {i for i in given if isinstance(i, str) and i}
+        if not ids:
+            return None
         held = {s.item_id for s in loaded.stored if s.item_id in ids}
         if loaded.thread is not None:
             for item_id in sorted(ids - held):

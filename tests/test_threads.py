@@ -273,3 +273,57 @@ async def test_a_window_memo_follows_appends_and_is_new_for_another_window(
         assert again is not None and again.memo == {}
     finally:
         await store.close()
+
+
+async def test_a_cached_windows_item_types_follow_appends_and_the_window_start(
+    tmp_path: Path,
+) -> None:
+    """Loaded.item_types is gathered as the cached window grows (this process's commit,
+    another's append), loses what the window start leaves behind, and is gathered anew for
+    other items (`replace`, as `ThreadService.whole` does): always the types of the very
+    items it is asked about."""
+    store = await open_store(f"sqlite:///{tmp_path / 'types.db'}")
+    await store.migrate()
+    service = ThreadService(store, clock, cache=WindowCache(1 << 20))
+    user = {"role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    reasoning = {"type": "reasoning", "summary": []}
+
+    async def restate(loaded: Loaded) -> dict[str, Any]:
+        return loaded.state
+
+    def types(loaded: Loaded | None) -> frozenset[str | None]:
+        assert loaded is not None
+        assert loaded.item_types == frozenset(i.type for i in loaded.items)
+        return loaded.item_types
+
+    try:
+        await store.create_thread(
+            "acme", "t1", kind="responses", items=[NewItem("m0", user, "responses")], now=NOW
+        )
+        first = await service.load("acme", "t1")
+        assert types(first) == {"message"}
+        await store.append_items("acme", "t1", [NewItem("c1", call, "responses")], now=NOW)
+        grown = await service.load("acme", "t1")  # another process appended
+        assert types(grown) == {"message", "function_call"}
+        assert grown is not None
+        await service.commit(
+            grown, [NewItem("o1", output, "responses")], state=grown.state, restate=restate
+        )
+        committed = await service.load("acme", "t1")  # this process's commit
+        assert types(committed) == {"message", "function_call", "function_call_output"}
+        assert committed is not None
+        await service.commit(
+            committed,
+            [NewItem("r1", reasoning, "responses")],
+            state={"window_start": 2},
+            restate=restate,
+        )
+        moved = await service.load("acme", "t1")  # the call and its output left behind
+        assert types(moved) == {"function_call_output", "reasoning"}
+        assert moved is not None
+        other = replace(moved, items=moved.items[1:])
+        assert other.item_types == {"reasoning"}
+    finally:
+        await store.close()

@@ -125,7 +125,16 @@ class SqliteConn:
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """`work` on the connection the transaction runs on (after the pending BEGIN;
-        SINGLE: none, the statement is its own transaction)."""
+        SINGLE: none, the statement is its own transaction). A unique key's violation
+        is AlreadyExists."""
+        try:
+            return await self._run_there(work)
+        except sqlite3.IntegrityError as error:
+            if getattr(error, "sqlite_errorname", "") in _UNIQUE_ERRORS:
+                raise AlreadyExists(str(error)) from error
+            raise
+
+    async def _run_there(self, work: Callable[[sqlite3.Connection], T]) -> T:
         begin, self._begin = self._begin, None
         if begin is not None and self._may_stay:
             assert self._on_loop is not None
@@ -157,32 +166,19 @@ class SqliteConn:
             raw.execute(statement, args).fetchall()
             return raw.total_changes - before
 
-        async with _unique_as_exists():
-            return await self._run(run)
+        return await self._run(run)
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None:
         statement = _qmark(query)
-        async with _unique_as_exists():
-            await self._run(lambda raw: raw.executemany(statement, rows).close())
+        await self._run(lambda raw: raw.executemany(statement, rows).close())
 
     async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
         statement = _qmark(query)
-        async with _unique_as_exists():
-            return await self._run(lambda raw: raw.execute(statement, args).fetchall())
+        return await self._run(lambda raw: raw.execute(statement, args).fetchall())
 
     async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
         rows = await self.fetch(query, *args)
         return rows[0] if rows else None
-
-
-@asynccontextmanager
-async def _unique_as_exists() -> AsyncIterator[None]:
-    try:
-        yield
-    except sqlite3.IntegrityError as error:
-        if getattr(error, "sqlite_errorname", "") in _UNIQUE_ERRORS:
-            raise AlreadyExists(str(error)) from error
-        raise
 
 
 def _begun_then(raw: sqlite3.Connection, begin: str, work: Callable[[sqlite3.Connection], T]) -> T:
@@ -261,9 +257,13 @@ class SqliteDatabase:
 
     @asynccontextmanager
     async def _turn(self, lock: asyncio.Lock, limit: float | None) -> AsyncIterator[None]:
-        """This coroutine's turn on a connection, waited for at most `limit` seconds."""
+        """This coroutine's turn on a connection, waited for at most `limit` seconds (a
+        free lock nobody waits for is taken at once: no timer is set)."""
         try:
-            async with asyncio.timeout(limit):
+            if lock.locked() or getattr(lock, "_waiters", True):  # None or empty: no one
+                async with asyncio.timeout(limit):
+                    await lock.acquire()
+            else:
                 await lock.acquire()
         except TimeoutError:
             raise StoreUnavailable(

@@ -31,8 +31,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -219,27 +218,22 @@ class SqliteDatabase:
         self._lock_timeout = lock_timeout
         self.full_at: float | None = None
 
-    @asynccontextmanager
-    async def write(
-        self, *, bounded: bool = True, single: bool = False
-    ) -> AsyncIterator[SqliteConn]:
+    def write(self, *, bounded: bool = True, single: bool = False) -> _Transaction:
         """`bounded=False` (migrations at start) waits for the queue without a limit; the
         busy timeout still bounds each statement. Such a write runs in the thread: a
         migration may build an index for minutes."""
         timeout = self._lock_timeout if bounded else None
         begin = SINGLE if single else "BEGIN IMMEDIATE"
-        async with self._unavailable_raised(), self._turn(self._write_lock, timeout):
-            async with _transaction(self._writer, begin, on_loop=bounded):
-                yield self._writer
-            if self._writer.loop_commits >= CHECKPOINT_EVERY:
-                self._writer.loop_commits = 0
-                self._checkpoint_soon()
+        return _Transaction(self, self._writer, self._write_lock, timeout, begin, bounded)
 
-    @asynccontextmanager
-    async def read(self, *, single: bool = False) -> AsyncIterator[SqliteConn]:
-        async with self._unavailable_raised(), self._turn(self._read_lock, self._lock_timeout):
-            async with _transaction(self._reader, SINGLE if single else "BEGIN"):
-                yield self._reader
+    def read(self, *, single: bool = False) -> _Transaction:
+        begin = SINGLE if single else "BEGIN"
+        return _Transaction(self, self._reader, self._read_lock, self._lock_timeout, begin, True)
+
+    def _committed(self, conn: SqliteConn) -> None:
+        if conn is self._writer and conn.loop_commits >= CHECKPOINT_EVERY:
+            conn.loop_commits = 0
+            self._checkpoint_soon()
 
     def _checkpoint_soon(self) -> None:
         """A PASSIVE checkpoint in the checkpointer's thread (it waits for no reader or
@@ -255,37 +249,15 @@ class SqliteDatabase:
         except sqlite3.Error:  # busy or full: the next one tries again
             pass
 
-    @asynccontextmanager
-    async def _turn(self, lock: asyncio.Lock, limit: float | None) -> AsyncIterator[None]:
-        """This coroutine's turn on a connection, waited for at most `limit` seconds (a
-        free lock nobody waits for is taken at once: no timer is set)."""
-        try:
-            if lock.locked() or getattr(lock, "_waiters", True):  # None or empty: no one
-                async with asyncio.timeout(limit):
-                    await lock.acquire()
-            else:
-                await lock.acquire()
-        except TimeoutError:
-            raise StoreUnavailable(
-                f"SQLite is busy: no connection was free within {limit:g}s (store_connect_timeout)"
-            ) from None
-        try:
-            yield
-        finally:
-            lock.release()
-
-    @asynccontextmanager
-    async def _unavailable_raised(self) -> AsyncIterator[None]:
-        try:
-            yield
-        except sqlite3.DatabaseError as exc:
-            code = getattr(exc, "sqlite_errorcode", None)
-            if code is None or code & 0xFF not in _UNAVAILABLE_CODES:
-                raise
-            if code & 0xFF == SQLITE_FULL:
-                self.full_at = time.monotonic()
-            name = getattr(exc, "sqlite_errorname", "")
-            raise StoreUnavailable(f"SQLite cannot serve now: {name} ({exc})") from exc
+    def _unavailable(self, exc: sqlite3.DatabaseError) -> StoreUnavailable | None:
+        """The StoreUnavailable an error of the database's state is (None: another error)."""
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is None or code & 0xFF not in _UNAVAILABLE_CODES:
+            return None
+        if code & 0xFF == SQLITE_FULL:
+            self.full_at = time.monotonic()
+        name = getattr(exc, "sqlite_errorname", "")
+        return StoreUnavailable(f"SQLite cannot serve now: {name} ({exc})")
 
     async def close(self) -> None:
         if self._checkpoint is not None:
@@ -296,28 +268,86 @@ class SqliteDatabase:
             here.close()
 
 
-@asynccontextmanager
-async def _transaction(
-    conn: SqliteConn, begin: str, *, on_loop: bool = True
-) -> AsyncIterator[None]:
-    # BEGIN goes with the first statement and COMMIT sits inside the try: a task cancelled
-    # while awaiting a statement or COMMIT has still queued it on the connection's thread,
-    # and the ROLLBACK queued behind keeps the connection out of a dangling transaction.
-    # Nothing to roll back or commit when no statement ran: the BEGIN was never sent.
-    # SINGLE: the one statement committed itself (a cancelled one in the thread may too).
-    conn.begin_with_next(begin, on_loop=on_loop)
+class _Transaction:
+    """One transaction on `conn`, as one context manager (a turn runs three or four: one
+    object each, not one per concern): this coroutine's turn on `lock`, waited for at
+    most `limit` seconds; BEGIN sent with the first statement, COMMIT on a clean exit,
+    ROLLBACK on any exception; SQLite's "cannot serve now" errors raised as
+    StoreUnavailable.
+
+    COMMIT sits inside the exit's try: a task cancelled while awaiting a statement or
+    COMMIT has still queued it on the connection's thread, and the ROLLBACK queued behind
+    keeps the connection out of a dangling transaction. Nothing to roll back or commit
+    when no statement ran: the BEGIN was never sent. SINGLE: the one statement committed
+    itself (a cancelled one in the thread may too)."""
+
+    __slots__ = ("_begin", "_conn", "_db", "_limit", "_lock", "_on_loop")
+
+    def __init__(
+        self,
+        db: SqliteDatabase,
+        conn: SqliteConn,
+        lock: asyncio.Lock,
+        limit: float | None,
+        begin: str,
+        on_loop: bool,
+    ) -> None:
+        self._db = db
+        self._conn = conn
+        self._lock = lock
+        self._limit = limit
+        self._begin = begin
+        self._on_loop = on_loop
+
+    async def __aenter__(self) -> SqliteConn:
+        await _turn_on(self._lock, self._limit)
+        self._conn.begin_with_next(self._begin, on_loop=self._on_loop)
+        return self._conn
+
+    async def __aexit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        conn, transaction = self._conn, self._begin != SINGLE
+        try:
+            try:
+                if error is not None:
+                    if conn.begun and transaction:
+                        await _rollback(conn)
+                elif conn.begun:  # else no statement ran: nothing began
+                    if transaction:
+                        await conn.execute("COMMIT")
+                    conn.loop_commits += conn.here
+            except BaseException:
+                if error is None and conn.begun and transaction:
+                    await _rollback(conn)
+                raise
+            finally:
+                conn.begin_with_next(None)
+                self._lock.release()
+        except sqlite3.DatabaseError as exc:
+            unavailable = self._db._unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
+        if isinstance(error, sqlite3.DatabaseError):
+            unavailable = self._db._unavailable(error)
+            if unavailable is not None:
+                raise unavailable from error
+        elif error is None:
+            self._db._committed(conn)
+
+
+async def _turn_on(lock: asyncio.Lock, limit: float | None) -> None:
+    """This coroutine's turn on a connection, waited for at most `limit` seconds (a free
+    lock nobody waits for is taken at once: no timer is set)."""
     try:
-        yield
-        if conn.begun:  # else no statement ran: nothing began
-            if begin != SINGLE:
-                await conn.execute("COMMIT")
-            conn.loop_commits += conn.here
-    except BaseException:
-        if conn.begun and begin != SINGLE:
-            await _rollback(conn)
-        raise
-    finally:
-        conn.begin_with_next(None)
+        if lock.locked() or getattr(lock, "_waiters", True):  # None or empty: no one
+            async with asyncio.timeout(limit):
+                await lock.acquire()
+        else:
+            await lock.acquire()
+    except TimeoutError:
+        raise StoreUnavailable(
+            f"SQLite is busy: no connection was free within {limit:g}s (store_connect_timeout)"
+        ) from None
 
 
 async def _rollback(conn: SqliteConn) -> None:

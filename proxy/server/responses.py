@@ -37,7 +37,6 @@ from proxy.server.compaction import (
     rewriters,
 )
 from proxy.server.errors import invalid
-from proxy.server.inputs import ends_with_trigger, resolve_references, validate_input
 from proxy.server.model_budget import budget_counter
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
@@ -57,12 +56,15 @@ from proxy.server.turn import (
 )
 from proxy.server.validate import (
     JsonDict,
+    ends_with_trigger,
     list_of_objects,
     optional,
     optional_positive_int,
     read_json_object,
     required_string,
+    resolve_references,
     unsupported_value,
+    validate_input,
     wrong_type,
 )
 

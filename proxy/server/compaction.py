@@ -69,7 +69,6 @@ from proxy.server.ledger import answer_dangling_calls, refuse_orphans, restore_l
 from proxy.server.model_budget import budget_counter
 from proxy.server.modes import last_seq, previous_response
 from proxy.server.observe import summarizer_target, summary_job
-from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
@@ -81,7 +80,16 @@ from proxy.server.state import (
     THREADS,
 )
 from proxy.server.summaries import kept_for
-from proxy.server.turn import ForItems, New, Rewriter, Turn, Window, attach_ready_summaries
+from proxy.server.turn import (
+    ForItems,
+    New,
+    Rewriter,
+    Turn,
+    Window,
+    attach_ready_summaries,
+    learned_for,
+    off_the_loop,
+)
 from proxy.server.validate import (
     TRIGGER,
     ends_with_trigger,

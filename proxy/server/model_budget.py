@@ -1,6 +1,6 @@
 """The budget of a model: what the proxy knows, besides the policy, of each (tenant,
 upstream, model)'s context window and of how its provider counts tokens. Every budget
-reads it (proxy/server/rebuild.py); the provider's answers, listings and refusals write
+reads it (proxy/server/turn.py, `rebuild`); the provider's answers, listings and refusals write
 it.
 
 What the proxy has learnt (`LearnedLimits`): one small place that every budget reads,

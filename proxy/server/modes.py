@@ -30,10 +30,9 @@ from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
-from proxy.server.rebuild import off_the_loop
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, THREADS
 from proxy.server.transform import Keeper
-from proxy.server.turn import Load, Projected, Restate, Turn
+from proxy.server.turn import Load, Projected, Restate, Turn, off_the_loop
 from proxy.server.validate import JsonDict, duplicate_item, missing
 from proxy.store.base import NewItem, NotFound, StoredResponse, TooManyRunning
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items

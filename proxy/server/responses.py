@@ -40,7 +40,6 @@ from proxy.server.errors import invalid
 from proxy.server.model_budget import budget_counter
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
-from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
 from proxy.server.turn import (
@@ -51,6 +50,8 @@ from proxy.server.turn import (
     Rewriter,
     Turn,
     Window,
+    learned_for,
+    off_the_loop,
     projected_once,
     run_turn,
 )

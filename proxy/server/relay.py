@@ -1,10 +1,11 @@
-"""Forwarding to the provider and relaying its answer back, streamed or not.
+"""Forwarding to the provider and relaying its answer back, streamed or not,
+through the turn's transformer (defined here too).
 
 Streams are relayed as they arrive (never buffered to the end) by one loop,
 `relay_stream`: each event the provider's answer carries is decoded and parsed once
-here, checked, and handed with its dict to the turn's transformer (proxy/server/
-transform.py: `Passthrough`, the bytes untouched; `Keep`, a stored turn, kept before
-its end reaches the client; the ledger's holdback, proxy/server/holdback.py). One answer
+here, checked, and handed with its dict to the turn's transformer (`Passthrough`, the
+bytes untouched; `Keep`, a stored turn, kept before its end reaches the client; the
+ledger's holdback, proxy/server/holdback.py, an `EventTransformer`). One answer
 is framed before it gets here: a turn that compacted (proxy/server/compacted.py,
 `WithCompaction`) decodes the provider's events to put the compaction item first, and
 the relay decodes what that re-encodes. Every
@@ -40,9 +41,8 @@ from proxy.server.api import CHAT, ApiShape
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROVIDER_ERROR, provider_error
 from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
-from proxy.server.transform import Transformer
 from proxy.server.validate import JsonDict
-from proxy.sse import SSEDecoder, SSEEvent, event_payload
+from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
 from proxy.store.base import Cancelled, StoreError
 from proxy.upstream import (
     Deadline,
@@ -313,6 +313,122 @@ def bad_answer(exc: BadAnswer) -> ApiError:
     return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
 
 
+# -- the transformers: what a model answer becomes on its way to the client --------------
+# The relay loop (`relay_stream`) decodes each event once and hands it with its parsed
+# data to the turn's `Transformer`: `Passthrough` (the bytes untouched), `Keep` (a stored
+# turn, kept through its `Keeper` before its end reaches the client) or the ledger's
+# holdback (proxy/server/holdback.py, an `EventTransformer`). A non-streamed answer goes
+# through `Transformer.answer` whole.
+
+
+class Transformer(Protocol):
+    """What one stream becomes on its way to the client. The relay loop decodes each
+    event once, feeds it (checked) to `upstream`, then hands it with its parsed data to
+    `event`; `passed` gets each raw chunk after its events; `end` runs at the provider's
+    EOF (after the decoder's flush). Each returns the bytes the client gets next. A
+    transformer takes a non-streamed answer whole (`answer`)."""
+
+    @property
+    def upstream(self) -> Any:
+        """The accumulator of what the provider streamed (ApiShape.accumulator)."""
+        ...
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]: ...
+
+    def passed(self, chunk: bytes) -> bytes: ...
+
+    async def end(self) -> list[bytes]: ...
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        """A whole (non-streamed) answer as the client gets it; the same object when
+        it is relayed as the provider sent it."""
+        ...
+
+
+class EventTransformer:
+    """A transformer that writes events it builds itself (raw chunks are not passed)."""
+
+    def __init__(self, api: ApiShape) -> None:
+        self.api = api
+        self.upstream = api.accumulator()
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        raise NotImplementedError
+
+    def passed(self, chunk: bytes) -> bytes:
+        return b""
+
+    async def end(self) -> list[bytes]:
+        return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
+
+
+class Passthrough:
+    """The provider's bytes untouched, whole events at a time: a malformed event is never
+    sent, and an error event after it is a clean event of its own. Without an API shape
+    (a passthrough endpoint) the bytes go as they come, not decoded."""
+
+    def __init__(self, api: ApiShape | None) -> None:
+        self.upstream = api.accumulator() if api is not None else None
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        return []
+
+    def passed(self, chunk: bytes) -> bytes:
+        return chunk  # an event stream's chunks are whole events (UpstreamResponse)
+
+    async def end(self) -> list[bytes]:
+        return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
+
+
+class Keeper(Protocol):
+    """A stateful turn's hooks into the relay (SPEC 7): the final answer is persisted
+    before its terminal bytes reach the client, so the client's next request finds it."""
+
+    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]:
+        """A provider Response / chat.completion object as the proxy returns it."""
+        ...
+
+    async def keep(
+        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
+    ) -> None:
+        """Persist the final (rewritten) answer; called at most once. `log` replaces the
+        answer's output as the thread's items when the ledger continued the turn."""
+        ...
+
+
+class Keep(EventTransformer):
+    """A stateful turn's stream: response objects rewritten by the keeper, and the answer
+    kept before the event that ends it reaches the client."""
+
+    def __init__(self, api: ApiShape, keeper: Keeper) -> None:
+        super().__init__(api)
+        self.keeper = keeper
+        self.kept = False
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        final = self.api.final_answer(self.upstream, event)
+        if final is not None and not self.kept:
+            await self.keeper.keep(self.keeper.rewrite(final))
+            self.kept = True
+        data = event.data
+        if payload is not None:
+            rewritten = self.api.rewritten_payload(payload, self.keeper.rewrite)
+            if rewritten is not None:
+                data = fastjson.dumps(rewritten).decode()
+        return [encode_event(data, event=event.event)]
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        final = self.keeper.rewrite(answer)
+        await self.keeper.keep(final)
+        return final
+
+
 # Where a relayed model answer (or a stream's usage holder) is reported (turn hooks).
 OnAnswer = Callable[[JsonDict], None]
 
@@ -408,7 +524,7 @@ async def _relay_body(
     return response
 
 
-# -- the stream relay: one loop, pluggable transformers (proxy/server/transform.py) -------
+# -- the stream relay: one loop, pluggable transformers (above) -------------------------
 
 
 async def relay_stream(

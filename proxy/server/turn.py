@@ -102,7 +102,7 @@ from proxy.server.model_budget import (
     refused_again,
     retry_window,
 )
-from proxy.server.relay import relay_answer
+from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer
 from proxy.server.state import (
     CLOCK,
     LEARNED,
@@ -116,7 +116,6 @@ from proxy.server.state import (
     TRACING,
 )
 from proxy.server.summaries import Ready, replayed, sent_chunks
-from proxy.server.transform import Keep, Keeper, Passthrough, Transformer
 from proxy.server.validate import JsonDict
 from proxy.threads import Loaded
 from proxy.tracing import genai_request, genai_response, set_attributes

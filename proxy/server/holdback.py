@@ -28,10 +28,9 @@ from proxy.core.answers import BadAnswer
 from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.api import ApiShape
-from proxy.server.chat_upstream import Untranslatable, send_model
 from proxy.server.errors import ApiError
 from proxy.server.ledger import LedgerDecision, LedgerGuard, settle
-from proxy.server.relay import EventTransformer, Keeper
+from proxy.server.relay import EventTransformer, Keeper, Untranslatable, send_model
 from proxy.server.state import TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event

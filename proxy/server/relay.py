@@ -1,5 +1,6 @@
-"""Forwarding to the provider and relaying its answer back, streamed or not,
-through the turn's transformer (defined here too).
+"""Forwarding to the provider, in the API it serves (`send_model`: a Chat-only provider
+gets a Responses turn translated, proxy/server/chat_upstream.py), and relaying its answer
+back, streamed or not, through the turn's transformer (defined here too).
 
 Streams are relayed as they arrive (never buffered to the end) by one loop,
 `relay_stream`: each event the provider's answer carries is decoded and parsed once
@@ -32,20 +33,32 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.clock import utc_now
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
 from proxy.core.provider_errors import read_provider_error
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
-from proxy.server.api import CHAT, ApiShape
+from proxy.server.api import CHAT, RESPONSES, ApiShape
+from proxy.server.chat_upstream import CHAT_PATH, Upstream, send_chat, translated
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROVIDER_ERROR, provider_error
-from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
+from proxy.server.state import (
+    ENV,
+    LOG_FIELDS,
+    METRICS,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+    UPSTREAM,
+    UPSTREAM_APIS,
+)
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
-from proxy.store.base import Cancelled, StoreError
+from proxy.store.base import Cancelled, StoreError, UpstreamApiStore
 from proxy.upstream import (
     Deadline,
+    ProviderAnswerTooLarge,
     RetrySettings,
     UpstreamRequest,
     UpstreamResponse,
@@ -273,6 +286,119 @@ async def send_upstream(
     return response
 
 
+# -- the API a model turn is sent in (issue 25; the translation: chat_upstream.py) -------
+# `send_model` is the one place a model turn goes upstream (run_turn and the ledger's
+# continuations call it). For a Responses turn it reads the tenant's `upstream.api`:
+# `responses`, the request goes to /responses as it is; `chat`, it is translated and sent
+# to /chat/completions (proxy/server/chat_upstream.py); `auto` (default), /responses
+# until the provider answers it 404 or 405, then the turn is sent again translated, and
+# when Chat answers it (anything but 404/405 again: an unknown model is a 404 on both)
+# `chat` is recorded in the store for this tenant's upstream URL, and read from there
+# (once per process) for every later turn.
+
+NOT_SERVED = frozenset({404, 405})  # what a Chat-only server answers on /v1/responses
+
+
+def upstream_of(request: web.Request, policy: Policy) -> Upstream:
+    return (policy.tenant, upstream_base(request, policy))
+
+
+class Untranslatable(Exception):
+    """A turn found Chat-only only after its /responses call (`auto`) that Chat cannot
+    carry: `error` is the client's 400, `upstream` the refused call (the turn's hooks see
+    it as a refusal, so nothing of the turn stays in the store)."""
+
+    def __init__(self, error: ApiError, upstream: UpstreamResponse) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.upstream = upstream
+
+
+async def upstream_api(request: web.Request, policy: Policy) -> str:
+    """`responses`, `chat`, or `auto` (nothing learnt yet) for this tenant's upstream."""
+    if policy.upstream.api != "auto":
+        return policy.upstream.api
+    key = upstream_of(request, policy)
+    known = request.app[UPSTREAM_APIS]
+    if key not in known:
+        store: UpstreamApiStore = request.app[STORE]
+        known[key] = await store.upstream_api_get(*key)
+    return known[key] or "auto"
+
+
+async def learn_chat(request: web.Request, policy: Policy) -> None:
+    key = upstream_of(request, policy)
+    store: UpstreamApiStore = request.app[STORE]
+    learnt = await store.upstream_api_set(*key, "chat", utc_now())
+    request.app[UPSTREAM_APIS][key] = learnt
+
+
+async def check_translatable(request: web.Request, policy: Policy, body: JsonDict) -> None:
+    """Before anything is stored or forwarded: a turn for a Chat-only upstream that Chat
+    cannot carry (a hosted tool, say) is refused with a 400 naming the param."""
+    if await upstream_api(request, policy) == "chat":
+        translated(request, upstream_of(request, policy), body)
+
+
+async def send_model(
+    request: web.Request,
+    policy: Policy,
+    api: ApiShape,
+    sent: JsonDict,
+    raw: bytes,
+    *,
+    stream: bool,
+) -> UpstreamResponse:
+    """The model turn `sent` (its bytes `raw`) to the provider, in the API it serves."""
+    chosen = await upstream_api(request, policy) if api is RESPONSES else "responses"
+    key = upstream_of(request, policy)
+    if chosen == "chat":
+        return await _send_chat(request, policy, sent, translated(request, key, sent), stream)
+    upstream = await send_upstream(
+        request, policy, path=api.path, body=raw, stream=stream, route=api.route
+    )
+    if chosen == "responses" or upstream.status not in NOT_SERVED:
+        return upstream
+    if await _names_the_model(upstream, sent):
+        return upstream
+    try:
+        chat = translated(request, key, sent)
+    except ApiError as exc:
+        raise Untranslatable(exc, upstream) from None
+    answer = await _send_chat(request, policy, sent, chat, stream)
+    if answer.status in NOT_SERVED:  # not the endpoint: the model, say; nothing learnt
+        await answer.aclose()
+        request[LOG_FIELDS].pop("upstream_api", None)
+        return upstream
+    await upstream.aclose()
+    await learn_chat(request, policy)
+    return answer
+
+
+async def _names_the_model(upstream: UpstreamResponse, sent: JsonDict) -> bool:
+    """Whether a 404/405 is about the model, not the endpoint: OpenAI's `model_not_found`,
+    or a body that names the requested model (Ollama's `model "x" not found`). A server
+    without /responses answers its framework's not-found, which names no model."""
+    try:
+        body = await upstream.aread()
+    except ProviderAnswerTooLarge:
+        return False
+    model = sent.get("model")
+    named = isinstance(model, str) and len(model) >= 2 and model.encode() in body
+    return named or b'"model_not_found"' in body
+
+
+async def _send_chat(
+    request: web.Request, policy: Policy, sent: JsonDict, chat: JsonDict, stream: bool
+) -> UpstreamResponse:
+    async def post(body: bytes) -> UpstreamResponse:
+        return await send_upstream(
+            request, policy, path=CHAT_PATH, body=body, stream=stream, route=RESPONSES.route
+        )
+
+    return await send_chat(request, upstream_of(request, policy), sent, chat, post)
+
+
 def is_event_stream(upstream: UpstreamResponse) -> bool:
     return upstream.is_event_stream
 
@@ -284,7 +410,7 @@ async def read_body(upstream: UpstreamResponse) -> bytes:
         return await upstream.aread()
     except UpstreamUnavailable as exc:
         raise upstream_error(exc) from None
-    except BadAnswer as exc:  # a translated Chat answer (proxy/server/chat_upstream.py)
+    except BadAnswer as exc:  # a translated Chat answer (chat_upstream.TranslatedResponse)
         raise bad_answer(exc) from None
 
 

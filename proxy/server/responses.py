@@ -28,7 +28,6 @@ from proxy.core import fastjson
 from proxy.counting import counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
-from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     CONTEXT_MANAGEMENT,
     LOCAL_REWRITERS,
@@ -40,6 +39,7 @@ from proxy.server.errors import invalid
 from proxy.server.model_budget import budget_counter
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
+from proxy.server.relay import check_translatable
 from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
 from proxy.server.turn import (

@@ -13,7 +13,7 @@ graph applies it):
               breakdown), again with LLM summaries other processes wrote
                                                                        -> Projected
     forward   the provider's body; the client's tool outputs into the ledger; the
-              mode's begin; the provider's answer (chat_upstream.send_model), or one the
+              mode's begin; the provider's answer (relay.send_model), or one the
               proxy serves itself; a context-length refusal is projected again and sent
               once more (model_budget.py)                                -> Forwarded
     relay     the answer through a transformer (relay.py): the ledger's holdback when a
@@ -77,7 +77,6 @@ from proxy.counting import ProviderCounter, calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.api import ApiShape, BudgetInputs
-from proxy.server.chat_upstream import Untranslatable, send_model
 from proxy.server.compacted import LocalAnswer, WithCompaction
 from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
@@ -102,7 +101,15 @@ from proxy.server.model_budget import (
     refused_again,
     retry_window,
 )
-from proxy.server.relay import Keep, Keeper, Passthrough, Transformer, relay_answer
+from proxy.server.relay import (
+    Keep,
+    Keeper,
+    Passthrough,
+    Transformer,
+    Untranslatable,
+    relay_answer,
+    send_model,
+)
 from proxy.server.state import (
     CLOCK,
     LEARNED,
@@ -547,7 +554,7 @@ def _transformer(turn: Turn, forwarded: Forwarded) -> Transformer:
 
 
 async def _send(turn: Turn, sent: JsonDict, raw: bytes) -> UpstreamResponse:
-    """The provider's answer, through the API its upstream serves (chat_upstream.py)."""
+    """The provider's answer, through the API its upstream serves (relay.send_model)."""
     request = turn.request
     stream = bool(sent.get("stream"))
     try:

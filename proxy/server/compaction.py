@@ -66,7 +66,7 @@ from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
 from proxy.server.ledger import answer_dangling_calls, refuse_orphans, restore_ledger_calls
-from proxy.server.model_budget import budget_counter
+from proxy.server.model_budget import budget_counter, learned_for
 from proxy.server.modes import last_seq, previous_response
 from proxy.server.observe import summarizer_target, summary_job
 from proxy.server.state import (
@@ -87,7 +87,6 @@ from proxy.server.turn import (
     Turn,
     Window,
     attach_ready_summaries,
-    learned_for,
     off_the_loop,
 )
 from proxy.server.validate import (

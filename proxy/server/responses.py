@@ -36,7 +36,7 @@ from proxy.server.compaction import (
     rewriters,
 )
 from proxy.server.errors import invalid
-from proxy.server.model_budget import budget_counter
+from proxy.server.model_budget import budget_counter, learned_for
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
 from proxy.server.relay import check_translatable
@@ -50,7 +50,6 @@ from proxy.server.turn import (
     Rewriter,
     Turn,
     Window,
-    learned_for,
     off_the_loop,
     projected_once,
     run_turn,

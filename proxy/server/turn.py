@@ -72,13 +72,12 @@ from proxy.core.projection import (
     ProjectionRequest,
     project_context,
 )
-from proxy.core.tokens import TokenCounter, is_openai_model
+from proxy.core.tokens import TokenCounter
 from proxy.counting import ProviderCounter, calibrated_counter, counter_for
 from proxy.metrics import Metrics
 from proxy.policy import Policy
 from proxy.server.api import ApiShape, BudgetInputs
 from proxy.server.compacted import LocalAnswer, WithCompaction
-from proxy.server.discovery import discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROJECTION
 from proxy.server.holdback import Guarded, holdback
@@ -94,7 +93,7 @@ from proxy.server.model_budget import (
     cannot_fit,
     context_refusal,
     learn,
-    learned_key,
+    learned_for,
     model_window,
     observe,
     provider_counts,
@@ -112,11 +111,9 @@ from proxy.server.relay import (
 )
 from proxy.server.state import (
     CLOCK,
-    LEARNED,
     LOG_FIELDS,
     METRICS,
     NAMESPACE,
-    STORE,
     SUMMARIES,
     TENANT_POLICY,
     THREADS,
@@ -1043,21 +1040,6 @@ async def rebuild_turn(
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection
     return projection, counter
-
-
-async def learned_for(request: web.Request, model: str) -> Learned | None:
-    """What is known of the model: read from the store on first use (and after a TTL), and,
-    when only the policy's "*" names it, what the provider lists (asked once per TTL)."""
-    limits = request.app.get(LEARNED)
-    if limits is None:
-        return None
-    key = learned_key(request, model)
-    learned = await limits.load(key, request.app.get(STORE))
-    # OpenAI lists no windows: its own model names are never asked about.
-    unnamed = not request[TENANT_POLICY].names_model(model) and not is_openai_model(model)
-    if unnamed and limits.discovery_due(key):
-        learned = await discover(request, model, key, limits)
-    return learned
 
 
 def context_headers(projection: Projection) -> dict[str, str]:

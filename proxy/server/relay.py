@@ -351,9 +351,9 @@ async def send_model(
 ) -> UpstreamResponse:
     """The model turn `sent` (its bytes `raw`) to the provider, in the API it serves."""
     chosen = await upstream_api(request, policy) if api is RESPONSES else "responses"
-    key = upstream_of(request, policy)
     if chosen == "chat":
-        return await _send_chat(request, policy, sent, translated(request, key, sent), stream)
+        chat = translated(request, upstream_of(request, policy), sent)
+        return await _send_chat(request, policy, sent, chat, stream)
     upstream = await send_upstream(
         request, policy, path=api.path, body=raw, stream=stream, route=api.route
     )
@@ -362,7 +362,7 @@ async def send_model(
     if await _names_the_model(upstream, sent):
         return upstream
     try:
-        chat = translated(request, key, sent)
+        chat = translated(request, upstream_of(request, policy), sent)
     except ApiError as exc:
         raise Untranslatable(exc, upstream) from None
     answer = await _send_chat(request, policy, sent, chat, stream)

@@ -399,6 +399,9 @@ async def _send_chat(
     return await send_chat(request, upstream_of(request, policy), sent, chat, post)
 
 
+# -- the answer back: checked, then through the turn's transformer -----------------------
+
+
 def is_event_stream(upstream: UpstreamResponse) -> bool:
     return upstream.is_event_stream
 

@@ -146,6 +146,8 @@ def check_url_keys(request: web.Request) -> None:
             store_key(value, name)
 
 
+# -- the `input` of POST /v1/responses, /v1/responses/input_tokens, /v1/responses/compact --
+
 TRIGGER = "compaction_trigger"
 
 

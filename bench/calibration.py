@@ -34,7 +34,7 @@ from bench.results import write_section
 from proxy.core.budget import Learned, Sample
 from proxy.fake_provider import ContextWindow, FakeProvider
 from proxy.logs import configure_logging
-from proxy.server import observe, overflow, rebuild
+from proxy.server import model_budget, observe
 from proxy.server.app import bound_port, create_app, start
 from proxy.settings import Settings
 
@@ -153,14 +153,14 @@ def as_main() -> Iterator[None]:
     async def nothing(request: Any, model: str, key: Any, limits: Any) -> Learned | None:
         return limits.get(key)
 
-    saved = (observe.calibrated, overflow.calibrated, rebuild.discover)
+    saved = (observe.calibrated, model_budget.calibrated, model_budget.discover)
     observe.calibrated = known  # type: ignore[attr-defined]
-    overflow.calibrated = known  # type: ignore[attr-defined]
-    rebuild.discover = nothing  # type: ignore[assignment]
+    model_budget.calibrated = known  # type: ignore[attr-defined]
+    model_budget.discover = nothing  # type: ignore[assignment]
     try:
         yield
     finally:
-        observe.calibrated, overflow.calibrated, rebuild.discover = saved  # type: ignore[attr-defined,assignment]
+        observe.calibrated, model_budget.calibrated, model_budget.discover = saved  # type: ignore[attr-defined,assignment]
 
 
 async def run_one(spec: Provider, tmp: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ A 1 MB log (routine lines of a few templates, varying numbers and ids, one rare 
 a 20,000-record JSON list, a 1 MB text of distinct lines (the miner's worst case) and a
 1 MB Python source file (signatures kept as its skeleton), each compressed once to tool_result_max_tokens 800 by
 proxy/core/compress.py; CPU time of the one call (process time: the machine may be shared) (the projection runs it in a worker
-thread for inputs this large, see proxy/server/rebuild.py), and whether the rare line
+thread for inputs this large, see proxy/server/turn.py, `off_the_loop`), and whether the rare line
 and the outlier survive. The same inputs at half the size show the growth factor.
 """
 

@@ -5,7 +5,8 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     auth (bearer -> tenant policy)            proxy/server/auth.py, proxy/policy.py
     Idempotency-Key (a retry gets the first   proxy/server/idempotency.py,
       answer)                                 proxy/core/idempotency.py
-    parse + validate, pick API, mode, plan    proxy/server/chat.py, proxy/server/responses.py
+    parse + validate, pick API, mode, plan    proxy/server/chat.py, proxy/server/responses.py,
+                                              proxy/server/validate.py (the door)
     the turn, once for every API and mode     proxy/server/turn.py (run_turn: load, rewrite,
                                               project, forward, relay, commit over frozen
                                               values), API shapes in api.py
@@ -20,15 +21,16 @@ An app points OPENAI_BASE_URL at the proxy and changes nothing else. Each reques
     budget  B_H = W - S - T - U - O - eps     proxy/core/budget.py; the model's window and
                                               count: proxy/server/model_budget.py
     projection under the budget               proxy/core/projection.py (blocks, compress,
-                                              memory)
+                                              memory), gathered by turn.py (rebuild_turn)
     invariant check (never send a broken one) proxy/core/invariants.py
     forward upstream, retries                 proxy/upstream.py
     check the answer's shape (else 502)       proxy/core/answers.py
-    relay (one loop, pluggable transformers)  proxy/sse.py, proxy/server/relay.py,
-                                              proxy/server/transform.py
+    send in the API the upstream serves       proxy/server/relay.py (send_model),
+      (a Chat-only one: translated)           proxy/server/chat_upstream.py
+    relay (one loop, pluggable transformers)  proxy/sse.py, proxy/server/relay.py
     commit the turn (new items + reply, OCC)  proxy/threads.py, ChatThread / ResponseChain /
                                               Conversation in proxy/server/modes.py
-    log the budget breakdown, metrics         proxy/server/rebuild.py, proxy/logs.py,
+    log the budget breakdown, metrics         proxy/server/turn.py, proxy/logs.py,
                                               proxy/metrics.py
     observers (usage, summaries ahead): read  proxy/server/observe.py,
       chunks cut (or about to be), in the     proxy/server/summaries.py, proxy/summarizer.py,

@@ -241,7 +241,7 @@ async def test_a_window_memo_follows_appends_and_is_new_for_another_window(
 ) -> None:
     """Loaded.memo lives with the cached window: appends (this process's commit, another
     process's write) keep it, a window read whole again (the thread created again) gets a
-    new one. Whoever reads it checks it against the items (rebuild.whole_fit)."""
+    new one. Whoever reads it checks it against the items (turn.whole_fit)."""
     store = await open_store(f"sqlite:///{tmp_path / 'memo.db'}")
     await store.migrate()
     service = ThreadService(store, clock, cache=WindowCache(1 << 20))

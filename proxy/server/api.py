@@ -25,6 +25,7 @@ from proxy.core.answers import check_chat_completion, check_response
 from proxy.core.items import (
     Api,
     Item,
+    JsonDict,
     chat_item,
     items_from_chat,
     items_from_responses_input,
@@ -34,7 +35,6 @@ from proxy.core.items import (
 from proxy.core.ledger import CallKind, ToolCall, ToolRule, side_effect_calls
 from proxy.core.tokens import ANY_MODEL
 from proxy.server.errors import error_body
-from proxy.server.validate import JsonDict
 from proxy.sse import (
     DONE,
     ChatStreamAccumulator,

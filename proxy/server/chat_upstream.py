@@ -1,17 +1,15 @@
-"""Responses turns sent to a provider that only serves Chat Completions (issue 25).
+"""Responses turns sent to a provider that only serves Chat Completions (issue 25): the
+translation's I/O side.
 
-`send_model` is the one place a model turn goes upstream (run_turn and the ledger's
-continuations call it). For a Responses turn it reads the tenant's `upstream.api`:
-
-- `responses`: the request goes to /responses as it is.
-- `chat`: it is translated (proxy/core/chat_translate.py) and sent to /chat/completions,
-  and the answer comes back as a `TranslatedResponse`: the provider's Chat answer read as
-  the Response (or Responses event stream) OpenAI would have sent, so the relay, the
-  ledger, the keeper and the thread see a native Responses answer.
-- `auto` (default): /responses until the provider answers it 404 or 405; then the turn
-  is sent again translated, and when Chat answers it (anything but 404/405 again: an
-  unknown model is a 404 on both) `chat` is recorded in the store for this tenant's
-  upstream URL, and read from there (once per process) for every later turn.
+Which API a turn goes to is decided where it is sent (proxy/server/relay.py,
+`send_model`, after the tenant's `upstream.api`: `responses`, `chat`, or `auto`, which
+moves to `chat` once /responses answered 404 or 405 and Chat did not). A turn sent as
+Chat is translated here (proxy/core/chat_translate.py: `translated`, checked before
+anything is stored by `relay.check_translatable`) and its answer comes back as a
+`TranslatedResponse`: the provider's Chat answer read as the Response (or Responses
+event stream) OpenAI would have sent, so the relay, the ledger, the keeper and the
+thread see a native Responses answer. Nothing here sends by itself: `send_chat` is given
+the relay's `post`.
 
 The output cap goes as `max_completion_tokens`, the spec's field. When the provider's 400
 says it does not take that field (or `max_tokens`), the turn is sent once more with the
@@ -27,13 +25,12 @@ and `chat_cap_field` when the cap field was switched.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from proxy.clock import utc_now
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer, check_chat_chunk, check_chat_completion
 from proxy.core.chat_translate import (
@@ -47,54 +44,19 @@ from proxy.core.chat_translate import (
     with_cap_field,
 )
 from proxy.ids import new_id
-from proxy.policy import Policy
-from proxy.server.api import RESPONSES, ApiShape
-from proxy.server.errors import ApiError
-from proxy.server.relay import send_upstream, upstream_base
-from proxy.server.state import CHAT_CAP_FIELDS, LOG_FIELDS, STORE, UPSTREAM_APIS
+from proxy.server.state import CHAT_CAP_FIELDS, LOG_FIELDS
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_json_event, event_payload
-from proxy.store.base import UpstreamApiStore
 from proxy.upstream import ProviderAnswerTooLarge, UpstreamResponse
 
 CHAT_PATH = "/chat/completions"
-NOT_SERVED = frozenset({404, 405})  # what a Chat-only server answers on /v1/responses
 SPEC_CAP = "max_completion_tokens"
+Upstream = tuple[str, str]  # (tenant, upstream base URL): what is learnt is keyed by it
+Post = Callable[[bytes], Awaitable[UpstreamResponse]]  # a Chat body to CHAT_PATH
 
 
-class Untranslatable(Exception):
-    """A turn found Chat-only only after its /responses call (`auto`) that Chat cannot
-    carry: `error` is the client's 400, `upstream` the refused call (the turn's hooks see
-    it as a refusal, so nothing of the turn stays in the store)."""
-
-    def __init__(self, error: ApiError, upstream: UpstreamResponse) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.upstream = upstream
-
-
-async def upstream_api(request: web.Request, policy: Policy) -> str:
-    """`responses`, `chat`, or `auto` (nothing learnt yet) for this tenant's upstream."""
-    if policy.upstream.api != "auto":
-        return policy.upstream.api
-    key = (policy.tenant, upstream_base(request, policy))
-    known = request.app[UPSTREAM_APIS]
-    if key not in known:
-        store: UpstreamApiStore = request.app[STORE]
-        known[key] = await store.upstream_api_get(*key)
-    return known[key] or "auto"
-
-
-async def learn_chat(request: web.Request, policy: Policy) -> None:
-    key = (policy.tenant, upstream_base(request, policy))
-    store: UpstreamApiStore = request.app[STORE]
-    learnt = await store.upstream_api_set(*key, "chat", utc_now())
-    request.app[UPSTREAM_APIS][key] = learnt
-
-
-def cap_learner(request: web.Request, policy: Policy) -> Callable[[str], None]:
+def cap_learner(request: web.Request, key: Upstream) -> Callable[[str], None]:
     """Records the output-cap field this tenant's Chat upstream takes (in memory)."""
-    key = (policy.tenant, upstream_base(request, policy))
 
     def learn(field: str) -> None:
         request.app[CHAT_CAP_FIELDS][key] = field
@@ -110,96 +72,33 @@ def cap_learner(request: web.Request, policy: Policy) -> Callable[[str], None]:
 TRANSLATION: web.RequestKey[tuple[JsonDict, Any, JsonDict]] = web.RequestKey("translation", tuple)
 
 
-def translated(request: web.Request, policy: Policy, body: JsonDict) -> JsonDict:
+def translated(request: web.Request, key: Upstream, body: JsonDict) -> JsonDict:
     """The Chat request for `body` (a 400 naming what Chat cannot carry)."""
     done = request.get(TRANSLATION)
     if done is not None and done[0] is body and done[1] is body.get("input"):
         return done[2]
-    key = (policy.tenant, upstream_base(request, policy))
     field = request.app[CHAT_CAP_FIELDS].get(key, SPEC_CAP)
     chat = chat_request(body, ids=new_id, max_tokens_field=field)
     request[TRANSLATION] = (body, body.get("input"), chat)
     return chat
 
 
-async def check_translatable(request: web.Request, policy: Policy, body: JsonDict) -> None:
-    """Before anything is stored or forwarded: a turn for a Chat-only upstream that Chat
-    cannot carry (a hosted tool, say) is refused with a 400 naming the param."""
-    if await upstream_api(request, policy) == "chat":
-        translated(request, policy, body)
-
-
-async def send_model(
-    request: web.Request,
-    policy: Policy,
-    api: ApiShape,
-    sent: JsonDict,
-    raw: bytes,
-    *,
-    stream: bool,
-) -> UpstreamResponse:
-    """The model turn `sent` (its bytes `raw`) to the provider, in the API it serves."""
-    chosen = await upstream_api(request, policy) if api is RESPONSES else "responses"
-    if chosen == "chat":
-        return await _send_chat(request, policy, sent, translated(request, policy, sent), stream)
-    upstream = await send_upstream(
-        request, policy, path=api.path, body=raw, stream=stream, route=api.route
-    )
-    if chosen == "responses" or upstream.status not in NOT_SERVED:
-        return upstream
-    if await _names_the_model(upstream, sent):
-        return upstream
-    try:
-        chat = translated(request, policy, sent)
-    except ApiError as exc:
-        raise Untranslatable(exc, upstream) from None
-    answer = await _send_chat(request, policy, sent, chat, stream)
-    if answer.status in NOT_SERVED:  # not the endpoint: the model, say; nothing learnt
-        await answer.aclose()
-        request[LOG_FIELDS].pop("upstream_api", None)
-        return upstream
-    await upstream.aclose()
-    await learn_chat(request, policy)
-    return answer
-
-
-async def _names_the_model(upstream: UpstreamResponse, sent: JsonDict) -> bool:
-    """Whether a 404/405 is about the model, not the endpoint: OpenAI's `model_not_found`,
-    or a body that names the requested model (Ollama's `model "x" not found`). A server
-    without /responses answers its framework's not-found, which names no model."""
-    try:
-        body = await upstream.aread()
-    except ProviderAnswerTooLarge:
-        return False
-    model = sent.get("model")
-    named = isinstance(model, str) and len(model) >= 2 and model.encode() in body
-    return named or b'"model_not_found"' in body
-
-
-async def _send_chat(
-    request: web.Request, policy: Policy, sent: JsonDict, chat: JsonDict, stream: bool
+async def send_chat(
+    request: web.Request, key: Upstream, sent: JsonDict, chat: JsonDict, post: Post
 ) -> TranslatedResponse:
-    """The Chat request upstream; sent once more with the other output-cap field when the
-    provider refuses the one it got (nothing has reached the client yet)."""
+    """The Chat request upstream (`post` sends a body to CHAT_PATH); sent once more with
+    the other output-cap field when the provider refuses the one it got (nothing has
+    reached the client yet)."""
     request[LOG_FIELDS]["upstream_api"] = "chat"
-    learn = cap_learner(request, policy)
-    upstream = await _post_chat(request, policy, chat, stream)
+    learn = cap_learner(request, key)
+    upstream = await post(fastjson.dumps(chat))
     field = cap_field(chat)
     if field is not None and await _refuses(upstream, field):
         await upstream.aclose()
         learn(OTHER_CAP[field])
         chat = with_cap_field(chat, OTHER_CAP[field])
-        upstream = await _post_chat(request, policy, chat, stream)
+        upstream = await post(fastjson.dumps(chat))
     return TranslatedResponse(upstream, sent, chat, learn)
-
-
-async def _post_chat(
-    request: web.Request, policy: Policy, chat: JsonDict, stream: bool
-) -> UpstreamResponse:
-    body = fastjson.dumps(chat)
-    return await send_upstream(
-        request, policy, path=CHAT_PATH, body=body, stream=stream, route=RESPONSES.route
-    )
 
 
 async def _refuses(upstream: UpstreamResponse, field: str) -> bool:

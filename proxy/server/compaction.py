@@ -65,12 +65,10 @@ from proxy.namespaces import fields
 from proxy.server import passthrough
 from proxy.server.api import RESPONSES
 from proxy.server.errors import ApiError, invalid
-from proxy.server.inputs import TRIGGER, ends_with_trigger, resolve_references, validate_input
 from proxy.server.ledger import answer_dangling_calls, refuse_orphans, restore_ledger_calls
-from proxy.server.model_budget import budget_counter
+from proxy.server.model_budget import budget_counter, learned_for
 from proxy.server.modes import last_seq, previous_response
 from proxy.server.observe import summarizer_target, summary_job
-from proxy.server.rebuild import learned_for, off_the_loop
 from proxy.server.state import (
     CLOCK,
     LOG_FIELDS,
@@ -82,14 +80,26 @@ from proxy.server.state import (
     THREADS,
 )
 from proxy.server.summaries import kept_for
-from proxy.server.turn import ForItems, New, Rewriter, Turn, Window, attach_ready_summaries
+from proxy.server.turn import (
+    ForItems,
+    New,
+    Rewriter,
+    Turn,
+    Window,
+    attach_ready_summaries,
+    off_the_loop,
+)
 from proxy.server.validate import (
+    TRIGGER,
+    ends_with_trigger,
     list_of_objects,
     missing,
     optional,
     read_json_object,
     required_string,
+    resolve_references,
     too_long,
+    validate_input,
     wrong_type,
 )
 from proxy.store.base import SecretStore, ThreadStore

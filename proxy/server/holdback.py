@@ -1,6 +1,6 @@
 """Relaying an answer whose side-effecting calls the ledger guards (SPEC 6).
 
-The relay's transformer (transform.Transformer, chosen by proxy/server/turn.py) when the tenant's
+The relay's transformer (relay.Transformer, chosen by proxy/server/turn.py) when the tenant's
 policy names a side-effecting tool. Non-streamed answers go through ledger.settle whole. Streams flow
 event by event as they arrive, except a guarded call's own events (Chat: the tool_call
 deltas of its index; Responses: its output_item.added, argument deltas and done,
@@ -28,11 +28,10 @@ from proxy.core.answers import BadAnswer
 from proxy.core.continuation import Settled
 from proxy.core.ledger import CallKind, ToolCall
 from proxy.server.api import ApiShape
-from proxy.server.chat_upstream import Untranslatable, send_model
 from proxy.server.errors import ApiError
 from proxy.server.ledger import LedgerDecision, LedgerGuard, settle
+from proxy.server.relay import EventTransformer, Keeper, Untranslatable, send_model
 from proxy.server.state import TENANT_POLICY
-from proxy.server.transform import EventTransformer, Keeper
 from proxy.server.validate import JsonDict
 from proxy.sse import DONE, ChatStreamAccumulator, SSEEvent, encode_event, encode_json_event
 from proxy.upstream import UpstreamUnavailable

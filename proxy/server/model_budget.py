@@ -1,6 +1,6 @@
 """The budget of a model: what the proxy knows, besides the policy, of each (tenant,
 upstream, model)'s context window and of how its provider counts tokens. Every budget
-reads it (proxy/server/rebuild.py); the provider's answers, listings and refusals write
+reads it (proxy/server/turn.py, `rebuild`); the provider's answers, listings and refusals write
 it.
 
 What the proxy has learnt (`LearnedLimits`): one small place that every budget reads,
@@ -72,14 +72,14 @@ from proxy.core.budget import (
 from proxy.core.items import Item
 from proxy.core.projection import ProjectionReport
 from proxy.core.provider_errors import Overflow, ProviderError, read_provider_error
-from proxy.core.tokens import TokenCounter
+from proxy.core.tokens import TokenCounter, is_openai_model
 from proxy.counting import ProviderCounter, calibrated_counter, raw_count
 from proxy.policy import Policy
-from proxy.server.discovery import ask_provider
+from proxy.server.discovery import ask_provider, discover
 from proxy.server.errors import ApiError
 from proxy.server.explain import provider_error
 from proxy.server.relay import upstream_base
-from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, PROVIDER_COUNTS, TENANT_POLICY
+from proxy.server.state import LEARNED, LOG_FIELDS, METRICS, PROVIDER_COUNTS, STORE, TENANT_POLICY
 from proxy.server.validate import JsonDict
 from proxy.store.base import LearnedRecord, LearnedStore, StoreError
 from proxy.upstream import Deadline, UpstreamResponse
@@ -238,6 +238,21 @@ def learned_key(request: web.Request, model: str) -> Key:
     """Where what the provider taught about `model` is kept: per tenant and upstream."""
     policy = request[TENANT_POLICY]
     return (policy.tenant, upstream_base(request, policy), model)
+
+
+async def learned_for(request: web.Request, model: str) -> Learned | None:
+    """What is known of the model: read from the store on first use (and after a TTL), and,
+    when only the policy's "*" names it, what the provider lists (asked once per TTL)."""
+    limits = request.app.get(LEARNED)
+    if limits is None:
+        return None
+    key = learned_key(request, model)
+    learned = await limits.load(key, request.app.get(STORE))
+    # OpenAI lists no windows: its own model names are never asked about.
+    unnamed = not request[TENANT_POLICY].names_model(model) and not is_openai_model(model)
+    if unnamed and limits.discovery_due(key):
+        learned = await discover(request, model, key, limits)
+    return learned
 
 
 def changed(before: Learned | None, after: Learned) -> bool:

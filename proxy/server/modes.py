@@ -11,7 +11,7 @@ nothing.
   `in_progress` before the provider is called (`begin`) and finished `incomplete` when
   the turn ends without being kept (`finish`).
 
-A stored mode's commit is reached through its keeper (`Kept`, transform.Keeper): `rewrite`
+A stored mode's commit is reached through its keeper (`Kept`, relay.Keeper): `rewrite`
 is the answer as the client sees it, `keep` commits it. A turn whose thread was deleted
 (or erased) while the provider answered keeps nothing, its response row included: a
 non-streamed client gets a 4xx naming what went, a stream ends with the relay's
@@ -30,10 +30,9 @@ from proxy.core.models import is_reasoning_model
 from proxy.ids import new_id
 from proxy.server.api import ApiShape
 from proxy.server.errors import ApiError, invalid
-from proxy.server.rebuild import off_the_loop
+from proxy.server.relay import Keeper
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, TENANT_POLICY, THREADS
-from proxy.server.transform import Keeper
-from proxy.server.turn import Load, Projected, Restate, Turn
+from proxy.server.turn import Load, Projected, Restate, Turn, off_the_loop
 from proxy.server.validate import JsonDict, duplicate_item, missing
 from proxy.store.base import NewItem, NotFound, StoredResponse, TooManyRunning
 from proxy.threads import Loaded, ThreadService, new_chat_messages, new_items
@@ -72,7 +71,7 @@ class Stateless:
 
 @dataclass(frozen=True)
 class Kept:
-    """A stored turn's keeper (transform.Keeper): the mode's rewrite, and its commit of
+    """A stored turn's keeper (relay.Keeper): the mode's rewrite, and its commit of
     the turn's values."""
 
     mode: StoredTurn

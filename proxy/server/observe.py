@@ -2,8 +2,8 @@
 they never change them.
 
 - `Usage`: the provider's reported prompt tokens on the request's log line (the budget
-  breakdown is logged where the projection is made, proxy/server/rebuild.py), and the
-  truth every answer tells about the provider's count (issue 21, item 2): its prompt
+  breakdown is logged where the projection is made, proxy/server/turn.py `rebuild_turn`),
+  and the truth every answer tells about the provider's count (issue 21, item 2): its prompt
   tokens against the proxy's own count of exactly what was sent, a sample of the model's
   correction (proxy/server/model_budget.py). Cached tokens are part of the prompt tokens and
   change nothing; a request with hosted tools (web search, file search...) is no sample,
@@ -37,7 +37,6 @@ from proxy.counting import calibrated_counter, raw_count
 from proxy.policy import Policy
 from proxy.server.auth import bearer_token
 from proxy.server.model_budget import Key, counted_by_provider, learned_key
-from proxy.server.rebuild import is_small, rebuild
 from proxy.server.relay import provider_key, upstream_base
 from proxy.server.state import (
     CLOCK,
@@ -57,7 +56,7 @@ from proxy.server.summaries import (
     replayed,
     sent_chunks,
 )
-from proxy.server.turn import Finished, Observer, Projected, Turn, sent_items
+from proxy.server.turn import Finished, Observer, Projected, Turn, is_small, rebuild, sent_items
 from proxy.server.validate import JsonDict
 from proxy.summarizer import Target
 

@@ -1,10 +1,12 @@
-"""Forwarding to the provider and relaying its answer back, streamed or not.
+"""Forwarding to the provider, in the API it serves (`send_model`: a Chat-only provider
+gets a Responses turn translated, proxy/server/chat_upstream.py), and relaying its answer
+back, streamed or not, through the turn's transformer (defined here too).
 
 Streams are relayed as they arrive (never buffered to the end) by one loop,
 `relay_stream`: each event the provider's answer carries is decoded and parsed once
-here, checked, and handed with its dict to the turn's transformer (proxy/server/
-transform.py: `Passthrough`, the bytes untouched; `Keep`, a stored turn, kept before
-its end reaches the client; the ledger's holdback, proxy/server/holdback.py). One answer
+here, checked, and handed with its dict to the turn's transformer (`Passthrough`, the
+bytes untouched; `Keep`, a stored turn, kept before its end reaches the client; the
+ledger's holdback, proxy/server/holdback.py, an `EventTransformer`). One answer
 is framed before it gets here: a turn that compacted (proxy/server/compacted.py,
 `WithCompaction`) decodes the provider's events to put the compaction item first, and
 the relay decodes what that re-encodes. Every
@@ -31,21 +33,32 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.clock import utc_now
 from proxy.core import fastjson
 from proxy.core.answers import BadAnswer
 from proxy.core.provider_errors import read_provider_error
 from proxy.logs import register_secret
 from proxy.policy import Policy, PolicyError
-from proxy.server.api import CHAT, ApiShape
+from proxy.server.api import CHAT, RESPONSES, ApiShape
+from proxy.server.chat_upstream import CHAT_PATH, Upstream, send_chat, translated
 from proxy.server.errors import ApiError
 from proxy.server.explain import PROVIDER_ERROR, provider_error
-from proxy.server.state import ENV, LOG_FIELDS, METRICS, REQUEST_ID, SETTINGS, UPSTREAM
-from proxy.server.transform import Transformer
+from proxy.server.state import (
+    ENV,
+    LOG_FIELDS,
+    METRICS,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+    UPSTREAM,
+    UPSTREAM_APIS,
+)
 from proxy.server.validate import JsonDict
-from proxy.sse import SSEDecoder, SSEEvent, event_payload
-from proxy.store.base import Cancelled, StoreError
+from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
+from proxy.store.base import Cancelled, StoreError, UpstreamApiStore
 from proxy.upstream import (
     Deadline,
+    ProviderAnswerTooLarge,
     RetrySettings,
     UpstreamRequest,
     UpstreamResponse,
@@ -273,6 +286,122 @@ async def send_upstream(
     return response
 
 
+# -- the API a model turn is sent in (issue 25; the translation: chat_upstream.py) -------
+# `send_model` is the one place a model turn goes upstream (run_turn and the ledger's
+# continuations call it). For a Responses turn it reads the tenant's `upstream.api`:
+# `responses`, the request goes to /responses as it is; `chat`, it is translated and sent
+# to /chat/completions (proxy/server/chat_upstream.py); `auto` (default), /responses
+# until the provider answers it 404 or 405, then the turn is sent again translated, and
+# when Chat answers it (anything but 404/405 again: an unknown model is a 404 on both)
+# `chat` is recorded in the store for this tenant's upstream URL, and read from there
+# (once per process) for every later turn.
+
+NOT_SERVED = frozenset({404, 405})  # what a Chat-only server answers on /v1/responses
+
+
+def upstream_of(request: web.Request, policy: Policy) -> Upstream:
+    return (policy.tenant, upstream_base(request, policy))
+
+
+class Untranslatable(Exception):
+    """A turn found Chat-only only after its /responses call (`auto`) that Chat cannot
+    carry: `error` is the client's 400, `upstream` the refused call (the turn's hooks see
+    it as a refusal, so nothing of the turn stays in the store)."""
+
+    def __init__(self, error: ApiError, upstream: UpstreamResponse) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.upstream = upstream
+
+
+async def upstream_api(request: web.Request, policy: Policy) -> str:
+    """`responses`, `chat`, or `auto` (nothing learnt yet) for this tenant's upstream."""
+    if policy.upstream.api != "auto":
+        return policy.upstream.api
+    key = upstream_of(request, policy)
+    known = request.app[UPSTREAM_APIS]
+    if key not in known:
+        store: UpstreamApiStore = request.app[STORE]
+        known[key] = await store.upstream_api_get(*key)
+    return known[key] or "auto"
+
+
+async def learn_chat(request: web.Request, policy: Policy) -> None:
+    key = upstream_of(request, policy)
+    store: UpstreamApiStore = request.app[STORE]
+    learnt = await store.upstream_api_set(*key, "chat", utc_now())
+    request.app[UPSTREAM_APIS][key] = learnt
+
+
+async def check_translatable(request: web.Request, policy: Policy, body: JsonDict) -> None:
+    """Before anything is stored or forwarded: a turn for a Chat-only upstream that Chat
+    cannot carry (a hosted tool, say) is refused with a 400 naming the param."""
+    if await upstream_api(request, policy) == "chat":
+        translated(request, upstream_of(request, policy), body)
+
+
+async def send_model(
+    request: web.Request,
+    policy: Policy,
+    api: ApiShape,
+    sent: JsonDict,
+    raw: bytes,
+    *,
+    stream: bool,
+) -> UpstreamResponse:
+    """The model turn `sent` (its bytes `raw`) to the provider, in the API it serves."""
+    chosen = await upstream_api(request, policy) if api is RESPONSES else "responses"
+    if chosen == "chat":
+        chat = translated(request, upstream_of(request, policy), sent)
+        return await _send_chat(request, policy, sent, chat, stream)
+    upstream = await send_upstream(
+        request, policy, path=api.path, body=raw, stream=stream, route=api.route
+    )
+    if chosen == "responses" or upstream.status not in NOT_SERVED:
+        return upstream
+    if await _names_the_model(upstream, sent):
+        return upstream
+    try:
+        chat = translated(request, upstream_of(request, policy), sent)
+    except ApiError as exc:
+        raise Untranslatable(exc, upstream) from None
+    answer = await _send_chat(request, policy, sent, chat, stream)
+    if answer.status in NOT_SERVED:  # not the endpoint: the model, say; nothing learnt
+        await answer.aclose()
+        request[LOG_FIELDS].pop("upstream_api", None)
+        return upstream
+    await upstream.aclose()
+    await learn_chat(request, policy)
+    return answer
+
+
+async def _names_the_model(upstream: UpstreamResponse, sent: JsonDict) -> bool:
+    """Whether a 404/405 is about the model, not the endpoint: OpenAI's `model_not_found`,
+    or a body that names the requested model (Ollama's `model "x" not found`). A server
+    without /responses answers its framework's not-found, which names no model."""
+    try:
+        body = await upstream.aread()
+    except ProviderAnswerTooLarge:
+        return False
+    model = sent.get("model")
+    named = isinstance(model, str) and len(model) >= 2 and model.encode() in body
+    return named or b'"model_not_found"' in body
+
+
+async def _send_chat(
+    request: web.Request, policy: Policy, sent: JsonDict, chat: JsonDict, stream: bool
+) -> UpstreamResponse:
+    async def post(body: bytes) -> UpstreamResponse:
+        return await send_upstream(
+            request, policy, path=CHAT_PATH, body=body, stream=stream, route=RESPONSES.route
+        )
+
+    return await send_chat(request, upstream_of(request, policy), sent, chat, post)
+
+
+# -- the answer back: checked, then through the turn's transformer -----------------------
+
+
 def is_event_stream(upstream: UpstreamResponse) -> bool:
     return upstream.is_event_stream
 
@@ -284,7 +413,7 @@ async def read_body(upstream: UpstreamResponse) -> bytes:
         return await upstream.aread()
     except UpstreamUnavailable as exc:
         raise upstream_error(exc) from None
-    except BadAnswer as exc:  # a translated Chat answer (proxy/server/chat_upstream.py)
+    except BadAnswer as exc:  # a translated Chat answer (chat_upstream.TranslatedResponse)
         raise bad_answer(exc) from None
 
 
@@ -311,6 +440,122 @@ def provider_answer(api: ApiShape, body: bytes) -> dict[str, Any]:
 
 def bad_answer(exc: BadAnswer) -> ApiError:
     return ApiError(502, str(exc), type="server_error", code=BAD_ANSWER)
+
+
+# -- the transformers: what a model answer becomes on its way to the client --------------
+# The relay loop (`relay_stream`) decodes each event once and hands it with its parsed
+# data to the turn's `Transformer`: `Passthrough` (the bytes untouched), `Keep` (a stored
+# turn, kept through its `Keeper` before its end reaches the client) or the ledger's
+# holdback (proxy/server/holdback.py, an `EventTransformer`). A non-streamed answer goes
+# through `Transformer.answer` whole.
+
+
+class Transformer(Protocol):
+    """What one stream becomes on its way to the client. The relay loop decodes each
+    event once, feeds it (checked) to `upstream`, then hands it with its parsed data to
+    `event`; `passed` gets each raw chunk after its events; `end` runs at the provider's
+    EOF (after the decoder's flush). Each returns the bytes the client gets next. A
+    transformer takes a non-streamed answer whole (`answer`)."""
+
+    @property
+    def upstream(self) -> Any:
+        """The accumulator of what the provider streamed (ApiShape.accumulator)."""
+        ...
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]: ...
+
+    def passed(self, chunk: bytes) -> bytes: ...
+
+    async def end(self) -> list[bytes]: ...
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        """A whole (non-streamed) answer as the client gets it; the same object when
+        it is relayed as the provider sent it."""
+        ...
+
+
+class EventTransformer:
+    """A transformer that writes events it builds itself (raw chunks are not passed)."""
+
+    def __init__(self, api: ApiShape) -> None:
+        self.api = api
+        self.upstream = api.accumulator()
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        raise NotImplementedError
+
+    def passed(self, chunk: bytes) -> bytes:
+        return b""
+
+    async def end(self) -> list[bytes]:
+        return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
+
+
+class Passthrough:
+    """The provider's bytes untouched, whole events at a time: a malformed event is never
+    sent, and an error event after it is a clean event of its own. Without an API shape
+    (a passthrough endpoint) the bytes go as they come, not decoded."""
+
+    def __init__(self, api: ApiShape | None) -> None:
+        self.upstream = api.accumulator() if api is not None else None
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        return []
+
+    def passed(self, chunk: bytes) -> bytes:
+        return chunk  # an event stream's chunks are whole events (UpstreamResponse)
+
+    async def end(self) -> list[bytes]:
+        return []
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        return answer
+
+
+class Keeper(Protocol):
+    """A stateful turn's hooks into the relay (SPEC 7): the final answer is persisted
+    before its terminal bytes reach the client, so the client's next request finds it."""
+
+    def rewrite(self, response: dict[str, Any]) -> dict[str, Any]:
+        """A provider Response / chat.completion object as the proxy returns it."""
+        ...
+
+    async def keep(
+        self, result: dict[str, Any], log: Sequence[dict[str, Any]] | None = None
+    ) -> None:
+        """Persist the final (rewritten) answer; called at most once. `log` replaces the
+        answer's output as the thread's items when the ledger continued the turn."""
+        ...
+
+
+class Keep(EventTransformer):
+    """A stateful turn's stream: response objects rewritten by the keeper, and the answer
+    kept before the event that ends it reaches the client."""
+
+    def __init__(self, api: ApiShape, keeper: Keeper) -> None:
+        super().__init__(api)
+        self.keeper = keeper
+        self.kept = False
+
+    async def event(self, event: SSEEvent, payload: JsonDict | None) -> list[bytes]:
+        final = self.api.final_answer(self.upstream, event)
+        if final is not None and not self.kept:
+            await self.keeper.keep(self.keeper.rewrite(final))
+            self.kept = True
+        data = event.data
+        if payload is not None:
+            rewritten = self.api.rewritten_payload(payload, self.keeper.rewrite)
+            if rewritten is not None:
+                data = fastjson.dumps(rewritten).decode()
+        return [encode_event(data, event=event.event)]
+
+    async def answer(self, answer: JsonDict) -> JsonDict:
+        final = self.keeper.rewrite(answer)
+        await self.keeper.keep(final)
+        return final
 
 
 # Where a relayed model answer (or a stream's usage holder) is reported (turn hooks).
@@ -408,7 +653,7 @@ async def _relay_body(
     return response
 
 
-# -- the stream relay: one loop, pluggable transformers (proxy/server/transform.py) -------
+# -- the stream relay: one loop, pluggable transformers (above) -------------------------
 
 
 async def relay_stream(

@@ -28,7 +28,6 @@ from proxy.core import fastjson
 from proxy.counting import counter_for, provider_count
 from proxy.server.api import RESPONSES
 from proxy.server.background import RUNS, follow
-from proxy.server.chat_upstream import check_translatable
 from proxy.server.compaction import (
     CONTEXT_MANAGEMENT,
     LOCAL_REWRITERS,
@@ -37,11 +36,10 @@ from proxy.server.compaction import (
     rewriters,
 )
 from proxy.server.errors import invalid
-from proxy.server.inputs import ends_with_trigger, resolve_references, validate_input
-from proxy.server.model_budget import budget_counter
+from proxy.server.model_budget import budget_counter, learned_for
 from proxy.server.modes import Conversation, ResponseChain, Stateless, resolve_chain
 from proxy.server.observe import SummariesAhead, Usage
-from proxy.server.rebuild import learned_for, off_the_loop
+from proxy.server.relay import check_translatable
 from proxy.server.response_routes import get_response
 from proxy.server.state import LOG_FIELDS, TENANT_POLICY, THREADS
 from proxy.server.turn import (
@@ -52,17 +50,21 @@ from proxy.server.turn import (
     Rewriter,
     Turn,
     Window,
+    off_the_loop,
     projected_once,
     run_turn,
 )
 from proxy.server.validate import (
     JsonDict,
+    ends_with_trigger,
     list_of_objects,
     optional,
     optional_positive_int,
     read_json_object,
     required_string,
+    resolve_references,
     unsupported_value,
+    validate_input,
     wrong_type,
 )
 

@@ -39,7 +39,7 @@ OWNER = web.AppKey("owner", str)  # this process instance; marks the responses i
 # LLM summaries written in the background (absent: no summarizer anywhere in this app)
 SUMMARIES = web.AppKey("summaries", BackgroundSummaries)
 # The API each tenant's upstream serves Responses through, as learnt (policy upstream.api:
-# auto, proxy/server/chat_upstream.py), by (tenant, base URL); None: nothing learnt.
+# auto, proxy/server/relay.py `upstream_api`), by (tenant, base URL); None: nothing learnt.
 UPSTREAM_APIS: web.AppKey[dict[tuple[str, str], str | None]] = web.AppKey("upstream_apis", dict)
 # The output-cap field each tenant's Chat upstream takes, where its answers showed it does
 # not take the spec's (proxy/server/chat_upstream.py), by (tenant, base URL); in memory.

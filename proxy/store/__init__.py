@@ -2,8 +2,9 @@
 
     base.py       the contract: a Protocol per concern, `Store` their union, row
                   dataclasses, errors
-    sql.py        SQL text and pure row <-> dataclass helpers (no I/O)
-    sqlstore.py   SqlStore: the contract's logic over a small connection seam
+    sql.py        SQL text (no I/O)
+    sqlstore.py   SqlStore: the contract's logic over a small connection seam, and
+                  the pure row <-> dataclass helpers of what it reads and writes
     sqlite.py     aiosqlite, WAL, one writer queue per process
     postgres.py   asyncpg pool; `?schema=NAME` (or schema=) sets the search_path
     migrate.py    numbered SQL files per dialect, one migrate() for both

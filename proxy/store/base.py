@@ -147,6 +147,12 @@ class Window:
     items: tuple[StoredItem, ...]
 
 
+def window_start(state: JsonDict) -> int:
+    """First seq still sent verbatim (SPEC section 2, thread state)."""
+    start = state.get("window_start", 0)
+    return start if isinstance(start, int) and start > 0 else 0
+
+
 @dataclass(frozen=True)
 class ItemPage:
     items: tuple[StoredItem, ...]

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from proxy.store import sql
+# sqlite3.Row or asyncpg.Record: both index by column name.
+Row = Any
 
 
 class Conn(Protocol):
@@ -22,9 +23,9 @@ class Conn(Protocol):
 
     async def executemany(self, query: str, rows: Sequence[tuple[Any, ...]]) -> None: ...
 
-    async def fetch(self, query: str, *args: Any) -> list[sql.Row]: ...
+    async def fetch(self, query: str, *args: Any) -> list[Row]: ...
 
-    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None: ...
+    async def fetchrow(self, query: str, *args: Any) -> Row | None: ...
 
 
 class Database(Protocol):

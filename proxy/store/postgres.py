@@ -26,8 +26,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
-from proxy.store import sql
 from proxy.store.base import AlreadyExists, StoreUnavailable
+from proxy.store.database import Row
 from proxy.store.sqlstore import SqlStore
 
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -77,11 +77,11 @@ class PostgresConn:
         async with _unique_as_exists():
             await self._conn.executemany(query, rows, timeout=self._timeout)
 
-    async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
+    async def fetch(self, query: str, *args: Any) -> list[Row]:
         async with _unique_as_exists():
             return list(await self._conn.fetch(query, *args, timeout=self._timeout))
 
-    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
+    async def fetchrow(self, query: str, *args: Any) -> Row | None:
         async with _unique_as_exists():
             return await self._conn.fetchrow(query, *args, timeout=self._timeout)
 

@@ -1,4 +1,5 @@
-"""SQL text and pure row <-> dataclass conversion shared by the SQLite and PostgreSQL stores.
+"""SQL text shared by the SQLite and PostgreSQL stores (the rows it reads and writes are
+decoded where they are run: proxy/store/sqlstore.py).
 
 Nothing here runs a cursor. Statements are written once with PostgreSQL's `$n`
 placeholders; `to_qmark` rewrites them to SQLite's numbered `?n` form, so both backends
@@ -8,29 +9,10 @@ run the same text (both support `ON CONFLICT` and `RETURNING`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
 
-from proxy.core import fastjson
-from proxy.core.items import content_digest
-from proxy.store.base import (
-    ExplainRecord,
-    Heartbeat,
-    IdempotencyRecord,
-    InspectorSession,
-    JsonDict,
-    LearnedRecord,
-    LedgerEntry,
-    NewItem,
-    StoredItem,
-    StoredResponse,
-    StoredSummary,
-    Thread,
-    stored_items,
-)
-
-# sqlite3.Row or asyncpg.Record: both index by column name.
-Row = Any
+# proxy/threads.py reads `sql.window_start` (another helper's file when it moved to base.py,
+# h-walk): re-exported until that call names base.py.
+from proxy.store.base import window_start as window_start
 
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
@@ -38,15 +20,6 @@ _PLACEHOLDER = re.compile(r"\$(\d+)")
 def to_qmark(sql: str) -> str:
     """`$1` -> `?1`: SQLite's numbered parameters bind the same positions as asyncpg's."""
     return _PLACEHOLDER.sub(r"?\1", sql)
-
-
-def dumps(value: Any) -> str:
-    """A column's JSON text: read back by `loads` as `value` (fastjson.dumps_text)."""
-    return fastjson.dumps_text(value)
-
-
-def loads(text: str | None) -> Any:
-    return None if text is None else fastjson.loads(text)
 
 
 # threads -------------------------------------------------------------------------------
@@ -296,17 +269,6 @@ ORDER BY upstream, model LIMIT $2
 LIST_ALL_LEARNED = f"""
 SELECT {LEARNED_COLUMNS} FROM learned_limits ORDER BY tenant, upstream, model LIMIT $1
 """
-
-
-def learned_from_row(row: Row) -> LearnedRecord:
-    state = loads(row["state"])
-    return LearnedRecord(
-        tenant=row["tenant"],
-        upstream=row["upstream"],
-        model=row["model"],
-        state=state if isinstance(state, dict) else {},
-        updated_at=row["updated_at"],
-    )
 
 
 # upstream APIs (migration 015): the first write wins -----------------------------------
@@ -562,206 +524,3 @@ EMPTY_CHAIN = """
 SELECT 1 AS found FROM threads WHERE tenant = $1 AND id = $2 AND kind = 'responses'
 AND NOT EXISTS (SELECT 1 FROM responses WHERE tenant = $1 AND thread_id = $2)
 """
-
-# row -> dataclass ----------------------------------------------------------------------
-
-
-def thread_from_row(row: Row) -> Thread:
-    return Thread(
-        tenant=row["tenant"],
-        id=row["id"],
-        kind=row["kind"],
-        metadata=loads(row["metadata"]),
-        created_at=row["created_at"],
-        version=row["version"],
-        next_seq=row["next_seq"],
-        state=loads(row["state"]),
-        head_response_id=row["head_response_id"],
-        epoch=row["epoch"],
-    )
-
-
-def item_from_row(row: Row) -> StoredItem:
-    raw = loads(row["raw"])
-    return StoredItem(
-        seq=row["seq"],
-        item_id=row["item_id"],
-        raw=raw,
-        api=row["api"],
-        tokens=row["tokens"],
-        encoding=row["encoding"],
-        response_id=row["response_id"],
-        role=row["role"],
-        created_at=row["created_at"],
-        # Rows from before migration 005 have none: computed here, the same function.
-        digest=row["digest"] or content_digest(raw),
-    )
-
-
-def response_from_row(row: Row) -> StoredResponse:
-    return StoredResponse(
-        tenant=row["tenant"],
-        id=row["id"],
-        thread_id=row["thread_id"],
-        previous_response_id=row["previous_response_id"],
-        status=row["status"],
-        request=loads(row["request"]),
-        response=loads(row["response"]),
-        created_at=row["created_at"],
-        owner=row["owner"],
-        input_first_seq=row["input_first_seq"],
-        output_last_seq=row["output_last_seq"],
-        background=bool(row["background"]),
-    )
-
-
-def ledger_from_row(row: Row) -> LedgerEntry:
-    return LedgerEntry(**{name: row[name] for name in LEDGER_COLUMNS.split(", ")})
-
-
-def heartbeat_from_row(row: Row) -> Heartbeat:
-    return Heartbeat(**{name: row[name] for name in HEARTBEAT_COLUMNS.split(", ")})
-
-
-def idempotency_from_row(row: Row) -> IdempotencyRecord:
-    body = row["response_body"]
-    return IdempotencyRecord(
-        tenant=row["tenant"],
-        key=row["key"],
-        fingerprint=row["fingerprint"],
-        status=row["status"],
-        response_status=row["response_status"],
-        response_headers=tuple((name, value) for name, value in loads(row["response_headers"])),
-        response_body=None if body is None else bytes(body),
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        owner=row["owner"] or "",
-    )
-
-
-def summary_from_row(row: Row) -> StoredSummary:
-    return StoredSummary(
-        tenant=row["tenant"],
-        model=row["model"],
-        api=row["api"],
-        digest=row["digest"],
-        raw=loads(row["raw"]),
-        state=loads(row["state"]),
-        created_at=row["created_at"],
-    )
-
-
-# dataclass -> parameters ---------------------------------------------------------------
-
-
-def thread_params(
-    tenant: str,
-    thread_id: str,
-    kind: str,
-    metadata: Mapping[str, str] | None,
-    now: str,
-    next_seq: int,
-) -> tuple[Any, ...]:
-    return (tenant, thread_id, kind, dumps(dict(metadata or {})), now, next_seq, dumps({}))
-
-
-def item_params(
-    tenant: str,
-    thread_id: str,
-    first_seq: int,
-    items: Sequence[NewItem],
-    now: str,
-    response_id: str | None = None,
-) -> list[tuple[Any, ...]]:
-    """Rows for INSERT_ITEM (base.stored_items: the turn's response id, the digest)."""
-    return [
-        (
-            tenant,
-            thread_id,
-            item.seq,
-            item.item_id,
-            dumps(item.raw),
-            item.api,
-            item.tokens,
-            item.encoding,
-            item.response_id,
-            item.role,
-            item.created_at,
-            item.digest,
-        )
-        for item in stored_items(items, first_seq, now, response_id)
-    ]
-
-
-def response_params(response: StoredResponse) -> tuple[Any, ...]:
-    return (
-        response.tenant,
-        response.id,
-        response.thread_id,
-        response.previous_response_id,
-        response.status,
-        dumps(response.request),
-        None if response.response is None else dumps(response.response),
-        response.created_at,
-        response.owner,
-        response.input_first_seq,
-        response.output_last_seq,
-        response.background,
-    )
-
-
-def ledger_params(entry: LedgerEntry) -> tuple[Any, ...]:
-    return tuple(getattr(entry, name) for name in LEDGER_COLUMNS.split(", "))
-
-
-def idempotency_params(record: IdempotencyRecord) -> tuple[Any, ...]:
-    return (
-        record.tenant,
-        record.key,
-        record.fingerprint,
-        record.status,
-        record.response_status,
-        headers_text(record.response_headers),
-        record.response_body,
-        record.created_at,
-        record.expires_at,
-        record.owner or None,
-    )
-
-
-def headers_text(headers: Sequence[tuple[str, str]]) -> str:
-    return dumps([[name, value] for name, value in headers])
-
-
-def window_start(state: JsonDict) -> int:
-    """First seq still sent verbatim (SPEC section 2, thread state)."""
-    start = state.get("window_start", 0)
-    return start if isinstance(start, int) and start > 0 else 0
-
-
-def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
-    state = None if summary.state is None else dumps(summary.state)
-    return (
-        summary.tenant,
-        summary.model,
-        summary.api,
-        summary.digest,
-        dumps(summary.raw),
-        state,
-        summary.created_at,
-    )
-
-
-def explain_from_row(row: Row) -> ExplainRecord:
-    return ExplainRecord(row["tenant"], row["request_id"], row["created_at"], loads(row["record"]))
-
-
-def session_from_row(row: Row) -> InspectorSession:
-    return InspectorSession(
-        row["id_hash"],
-        row["tenant"],
-        row["key_hash"],
-        row["signing_key"],
-        row["created_at"],
-        row["expires_at"],
-    )

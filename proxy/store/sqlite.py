@@ -40,6 +40,7 @@ import aiosqlite
 
 from proxy.store import sql
 from proxy.store.base import AlreadyExists, StoreUnavailable
+from proxy.store.database import Row
 from proxy.store.sqlstore import SqlStore
 
 T = TypeVar("T")
@@ -171,11 +172,11 @@ class SqliteConn:
         statement = _qmark(query)
         await self._run(lambda raw: raw.executemany(statement, rows).close())
 
-    async def fetch(self, query: str, *args: Any) -> list[sql.Row]:
+    async def fetch(self, query: str, *args: Any) -> list[Row]:
         statement = _qmark(query)
         return await self._run(lambda raw: raw.execute(statement, args).fetchall())
 
-    async def fetchrow(self, query: str, *args: Any) -> sql.Row | None:
+    async def fetchrow(self, query: str, *args: Any) -> Row | None:
         rows = await self.fetch(query, *args)
         return rows[0] if rows else None
 

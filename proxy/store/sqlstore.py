@@ -5,7 +5,8 @@ transactions and lock; they run the same statements (proxy/store/sql.py) with th
 logic, which lives here once. A backend supplies a `Database` (proxy/store/database.py):
 `read()` yields a connection inside a consistent read snapshot, `write()` one inside a
 write transaction that commits on exit and rolls back on any exception, so a raised
-`VersionConflict` leaves nothing behind.
+`VersionConflict` leaves nothing behind. The rows those statements read and write are
+decoded and encoded at the end of this module, by pure functions (JSON text columns).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from proxy.core import fastjson
 from proxy.core.checkpoint import without_cut
+from proxy.core.items import content_digest
 from proxy.namespaces import caller_prefix
 from proxy.store import sql
 from proxy.store.base import (
@@ -45,8 +48,10 @@ from proxy.store.base import (
     TooManyRunning,
     VersionConflict,
     Window,
+    stored_items,
+    window_start,
 )
-from proxy.store.database import Conn, Database
+from proxy.store.database import Conn, Database, Row
 from proxy.store.migrate import migrate
 
 # How long readiness reports a store that refused a write for lack of space (disk full):
@@ -85,13 +90,13 @@ class SqlStore:
         items: Sequence[NewItem] = (),
         now: str,
     ) -> Thread:
-        params = sql.thread_params(tenant, thread_id, kind, metadata, now, len(items))
+        params = thread_params(tenant, thread_id, kind, metadata, now, len(items))
         async with self.db.write() as conn:
             row = await conn.fetchrow(sql.INSERT_THREAD, *params)
             if row is None:
                 raise AlreadyExists(f"thread {thread_id!r} exists")
-            await _insert_items(conn, sql.item_params(tenant, thread_id, 0, items, now))
-        return sql.thread_from_row(row)
+            await _insert_items(conn, item_params(tenant, thread_id, 0, items, now))
+        return thread_from_row(row)
 
     async def get_thread(self, tenant: str, thread_id: str) -> Thread | None:
         async with self.db.read() as conn:
@@ -108,7 +113,7 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_CALLER_THREADS, tenant, len(prefix), prefix, limit)
             else:
                 rows = await conn.fetch(sql.LIST_TENANT_THREADS, tenant, limit)
-        return tuple(map(sql.thread_from_row, rows))
+        return tuple(map(thread_from_row, rows))
 
     async def namespaces(self, tenant: str, *, limit: int) -> tuple[str, ...]:
         prefix = caller_prefix(tenant)
@@ -119,16 +124,14 @@ class SqlStore:
     async def find_threads(self, thread_id: str, *, limit: int = 10) -> tuple[Thread, ...]:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.FIND_THREADS, thread_id, limit)
-        return tuple(map(sql.thread_from_row, rows))
+        return tuple(map(thread_from_row, rows))
 
     async def update_metadata(
         self, tenant: str, thread_id: str, metadata: Mapping[str, str]
     ) -> Thread | None:
         async with self.db.write() as conn:
-            row = await conn.fetchrow(
-                sql.UPDATE_METADATA, tenant, thread_id, sql.dumps(dict(metadata))
-            )
-        return None if row is None else sql.thread_from_row(row)
+            row = await conn.fetchrow(sql.UPDATE_METADATA, tenant, thread_id, dumps(dict(metadata)))
+        return None if row is None else thread_from_row(row)
 
     async def delete_thread(self, tenant: str, thread_id: str) -> bool:
         async with self.db.write() as conn:
@@ -161,12 +164,12 @@ class SqlStore:
             if source is None:
                 raise NotFound(f"thread {source_id!r} not found")
             next_seq = max(0, min(source.next_seq, through_seq + 1))
-            params = sql.thread_params(tenant, new_id, source.kind, source.metadata, now, next_seq)
+            params = thread_params(tenant, new_id, source.kind, source.metadata, now, next_seq)
             row = await conn.fetchrow(sql.INSERT_THREAD, *params)
             if row is None:
                 raise AlreadyExists(f"thread {new_id!r} exists")
             await conn.execute(sql.COPY_ITEMS, tenant, source_id, new_id, through_seq)
-        return sql.thread_from_row(row)
+        return thread_from_row(row)
 
     # items ----------------------------------------------------------------------------
     async def append_items(
@@ -182,7 +185,7 @@ class SqlStore:
         async with self.db.write() as conn:
             thread = await _advance(conn, tenant, thread_id, len(items), expected_version, state)
             first_seq = thread.next_seq - len(items)
-            await _insert_items(conn, sql.item_params(tenant, thread_id, first_seq, items, now))
+            await _insert_items(conn, item_params(tenant, thread_id, first_seq, items, now))
         return thread
 
     async def load_window(self, tenant: str, thread_id: str, *, from_seq: int = 0) -> Window | None:
@@ -199,11 +202,11 @@ class SqlStore:
             thread = await _thread(conn, tenant, thread_id)
             if thread is None:
                 return None
-            start = max(sql.window_start(thread.state), from_seq)
+            start = max(window_start(thread.state), from_seq)
             if start >= thread.next_seq:
                 return Window(thread=thread, items=())
             rows = await conn.fetch(sql.SELECT_ITEMS_FROM, tenant, thread_id, start)
-        return Window(thread=thread, items=tuple(map(sql.item_from_row, rows)))
+        return Window(thread=thread, items=tuple(map(item_from_row, rows)))
 
     async def list_items(
         self,
@@ -227,7 +230,7 @@ class SqlStore:
                 cursor = (row["seq"],)
             query = sql.page_query(order, after=after is not None)
             rows = await conn.fetch(query, tenant, thread_id, *cursor, limit + 1)
-        items = tuple(map(sql.item_from_row, rows[:limit]))
+        items = tuple(map(item_from_row, rows[:limit]))
         return ItemPage(items=items, has_more=len(rows) > limit)
 
     async def items_between(
@@ -237,17 +240,17 @@ class SqlStore:
             rows = await conn.fetch(
                 sql.SELECT_ITEMS_BETWEEN, tenant, thread_id, first_seq, last_seq
             )
-        return tuple(map(sql.item_from_row, rows))
+        return tuple(map(item_from_row, rows))
 
     async def get_item(self, tenant: str, thread_id: str, item_id: str) -> StoredItem | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_ITEM, tenant, thread_id, item_id)
-        return None if row is None else sql.item_from_row(row)
+        return None if row is None else item_from_row(row)
 
     async def find_item(self, tenant: str, item_id: str) -> StoredItem | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.FIND_ITEM, tenant, item_id)
-        return None if row is None else sql.item_from_row(row)
+        return None if row is None else item_from_row(row)
 
     async def delete_item(self, tenant: str, thread_id: str, item_id: str) -> bool:
         async with self.db.write() as conn:
@@ -259,9 +262,9 @@ class SqlStore:
             # again from the log, they go, and so do the explain records that show them.
             await conn.execute(sql.DELETE_THREAD_EXPLAIN, tenant, thread_id)
             row = await conn.fetchrow(sql.SELECT_STATE, tenant, thread_id)
-            state = sql.loads(row["state"]) if row is not None else None
+            state = loads(row["state"]) if row is not None else None
             if isinstance(state, dict):
-                cleared = sql.dumps(without_cut(state))
+                cleared = dumps(without_cut(state))
                 await conn.execute(sql.SET_STATE, tenant, thread_id, cleared)
         return True
 
@@ -279,7 +282,7 @@ class SqlStore:
                 row = await conn.fetchrow(sql.COUNT_BACKGROUND_RUNNING, response.tenant)
                 if row is not None and int(row["running"]) >= limit:
                     raise TooManyRunning(limit)
-            if await conn.execute(sql.INSERT_RESPONSE, *sql.response_params(response)) == 0:
+            if await conn.execute(sql.INSERT_RESPONSE, *response_params(response)) == 0:
                 raise AlreadyExists(f"response {response.id!r} exists")
 
     async def commit_turn(
@@ -300,11 +303,11 @@ class SqlStore:
                 conn, tenant, thread_id, count, expected_version, state, head=response_id
             )
             first_seq = thread.next_seq - count
-            rows = sql.item_params(tenant, thread_id, first_seq, items, now, response_id)
+            rows = item_params(tenant, thread_id, first_seq, items, now, response_id)
             await _insert_items(conn, rows)
             if response_id is not None:
                 seqs = (first_seq, thread.next_seq - 1) if count else (None, None)
-                body = None if response is None else sql.dumps(response)
+                body = None if response is None else dumps(response)
                 args = (tenant, response_id, body, *seqs)
                 if await conn.execute(sql.COMPLETE_TURN_RESPONSE, *args) == 0:
                     await _lost_response(conn, tenant, response_id)
@@ -318,7 +321,7 @@ class SqlStore:
         status: ResponseStatus,
         response: JsonDict | None,
     ) -> None:
-        body = None if response is None else sql.dumps(response)
+        body = None if response is None else dumps(response)
         async with self.db.write() as conn:
             if await conn.execute(sql.FINISH_RESPONSE, tenant, response_id, status, body) == 0:
                 with contextlib.suppress(Cancelled):  # it stays cancelled
@@ -327,14 +330,14 @@ class SqlStore:
     async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_RESPONSE, tenant, response_id)
-        return None if row is None else sql.response_from_row(row)
+        return None if row is None else response_from_row(row)
 
     async def find_responses(
         self, response_id: str, *, limit: int = 10
     ) -> tuple[StoredResponse, ...]:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.FIND_RESPONSES, response_id, limit)
-        return tuple(map(sql.response_from_row, rows))
+        return tuple(map(response_from_row, rows))
 
     async def delete_response(self, tenant: str, response_id: str) -> bool:
         async with self.db.write() as conn:
@@ -380,7 +383,7 @@ class SqlStore:
     async def heartbeats(self) -> tuple[Heartbeat, ...]:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.SELECT_HEARTBEATS)
-        return tuple(map(sql.heartbeat_from_row, rows))
+        return tuple(map(heartbeat_from_row, rows))
 
     async def abandon_dead(self, stale_before: str, *, except_owner: str) -> int:
         async with self.db.write() as conn:
@@ -399,23 +402,23 @@ class SqlStore:
     # side-effect ledger ---------------------------------------------------------------
     async def ledger_issue(self, entry: LedgerEntry) -> tuple[LedgerEntry, bool]:
         async with self.db.write() as conn:
-            row = await conn.fetchrow(sql.INSERT_LEDGER, *sql.ledger_params(entry))
+            row = await conn.fetchrow(sql.INSERT_LEDGER, *ledger_params(entry))
             if row is not None:
-                return sql.ledger_from_row(row), True
+                return ledger_from_row(row), True
             row = await conn.fetchrow(sql.SELECT_LEDGER, entry.tenant, entry.scope, entry.key)
         if row is None:  # the ledger has no DELETE, so the conflicting row is still there
             raise RuntimeError(f"ledger entry {entry.key!r} conflicted but cannot be read")
-        return sql.ledger_from_row(row), False
+        return ledger_from_row(row), False
 
     async def ledger_get(self, tenant: str, scope: str, key: str) -> LedgerEntry | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_LEDGER, tenant, scope, key)
-        return None if row is None else sql.ledger_from_row(row)
+        return None if row is None else ledger_from_row(row)
 
     async def ledger_by_call(self, tenant: str, call_id: str) -> LedgerEntry | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_LEDGER_BY_CALL, tenant, call_id)
-        return None if row is None else sql.ledger_from_row(row)
+        return None if row is None else ledger_from_row(row)
 
     async def ledger_resolve(
         self,
@@ -465,7 +468,7 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_LEDGER, tenant, limit)
             else:
                 rows = await conn.fetch(sql.LIST_LEDGER_BY_STATUS, tenant, status, limit)
-        return tuple(map(sql.ledger_from_row, rows))
+        return tuple(map(ledger_from_row, rows))
 
     # server secrets -------------------------------------------------------------------
     async def secret(self, name: str) -> str | None:
@@ -485,7 +488,7 @@ class SqlStore:
     async def learned_get(self, tenant: str, upstream: str, model: str) -> LearnedRecord | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_LEARNED, tenant, upstream, model)
-        return None if row is None else sql.learned_from_row(row)
+        return None if row is None else learned_from_row(row)
 
     async def learned_put(self, record: LearnedRecord) -> None:
         async with self.db.write() as conn:
@@ -494,7 +497,7 @@ class SqlStore:
                 record.tenant,
                 record.upstream,
                 record.model,
-                sql.dumps(record.state),
+                dumps(record.state),
                 record.updated_at,
             )
 
@@ -506,7 +509,7 @@ class SqlStore:
                 rows = await conn.fetch(sql.LIST_ALL_LEARNED, limit)
             else:
                 rows = await conn.fetch(sql.LIST_LEARNED, tenant, limit)
-        return tuple(map(sql.learned_from_row, rows))
+        return tuple(map(learned_from_row, rows))
 
     # upstream APIs --------------------------------------------------------------------
     async def upstream_api_get(self, tenant: str, base_url: str) -> str | None:
@@ -525,8 +528,7 @@ class SqlStore:
     # explain records ------------------------------------------------------------------
     async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
         rows = [
-            (r.tenant, r.request_id, r.created_at, sql.dumps(r.record), r.thread_id)
-            for r in records
+            (r.tenant, r.request_id, r.created_at, dumps(r.record), r.thread_id) for r in records
         ]
         async with self.db.write() as conn:
             await conn.executemany(sql.INSERT_EXPLAIN, rows)
@@ -535,16 +537,16 @@ class SqlStore:
         async with self.db.read() as conn:
             if tenant is not None:
                 row = await conn.fetchrow(sql.SELECT_EXPLAIN, tenant, request_id)
-                return None if row is None else sql.explain_from_row(row)
+                return None if row is None else explain_from_row(row)
             rows = await conn.fetch(sql.FIND_EXPLAIN, request_id)
-        return sql.explain_from_row(rows[0]) if len(rows) == 1 else None
+        return explain_from_row(rows[0]) if len(rows) == 1 else None
 
     async def explain_for_thread(
         self, tenant: str, thread_id: str, *, limit: int
     ) -> tuple[ExplainRecord, ...]:
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.THREAD_EXPLAIN, tenant, thread_id, limit)
-        return tuple(map(sql.explain_from_row, rows))
+        return tuple(map(explain_from_row, rows))
 
     async def explain_purge(self, before: str) -> int:
         async with self.db.write() as conn:
@@ -568,7 +570,7 @@ class SqlStore:
     async def inspector_session_get(self, id_hash: str) -> InspectorSession | None:
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_SESSION, id_hash)
-        return None if row is None else sql.session_from_row(row)
+        return None if row is None else session_from_row(row)
 
     async def inspector_session_revoke(self, id_hash: str) -> bool:
         async with self.db.write() as conn:
@@ -583,18 +585,18 @@ class SqlStore:
     # request idempotency --------------------------------------------------------------
     async def idempotency_begin(self, record: IdempotencyRecord) -> IdempotencyRecord | None:
         async with self.db.write() as conn:
-            if await conn.fetchrow(sql.BEGIN_IDEMPOTENCY, *sql.idempotency_params(record)):
+            if await conn.fetchrow(sql.BEGIN_IDEMPOTENCY, *idempotency_params(record)):
                 return None
             row = await conn.fetchrow(sql.SELECT_IDEMPOTENCY, record.tenant, record.key)
         if row is None:  # same transaction as the conflicting insert: cannot vanish
             raise RuntimeError(f"idempotency record {record.key!r} conflicted but is gone")
-        return sql.idempotency_from_row(row)
+        return idempotency_from_row(row)
 
     async def idempotency_get(self, tenant: str, key: str) -> IdempotencyRecord | None:
         """Not in the protocol; lets tests and tools inspect a record."""
         async with self.db.read() as conn:
             row = await conn.fetchrow(sql.SELECT_IDEMPOTENCY, tenant, key)
-        return None if row is None else sql.idempotency_from_row(row)
+        return None if row is None else idempotency_from_row(row)
 
     async def idempotency_finish(
         self,
@@ -606,7 +608,7 @@ class SqlStore:
         body: bytes,
         thread_id: str | None = None,
     ) -> None:
-        args = (tenant, key, status, sql.headers_text(headers), body, thread_id)
+        args = (tenant, key, status, headers_text(headers), body, thread_id)
         async with self.db.write() as conn:
             await conn.execute(sql.FINISH_IDEMPOTENCY, *args)
 
@@ -624,7 +626,7 @@ class SqlStore:
             exists = sql.THREAD_EXISTS[self.db.dialect]
             if thread_id is not None and not await conn.fetchrow(exists, summary.tenant, thread_id):
                 return False
-            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(summary))
+            stored = await conn.fetchrow(sql.INSERT_SUMMARY, *summary_params(summary))
             if thread_id is not None:
                 key = (summary.tenant, thread_id, summary.model, summary.api)
                 await _keep_summaries(conn, *key, [summary.digest])
@@ -640,7 +642,7 @@ class SqlStore:
             return {}
         async with self.db.read() as conn:
             rows = await conn.fetch(sql.select_summaries(len(wanted)), tenant, model, api, *wanted)
-        return {row["digest"]: sql.summary_from_row(row) for row in rows}
+        return {row["digest"]: summary_from_row(row) for row in rows}
 
     async def summaries_keep(
         self, tenant: str, thread_id: str, model: str, api: str, digests: Sequence[str]
@@ -702,7 +704,7 @@ async def _forget_thread_summaries(conn: Conn, tenant: str, thread_id: str) -> i
 
 async def _thread(conn: Conn, tenant: str, thread_id: str) -> Thread | None:
     row = await conn.fetchrow(sql.SELECT_THREAD, tenant, thread_id)
-    return None if row is None else sql.thread_from_row(row)
+    return None if row is None else thread_from_row(row)
 
 
 async def _advance(
@@ -716,14 +718,14 @@ async def _advance(
 ) -> Thread:
     """The OCC write (SPEC section 7): claim `count` seqs, bump the version, maybe replace
     the state. NotFound / VersionConflict when no row matched."""
-    state_text = None if state is None else sql.dumps(state)
+    state_text = None if state is None else dumps(state)
     args: tuple[Any, ...] = (tenant, thread_id, count, state_text, head)
     if expected_version is None:
         row = await conn.fetchrow(sql.ADVANCE_THREAD, *args)
     else:
         row = await conn.fetchrow(sql.ADVANCE_THREAD_AT_VERSION, *args, expected_version)
     if row is not None:
-        return sql.thread_from_row(row)
+        return thread_from_row(row)
     if await _thread(conn, tenant, thread_id) is None:
         raise NotFound(f"thread {thread_id!r} not found")
     raise VersionConflict(f"thread {thread_id!r} is past version {expected_version}")
@@ -732,3 +734,218 @@ async def _advance(
 async def _insert_items(conn: Conn, rows: list[tuple[Any, ...]]) -> None:
     if rows:
         await conn.executemany(sql.INSERT_ITEM, rows)
+
+
+# -- rows <-> values (pure: the statements' text is proxy/store/sql.py) -------------------
+
+
+def dumps(value: Any) -> str:
+    """A column's JSON text: read back by `loads` as `value` (fastjson.dumps_text)."""
+    return fastjson.dumps_text(value)
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else fastjson.loads(text)
+
+
+def learned_from_row(row: Row) -> LearnedRecord:
+    state = loads(row["state"])
+    return LearnedRecord(
+        tenant=row["tenant"],
+        upstream=row["upstream"],
+        model=row["model"],
+        state=state if isinstance(state, dict) else {},
+        updated_at=row["updated_at"],
+    )
+
+
+def thread_from_row(row: Row) -> Thread:
+    return Thread(
+        tenant=row["tenant"],
+        id=row["id"],
+        kind=row["kind"],
+        metadata=loads(row["metadata"]),
+        created_at=row["created_at"],
+        version=row["version"],
+        next_seq=row["next_seq"],
+        state=loads(row["state"]),
+        head_response_id=row["head_response_id"],
+        epoch=row["epoch"],
+    )
+
+
+def item_from_row(row: Row) -> StoredItem:
+    raw = loads(row["raw"])
+    return StoredItem(
+        seq=row["seq"],
+        item_id=row["item_id"],
+        raw=raw,
+        api=row["api"],
+        tokens=row["tokens"],
+        encoding=row["encoding"],
+        response_id=row["response_id"],
+        role=row["role"],
+        created_at=row["created_at"],
+        # Rows from before migration 005 have none: computed here, the same function.
+        digest=row["digest"] or content_digest(raw),
+    )
+
+
+def response_from_row(row: Row) -> StoredResponse:
+    return StoredResponse(
+        tenant=row["tenant"],
+        id=row["id"],
+        thread_id=row["thread_id"],
+        previous_response_id=row["previous_response_id"],
+        status=row["status"],
+        request=loads(row["request"]),
+        response=loads(row["response"]),
+        created_at=row["created_at"],
+        owner=row["owner"],
+        input_first_seq=row["input_first_seq"],
+        output_last_seq=row["output_last_seq"],
+        background=bool(row["background"]),
+    )
+
+
+def ledger_from_row(row: Row) -> LedgerEntry:
+    return LedgerEntry(**{name: row[name] for name in sql.LEDGER_COLUMNS.split(", ")})
+
+
+def heartbeat_from_row(row: Row) -> Heartbeat:
+    return Heartbeat(**{name: row[name] for name in sql.HEARTBEAT_COLUMNS.split(", ")})
+
+
+def idempotency_from_row(row: Row) -> IdempotencyRecord:
+    body = row["response_body"]
+    return IdempotencyRecord(
+        tenant=row["tenant"],
+        key=row["key"],
+        fingerprint=row["fingerprint"],
+        status=row["status"],
+        response_status=row["response_status"],
+        response_headers=tuple((name, value) for name, value in loads(row["response_headers"])),
+        response_body=None if body is None else bytes(body),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        owner=row["owner"] or "",
+    )
+
+
+def summary_from_row(row: Row) -> StoredSummary:
+    return StoredSummary(
+        tenant=row["tenant"],
+        model=row["model"],
+        api=row["api"],
+        digest=row["digest"],
+        raw=loads(row["raw"]),
+        state=loads(row["state"]),
+        created_at=row["created_at"],
+    )
+
+
+def thread_params(
+    tenant: str,
+    thread_id: str,
+    kind: str,
+    metadata: Mapping[str, str] | None,
+    now: str,
+    next_seq: int,
+) -> tuple[Any, ...]:
+    return (tenant, thread_id, kind, dumps(dict(metadata or {})), now, next_seq, dumps({}))
+
+
+def item_params(
+    tenant: str,
+    thread_id: str,
+    first_seq: int,
+    items: Sequence[NewItem],
+    now: str,
+    response_id: str | None = None,
+) -> list[tuple[Any, ...]]:
+    """Rows for sql.INSERT_ITEM (base.stored_items: the turn's response id, the digest)."""
+    return [
+        (
+            tenant,
+            thread_id,
+            item.seq,
+            item.item_id,
+            dumps(item.raw),
+            item.api,
+            item.tokens,
+            item.encoding,
+            item.response_id,
+            item.role,
+            item.created_at,
+            item.digest,
+        )
+        for item in stored_items(items, first_seq, now, response_id)
+    ]
+
+
+def response_params(response: StoredResponse) -> tuple[Any, ...]:
+    return (
+        response.tenant,
+        response.id,
+        response.thread_id,
+        response.previous_response_id,
+        response.status,
+        dumps(response.request),
+        None if response.response is None else dumps(response.response),
+        response.created_at,
+        response.owner,
+        response.input_first_seq,
+        response.output_last_seq,
+        response.background,
+    )
+
+
+def ledger_params(entry: LedgerEntry) -> tuple[Any, ...]:
+    return tuple(getattr(entry, name) for name in sql.LEDGER_COLUMNS.split(", "))
+
+
+def idempotency_params(record: IdempotencyRecord) -> tuple[Any, ...]:
+    return (
+        record.tenant,
+        record.key,
+        record.fingerprint,
+        record.status,
+        record.response_status,
+        headers_text(record.response_headers),
+        record.response_body,
+        record.created_at,
+        record.expires_at,
+        record.owner or None,
+    )
+
+
+def headers_text(headers: Sequence[tuple[str, str]]) -> str:
+    return dumps([[name, value] for name, value in headers])
+
+
+def summary_params(summary: StoredSummary) -> tuple[Any, ...]:
+    state = None if summary.state is None else dumps(summary.state)
+    return (
+        summary.tenant,
+        summary.model,
+        summary.api,
+        summary.digest,
+        dumps(summary.raw),
+        state,
+        summary.created_at,
+    )
+
+
+def explain_from_row(row: Row) -> ExplainRecord:
+    return ExplainRecord(row["tenant"], row["request_id"], row["created_at"], loads(row["record"]))
+
+
+def session_from_row(row: Row) -> InspectorSession:
+    return InspectorSession(
+        row["id_hash"],
+        row["tenant"],
+        row["key_hash"],
+        row["signing_key"],
+        row["created_at"],
+        row["expires_at"],
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +72,22 @@ def snapshot(path: Path) -> StoreState:
         return state
     finally:
         conn.close()
+
+
+def settled_snapshot(path: Path, *, interval: float = 0.03, limit: float = 5.0) -> StoreState:
+    """`snapshot` once two reads `interval` apart agree: an earlier request's answer may
+    still be writing in a task of its own (the learned limits' `save_soon`), and what it
+    writes belongs before the next request, not to it. After `limit` seconds it gives
+    the last read, so no wait is unbounded."""
+    deadline = time.monotonic() + limit
+    state = snapshot(path)
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        again = snapshot(path)
+        if again == state:
+            return state
+        state = again
+    return state
 
 
 def diff(before: StoreState, after: StoreState) -> str:

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.reliability.live import LiveProxy, RawResponse, live_proxy, raw_request
-from tests.reliability.storecheck import diff, snapshot
+from tests.reliability.storecheck import diff, settled_snapshot, snapshot
 from tests.server.conftest import TENANT_KEY
 
 AUTH = (b"Authorization", b"Bearer " + TENANT_KEY.encode())
@@ -253,7 +253,7 @@ def send(
     headers: tuple[tuple[bytes, bytes], ...] = (AUTH, JSON),
 ) -> RawResponse:
     """Send one request and check the guarantees; returns the response for more checks."""
-    before = snapshot(live.store_path)
+    before = settled_snapshot(live.store_path)  # an earlier answer may still be writing
     calls = len(live.provider.requests)
     response = raw_request(live.port, method, path, headers=headers, body=body)
     where = f"{method} {path[:120]} body={body[:160]!r}... -> {response.status}"
@@ -413,7 +413,7 @@ def test_hostile_headers(live: LiveProxy, route: str, header: str) -> None:
 
 @pytest.mark.parametrize("header", list(PARSER_REFUSED))
 def test_header_blocks_the_http_parser_refuses(live: LiveProxy, header: str) -> None:
-    before, calls = snapshot(live.store_path), len(live.provider.requests)
+    before, calls = settled_snapshot(live.store_path), len(live.provider.requests)
     response = raw_request(
         live.port, "POST", "/v1/chat/completions", headers=PARSER_REFUSED[header], body=b"{}"
     )

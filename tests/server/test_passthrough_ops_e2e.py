@@ -88,13 +88,13 @@ async def test_logs_carry_budget_and_never_secrets(proxy) -> None:
 async def test_unexpected_exception_is_a_logged_500_and_the_server_keeps_serving(
     proxy, monkeypatch
 ) -> None:
-    from proxy.server import rebuild
+    from proxy.server import turn
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rebuild, "project_context", broken)
-    monkeypatch.setattr(rebuild, "whole_fit", broken)  # a history that fits is not projected
+    monkeypatch.setattr(turn, "project_context", broken)
+    monkeypatch.setattr(turn, "whole_fit", broken)  # a history that fits is not projected
     async with proxy.http() as http:
         headers = {"Authorization": f"Bearer {TENANT_KEY}"}
         body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}

@@ -1,4 +1,4 @@
-"""A history that fits whole is not projected (proxy/server/rebuild.py, `whole_fit`): what
+"""A history that fits whole is not projected (proxy/server/turn.py, `whole_fit`): what
 it answers is exactly what the full projection returns for the same request, and it
 answers whenever, and only when, the full projection sends the history as given."""
 
@@ -24,7 +24,7 @@ from proxy.core.projection import (
 )
 from proxy.core.tokens import REPLY_PRIMING
 from proxy.counting import CalibratedCounter
-from proxy.server.rebuild import whole_fit
+from proxy.server.turn import whole_fit
 from tests.core.test_projection_properties import (
     COUNTER,
     EPSILON,

@@ -1,4 +1,4 @@
-"""A stored conversation's turn that fits whole is answered by rebuild.whole_fit, not
+"""A stored conversation's turn that fits whole is answered by turn.whole_fit, not
 projected (issue 23 item 4). Through the socket: what the provider receives, the context
 headers the client gets and the explain record's projection are those of the full
 projection, which a second proxy is made to take for the very same turns."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import proxy.server.rebuild as rebuild_module
+import proxy.server.turn as turn_module
 from proxy.fake_provider import FakeProvider, Reply
 
 from .conftest import Proxy
@@ -66,17 +66,17 @@ async def test_a_fitting_turn_goes_out_as_the_full_projection_sends_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     answered: list[bool] = []
-    fit = rebuild_module.whole_fit
+    fit = turn_module.whole_fit
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         found = fit(*args, **kwargs)
         answered.append(found is not None)
         return found
 
-    monkeypatch.setattr(rebuild_module, "whole_fit", recorded)
+    monkeypatch.setattr(turn_module, "whole_fit", recorded)
     fast = await three_turns(await make_proxy(), provider)
     assert answered and all(answered)  # every request fitted: none was projected
-    monkeypatch.setattr(rebuild_module, "whole_fit", lambda *args, **kwargs: None)
+    monkeypatch.setattr(turn_module, "whole_fit", lambda *args, **kwargs: None)
     projected = await three_turns(await make_proxy(), provider)
     assert fast == projected
     # the whole history as given: the seed and its answer, two turns, the third question

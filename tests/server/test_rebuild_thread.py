@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import proxy.server.rebuild as rebuild_module
+import proxy.server.turn as turn_module
 from proxy.core.items import chat_item
 from proxy.policy import load_policy_file
 
@@ -29,12 +29,12 @@ async def test_a_prediction_is_projected_off_the_loop(
 
         return run
 
-    # a history that fits whole is not projected: whole_fit answers (rebuild.py)
+    # a history that fits whole is not projected: whole_fit answers (turn.py)
     for name in ("project_context", "whole_fit"):
-        monkeypatch.setattr(rebuild_module, name, recorded(getattr(rebuild_module, name)))
+        monkeypatch.setattr(turn_module, name, recorded(getattr(turn_module, name)))
     policy = load_policy_file(REPO / "policies" / "default.yaml")
     items = [chat_item({"role": "user", "content": "hello"})]
-    projection, _ = await rebuild_module.rebuild(
+    projection, _ = await turn_module.rebuild(
         policy, "gpt-4o-mini", items, small=True, background=background
     )
     assert projection.items == tuple(items)

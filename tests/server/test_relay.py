@@ -14,8 +14,7 @@ from proxy.core.answers import BadAnswer
 from proxy.core.ledger import ToolCall, ToolRule
 from proxy.server.api import CHAT, RESPONSES, ApiShape
 from proxy.server.holdback import ChatHoldback, Guarded
-from proxy.server.relay import transformed
-from proxy.server.transform import Keep, Passthrough, Transformer
+from proxy.server.relay import Keep, Passthrough, Transformer, transformed
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_event
 
 

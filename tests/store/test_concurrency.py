@@ -14,7 +14,7 @@ import pytest
 
 from proxy.store import sql
 from proxy.store.base import NewItem, Store, StoredSummary, VersionConflict
-from proxy.store.sqlstore import SqlStore
+from proxy.store.sqlstore import SqlStore, summary_params
 from tests.store.conftest import Backend
 
 WRITERS = 20
@@ -118,7 +118,7 @@ async def test_a_thread_deleted_while_a_summary_is_put_takes_the_summary_along(
     assert isinstance(store, SqlStore)
     async with store.db.write() as conn:  # summary_put, caught before its commit
         assert await conn.fetchrow(sql.THREAD_EXISTS[store.db.dialect], "acme", "t1")
-        await conn.fetchrow(sql.INSERT_SUMMARY, *sql.summary_params(SUMMARY))
+        await conn.fetchrow(sql.INSERT_SUMMARY, *summary_params(SUMMARY))
         await conn.execute(sql.keep_summaries(1), "acme", "t1", "m", "chat", "d1")
         await conn.execute(sql.own_summaries(1), "acme", "m", "chat", "d1")
         delete = asyncio.create_task(other.delete_thread("acme", "t1"))

@@ -3,7 +3,8 @@
 One middleware, `request_middleware`, runs every request's steps in order as plain
 calls (one frame, not one wrapper per step): request context (id, one log line,
 metrics) around OpenAI's error envelope around tenant auth -> path and query checks ->
-body read deadline -> Idempotency-Key (replay or record) -> the handler. Resources
+body read deadline -> Idempotency-Key (replay or record) -> the handler; a whole answer
+is written to the client before its log line, metrics and explain record (`sent`). Resources
 (upstream pool, policy watcher, idempotency purge, owner heartbeat) open and close in
 cleanup_ctx.
 
@@ -133,6 +134,8 @@ async def _in_context(
         status = response.status
         if not response.prepared:
             response.headers["x-threadkeeper-request-id"] = request_id
+            if checked:
+                response, status = await sent(request, response)
         return response
     except asyncio.CancelledError:
         status = 499  # the client went away
@@ -184,6 +187,36 @@ async def _answered(request: web.Request, handler: Handler, checked: bool) -> we
         if isinstance(exc, passthrough.ClientTooSlow):
             response.force_close()
         return response
+
+
+async def sent(
+    request: web.Request, response: web.StreamResponse
+) -> tuple[web.StreamResponse, int]:
+    """A whole answer written to the client now, before the request's metrics, log line
+    and explain record, which the client need not wait for (aiohttp then finds it sent).
+    It leaves complete: its headers are set before (the request id) or during the write
+    (`on_response_prepare`), nothing after. Returns what was sent and the status to log:
+    499 for a client gone during the write; an answer that could not be written at all
+    (nothing sent yet) is replaced by OpenAI's 500."""
+    try:
+        await _write(request, response)
+    except ConnectionError:
+        return response, 499
+    except Exception as exc:
+        fallback = error_for(request, exc)
+        if fallback is None or request.writer.output_size > 0:
+            raise
+        try:
+            await _write(request, fallback)
+        except ConnectionError:
+            return fallback, 499
+        return fallback, fallback.status
+    return response, response.status
+
+
+async def _write(request: web.Request, response: web.StreamResponse) -> None:
+    await response.prepare(request)
+    await response.write_eof()
 
 
 async def read_body_in_time(request: web.Request) -> None:

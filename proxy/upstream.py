@@ -210,21 +210,39 @@ class DeadlineExceeded(UpstreamUnavailable):
         )
 
 
-@contextlib.asynccontextmanager
-async def within(deadline: Deadline | None) -> AsyncIterator[None]:
+def within(deadline: Deadline | None) -> _Within:
     """Raises DeadlineExceeded when the block runs past the deadline (and only then: a
     timeout of the block's own, aiohttp's read timeout say, passes through as it is)."""
-    if deadline is None:
-        yield
-        return
-    scope = asyncio.timeout(deadline.remaining())
-    try:
-        async with scope:
-            yield
-    except TimeoutError:
-        if scope.expired():
-            raise DeadlineExceeded(deadline.seconds) from None
-        raise
+    return _Within(deadline)
+
+
+class _Within:
+    """`within`'s scope: asyncio's timeout, a class rather than a generator (entered two
+    or three times a request)."""
+
+    __slots__ = ("_deadline", "_scope")
+
+    def __init__(self, deadline: Deadline | None) -> None:
+        self._deadline = deadline
+        self._scope: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        if self._deadline is not None:
+            self._scope = asyncio.timeout(self._deadline.remaining())
+            await self._scope.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: Any
+    ) -> None:
+        if self._scope is None:
+            return
+        try:
+            await self._scope.__aexit__(kind, error, trace)
+        except TimeoutError:
+            if self._scope.expired():
+                assert self._deadline is not None
+                raise DeadlineExceeded(self._deadline.seconds) from None
+            raise
 
 
 class Scrubber:
@@ -325,17 +343,31 @@ class UpstreamResponse:
 
     async def _read(self) -> bytes:
         if self._body is None:
-            chunks: list[bytes] = []
-            size = 0
-            # One deadline scope for the whole body (nothing else runs between its reads).
-            async with within(self._deadline), contextlib.aclosing(self._chunks(False)) as body:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > self._max_body_bytes:
-                        raise ProviderAnswerTooLarge(self._max_body_bytes)
-                    chunks.append(chunk)
-            self._body = self._scrubber.whole(b"".join(chunks))
+            content = self._response.content
+            if content.is_eof() and content.exception() is None:
+                # The whole body came with the headers (most answers): nothing to wait for.
+                try:
+                    body = content.read_nowait()
+                finally:
+                    self._release()
+                if len(body) > self._max_body_bytes:
+                    raise ProviderAnswerTooLarge(self._max_body_bytes)
+            else:
+                body = await self._read_arriving()
+            self._body = self._scrubber.whole(body)
         return self._body
+
+    async def _read_arriving(self) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        # One deadline scope for the whole body (nothing else runs between its reads).
+        async with within(self._deadline), contextlib.aclosing(self._chunks(False)) as body:
+            async for chunk in body:
+                size += len(chunk)
+                if size > self._max_body_bytes:
+                    raise ProviderAnswerTooLarge(self._max_body_bytes)
+                chunks.append(chunk)
+        return b"".join(chunks)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """Decoded chunks as they arrive, scrubbed; an event stream's in whole events, none

@@ -141,16 +141,15 @@ async def _in_context(
         status = 499  # the client went away
         raise
     finally:
-        set_attributes(
-            span,
-            {
+        fields = request[LOG_FIELDS]
+        if span is not None:
+            attributes = {
                 "http.response.status_code": status,
                 "threadkeeper.request_id": request_id,
-                "threadkeeper.tenant": request[LOG_FIELDS].get("tenant"),
-            },
-        )
+                "threadkeeper.tenant": fields.get("tenant"),
+            }
+            set_attributes(span, attributes)
         route = route_name(request)
-        fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
         latency_ms = round((time.perf_counter() - started) * 1000, 3)
         metrics = request.app[METRICS]
@@ -225,6 +224,9 @@ async def read_body_in_time(request: web.Request) -> None:
     for the handler's own read. A client too slow gets a 408 and the connection closes
     (after at most client_header_timeout more of reading and dropping the rest)."""
     if request.body_exists and not passthrough.streams_upload(request):
+        if request.content.is_eof():  # it came with the headers: no wait to bound
+            await request.read()
+            return
         timeout = request.app[SETTINGS].client_header_timeout
         try:
             async with asyncio.timeout(timeout):

@@ -394,14 +394,20 @@ class UpstreamResponse:
 
     async def _chunks(self, timed: bool = True) -> AsyncGenerator[bytes]:
         """The raw decoded body, each read within the deadline (`timed` False: the caller
-        reads it all within one); released however it ends."""
+        reads it all within one); released however it ends. What has arrived already is
+        taken without a timeout scope (a stream's events often have), the deadline
+        checked instead."""
         content = self._response.content
+        deadline = self._deadline
         try:
             while True:
-                if self._deadline is None or not timed:
+                if deadline is None or not timed:
                     chunk = await content.readany()
+                elif chunk := content.read_nowait():
+                    if deadline.remaining() <= 0:
+                        raise DeadlineExceeded(deadline.seconds)
                 else:
-                    async with within(self._deadline):
+                    async with within(deadline):
                         chunk = await content.readany()
                 if not chunk:
                     return

@@ -362,6 +362,26 @@ async def test_the_requests_deadline_bounds_a_stream(
     assert response.closed and upstream.connections_in_use() == 0
 
 
+async def test_the_requests_deadline_bounds_a_stream_whose_events_have_arrived(
+    provider: Provider, upstream: Upstream
+) -> None:
+    # The second event is in the buffer, no wait needed, when it is read past the deadline.
+    first_seen = asyncio.Event()
+    provider.script[:] = [events(b"data: 1\n\n", b"data: 2\n\n", gate=first_seen)]
+    request = UpstreamRequest(
+        "POST", provider.url, {}, BODY, stream=True, deadline=Deadline.after(0.5)
+    )
+    chunks = []
+    with pytest.raises(DeadlineExceeded):
+        response = await upstream.send(request, FAST)
+        async for chunk in response.aiter_bytes():
+            chunks.append(chunk)
+            first_seen.set()
+            await asyncio.sleep(0.6)  # past the deadline; the rest arrives meanwhile
+    assert chunks in ([], [b"data: 1\n\n"])
+    assert upstream.connections_in_use() == 0
+
+
 @pytest.mark.parametrize("status", [400, 401, 404, 422])
 async def test_client_errors_are_not_retried(
     provider: Provider, upstream: Upstream, status: int

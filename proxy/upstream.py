@@ -744,7 +744,7 @@ class Upstream:
                 headers=headers,
                 data=data,
                 allow_redirects=False,
-                skip_auto_headers=("Content-Type",),  # none unless the client sent one
+                skip_auto_headers=_skipped_auto_headers(headers),
             )
         except BaseException:
             pool.release()
@@ -777,6 +777,18 @@ class Upstream:
                 raise aiohttp.ClientConnectionError("the upstream client is closed")
             pool = self._pools[key] = _Pool(self._pool_size, self._timeout, _env_proxy(url))
         return pool
+
+
+_NO_CONTENT_TYPE = ("Content-Type",)
+
+
+def _skipped_auto_headers(headers: Mapping[str, str]) -> tuple[str, ...] | None:
+    """aiohttp makes up a Content-Type for a body that has none: not unless the client
+    sent one. (None when it did: aiohttp's fast path, no per-request header copies.)"""
+    for name in headers:
+        if name.lower() == "content-type":
+            return None
+    return _NO_CONTENT_TYPE
 
 
 def _in_pieces(body: bytes | AsyncIterable[bytes] | None) -> Any:

@@ -346,8 +346,10 @@ def configure_logging(
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    # The proxy's own clock, stamped after the redactor: a new text on every line that
+    # no secret can be in, and whose ":" and "-" would send it through every pattern.
+    stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             _enabled,
@@ -355,6 +357,7 @@ def configure_logging(
             structlog.stdlib.PositionalArgumentsFormatter(),
             structlog.processors.format_exc_info,
             _redacted,
+            stamp,
             render_json,
         ],
         logger_factory=_line_logger,
@@ -370,6 +373,7 @@ def configure_logging(
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
             redactor,
+            stamp,
             render_json,
         ],
     )

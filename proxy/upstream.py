@@ -210,21 +210,39 @@ class DeadlineExceeded(UpstreamUnavailable):
         )
 
 
-@contextlib.asynccontextmanager
-async def within(deadline: Deadline | None) -> AsyncIterator[None]:
+def within(deadline: Deadline | None) -> _Within:
     """Raises DeadlineExceeded when the block runs past the deadline (and only then: a
     timeout of the block's own, aiohttp's read timeout say, passes through as it is)."""
-    if deadline is None:
-        yield
-        return
-    scope = asyncio.timeout(deadline.remaining())
-    try:
-        async with scope:
-            yield
-    except TimeoutError:
-        if scope.expired():
-            raise DeadlineExceeded(deadline.seconds) from None
-        raise
+    return _Within(deadline)
+
+
+class _Within:
+    """`within`'s scope: asyncio's timeout, a class rather than a generator (entered two
+    or three times a request)."""
+
+    __slots__ = ("_deadline", "_scope")
+
+    def __init__(self, deadline: Deadline | None) -> None:
+        self._deadline = deadline
+        self._scope: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> None:
+        if self._deadline is not None:
+            self._scope = asyncio.timeout(self._deadline.remaining())
+            await self._scope.__aenter__()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: Any
+    ) -> None:
+        if self._scope is None:
+            return
+        try:
+            await self._scope.__aexit__(kind, error, trace)
+        except TimeoutError:
+            if self._scope.expired():
+                assert self._deadline is not None
+                raise DeadlineExceeded(self._deadline.seconds) from None
+            raise
 
 
 class Scrubber:
@@ -325,17 +343,31 @@ class UpstreamResponse:
 
     async def _read(self) -> bytes:
         if self._body is None:
-            chunks: list[bytes] = []
-            size = 0
-            # One deadline scope for the whole body (nothing else runs between its reads).
-            async with within(self._deadline), contextlib.aclosing(self._chunks(False)) as body:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > self._max_body_bytes:
-                        raise ProviderAnswerTooLarge(self._max_body_bytes)
-                    chunks.append(chunk)
-            self._body = self._scrubber.whole(b"".join(chunks))
+            content = self._response.content
+            if content.is_eof() and content.exception() is None:
+                # The whole body came with the headers (most answers): nothing to wait for.
+                try:
+                    body = content.read_nowait()
+                finally:
+                    self._release()
+                if len(body) > self._max_body_bytes:
+                    raise ProviderAnswerTooLarge(self._max_body_bytes)
+            else:
+                body = await self._read_arriving()
+            self._body = self._scrubber.whole(body)
         return self._body
+
+    async def _read_arriving(self) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        # One deadline scope for the whole body (nothing else runs between its reads).
+        async with within(self._deadline), contextlib.aclosing(self._chunks(False)) as body:
+            async for chunk in body:
+                size += len(chunk)
+                if size > self._max_body_bytes:
+                    raise ProviderAnswerTooLarge(self._max_body_bytes)
+                chunks.append(chunk)
+        return b"".join(chunks)
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """Decoded chunks as they arrive, scrubbed; an event stream's in whole events, none
@@ -362,14 +394,20 @@ class UpstreamResponse:
 
     async def _chunks(self, timed: bool = True) -> AsyncGenerator[bytes]:
         """The raw decoded body, each read within the deadline (`timed` False: the caller
-        reads it all within one); released however it ends."""
+        reads it all within one); released however it ends. What has arrived already is
+        taken without a timeout scope (a stream's events often have), the deadline
+        checked instead."""
         content = self._response.content
+        deadline = self._deadline
         try:
             while True:
-                if self._deadline is None or not timed:
+                if deadline is None or not timed:
                     chunk = await content.readany()
+                elif chunk := content.read_nowait():
+                    if deadline.remaining() <= 0:
+                        raise DeadlineExceeded(deadline.seconds)
                 else:
-                    async with within(self._deadline):
+                    async with within(deadline):
                         chunk = await content.readany()
                 if not chunk:
                     return
@@ -706,7 +744,7 @@ class Upstream:
                 headers=headers,
                 data=data,
                 allow_redirects=False,
-                skip_auto_headers=("Content-Type",),  # none unless the client sent one
+                skip_auto_headers=_skipped_auto_headers(headers),
             )
         except BaseException:
             pool.release()
@@ -739,6 +777,18 @@ class Upstream:
                 raise aiohttp.ClientConnectionError("the upstream client is closed")
             pool = self._pools[key] = _Pool(self._pool_size, self._timeout, _env_proxy(url))
         return pool
+
+
+_NO_CONTENT_TYPE = ("Content-Type",)
+
+
+def _skipped_auto_headers(headers: Mapping[str, str]) -> tuple[str, ...] | None:
+    """aiohttp makes up a Content-Type for a body that has none: not unless the client
+    sent one. (None when it did: aiohttp's fast path, no per-request header copies.)"""
+    for name in headers:
+        if name.lower() == "content-type":
+            return None
+    return _NO_CONTENT_TYPE
 
 
 def _in_pieces(body: bytes | AsyncIterable[bytes] | None) -> Any:

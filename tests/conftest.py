@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import structlog
+from structlog._config import BoundLoggerLazyProxy
 
 from proxy.logs import _JsonLinesHandler
 
@@ -40,3 +42,15 @@ def logging_config_restored() -> Iterator[None]:
         root = logging.getLogger()
         for handler in [h for h in root.handlers if isinstance(h, _JsonLinesHandler)]:
             root.removeHandler(handler)
+        _uncache_loggers()
+
+
+def _uncache_loggers() -> None:
+    """The module-level loggers (`log = structlog.get_logger(...)`) the test used under
+    that configuration assemble themselves again on their next use: a cached one keeps
+    the processors it was built with, and a later test's capture_logs would see nothing
+    it logs. structlog caches a logger by setting `bind` on its lazy proxy."""
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if isinstance(value, BoundLoggerLazyProxy) and "bind" in vars(value):
+                del value.bind

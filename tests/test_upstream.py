@@ -24,6 +24,7 @@ from proxy.upstream import (
     Scrubber,
     Upstream,
     UpstreamRequest,
+    UpstreamResponse,
     UpstreamUnavailable,
     retry_after_seconds,
 )
@@ -361,6 +362,26 @@ async def test_the_requests_deadline_bounds_a_stream(
     assert response.closed and upstream.connections_in_use() == 0
 
 
+async def test_the_requests_deadline_bounds_a_stream_whose_events_have_arrived(
+    provider: Provider, upstream: Upstream
+) -> None:
+    # The second event is in the buffer, no wait needed, when it is read past the deadline.
+    first_seen = asyncio.Event()
+    provider.script[:] = [events(b"data: 1\n\n", b"data: 2\n\n", gate=first_seen)]
+    request = UpstreamRequest(
+        "POST", provider.url, {}, BODY, stream=True, deadline=Deadline.after(0.5)
+    )
+    chunks = []
+    with pytest.raises(DeadlineExceeded):
+        response = await upstream.send(request, FAST)
+        async for chunk in response.aiter_bytes():
+            chunks.append(chunk)
+            first_seen.set()
+            await asyncio.sleep(0.6)  # past the deadline; the rest arrives meanwhile
+    assert chunks in ([], [b"data: 1\n\n"])
+    assert upstream.connections_in_use() == 0
+
+
 @pytest.mark.parametrize("status", [400, 401, 404, 422])
 async def test_client_errors_are_not_retried(
     provider: Provider, upstream: Upstream, status: int
@@ -655,6 +676,57 @@ async def test_a_body_above_the_cap_is_refused(provider: Provider) -> None:
         assert upstream.connections_in_use() == 0
     finally:
         await upstream.aclose()
+
+
+def pieces(first: bytes, rest: bytes, gate: asyncio.Event) -> Handler:
+    """A JSON body whose rest follows `gate`: the headers and `first` arrive before it."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        await response.write(first)
+        await gate.wait()
+        await response.write(rest)
+        await response.write_eof()
+        return response
+
+    return handler
+
+
+@pytest.mark.parametrize(("size", "refused"), [(100, False), (101, True)])
+async def test_a_body_arriving_after_its_headers_is_read_whole_within_the_cap(
+    provider: Provider, monkeypatch: pytest.MonkeyPatch, size: int, refused: bool
+) -> None:
+    gate = asyncio.Event()
+    arriving = UpstreamResponse._read_arriving
+
+    async def waited_for(response: UpstreamResponse) -> bytes:
+        gate.set()  # the rest is sent only once the proxy waits for it
+        return await arriving(response)
+
+    monkeypatch.setattr(UpstreamResponse, "_read_arriving", waited_for)
+    provider.script[:] = [pieces(b"x" * 10, b"y" * (size - 10), gate)]
+    upstream = Upstream(max_body_bytes=100)
+    try:
+        if refused:
+            with pytest.raises(ProviderAnswerTooLarge):
+                await upstream.send(post(provider), FAST)
+        else:
+            response = await upstream.send(post(provider), FAST)
+            assert await response.aread() == b"x" * 10 + b"y" * (size - 10)
+        assert gate.is_set() and upstream.connections_in_use() == 0
+    finally:
+        await upstream.aclose()
+
+
+async def test_the_requests_deadline_bounds_a_body_that_stalls(
+    provider: Provider, upstream: Upstream
+) -> None:
+    provider.script[:] = [pieces(b'{"half', b'"}', provider.release)]
+    request = UpstreamRequest("POST", provider.url, {}, BODY, deadline=Deadline.after(0.05))
+    with pytest.raises(DeadlineExceeded):
+        await upstream.send(request, FAST)
+    assert upstream.connections_in_use() == 0
 
 
 async def test_an_echoed_key_is_scrubbed_from_headers_and_body(

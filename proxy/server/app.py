@@ -3,7 +3,8 @@
 One middleware, `request_middleware`, runs every request's steps in order as plain
 calls (one frame, not one wrapper per step): request context (id, one log line,
 metrics) around OpenAI's error envelope around tenant auth -> path and query checks ->
-body read deadline -> Idempotency-Key (replay or record) -> the handler. Resources
+body read deadline -> Idempotency-Key (replay or record) -> the handler; a whole answer
+is written to the client before its log line, metrics and explain record (`sent`). Resources
 (upstream pool, policy watcher, idempotency purge, owner heartbeat) open and close in
 cleanup_ctx.
 
@@ -133,21 +134,22 @@ async def _in_context(
         status = response.status
         if not response.prepared:
             response.headers["x-threadkeeper-request-id"] = request_id
+            if checked:
+                response, status = await sent(request, response)
         return response
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
     finally:
-        set_attributes(
-            span,
-            {
+        fields = request[LOG_FIELDS]
+        if span is not None:
+            attributes = {
                 "http.response.status_code": status,
                 "threadkeeper.request_id": request_id,
-                "threadkeeper.tenant": request[LOG_FIELDS].get("tenant"),
-            },
-        )
+                "threadkeeper.tenant": fields.get("tenant"),
+            }
+            set_attributes(span, attributes)
         route = route_name(request)
-        fields = request[LOG_FIELDS]
         tenant = fields.get("tenant", "-")
         latency_ms = round((time.perf_counter() - started) * 1000, 3)
         metrics = request.app[METRICS]
@@ -186,12 +188,45 @@ async def _answered(request: web.Request, handler: Handler, checked: bool) -> we
         return response
 
 
+async def sent(
+    request: web.Request, response: web.StreamResponse
+) -> tuple[web.StreamResponse, int]:
+    """A whole answer written to the client now, before the request's metrics, log line
+    and explain record, which the client need not wait for (aiohttp then finds it sent).
+    It leaves complete: its headers are set before (the request id) or during the write
+    (`on_response_prepare`), nothing after. Returns what was sent and the status to log:
+    499 for a client gone during the write; an answer that could not be written at all
+    (nothing sent yet) is replaced by OpenAI's 500."""
+    try:
+        await _write(request, response)
+    except ConnectionError:
+        return response, 499
+    except Exception as exc:
+        fallback = error_for(request, exc)
+        if fallback is None or request.writer.output_size > 0:
+            raise
+        try:
+            await _write(request, fallback)
+        except ConnectionError:
+            return fallback, 499
+        return fallback, fallback.status
+    return response, response.status
+
+
+async def _write(request: web.Request, response: web.StreamResponse) -> None:
+    await response.prepare(request)
+    await response.write_eof()
+
+
 async def read_body_in_time(request: web.Request) -> None:
     """A body the proxy buffers (every one but a streamed passthrough upload, whose chunks
     passthrough.py bounds) is read here within client_header_timeout; aiohttp keeps it
     for the handler's own read. A client too slow gets a 408 and the connection closes
     (after at most client_header_timeout more of reading and dropping the rest)."""
     if request.body_exists and not passthrough.streams_upload(request):
+        if request.content.is_eof():  # it came with the headers: no wait to bound
+            await request.read()
+            return
         timeout = request.app[SETTINGS].client_header_timeout
         try:
             async with asyncio.timeout(timeout):

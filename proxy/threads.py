@@ -44,7 +44,6 @@ from proxy.core.ledger import is_synthetic_output
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
 from proxy.ids import item_id_for, new_id
-from proxy.store import sql
 from proxy.store.base import (
     AlreadyExists,
     JsonDict,
@@ -57,6 +56,7 @@ from proxy.store.base import (
     ThreadStore,
     VersionConflict,
     stored_items,
+    window_start,
 )
 from proxy.tracing import NO_TRACING, Tracing
 
@@ -90,7 +90,7 @@ class Loaded:
     stored: tuple[StoredItem, ...] = ()
     items: tuple[Item, ...] = ()
     fork_of: tuple[str, int] | None = None
-    # What later turns of this window reuse (the projection's settled blocks, rebuild.py),
+    # What later turns of this window reuse (the projection's settled blocks, turn.py),
     # kept with the window in the WindowCache; each user checks it against `items`.
     memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # The types of these very `items` (compared by identity: `replace` may change them),
@@ -293,7 +293,7 @@ class _Window:
             and thread.epoch == self.epoch
             and thread.version >= self.version
             and thread.next_seq >= self.next_seq
-            and sql.window_start(thread.state) >= self.window_start
+            and window_start(thread.state) >= self.window_start
         )
 
 
@@ -404,7 +404,7 @@ class ThreadService:
             cache.drop(tenant, thread_id)
             return None
         thread = window.thread
-        start = sql.window_start(thread.state)
+        start = window_start(thread.state)
         items = tuple(map(stored_item_view, window.items))
         if held is not None:
             entry = held.grown(thread, start, window.items, items)
@@ -424,7 +424,7 @@ class ThreadService:
         with `truncation: "disabled"` sends (items a cut left behind included). The
         thread's state, version and cut are unchanged: its next request may trim again."""
         thread = loaded.thread
-        if thread is None or sql.window_start(thread.state) == 0:
+        if thread is None or window_start(thread.state) == 0:
             return loaded  # a new thread or a branch, or a window that is the whole log
         stored = await self.store.items_between(
             loaded.tenant, loaded.thread_id, 0, loaded.next_seq - 1
@@ -509,7 +509,7 @@ class ThreadService:
             return
         if (thread.created_at, thread.epoch) != (held.created_at, held.epoch):
             return
-        start = sql.window_start(thread.state)
+        start = window_start(thread.state)
         if held.window_start > start:
             return
         added = stored_items(items, first_seq, now, response_id)

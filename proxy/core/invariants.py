@@ -40,7 +40,7 @@ def check_invariants(
 
 def check_sent_as_given(items: Sequence[Item]) -> None:
     """check_invariants(items, items, ...) for a context that is the history itself, every
-    item the one given, in its order (a history that fits whole, proxy/server/rebuild.py):
+    item the one given, in its order (a history that fits whole, proxy/server/turn.py):
     nothing is dropped, moved or made, so the pinned, current-turn, closed-call, approval,
     log-order and serialization checks hold by construction, and only these two can fail
     (tests/server/test_rebuild_fit.py checks it against check_invariants)."""

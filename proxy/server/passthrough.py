@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from proxy.server.errors import ApiError
-from proxy.server.relay import relay_answer, send_upstream
+from proxy.server.relay import Passthrough, relay_answer, send_upstream
 from proxy.server.state import SETTINGS, TENANT_POLICY
-from proxy.server.transform import Passthrough
 
 # Bodies up to this size are read so a failed attempt can be retried; larger ones (and
 # those of unknown size) stream upstream as they arrive.

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import re
 
-# proxy/threads.py reads `sql.window_start` (another helper's file when it moved to base.py,
-# h-walk): re-exported until that call names base.py.
-from proxy.store.base import window_start as window_start
-
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 
 

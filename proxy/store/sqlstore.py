@@ -196,7 +196,7 @@ class SqlStore:
             thread = await _thread(conn, tenant, thread_id)
         if thread is None:
             return None
-        if max(sql.window_start(thread.state), from_seq) >= thread.next_seq:
+        if max(window_start(thread.state), from_seq) >= thread.next_seq:
             return Window(thread=thread, items=())
         async with self.db.read() as conn:
             thread = await _thread(conn, tenant, thread_id)

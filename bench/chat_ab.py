@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -95,13 +96,12 @@ async def _client(
         latencies.append(latency)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("roots", help="comma-separated trees holding proxy/")
-    parser.add_argument("--requests", type=int, default=2000, help="per target")
-    parser.add_argument("--stream", action="store_true", help="time to first byte")
-    parser.add_argument("--clients", type=int, default=1)
-    args = parser.parse_args()
+Totals = dict[str, tuple[float, list[float], float]]  # name -> cpu, latencies, wall
+
+
+def run_builds(roots: str, measure: Callable[[list[o.Server]], Awaitable[Totals]]) -> Totals:
+    """The stub, the bare relay and one proxy per tree (comma-separated, each
+    `root|NAME=value...`), measured together by `measure` and stopped after."""
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         (tmp / "policies").mkdir()
@@ -110,12 +110,16 @@ def main() -> None:
         servers = [stub]
         try:
             servers.append(o.start_bare(stub, tmp))
-            for index, spec in enumerate(args.roots.split(",")):
+            for index, spec in enumerate(roots.split(",")):
                 servers.append(start(f"tk{index}", spec, stub, tmp))
-            totals = asyncio.run(measure(servers, args.requests, args.stream, args.clients))
+            return asyncio.run(measure(servers))
         finally:
             for server in servers:
                 server.stop()
+
+
+def report(totals: Totals) -> None:
+    """Each target's CPU and p50 per request, and its added p50 against the hop's."""
     direct = statistics.median(totals["direct"][1])
     hop = statistics.median(totals["bare"][1]) - direct
     print(f"1-minute load average {os.getloadavg()[0]:.1f} at the end")
@@ -123,9 +127,23 @@ def main() -> None:
         p50 = statistics.median(latencies)
         print(
             f"{name:7} cpu {cpu / len(latencies) * 1000:6.3f} ms/request  p50 {p50 * 1000:6.3f} ms"
-            f"  added {(p50 - direct) * 1000:6.3f} ms ({(p50 - direct) / hop:4.2f}x the hop's)"
-            f"  {len(latencies) / wall:5.0f} req/s"
+            f"  added {(p50 - direct) * 1000:6.3f} ms ({(p50 - direct) / hop:5.2f}x the hop's)"
+            f"  {len(latencies) / wall:5.0f} req/s  ({len(latencies)} requests)"
         )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("roots", help="comma-separated trees holding proxy/")
+    parser.add_argument("--requests", type=int, default=2000, help="per target")
+    parser.add_argument("--stream", action="store_true", help="time to first byte")
+    parser.add_argument("--clients", type=int, default=1)
+    args = parser.parse_args()
+    report(
+        run_builds(
+            args.roots, lambda servers: measure(servers, args.requests, args.stream, args.clients)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,13 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import overhead as o
-from chat_ab import cpu_seconds, start
+from chat_ab import cpu_seconds, report, run_builds
 
 ROUNDS = 5
 
@@ -87,30 +84,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1)
     args = parser.parse_args()
     print(f"1-minute load average {os.getloadavg()[0]:.1f} at the start")
-    with tempfile.TemporaryDirectory() as name:
-        tmp = Path(name)
-        (tmp / "policies").mkdir()
-        (tmp / "policies" / "default.yaml").write_text(o.POLICY)
-        stub = o.start_stub()
-        servers = [stub]
-        try:
-            servers.append(o.start_bare(stub, tmp))
-            for index, spec in enumerate(args.roots.split(",")):
-                servers.append(start(f"tk{index}", spec, stub, tmp))
-            totals = asyncio.run(measure(servers, args.turns, args.clients))
-        finally:
-            for server in servers:
-                server.stop()
-    direct = statistics.median(totals["direct"][1])
-    hop = statistics.median(totals["bare"][1]) - direct
-    print(f"1-minute load average {os.getloadavg()[0]:.1f} at the end")
-    for name, (cpu, latencies, wall) in totals.items():
-        p50 = statistics.median(latencies)
-        print(
-            f"{name:7} cpu {cpu / len(latencies) * 1000:6.3f} ms/request  p50 {p50 * 1000:6.3f} ms"
-            f"  added {(p50 - direct) * 1000:6.3f} ms ({(p50 - direct) / hop:5.2f}x the hop's)"
-            f"  {len(latencies) / wall:5.0f} req/s  ({len(latencies)} requests)"
-        )
+    report(run_builds(args.roots, lambda servers: measure(servers, args.turns, args.clients)))
 
 
 if __name__ == "__main__":

@@ -163,16 +163,14 @@ def reference_segment(items: list[Item], pins: tuple[str, ...], offset: int) -> 
     ]
 
 
-history_entries = st.lists(
-    st.one_of(
-        st.just(sys()),
-        st.sampled_from(["hi", "PIN me", "thanks"]).map(user),
-        st.just(assistant("ok")),
-        st.sampled_from(["a", "b", "c"]).map(call),
-        st.sampled_from(["a", "b", "c", "z"]).map(out),
-    ),
-    max_size=30,
+history_entry = st.one_of(
+    st.just(sys()),
+    st.sampled_from(["hi", "PIN me", "thanks"]).map(user),
+    st.just(assistant("ok")),
+    st.sampled_from(["a", "b", "c"]).map(call),
+    st.sampled_from(["a", "b", "c", "z"]).map(out),
 )
+history_entries = st.lists(history_entry, max_size=30)
 
 
 @settings(max_examples=400, derandomize=True)
@@ -202,11 +200,7 @@ def approved(request_id: str) -> Item:
 
 growing_entries = st.lists(
     st.one_of(
-        st.just(sys()),
-        st.sampled_from(["hi", "PIN me", "thanks"]).map(user),
-        st.just(assistant("ok")),
-        st.sampled_from(["a", "b", "c"]).map(call),
-        st.sampled_from(["a", "b", "c", "z"]).map(out),
+        history_entry,
         st.sampled_from(["p", "q"]).map(approval),
         st.sampled_from(["p", "q"]).map(approved),
     ),

@@ -155,7 +155,8 @@ def test_a_pending_approval_dropped_is_a_violation() -> None:
         check_invariants(history, [R_SYSTEM, R_U2], [0], [3])
 
 
-def _verdict(check: Callable[[], object]) -> str | None:
+def verdict(check: Callable[[], object]) -> str | None:
+    """The violation `check` raises, as text; None when it passes."""
     try:
         check()
     except InvariantViolation as exc:
@@ -182,7 +183,7 @@ def test_check_sent_after_is_check_sent_as_given_of_the_whole(
     """A history checked in pieces, each piece after what the ones before passed: the
     same verdict and message as the whole checked at once (a piece refused means the
     whole is refused too: what precedes the refused piece passed, as the contract asks)."""
-    whole = _verdict(lambda: check_sent_as_given(items))
+    whole = verdict(lambda: check_sent_as_given(items))
     state, at = NOTHING_SENT, 0
     for end in [*itertools.accumulate(splits), len(items)]:
         end = min(max(end, at), len(items))
@@ -190,7 +191,7 @@ def test_check_sent_after_is_check_sent_as_given_of_the_whole(
             state = check_sent_after(state, items[at:end])
         except InvariantViolation as exc:
             assert whole is not None
-            prefix = _verdict(functools.partial(check_sent_as_given, items[:end]))
+            prefix = verdict(functools.partial(check_sent_as_given, items[:end]))
             assert str(exc) == prefix  # what passed, then this piece: as the whole up to it
             return
         at = end

@@ -4,7 +4,6 @@ answers whenever, and only when, the full projection sends the history as given.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -25,6 +24,7 @@ from proxy.core.projection import (
 from proxy.core.tokens import REPLY_PRIMING
 from proxy.counting import CalibratedCounter
 from proxy.server.turn import whole_fit
+from tests.core.test_invariants import verdict
 from tests.core.test_projection_properties import (
     COUNTER,
     EPSILON,
@@ -100,14 +100,6 @@ def test_a_stored_cut_is_always_projected(case: Case) -> None:
     assert whole_fit(replace(request, cut=None, verbatim=True), COUNTER, POLICY) is None
 
 
-def violation(check: Callable[[], None]) -> str | None:
-    try:
-        check()
-    except InvariantViolation as exc:
-        return str(exc)
-    return None
-
-
 @PROPERTY_SETTINGS
 @given(
     cases(),
@@ -129,9 +121,9 @@ def test_a_history_sent_as_given_breaks_only_what_check_sent_as_given_sees(
     blocks = segment(items, POLICY.pin_patterns)
     pinned = [p for b in blocks if b.kind == "pinned" for p in b.positions]
     current = [p for b in blocks if b.kind == "current" for p in b.positions]
-    found = violation(lambda: check_sent_as_given(items))
+    found = verdict(lambda: check_sent_as_given(items))
     event(f"violation: {found.split(' ')[0] if found else 'none'}")
-    assert found == violation(lambda: check_invariants(items, items, pinned, current))
+    assert found == verdict(lambda: check_invariants(items, items, pinned, current))
 
 
 def test_an_output_before_its_call_is_refused_by_both() -> None:

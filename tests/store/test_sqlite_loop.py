@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,26 @@ async def store(tmp_path: Path) -> AsyncIterator[SqlStore]:
     await store.migrate()
     yield store
     await store.close()
+
+
+@contextmanager
+def lock_held_elsewhere(path: Path) -> Iterator[None]:
+    """The database's write lock taken by another connection, as another process would."""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
+async def waited_in_the_thread(trips: list[int]) -> None:
+    """Until a statement went to the worker thread, the loop serving meanwhile."""
+    ticks = 0
+    while trips[0] == 0 or ticks < 20:
+        await asyncio.sleep(0.01)
+        ticks += 1
 
 
 def count_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -61,20 +82,12 @@ async def test_a_lock_held_elsewhere_sends_the_write_to_the_thread_and_the_loop_
 ) -> None:
     await thread_with(store, "a")
     trips = count_trips(monkeypatch)
-    holder = sqlite3.connect(tmp_path / "loop.db", isolation_level=None, check_same_thread=False)
-    holder.execute("BEGIN IMMEDIATE")  # as another process would
-    try:
+    with lock_held_elsewhere(tmp_path / "loop.db"):
         write = asyncio.create_task(store.append_items("acme", "t1", items("b"), now=T1))
-        ticks = 0
-        while trips[0] == 0 or ticks < 20:  # the loop runs while the write waits
-            await asyncio.sleep(0.01)
-            ticks += 1
+        await waited_in_the_thread(trips)
         assert not write.done()
         read = await store.load_window("acme", "t1")  # a reader is not held up either
         assert read is not None and [i.item_id for i in read.items] == ["a"]
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     thread = await write
     assert thread.next_seq == 2
     window = await store.load_window("acme", "t1")
@@ -110,19 +123,11 @@ async def test_a_lock_held_elsewhere_sends_a_one_statement_write_to_the_thread(
 ) -> None:
     await thread_with(store, "a")
     trips = count_trips(monkeypatch)
-    holder = sqlite3.connect(tmp_path / "loop.db", isolation_level=None, check_same_thread=False)
-    holder.execute("BEGIN IMMEDIATE")  # as another process would
-    try:
+    with lock_held_elsewhere(tmp_path / "loop.db"):
         begun = asyncio.create_task(store.begin_response(response("r1")))
-        ticks = 0
-        while trips[0] == 0 or ticks < 20:  # the loop runs while the write waits
-            await asyncio.sleep(0.01)
-            ticks += 1
+        await waited_in_the_thread(trips)
         assert not begun.done()
         assert await store.get_response("acme", "r1") is None
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     await begun
     stored = await store.get_response("acme", "r1")
     assert stored is not None and stored.status == "in_progress"

@@ -53,7 +53,10 @@ FACT_CHARS = 400
 EARLIER_CHARS = 640
 SECTION_MAX = 400  # entries kept per section: the oldest and newest halves
 ENTITIES_PER_ITEM = 16
-WHITESPACE = re.compile(r"\s+")
+SPACES = re.compile(r"\s+")
+# A run of whitespace holding a line break (what str.splitlines splits on): an entry is
+# one line of the rendered digest, which parse reads back line by line.
+LINE_BREAKS = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
 
 
 # --- the state ------------------------------------------------------------------------------
@@ -102,11 +105,12 @@ class MemoryState:
     def must_keep(self) -> tuple[str, ...]:
         """Strings every summary of this state must hold verbatim: the rules, the latest
         preferences, decisions, open tasks, pending calls, the tool facts that report an
-        error, a warning or a code location (a log's one failure), and entities (the ids
-        and amounts of the other facts' own values among them), in render order."""
+        error, a warning or a code location (a log's one failure) or carry a series'
+        outlier (its one spike), and entities (the ids and amounts of the other facts' own
+        values among them), in render order."""
         kept: list[str] = [*self.constraints, *(p.text for p in self.preferences)]
         kept += [*self.decisions, *self.open_tasks, *(p.text for p in self.pending)]
-        kept += [fact for fact in self.facts if _reports_error(fact)]
+        kept += [fact for fact in self.facts if _is_signal(fact)]
         kept += self.entities
         return tuple(dict.fromkeys(kept))
 
@@ -127,9 +131,10 @@ class _Section:
         return list(values)
 
     def priority_of(self, entry: str) -> int:
-        """A tool fact reporting an error or a warning ranks with the entities: it is
-        often the one line of a long result the conversation acts on."""
-        if self.name == "facts" and _reports_error(entry):
+        """A tool fact reporting an error or a warning, or carrying a series' outlier,
+        ranks with the entities: it is often the one line or value of a long result the
+        conversation acts on."""
+        if self.name == "facts" and _is_signal(entry):
             return _ERROR_FACT_PRIORITY
         return self.priority
 
@@ -433,6 +438,7 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
     later = _referenced_after(items)
+    described = _described_after(items)
     for position, item in enumerate(items):
         calls.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
         if item.is_user_message:
@@ -440,7 +446,7 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
             named_later = later.get(position, frozenset())
-            named_later |= evidence_lines(output_text(item), _said_after(items, position))
+            named_later |= evidence_lines(output_text(item), described.get(position, ()))
             fact, named = _fact(item, call, waiting.get(item.output_for or ""), named_later)
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
@@ -471,16 +477,24 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
     return found
 
 
-def _said_after(items: Sequence[Item], position: int) -> list[str]:
-    """What the assistant said after the item at `position`, up to the next user message:
-    the statements whose evidence lines a result's fact keeps (evidence_lines)."""
-    said = []
-    for item in items[position + 1 :]:
-        if item.is_user_message:
-            break
-        if item.role == "assistant" and item.kind == "message":
-            said.append(item.text())
-    return said
+DESCRIBED_MESSAGES = 24  # later messages read for a result's evidence: about 12 turns
+
+
+def _described_after(items: Sequence[Item]) -> dict[int, tuple[str, ...]]:
+    """For each tool result, what the user and the assistant said after it in this chunk
+    (the next DESCRIBED_MESSAGES messages, so a long chunk costs linear time): the
+    statements whose evidence lines its fact keeps (evidence_lines), a finding ("the pool
+    is exhausted") or a description ("the memory limit we saw"). One backward pass."""
+    found: dict[int, tuple[str, ...]] = {}
+    said: list[str] = []  # newest first
+    for position in range(len(items) - 1, -1, -1):
+        item = items[position]
+        if item.kind == "tool_output":
+            found[position] = tuple(reversed(said[-DESCRIBED_MESSAGES:]))
+        elif item.is_user_message or (item.role == "assistant" and item.kind == "message"):
+            if item.text().strip():
+                said.append(item.text())
+    return found
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
@@ -554,11 +568,12 @@ def _fact(
     head = f"{name}({arguments})" if call is not None or described is None else described
     text = output_text(output)
     parsed = json_container(text)
+    whole: list[tuple[str, Any]] = []
     if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
         excerpt = parsed.get("excerpt")  # a compressed text result
         text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
         if parsed is not None:
-            parsed = parsed.get("verified_facts") or {}
+            whole, parsed = _whole_records(parsed.get("verified_facts") or {})
     inner = embedded_text(parsed)
     if inner is not None:  # a file's content in a JSON object: its lines, as a text's
         text, parsed = inner[1], None
@@ -570,7 +585,7 @@ def _fact(
         )
         errors = sum(_reports_error(str(value)) for _, value in pairs)
         pairs[errors:errors] = _outlier_pairs(parsed)
-        pairs[:0] = standing_out(parsed)  # a list's outlier records, its rare strings
+        pairs[:0] = standing_out(parsed) + whole  # a list's outlier records, rare strings
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
@@ -579,6 +594,23 @@ def _fact(
         shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
+
+
+# A record a compressed result kept whole, labelled by its list and index (`points[36]`).
+RECORD_LABEL = re.compile(r".+\[\d+\]")
+
+
+def _whole_records(facts: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The records a compressed result's verified facts hold whole (an outlier's, or one a
+    later turn named: compress._walk), and the other facts. The compressor chose them as
+    the signal of their list; the digest keeps them as records, not as loose values."""
+    if not isinstance(facts, dict):
+        return [], facts
+    whole = [(k, v) for k, v in facts.items() if RECORD_LABEL.fullmatch(k) and isinstance(v, dict)]
+    rest = {
+        k: v for k, v in facts.items() if not (RECORD_LABEL.fullmatch(k) and isinstance(v, dict))
+    }
+    return whole, rest
 
 
 def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
@@ -645,6 +677,16 @@ def _reports_error(fact: str) -> bool:
     return bool(ERROR_LINE.search(fact) or LOCATION_LINE.search(fact))
 
 
+def _stands_out(fact: str) -> bool:
+    """Whether a tool fact carries a series' outlier or anomaly: the one value among
+    routine ones, as informative as a log's one error line (issue 22, item 2)."""
+    return STANDS_OUT.search(fact) is not None
+
+
+def _is_signal(fact: str) -> bool:
+    return _reports_error(fact) or _stands_out(fact)
+
+
 def _value_text(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_value_text(v) for v in value) + "]"
@@ -668,7 +710,17 @@ def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
     chosen += [line.strip() for line in lines if LOCATION_LINE.search(line)]
     chosen += [line.strip() for line in lines if line.strip() and entities_in(line)]
     kept = list(dict.fromkeys(line for line in chosen if line))[:GIST_LINES]
+    outliers = plan.outliers()
+    kept = [f"{line}{OUTLIER_NOTE}" if line in outliers else line for line in kept]
+    if plan.kind not in ("code", "diff"):  # spaces lay out a log or a table, not its words
+        kept = [SPACES.sub(" ", line) for line in kept]
     return _cut(" | ".join(kept) if kept else text, GIST_CHARS)
+
+
+# A text's outlier line in a fact is marked, as a JSON fact labels its shape's outliers
+# (`points.p99_ms outliers=[36=4973]`): such a fact ranks with the errors (_stands_out).
+OUTLIER_NOTE = " (outlier)"
+STANDS_OUT = re.compile(r" (?:outliers|anomalies)=|" + re.escape(OUTLIER_NOTE))
 
 
 GIST_LINES = 4
@@ -719,7 +771,10 @@ def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
 
 
 def _cut(text: str, chars: int) -> str:
-    text = WHITESPACE.sub(" ", text).strip()
+    """One line of at most `chars` characters (then marked). Only line breaks fold into a
+    space: the spaces inside a line are part of what a quoted line says verbatim (code
+    `timeout = 30  # seconds`, a table's columns)."""
+    text = LINE_BREAKS.sub(" ", text).strip()
     if len(text) <= chars:
         return text
     return f"{text[:chars]}[... {len(text) - chars} more characters]"

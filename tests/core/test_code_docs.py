@@ -214,3 +214,15 @@ def test_a_log_is_neither_code_nor_prose() -> None:
     assert text_kind(retries)[0] == "log"
     lines, _ = source_file(1)
     assert text_kind(lines)[0] == "code"
+
+
+@pytest.mark.parametrize("numbered", ["{n:>4} | {line}", "{n:>4}| {line}", "{n}: {line}"])
+def test_a_listing_numbered_with_a_spaced_pipe_is_code(numbered: str) -> None:
+    """`   7 | def f():` is a listing's number and its line: the number goes, the line's
+    own indentation stays, and the listing is code (its lines named by number are kept
+    as code lines, its signatures are its skeleton)."""
+    lines, at = source_file(3, 120)
+    listing = [numbered.format(n=n, line=line) for n, line in enumerate(lines, start=1)]
+    kind, numbers = text_kind(["==> billing/calendar.py <==", *listing])
+    assert kind == "code"
+    assert numbers[at + 1] == at + 1

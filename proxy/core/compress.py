@@ -710,7 +710,7 @@ class TextPlan:
 
     A file listing, a diff or a document (text_kind, item 4) has its own classes of lines
     instead of the log's: for code, the lines referenced by number or defining a
-    referenced identifier, then the signatures (the skeleton, bodies elided); for a diff,
+    referenced identifier, then its odd statements (_odd_code_lines), then the signatures (the skeleton, bodies elided); for a diff,
     its file headers and each hunk's header with its +/- lines, a hunk kept whole or
     after everything else; for a document, whose units are sentences, the title, the
     sentences carrying the most query terms, then the headings."""
@@ -788,6 +788,8 @@ class TextPlan:
                         taken.add(index)
                         entries.append(_Entry(1, 0, index, group=group))
         if kind == "code":
+            for index in _odd_code_lines(lines, numbers, owner, total):
+                keep(1, index)
             for index, line in enumerate(lines):
                 if is_signature(_unnumbered(line, numbers[index])):
                     keep(2, index, rarity=0)
@@ -903,10 +905,10 @@ class TextPlan:
     def signal_lines(self, limit: int, tiers: frozenset[int] | None = None) -> list[str]:
         """At most `limit` lines a digest of the text carries besides its errors, by the
         plan's rank: the lines the conversation names (not the command), a stack trace's
-        head, the rare error lines and a series' outliers, then (in a log) the lines of
-        the rare templates. Never a collapsed template's example or a code signature:
+        head, the rare error lines and a series' outliers, a listing's odd statements,
+        then (in a log) the lines of the rare templates. Never a collapsed template's example or a code signature:
         those are the routine the rest stands for. `tiers` narrows them."""
-        wanted = {0, 1, 2, 5} if self._kind == "log" else {0, 1} if self._kind == "prose" else {0}
+        wanted = {0, 1, 2, 5} if self._kind == "log" else {0} if self._kind == "diff" else {0, 1}
         wanted &= tiers if tiers is not None else wanted
         found = [
             e.index
@@ -942,6 +944,24 @@ class TextPlan:
 
     def _shown(self, entry: _Entry) -> str:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _odd_code_lines(
+    lines: Sequence[str], numbers: Sequence[int], owner: Sequence[int], total: Sequence[int]
+) -> list[int]:
+    """The statements of a file listing whose template is rare where the others repeat:
+    the one `cache_ttl = 0` among helpers that all say `value = Decimal(x) * factor`.
+    Only when at most a quarter of the statements (not signatures, not blank) are rare;
+    in code whose every line is its own, rarity says nothing."""
+    statements = [
+        i
+        for i, line in enumerate(lines)
+        if owner[i] >= 0
+        and _unnumbered(line, numbers[i]).strip()
+        and not is_signature(_unnumbered(line, numbers[i]))
+    ]
+    rare = [i for i in statements if total[owner[i]] <= RARE_COUNT]
+    return rare if 4 * len(rare) <= len(statements) else []
 
 
 def _own_words(

@@ -836,8 +836,11 @@ class TextPlan:
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
+        # The other rare lines (tier 5), with those kept by position (tier 3) among them.
+        tier = {e.index: e.tier for e in entries}
         rare = sorted(
-            (i for i in own if not FRAME_LINE.match(lines[i])), key=lambda i: (-own[i], i)
+            (i for i in own if tier[i] >= 3 and not FRAME_LINE.match(lines[i])),
+            key=lambda i: (-own[i], i),
         )
         return cls(text, lines, entries, command, kind, tuple(rare))
 

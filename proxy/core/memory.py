@@ -19,6 +19,7 @@ with token noise or the hour (issue 10, item 4).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -678,8 +679,9 @@ def _reports_error(fact: str) -> bool:
 
 
 def _stands_out(fact: str) -> bool:
-    """Whether a tool fact carries a series' outlier or anomaly: the one value among
-    routine ones, as informative as a log's one error line (issue 22, item 2)."""
+    """Whether a tool fact carries what stands out of its result: a series' outlier or
+    anomaly, a list's outlier record or rare string, a record a later turn named; the one
+    value among routine ones, as informative as a log's one error line (issue 22, item 2)."""
     return STANDS_OUT.search(fact) is not None
 
 
@@ -699,31 +701,40 @@ def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
     """A text result by what its plan (TextPlan) ranks as signal, not by position: the
     lines the later conversation names (by value, line number or the identifier a line
     defines), the first error line of the rarest template (a log's one failure among
-    many routine errors, wherever it sits), a series' outlier and the rare lines, the
-    other error templates, code locations, then lines with entities, else its beginning."""
+    many routine errors, wherever it sits), the best line of each other class of signal
+    before the second of any (a trace's head, a rare error or a series' outlier, a rare
+    line: four lines are little room), the other error templates, code locations, then
+    lines with entities, else its beginning."""
     plan = TextPlan.of(text, referenced)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
     named = plan.signal_lines(GIST_LINES // 2, tiers=frozenset({0})) if referenced else []
-    signal = plan.signal_lines(GIST_LINES * 2)
+    classes = [plan.signal_lines(GIST_LINES, tiers=frozenset({t})) for t in SIGNAL_TIERS]
+    signal = [line for rank in itertools.zip_longest(*classes) for line in rank if line]
     chosen = [*named, *errors[:1], *signal, *errors[1:]]
     lines = text.splitlines()
     chosen += [line.strip() for line in lines if LOCATION_LINE.search(line)]
     chosen += [line.strip() for line in lines if line.strip() and entities_in(line)]
     kept = list(dict.fromkeys(line for line in chosen if line))[:GIST_LINES]
-    outliers = plan.outliers()
-    kept = [f"{line}{OUTLIER_NOTE}" if line in outliers else line for line in kept]
+    marked = next((n for n, line in enumerate(kept) if line in plan.outliers()), -1)
+    if marked >= 0:  # once: it ranks the fact (_stands_out), and room is short
+        kept[marked] += OUTLIER_NOTE
     if plan.kind not in ("code", "diff"):  # spaces lay out a log or a table, not its words
         kept = [SPACES.sub(" ", line) for line in kept]
     return _cut(" | ".join(kept) if kept else text, GIST_CHARS)
 
 
 # A text's outlier line in a fact is marked, as a JSON fact labels its shape's outliers
-# (`points.p99_ms outliers=[36=4973]`): such a fact ranks with the errors (_stands_out).
+# (`points.p99_ms outliers=[36=4973]`) and leads with what stands out of its lists, by
+# list and index (`activity[7]=legal hold: ...`, `deals[12]={...}`; not a list's
+# `deals[4]=(+16 more)`): such a fact ranks with the errors (_stands_out).
 OUTLIER_NOTE = " (outlier)"
-STANDS_OUT = re.compile(r" (?:outliers|anomalies)=|" + re.escape(OUTLIER_NOTE))
+STANDS_OUT = re.compile(
+    r" (?:outliers|anomalies)=|" + re.escape(OUTLIER_NOTE) + r"| -> [^\s=]+\[\d+\]=(?!\(\+)"
+)
 
 
 GIST_LINES = 4
+SIGNAL_TIERS = (0, 1, 2, 5)  # TextPlan's classes of signal lines (signal_lines)
 GIST_CHARS = FACT_CHARS // 2
 
 

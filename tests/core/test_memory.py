@@ -855,3 +855,54 @@ def test_the_digest_carries_a_rare_line_that_is_also_the_last() -> None:
     items = [call("c1", "search_hotels", {"city": "Lisbon"}), tool_text("c1", "\n".join(rows))]
     fact = extract(items).facts[0]
     assert "Hotel Atlantico 171 EUR/night rating 8.7 step-free: yes" in fact
+
+
+def test_a_facts_rare_string_outranks_plain_facts_in_a_small_digest(
+    counter: TokenCounter,
+) -> None:
+    """A JSON fact leading with what stands out of its lists (`activity[12]=legal hold:
+    ...`) ranks with the facts that report an error, before the plain facts of accounts
+    whose lists hold nothing unusual."""
+    items: list[Item] = []
+    for n in range(6):
+        notes = [f"2026-11-{d:02d}T10:00:00Z call logged by ana: follow-up" for d in range(1, 21)]
+        if n == 3:
+            notes.insert(12, "2026-11-13T10:00:00Z legal hold: do not contact (dispute 437)")
+        account = f"ACC-{7000 + n}"
+        items += [
+            call(f"c{n}", "get_account", {"account": account}),
+            result(f"c{n}", {"account": account, "city": "Lyon", "activity": notes}),
+        ]
+    state = extract(items)
+    held = next(f for f in state.facts if "ACC-7003" in f)
+    assert "legal hold: do not contact (dispute 437)" in held
+    assert held in state.must_keep()
+    text = render(state, counter, 400)
+    assert "legal hold" in text
+    assert sum(line.startswith("- get_account") for line in text.splitlines()) < 6
+
+
+def test_a_small_gist_shows_each_class_of_signal_before_a_second_of_one() -> None:
+    """Four lines of 200 characters: a second rare error does not push out the one rare
+    line that reports no error (the config change behind both)."""
+    lines = [
+        f"2026-11-14T14:{m:02d}:00Z INFO worker job {m} done in {100 + m}ms" for m in range(40)
+    ]
+    lines.insert(
+        10,
+        "2026-11-14T14:10:30Z ERROR payments: card processor timeout after 30000ms on "
+        "attempt 3 of 3 (gateway=adyen-eu)",
+    )
+    lines.insert(
+        20,
+        "2026-11-14T14:20:30Z ERROR ledger: write conflict on account ACC-1 retried 5 times "
+        "then gave up (tx=88ab12)",
+    )
+    lines.insert(30, POOL_CHANGE)
+    items = [call("c1", "query_logs", {"service": "payments"}), tool_text("c1", "\n".join(lines))]
+    fact = extract(items).facts[0]
+    assert "card processor timeout" in fact
+    assert POOL_CHANGE in fact
+
+
+POOL_CHANGE = "2026-11-14T14:30:30Z INFO db.pool: max_connections lowered to 20 by deploy 8812"

@@ -41,6 +41,7 @@ from proxy.core.compress import (
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
+from proxy.core.shapes import FEW_IDS
 from proxy.core.tokens import TokenCounter
 
 SUMMARY_MARKER = "[threadkeeper summary of earlier conversation]"
@@ -585,7 +586,10 @@ def _fact(
             key=lambda pair: not _reports_error(str(pair[1])),
         )
         errors = sum(_reports_error(str(value)) for _, value in pairs)
-        pairs[errors:errors] = _outlier_pairs(parsed)
+        listed = _listed_ids(parsed)
+        lists = {label.rsplit(".", 1)[0] for label, _ in listed}
+        pairs = [pair for pair in pairs if pair[0] not in lists]  # the ids stand for them
+        pairs[errors:errors] = _outlier_pairs(parsed) + listed
         pairs[:0] = standing_out(parsed) + whole  # a list's outlier records, rare strings
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
@@ -630,6 +634,33 @@ def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
                             (f"{label[: -len('_shape')]}.{column} {kind}", described[kind])
                         )
     return found + _extremes(parsed)
+
+
+def _listed_ids(parsed: Any) -> list[tuple[str, Any]]:
+    """Every identifier of a short list of records (`rows.account_ids=[...]`, a shape's
+    ids: at most FEW_IDS records), for a result as returned or as compressed (its
+    verified facts hold the shape): a later turn may name any of them (issue 22, item 2,
+    "keep every identifier-like value when there are few"). They replace the list's
+    first few elements."""
+    shapes = (
+        [(k, v) for k, v in parsed.items() if k.endswith(SHAPE_SUFFIX)]
+        if isinstance(parsed, dict)
+        else []
+    )
+    shapes += key_values(parsed, max_values=64, list_items=FEW_IDS)  # shapes list FEW_IDS
+    found: list[tuple[str, Any]] = []
+    for label, shape in shapes:
+        if not label.endswith(SHAPE_SUFFIX) or not isinstance(shape, dict):
+            continue
+        for key, value in shape.items():
+            if key != "count" and isinstance(value, list) and value:
+                pair = (f"{label[: -len(SHAPE_SUFFIX)]}.{key}", value)
+                if pair not in found:
+                    found.append(pair)
+    return found
+
+
+SHAPE_SUFFIX = "_shape"  # compress._walk's label of a list's shape
 
 
 def _extremes(parsed: Any) -> list[tuple[str, Any]]:

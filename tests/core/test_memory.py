@@ -906,3 +906,16 @@ def test_a_small_gist_shows_each_class_of_signal_before_a_second_of_one() -> Non
 
 
 POOL_CHANGE = "2026-11-14T14:30:30Z INFO db.pool: max_connections lowered to 20 by deploy 8812"
+
+
+def test_the_digest_lists_every_id_of_a_short_list_of_records() -> None:
+    """Few records, every identifier (the shape's ids, FEW_IDS), not the first eight and
+    a count: any of them may be the one a later turn asks about."""
+    rows = [
+        {"account_id": f"ACC-{100000 + 7919 * n}", "plan": "team", "mrr_eur": 20.5 + n * 31}
+        for n in range(20)
+    ]
+    items = [call("c1", "run_sql", {"sql": "SELECT * FROM churned"}), result("c1", {"rows": rows})]
+    fact = extract(items).facts[0]
+    assert all(row["account_id"] in fact for row in rows)
+    assert "(+12 more)" not in fact

@@ -141,8 +141,12 @@ class _Section:
         return self.priority
 
     def is_essential(self, entry: str) -> bool:
-        """Whether `entry` survives before every non-essential entry when over budget."""
-        return self.essential and (self.name != "facts" or bool(entities_in(entry)))
+        """Whether `entry` survives before every non-essential entry when over budget: a
+        fact when it holds ids or amounts, or reports what stands out (an error, an
+        outlier, a rare record: what must_keep asks of any summary)."""
+        if not self.essential:
+            return False
+        return self.name != "facts" or bool(entities_in(entry)) or _is_signal(entry)
 
 
 _ERROR_FACT_PRIORITY = 6

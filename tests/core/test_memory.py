@@ -919,3 +919,26 @@ def test_the_digest_lists_every_id_of_a_short_list_of_records() -> None:
     fact = extract(items).facts[0]
     assert all(row["account_id"] in fact for row in rows)
     assert "(+12 more)" not in fact
+
+
+def test_a_fact_that_stands_out_is_essential_like_one_with_ids(counter: TokenCounter) -> None:
+    """Facts holding ids rank first when over budget; a fact whose one record stands out
+    of its list (the only step-free hotel, no id in it) ranks with them, not after."""
+    items: list[Item] = []
+    for n in range(5):
+        offers = [{"flight": f"LH{1000 + 37 * n + k}", "price_eur": 90 + k} for k in range(25)]
+        items += [
+            call(f"f{n}", "search_flights", {"to": f"city {n}"}),
+            result(f"f{n}", {"offers": offers}),
+        ]
+    hotels = [
+        {"hotel": f"Casa {name} {k}", "eur_night": 80 + 7 * k, "step_free": "no"}
+        for k, name in enumerate(["Sol", "Mar", "Rio", "Luz", "Alto"] * 4)
+    ]
+    hotels.insert(9, {"hotel": "Hotel Atlantico", "eur_night": 92, "step_free": "yes"})
+    items += [call("h1", "search_hotels", {"city": "Porto"}), result("h1", {"hotels": hotels})]
+    state = extract(items)
+    fact = next(f for f in state.facts if f.startswith("search_hotels"))
+    assert '"hotel": "Hotel Atlantico"' in fact
+    for budget in (400, 560, 700):
+        assert "Hotel Atlantico" in render(state, counter, budget)

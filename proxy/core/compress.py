@@ -954,8 +954,9 @@ def _odd_code_lines(
 ) -> list[int]:
     """The statements of a file listing whose template is rare where the others repeat:
     the one `cache_ttl = 0` among helpers that all say `value = Decimal(x) * factor`.
-    Only when at most a quarter of the statements (not signatures, not blank) are rare;
-    in code whose every line is its own, rarity says nothing."""
+    Only when they are few: at most ODD_STATEMENTS, and at most a quarter of the
+    statements (not signatures, not blank); in code whose every line is its own,
+    rarity says nothing."""
     statements = [
         i
         for i, line in enumerate(lines)
@@ -964,7 +965,10 @@ def _odd_code_lines(
         and not is_signature(_unnumbered(line, numbers[i]))
     ]
     rare = [i for i in statements if total[owner[i]] <= RARE_COUNT]
-    return rare if 4 * len(rare) <= len(statements) else []
+    return rare if len(rare) <= ODD_STATEMENTS and 4 * len(rare) <= len(statements) else []
+
+
+ODD_STATEMENTS = 4  # rare statements of a listing kept as odd ones, at most (as RARE_STRINGS)
 
 
 def _own_words(

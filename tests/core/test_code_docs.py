@@ -257,3 +257,17 @@ def test_a_listings_odd_statement_survives_before_anyone_names_it(counter: Token
     )
     fact = extract([first, item]).facts[0]
     assert "cache_ttl = 0" in fact
+
+
+def test_many_rare_statements_are_not_odd_ones(counter: TokenCounter) -> None:
+    """Forty statements of their own in a file of repeated helpers are its code, not
+    its odd lines: the listing still compresses to its skeleton (the signatures)."""
+    lines = []
+    for n in range(160):
+        lines += [f"def helper_{n}(value, factor=Decimal('{n}.25')):"]
+        odd = f"    {WORDS[n % 13]}_{WORDS[n // 13]} = value.{WORDS[(n * 7) % 13]}()"
+        lines += [odd] if n % 5 == 0 else []
+        lines += ["    value = Decimal(value) * factor", "    return value", ""]
+    item = chat_item({"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines)})
+    shown = compress_tool_output(item, None, 300, counter).text()
+    assert shown.count("def helper_") >= 5

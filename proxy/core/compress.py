@@ -690,6 +690,7 @@ class _Entry:
     note: str = ""
     template: int = -1
     group: int = -1  # a diff hunk: its lines are kept all together or after the rest
+    outlier: bool = False  # kept for a number far from its column's others
 
 
 class TextPlan:
@@ -709,21 +710,28 @@ class TextPlan:
 
     A file listing, a diff or a document (text_kind, item 4) has its own classes of lines
     instead of the log's: for code, the lines referenced by number or defining a
-    referenced identifier, then the signatures (the skeleton, bodies elided); for a diff,
+    referenced identifier, then its odd statements (_odd_code_lines), then the signatures (the skeleton, bodies elided); for a diff,
     its file headers and each hunk's header with its +/- lines, a hunk kept whole or
     after everything else; for a document, whose units are sentences, the title, the
     sentences carrying the most query terms, then the headings."""
 
-    __slots__ = ("_command", "_entries", "_kind", "_lines", "_text", "_unit")
+    __slots__ = ("_command", "_entries", "_kind", "_lines", "_rare", "_text", "_unit")
 
     def __init__(
-        self, text: str, lines: list[str], entries: list[_Entry], command: int, kind: str = "log"
+        self,
+        text: str,
+        lines: list[str],
+        entries: list[_Entry],
+        command: int,
+        kind: str = "log",
+        rare: tuple[int, ...] = (),
     ) -> None:
         self._text = text
         self._lines = lines
         self._entries = entries
         self._command = command
         self._kind = kind
+        self._rare = rare  # a log's rare lines (not frames), those saying most first
         self._unit = "sentence" if kind == "prose" else "line"
 
     @classmethod
@@ -753,11 +761,13 @@ class TextPlan:
         entries: list[_Entry] = []
         taken: set[int] = set()
 
-        def keep(tier: int, index: int, note: str = "", rarity: int | None = None) -> None:
+        def keep(
+            tier: int, index: int, note: str = "", rarity: int | None = None, outlier: bool = False
+        ) -> None:
             if index not in taken and owner[index] >= 0:
                 taken.add(index)
                 rank = total[owner[index]] if rarity is None else rarity
-                entries.append(_Entry(tier, rank, index, note, owner[index]))
+                entries.append(_Entry(tier, rank, index, note, owner[index], outlier=outlier))
 
         first = next((i for i, t in enumerate(owner) if t >= 0), -1)
         command = first if logs and first >= 0 and COMMAND_LINE.match(lines[first]) else -1
@@ -778,6 +788,8 @@ class TextPlan:
                         taken.add(index)
                         entries.append(_Entry(1, 0, index, group=group))
         if kind == "code":
+            for index in _odd_code_lines(lines, numbers, owner, total):
+                keep(1, index)
             for index, line in enumerate(lines):
                 if is_signature(_unnumbered(line, numbers[index])):
                     keep(2, index, rarity=0)
@@ -806,7 +818,7 @@ class TextPlan:
             if errors[index] and total[owner[index]] <= RARE_COUNT:
                 keep(2, index)
         for index in outlier_lines(mined, lines) if logs else ():  # rare by its value
-            keep(2, index, rarity=RARE_COUNT + 1)
+            keep(2, index, rarity=RARE_COUNT + 1, outlier=True)
         last = next((i for i in range(len(lines) - 1, -1, -1) if owner[i] >= 0), -1)
         for index in (first, last):
             if index >= 0:
@@ -824,7 +836,13 @@ class TextPlan:
         for index in range(len(lines)):  # what room is left: the other lines, in order
             keep(8, index)
         entries.sort(key=_rank)
-        return cls(text, lines, entries, command, kind)
+        # The other rare lines (tier 5), with those kept by position (tier 3) among them.
+        tier = {e.index: e.tier for e in entries}
+        rare = sorted(
+            (i for i in own if tier[i] >= 3 and not FRAME_LINE.match(lines[i])),
+            key=lambda i: (-own[i], i),
+        )
+        return cls(text, lines, entries, command, kind, tuple(rare))
 
     def render(self, chars: int) -> str:
         """At most about `chars` characters (a kept line costs its length and a gap mark)."""
@@ -890,20 +908,38 @@ class TextPlan:
     def signal_lines(self, limit: int, tiers: frozenset[int] | None = None) -> list[str]:
         """At most `limit` lines a digest of the text carries besides its errors, by the
         plan's rank: the lines the conversation names (not the command), a stack trace's
-        head, the rare error lines and a series' outliers, then (in a log) the lines of
-        the rare templates. Never a collapsed template's example or a code signature:
+        head, the rare error lines and a series' outliers, a listing's odd statements,
+        then (in a log) the lines of the rare templates. Never a collapsed template's example or a code signature:
         those are the routine the rest stands for. `tiers` narrows them."""
-        wanted = {0, 1, 2, 5} if self._kind == "log" else {0, 1} if self._kind == "prose" else {0}
+        wanted = {0, 1, 2, 5} if self._kind == "log" else {0} if self._kind == "diff" else {0, 1}
         wanted &= tiers if tiers is not None else wanted
+        found = [
+            e.index
+            for e in self._entries
+            if e.tier in wanted - {5} and e.index != self._command and e.group < 0
+        ]
+        # A rare line is signal wherever the plan ranked it: the last line of a list of
+        # hotels may be the one step-free hotel (kept by position in render, tier 3).
+        found += self._rare if 5 in wanted else ()
         shown: list[str] = []
-        for entry in self._entries:
+        for index in found:
             if len(shown) >= limit:
                 break
-            if entry.tier in wanted and entry.index != self._command and entry.group < 0:
-                line = self._lines[entry.index].strip()
-                if line and line not in shown:
-                    shown.append(line)
+            line = self._lines[index].strip()
+            if line and line not in shown and index != self._command:
+                shown.append(line)
         return shown
+
+    @property
+    def kind(self) -> str:
+        """What the text is (text_kind): "log", "code", "diff" or "prose"."""
+        return self._kind
+
+    def outliers(self) -> frozenset[str]:
+        """The lines kept for a number far from the others of its column (outlier_lines),
+        stripped: a digest marks them, since one such line among routine ones is what a
+        later turn asks about ("that spike")."""
+        return frozenset(self._lines[e.index].strip() for e in self._entries if e.outlier)
 
     def command(self) -> str:
         """The command line that produced the output, if it starts with one."""
@@ -911,6 +947,28 @@ class TextPlan:
 
     def _shown(self, entry: _Entry) -> str:
         return _elide_string(self._lines[entry.index], LINE_CHARS) + entry.note
+
+
+def _odd_code_lines(
+    lines: Sequence[str], numbers: Sequence[int], owner: Sequence[int], total: Sequence[int]
+) -> list[int]:
+    """The statements of a file listing whose template is rare where the others repeat:
+    the one `cache_ttl = 0` among helpers that all say `value = Decimal(x) * factor`.
+    Only when they are few: at most ODD_STATEMENTS, and at most a quarter of the
+    statements (not signatures, not blank); in code whose every line is its own,
+    rarity says nothing."""
+    statements = [
+        i
+        for i, line in enumerate(lines)
+        if owner[i] >= 0
+        and _unnumbered(line, numbers[i]).strip()
+        and not is_signature(_unnumbered(line, numbers[i]))
+    ]
+    rare = [i for i in statements if total[owner[i]] <= RARE_COUNT]
+    return rare if len(rare) <= ODD_STATEMENTS and 4 * len(rare) <= len(statements) else []
+
+
+ODD_STATEMENTS = 4  # rare statements of a listing kept as odd ones, at most (as RARE_STRINGS)
 
 
 def _own_words(
@@ -1003,7 +1061,7 @@ def _trace_heads(lines: list[str], errors: list[bool]) -> list[int]:
 DIFF_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
 DIFF_FILE = re.compile(r"^(?:diff --git |--- \S|\+\+\+ \S|index [0-9a-f]+\.\.)")
 # A listing's own line number before each line (`cat -n`, `12: x`, `12 | x`).
-NUMBERED = re.compile(r"^\s*(\d{1,6})(?:[:|]\s?|\t| +)")
+NUMBERED = re.compile(r"^\s*(\d{1,6})(?: *[:|]\s?|\t| +)")
 # A declaration: a definition keyword (after modifiers), a decorator, or a C-like
 # signature that opens its body ("public int size() {").
 SIGNATURE = re.compile(
@@ -1382,31 +1440,61 @@ EVIDENCE_LINES = 2  # lines kept per statement
 
 
 def evidence_lines(text: str, said: Sequence[str]) -> frozenset[str]:
-    """The lines of a text result that the assistant's statements (`said`: "the pool is
-    exhausted") rest on, as referenced values (issue 22, item 3): a line sharing at least
-    FINDING_WORDS words with a sentence, counting only words found in at most
-    REFERENCE_MAX of the result's lines (what the 40 routine lines all say points at
-    none). At most EVIDENCE_LINES per sentence, the best first."""
+    """The lines of a text result that statements (`said`: the assistant's "the pool is
+    exhausted", a later "raise the memory limit we saw") rest on, as referenced values
+    (issue 22, item 3): a line sharing at least FINDING_WORDS words with a sentence,
+    counting only words found in at most REFERENCE_MAX of the result's lines (what the
+    40 routine lines all say points at none). A line's words include those of the lines
+    it is nested under (structure_words): in a manifest, `memory: 320Mi` under `limits:`
+    is the memory limit, `memory: 128Mi` under `requests:` is not. At most
+    EVIDENCE_LINES per sentence, the best first."""
     if not said or not text:
         return frozenset()
     inner = embedded_text(json_container(text))
     lines = (inner[1] if inner is not None else text).splitlines()
     if len(lines) < 2:
         return frozenset()
-    words = [_words(line) for line in lines]
-    counts: dict[str, int] = {}
-    for found in words:
+    where: dict[str, list[int]] = {}  # a word: the lines holding it, up to one too many
+    for index, found in enumerate(structure_words(lines)):
         for word in found:
-            counts[word] = counts.get(word, 0) + 1
+            holding = where.setdefault(word, [])
+            if len(holding) <= REFERENCE_MAX:
+                holding.append(index)
     kept: set[str] = set()
     for sentence in (s for statement in said for s in sentences(statement)):
-        rare = {w for w in _words(sentence) if counts.get(w, 0) <= REFERENCE_MAX}
+        rare = [w for w in _words(sentence) if len(where.get(w, ())) <= REFERENCE_MAX]
         if len(rare) < FINDING_WORDS:
             continue
-        scored = [(len(rare & found), i) for i, found in enumerate(words)]
-        best = sorted((-n, i) for n, i in scored if n >= FINDING_WORDS)[:EVIDENCE_LINES]
+        scores: dict[int, int] = {}
+        for word in rare:
+            for index in where.get(word, ()):
+                scores[index] = scores.get(index, 0) + 1
+        best = sorted((-n, i) for i, n in scores.items() if n >= FINDING_WORDS)[:EVIDENCE_LINES]
         kept.update(lines[i].strip() for _, i in best if lines[i].strip())
     return frozenset(kept)
+
+
+def structure_words(lines: Sequence[str]) -> list[set[str]]:
+    """Each line's words (_words) with those of the lines it is nested under: the nearest
+    line above with less indentation, and so on up (a YAML or JSON document's keys, a
+    function's name for its body). A listing's own numbers are not indentation; a flat
+    text (a log) has no nesting, each line its own words."""
+    numbers = _numbering(lines)
+    stack: list[tuple[int, set[str]]] = []  # (indentation, words with the ancestors')
+    found: list[set[str]] = []
+    for index, line in enumerate(lines):
+        body = _unnumbered(line, numbers[index]) if numbers else line
+        own = _words(body)
+        if not body.strip():
+            found.append(own)
+            continue
+        indent = len(body) - len(body.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        words = own | stack[-1][1] if stack else own
+        stack.append((indent, words))
+        found.append(words)
+    return found
 
 
 def _words(text: str) -> set[str]:

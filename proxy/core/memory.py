@@ -19,6 +19,7 @@ with token noise or the hour (issue 10, item 4).
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -40,6 +41,7 @@ from proxy.core.compress import (
     tool_name,
 )
 from proxy.core.items import APPROVAL_REQUEST, Api, Item, chat_item, responses_item
+from proxy.core.shapes import FEW_IDS
 from proxy.core.tokens import TokenCounter
 
 SUMMARY_MARKER = "[threadkeeper summary of earlier conversation]"
@@ -53,7 +55,10 @@ FACT_CHARS = 400
 EARLIER_CHARS = 640
 SECTION_MAX = 400  # entries kept per section: the oldest and newest halves
 ENTITIES_PER_ITEM = 16
-WHITESPACE = re.compile(r"\s+")
+SPACES = re.compile(r"\s+")
+# A run of whitespace holding a line break (what str.splitlines splits on): an entry is
+# one line of the rendered digest, which parse reads back line by line.
+LINE_BREAKS = re.compile(r"\s*[\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
 
 
 # --- the state ------------------------------------------------------------------------------
@@ -102,11 +107,12 @@ class MemoryState:
     def must_keep(self) -> tuple[str, ...]:
         """Strings every summary of this state must hold verbatim: the rules, the latest
         preferences, decisions, open tasks, pending calls, the tool facts that report an
-        error, a warning or a code location (a log's one failure), and entities (the ids
-        and amounts of the other facts' own values among them), in render order."""
+        error, a warning or a code location (a log's one failure) or carry a series'
+        outlier (its one spike), and entities (the ids and amounts of the other facts' own
+        values among them), in render order."""
         kept: list[str] = [*self.constraints, *(p.text for p in self.preferences)]
         kept += [*self.decisions, *self.open_tasks, *(p.text for p in self.pending)]
-        kept += [fact for fact in self.facts if _reports_error(fact)]
+        kept += [fact for fact in self.facts if _is_signal(fact)]
         kept += self.entities
         return tuple(dict.fromkeys(kept))
 
@@ -127,15 +133,20 @@ class _Section:
         return list(values)
 
     def priority_of(self, entry: str) -> int:
-        """A tool fact reporting an error or a warning ranks with the entities: it is
-        often the one line of a long result the conversation acts on."""
-        if self.name == "facts" and _reports_error(entry):
+        """A tool fact reporting an error or a warning, or carrying a series' outlier,
+        ranks with the entities: it is often the one line or value of a long result the
+        conversation acts on."""
+        if self.name == "facts" and _is_signal(entry):
             return _ERROR_FACT_PRIORITY
         return self.priority
 
     def is_essential(self, entry: str) -> bool:
-        """Whether `entry` survives before every non-essential entry when over budget."""
-        return self.essential and (self.name != "facts" or bool(entities_in(entry)))
+        """Whether `entry` survives before every non-essential entry when over budget: a
+        fact when it holds ids or amounts, or reports what stands out (an error, an
+        outlier, a rare record: what must_keep asks of any summary)."""
+        if not self.essential:
+            return False
+        return self.name != "facts" or bool(entities_in(entry)) or _is_signal(entry)
 
 
 _ERROR_FACT_PRIORITY = 6
@@ -433,6 +444,7 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
     builder.pending = [p for p in builder.pending if p.call_id not in waiting]
     calls = {call_id: item for item in items for call_id in item.call_ids}
     later = _referenced_after(items)
+    described = _described_after(items)
     for position, item in enumerate(items):
         calls.update(dict.fromkeys(item.call_ids, item))  # an id may be reused later
         if item.is_user_message:
@@ -440,7 +452,7 @@ def extract(items: Sequence[Item], previous: MemoryState | None = None) -> Memor
         elif item.kind == "tool_output":
             call = calls.get(item.output_for or "")
             named_later = later.get(position, frozenset())
-            named_later |= evidence_lines(output_text(item), _said_after(items, position))
+            named_later |= evidence_lines(output_text(item), described.get(position, ()))
             fact, named = _fact(item, call, waiting.get(item.output_for or ""), named_later)
             builder.add("facts", [fact])
             builder.add("entities", named[:ENTITIES_PER_ITEM])
@@ -471,16 +483,24 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
     return found
 
 
-def _said_after(items: Sequence[Item], position: int) -> list[str]:
-    """What the assistant said after the item at `position`, up to the next user message:
-    the statements whose evidence lines a result's fact keeps (evidence_lines)."""
-    said = []
-    for item in items[position + 1 :]:
-        if item.is_user_message:
-            break
-        if item.role == "assistant" and item.kind == "message":
-            said.append(item.text())
-    return said
+DESCRIBED_MESSAGES = 24  # later messages read for a result's evidence: about 12 turns
+
+
+def _described_after(items: Sequence[Item]) -> dict[int, tuple[str, ...]]:
+    """For each tool result, what the user and the assistant said after it in this chunk
+    (the next DESCRIBED_MESSAGES messages, so a long chunk costs linear time): the
+    statements whose evidence lines its fact keeps (evidence_lines), a finding ("the pool
+    is exhausted") or a description ("the memory limit we saw"). One backward pass."""
+    found: dict[int, tuple[str, ...]] = {}
+    said: list[str] = []  # newest first
+    for position in range(len(items) - 1, -1, -1):
+        item = items[position]
+        if item.kind == "tool_output":
+            found[position] = tuple(reversed(said[-DESCRIBED_MESSAGES:]))
+        elif item.is_user_message or (item.role == "assistant" and item.kind == "message"):
+            if item.text().strip():
+                said.append(item.text())
+    return found
 
 
 def merge(previous: MemoryState, later: MemoryState) -> MemoryState:
@@ -554,11 +574,12 @@ def _fact(
     head = f"{name}({arguments})" if call is not None or described is None else described
     text = output_text(output)
     parsed = json_container(text)
+    whole: list[tuple[str, Any]] = []
     if isinstance(parsed, dict) and isinstance(parsed.get(COMPRESSED_KEY), dict):
         excerpt = parsed.get("excerpt")  # a compressed text result
         text, parsed = (excerpt, None) if isinstance(excerpt, str) else ("", parsed)
         if parsed is not None:
-            parsed = parsed.get("verified_facts") or {}
+            whole, parsed = _whole_records(parsed.get("verified_facts") or {})
     inner = embedded_text(parsed)
     if inner is not None:  # a file's content in a JSON object: its lines, as a text's
         text, parsed = inner[1], None
@@ -569,8 +590,11 @@ def _fact(
             key=lambda pair: not _reports_error(str(pair[1])),
         )
         errors = sum(_reports_error(str(value)) for _, value in pairs)
-        pairs[errors:errors] = _outlier_pairs(parsed)
-        pairs[:0] = standing_out(parsed)  # a list's outlier records, its rare strings
+        listed = _listed_ids(parsed)
+        lists = {label.rsplit(".", 1)[0] for label, _ in listed}
+        pairs = [pair for pair in pairs if pair[0] not in lists]  # the ids stand for them
+        pairs[errors:errors] = _outlier_pairs(parsed) + listed
+        pairs[:0] = standing_out(parsed) + whole  # a list's outlier records, rare strings
         shown = _pairs_text(pairs) if pairs else "(no values)"
         # Ids of list elements (a page of search results) are the fact's, not entities.
         named = " ".join(str(v) for _, v in pairs if not isinstance(v, list | dict))
@@ -579,6 +603,23 @@ def _fact(
         shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
+
+
+# A record a compressed result kept whole, labelled by its list and index (`points[36]`).
+RECORD_LABEL = re.compile(r".+\[\d+\]")
+
+
+def _whole_records(facts: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The records a compressed result's verified facts hold whole (an outlier's, or one a
+    later turn named: compress._walk), and the other facts. The compressor chose them as
+    the signal of their list; the digest keeps them as records, not as loose values."""
+    if not isinstance(facts, dict):
+        return [], facts
+    whole = [(k, v) for k, v in facts.items() if RECORD_LABEL.fullmatch(k) and isinstance(v, dict)]
+    rest = {
+        k: v for k, v in facts.items() if not (RECORD_LABEL.fullmatch(k) and isinstance(v, dict))
+    }
+    return whole, rest
 
 
 def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
@@ -597,6 +638,33 @@ def _outlier_pairs(parsed: Any) -> list[tuple[str, Any]]:
                             (f"{label[: -len('_shape')]}.{column} {kind}", described[kind])
                         )
     return found + _extremes(parsed)
+
+
+def _listed_ids(parsed: Any) -> list[tuple[str, Any]]:
+    """Every identifier of a short list of records (`rows.account_ids=[...]`, a shape's
+    ids: at most FEW_IDS records), for a result as returned or as compressed (its
+    verified facts hold the shape): a later turn may name any of them (issue 22, item 2,
+    "keep every identifier-like value when there are few"). They replace the list's
+    first few elements."""
+    shapes = (
+        [(k, v) for k, v in parsed.items() if k.endswith(SHAPE_SUFFIX)]
+        if isinstance(parsed, dict)
+        else []
+    )
+    shapes += key_values(parsed, max_values=64, list_items=FEW_IDS)  # shapes list FEW_IDS
+    found: list[tuple[str, Any]] = []
+    for label, shape in shapes:
+        if not label.endswith(SHAPE_SUFFIX) or not isinstance(shape, dict):
+            continue
+        for key, value in shape.items():
+            if key != "count" and isinstance(value, list) and value:
+                pair = (f"{label[: -len(SHAPE_SUFFIX)]}.{key}", value)
+                if pair not in found:
+                    found.append(pair)
+    return found
+
+
+SHAPE_SUFFIX = "_shape"  # compress._walk's label of a list's shape
 
 
 def _extremes(parsed: Any) -> list[tuple[str, Any]]:
@@ -645,6 +713,17 @@ def _reports_error(fact: str) -> bool:
     return bool(ERROR_LINE.search(fact) or LOCATION_LINE.search(fact))
 
 
+def _stands_out(fact: str) -> bool:
+    """Whether a tool fact carries what stands out of its result: a series' outlier or
+    anomaly, a list's outlier record or rare string, a record a later turn named; the one
+    value among routine ones, as informative as a log's one error line (issue 22, item 2)."""
+    return STANDS_OUT.search(fact) is not None
+
+
+def _is_signal(fact: str) -> bool:
+    return _reports_error(fact) or _stands_out(fact)
+
+
 def _value_text(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_value_text(v) for v in value) + "]"
@@ -657,21 +736,40 @@ def _text_gist(text: str, referenced: frozenset[str] = frozenset()) -> str:
     """A text result by what its plan (TextPlan) ranks as signal, not by position: the
     lines the later conversation names (by value, line number or the identifier a line
     defines), the first error line of the rarest template (a log's one failure among
-    many routine errors, wherever it sits), a series' outlier and the rare lines, the
-    other error templates, code locations, then lines with entities, else its beginning."""
+    many routine errors, wherever it sits), the best line of each other class of signal
+    before the second of any (a trace's head, a rare error or a series' outlier, a rare
+    line: four lines are little room), the other error templates, code locations, then
+    lines with entities, else its beginning."""
     plan = TextPlan.of(text, referenced)
     errors = [line.strip() for line in plan.ranked_lines(GIST_LINES)]
     named = plan.signal_lines(GIST_LINES // 2, tiers=frozenset({0})) if referenced else []
-    signal = plan.signal_lines(GIST_LINES * 2)
+    classes = [plan.signal_lines(GIST_LINES, tiers=frozenset({t})) for t in SIGNAL_TIERS]
+    signal = [line for rank in itertools.zip_longest(*classes) for line in rank if line]
     chosen = [*named, *errors[:1], *signal, *errors[1:]]
     lines = text.splitlines()
     chosen += [line.strip() for line in lines if LOCATION_LINE.search(line)]
     chosen += [line.strip() for line in lines if line.strip() and entities_in(line)]
     kept = list(dict.fromkeys(line for line in chosen if line))[:GIST_LINES]
+    marked = next((n for n, line in enumerate(kept) if line in plan.outliers()), -1)
+    if marked >= 0:  # once: it ranks the fact (_stands_out), and room is short
+        kept[marked] += OUTLIER_NOTE
+    if plan.kind not in ("code", "diff"):  # spaces lay out a log or a table, not its words
+        kept = [SPACES.sub(" ", line) for line in kept]
     return _cut(" | ".join(kept) if kept else text, GIST_CHARS)
 
 
+# A text's outlier line in a fact is marked, as a JSON fact labels its shape's outliers
+# (`points.p99_ms outliers=[36=4973]`) and leads with what stands out of its lists, by
+# list and index (`activity[7]=legal hold: ...`, `deals[12]={...}`; not a list's
+# `deals[4]=(+16 more)`): such a fact ranks with the errors (_stands_out).
+OUTLIER_NOTE = " (outlier)"
+STANDS_OUT = re.compile(
+    r" (?:outliers|anomalies)=|" + re.escape(OUTLIER_NOTE) + r"| -> [^\s=]+\[\d+\]=(?!\(\+)"
+)
+
+
 GIST_LINES = 4
+SIGNAL_TIERS = (0, 1, 2, 5)  # TextPlan's classes of signal lines (signal_lines)
 GIST_CHARS = FACT_CHARS // 2
 
 
@@ -719,7 +817,10 @@ def _arguments(call: Item, call_id: str) -> tuple[str, list[str]]:
 
 
 def _cut(text: str, chars: int) -> str:
-    text = WHITESPACE.sub(" ", text).strip()
+    """One line of at most `chars` characters (then marked). Only line breaks fold into a
+    space: the spaces inside a line are part of what a quoted line says verbatim (code
+    `timeout = 30  # seconds`, a table's columns)."""
+    text = LINE_BREAKS.sub(" ", text).strip()
     if len(text) <= chars:
         return text
     return f"{text[:chars]}[... {len(text) - chars} more characters]"

@@ -16,7 +16,7 @@ from proxy.core.compress import (
     text_kind,
 )
 from proxy.core.items import Item, chat_item
-from proxy.core.memory import referenced_values
+from proxy.core.memory import extract, referenced_values
 from proxy.core.tokens import TokenCounter
 
 BUG = "    days_in_year = 365"
@@ -214,3 +214,60 @@ def test_a_log_is_neither_code_nor_prose() -> None:
     assert text_kind(retries)[0] == "log"
     lines, _ = source_file(1)
     assert text_kind(lines)[0] == "code"
+
+
+@pytest.mark.parametrize("numbered", ["{n:>4} | {line}", "{n:>4}| {line}", "{n}: {line}"])
+def test_a_listing_numbered_with_a_spaced_pipe_is_code(numbered: str) -> None:
+    """`   7 | def f():` is a listing's number and its line: the number goes, the line's
+    own indentation stays, and the listing is code (its lines named by number are kept
+    as code lines, its signatures are its skeleton)."""
+    lines, at = source_file(3, 120)
+    listing = [numbered.format(n=n, line=line) for n, line in enumerate(lines, start=1)]
+    kind, numbers = text_kind(["==> billing/calendar.py <==", *listing])
+    assert kind == "code"
+    assert numbers[at + 1] == at + 1
+
+
+def test_a_listings_odd_statement_survives_before_anyone_names_it(counter: TokenCounter) -> None:
+    """Helpers that all say the same and one statement that says something else: the
+    compressed listing and the digest keep that statement before any turn names it
+    (rare by template where the others repeat, as in a log)."""
+    lines = ['"""billing/tax.py: billing helpers."""', "from decimal import Decimal", ""]
+    for n in range(22):
+        lines += [
+            f"def {WORDS[n % 13]}_{WORDS[(n * 5) % 13]}(value, factor=Decimal('{n}.25')):",
+            '    """Return the value scaled by factor."""',
+            "    value = Decimal(value) * factor",
+            "    return value.quantize(Decimal('0.01'))",
+            "",
+        ]
+    lines.insert(40, "    cache_ttl = 0")
+    listing = "\n".join(f"{n:>4} | {line}" for n, line in enumerate(lines, start=1))
+    text = "==> billing/tax.py <==\n" + listing
+    assert text_kind(text.splitlines())[0] == "code"
+    item = chat_item({"role": "tool", "tool_call_id": "c1", "content": text})
+    shown = compress_tool_output(item, None, 300, counter).text()
+    assert "cache_ttl = 0" in shown
+    function = {"name": "read_file", "arguments": '{"path": "billing/tax.py"}'}
+    first = chat_item(
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "type": "function", "function": function}],
+        }
+    )
+    fact = extract([first, item]).facts[0]
+    assert "cache_ttl = 0" in fact
+
+
+def test_many_rare_statements_are_not_odd_ones(counter: TokenCounter) -> None:
+    """Forty statements of their own in a file of repeated helpers are its code, not
+    its odd lines: the listing still compresses to its skeleton (the signatures)."""
+    lines = []
+    for n in range(160):
+        lines += [f"def helper_{n}(value, factor=Decimal('{n}.25')):"]
+        odd = f"    {WORDS[n % 13]}_{WORDS[n // 13]} = value.{WORDS[(n * 7) % 13]}()"
+        lines += [odd] if n % 5 == 0 else []
+        lines += ["    value = Decimal(value) * factor", "    return value", ""]
+    item = chat_item({"role": "tool", "tool_call_id": "c1", "content": "\n".join(lines)})
+    shown = compress_tool_output(item, None, 300, counter).text()
+    assert shown.count("def helper_") >= 5

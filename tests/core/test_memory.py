@@ -758,3 +758,187 @@ def test_an_instruction_scoped_to_the_work_is_a_constraint() -> None:
     )
     assert constraints(text) == [text]
     assert not is_rule("For this reason the test fails.")
+
+
+def tool_text(call_id: str, text: str) -> Item:
+    return chat_item({"role": "tool", "tool_call_id": call_id, "content": text})
+
+
+def routine_warnings(service: str) -> str:
+    """A log of one service's routine warnings: every line the same template."""
+    return "\n".join(
+        f"2026-11-14T14:{m:02d}:10Z WARN {service} slow request path=/v2/cart "
+        f"took={900 + 37 * m}ms trace={m:016x}"
+        for m in range(40)
+    )
+
+
+def latency_series(spike: int) -> str:
+    points = [f"14:{m:02d} p99={180 + (m * 37) % 240}ms" for m in range(60)]
+    points[36] = f"14:36 p99={spike}ms"
+    return "\n".join(points)
+
+
+def test_a_series_outlier_outranks_routine_warnings_in_a_small_digest(
+    counter: TokenCounter,
+) -> None:
+    """A fact carrying a series' one outlier ranks with the facts that report an error:
+    over budget, the spike survives before the fourth log of routine warnings (all of
+    which say WARN, none of which says anything new)."""
+    items: list[Item] = []
+    for n, service in enumerate(("cart", "orders")):
+        items += [
+            call(f"c{n}", "query_logs", {"service": service}),
+            tool_text(f"c{n}", routine_warnings(service)),
+        ]
+    items += [call("m1", "query_metrics", {"metric": "p99"}), tool_text("m1", latency_series(5446))]
+    for n, service in enumerate(("gateway", "search", "auth")):
+        items += [
+            call(f"d{n}", "query_logs", {"service": service}),
+            tool_text(f"d{n}", routine_warnings(service)),
+        ]
+    state = extract(items)
+    metrics = next(f for f in state.facts if f.startswith("query_metrics"))
+    assert "p99=5446ms (outlier)" in metrics
+    assert metrics in state.must_keep()
+    text = render(state, counter, 250)
+    assert "p99=5446ms" in text
+    assert sum(line.startswith("- query_logs") for line in text.splitlines()) < 5
+
+
+def test_the_digest_keeps_a_compressed_results_outlier_record_whole(
+    counter: TokenCounter,
+) -> None:
+    """A compressed JSON result keeps its series' outlier record whole (`points[36]`);
+    the digest of that form keeps it as the record, not as loose `t=`, `p99_ms=` values."""
+    points = [{"t": f"14:{m:02d}", "p99_ms": 180 + (m * 37) % 240} for m in range(60)]
+    points[36]["p99_ms"] = 4973
+    raw = result("c1", {"metric": "payments-api p99", "points": points})
+    first = call("c1", "query_metrics", {"metric": "p99"})
+    compressed = compress_tool_output(raw, first, 200, counter)
+    assert '"points[36]": {"t": "14:36", "p99_ms": 4973}' in compressed.text()
+    fact = extract([first, compressed]).facts[0]
+    assert 'points[36]={"t": "14:36", "p99_ms": 4973}' in fact
+
+
+def test_the_digest_quotes_a_named_code_line_verbatim() -> None:
+    """The spaces inside a quoted line are the line's: `timeout = 30  # seconds` is
+    what a later turn (or a reader's search) finds, not `timeout = 30 # seconds`."""
+    lines = []
+    for n in range(30):
+        lines += [f"def helper_{n}(value, factor={n + 2}):", f"    return value * factor + {n}", ""]
+    lines[55] = "    timeout = 30  # seconds"
+    listing = "\n".join(f"{n:>4} | {line}" for n, line in enumerate(lines, start=1))
+    items = [
+        call("c1", "read_file", {"path": "billing/tax.py"}),
+        tool_text("c1", "==> billing/tax.py <==\n" + listing),
+        assistant("Read it."),
+        user("I think line 56 of billing/tax.py, the client timeout, is too short."),
+    ]
+    fact = next(f for f in extract(items).facts if f.startswith("read_file"))
+    assert "timeout = 30  # seconds" in fact
+    assert "\n" not in fact
+
+
+def test_the_digest_carries_a_rare_line_that_is_also_the_last() -> None:
+    """A text's last line is kept by position when it is compressed; in the digest's
+    gist it is still the rare line it is (TextPlan.signal_lines): the one step-free
+    hotel at the end of a list of hotels, each a template of its own."""
+    names = ("Casa", "Hotel", "Residencia", "Maison")
+    places = ("Sol", "Luz", "Mar", "Rio", "Alto", "Verde")
+    rows = [
+        f"{names[n % 4]} {places[n % 6]} {n + 3:<12} {70 + 7 * n:>4} EUR/night "
+        f"rating {6.5 + (n % 30) / 10} step-free: no"
+        for n in range(22)
+    ]
+    rows.append(f"{'Hotel Atlantico':<24} 171 EUR/night rating 8.7 step-free: yes")
+    items = [call("c1", "search_hotels", {"city": "Lisbon"}), tool_text("c1", "\n".join(rows))]
+    fact = extract(items).facts[0]
+    assert "Hotel Atlantico 171 EUR/night rating 8.7 step-free: yes" in fact
+
+
+def test_a_facts_rare_string_outranks_plain_facts_in_a_small_digest(
+    counter: TokenCounter,
+) -> None:
+    """A JSON fact leading with what stands out of its lists (`activity[12]=legal hold:
+    ...`) ranks with the facts that report an error, before the plain facts of accounts
+    whose lists hold nothing unusual."""
+    items: list[Item] = []
+    for n in range(6):
+        notes = [f"2026-11-{d:02d}T10:00:00Z call logged by ana: follow-up" for d in range(1, 21)]
+        if n == 3:
+            notes.insert(12, "2026-11-13T10:00:00Z legal hold: do not contact (dispute 437)")
+        account = f"ACC-{7000 + n}"
+        items += [
+            call(f"c{n}", "get_account", {"account": account}),
+            result(f"c{n}", {"account": account, "city": "Lyon", "activity": notes}),
+        ]
+    state = extract(items)
+    held = next(f for f in state.facts if "ACC-7003" in f)
+    assert "legal hold: do not contact (dispute 437)" in held
+    assert held in state.must_keep()
+    text = render(state, counter, 400)
+    assert "legal hold" in text
+    assert sum(line.startswith("- get_account") for line in text.splitlines()) < 6
+
+
+def test_a_small_gist_shows_each_class_of_signal_before_a_second_of_one() -> None:
+    """Four lines of 200 characters: a second rare error does not push out the one rare
+    line that reports no error (the config change behind both)."""
+    lines = [
+        f"2026-11-14T14:{m:02d}:00Z INFO worker job {m} done in {100 + m}ms" for m in range(40)
+    ]
+    lines.insert(
+        10,
+        "2026-11-14T14:10:30Z ERROR payments: card processor timeout after 30000ms on "
+        "attempt 3 of 3 (gateway=adyen-eu)",
+    )
+    lines.insert(
+        20,
+        "2026-11-14T14:20:30Z ERROR ledger: write conflict on account ACC-1 retried 5 times "
+        "then gave up (tx=88ab12)",
+    )
+    lines.insert(30, POOL_CHANGE)
+    items = [call("c1", "query_logs", {"service": "payments"}), tool_text("c1", "\n".join(lines))]
+    fact = extract(items).facts[0]
+    assert "card processor timeout" in fact
+    assert POOL_CHANGE in fact
+
+
+POOL_CHANGE = "2026-11-14T14:30:30Z INFO db.pool: max_connections lowered to 20 by deploy 8812"
+
+
+def test_the_digest_lists_every_id_of_a_short_list_of_records() -> None:
+    """Few records, every identifier (the shape's ids, FEW_IDS), not the first eight and
+    a count: any of them may be the one a later turn asks about."""
+    rows = [
+        {"account_id": f"ACC-{100000 + 7919 * n}", "plan": "team", "mrr_eur": 20.5 + n * 31}
+        for n in range(20)
+    ]
+    items = [call("c1", "run_sql", {"sql": "SELECT * FROM churned"}), result("c1", {"rows": rows})]
+    fact = extract(items).facts[0]
+    assert all(row["account_id"] in fact for row in rows)
+    assert "(+12 more)" not in fact
+
+
+def test_a_fact_that_stands_out_is_essential_like_one_with_ids(counter: TokenCounter) -> None:
+    """Facts holding ids rank first when over budget; a fact whose one record stands out
+    of its list (the only step-free hotel, no id in it) ranks with them, not after."""
+    items: list[Item] = []
+    for n in range(5):
+        offers = [{"flight": f"LH{1000 + 37 * n + k}", "price_eur": 90 + k} for k in range(25)]
+        items += [
+            call(f"f{n}", "search_flights", {"to": f"city {n}"}),
+            result(f"f{n}", {"offers": offers}),
+        ]
+    hotels = [
+        {"hotel": f"Casa {name} {k}", "eur_night": 80 + 7 * k, "step_free": "no"}
+        for k, name in enumerate(["Sol", "Mar", "Rio", "Luz", "Alto"] * 4)
+    ]
+    hotels.insert(9, {"hotel": "Hotel Atlantico", "eur_night": 92, "step_free": "yes"})
+    items += [call("h1", "search_hotels", {"city": "Porto"}), result("h1", {"hotels": hotels})]
+    state = extract(items)
+    fact = next(f for f in state.facts if f.startswith("search_hotels"))
+    assert '"hotel": "Hotel Atlantico"' in fact
+    for budget in (400, 560, 700):
+        assert "Hotel Atlantico" in render(state, counter, budget)

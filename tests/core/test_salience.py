@@ -259,3 +259,39 @@ def test_a_later_query_of_a_plain_word_does_not_crowd_out_the_rare_line() -> Non
     fact = extract(items).facts[0]
     assert REPLICA_LAG in fact
     assert "path=/v1/refunds" not in fact
+
+
+def manifest() -> str:
+    lines = ["apiVersion: apps/v1", "kind: Deployment", "metadata:", "  name: ledger", "spec:"]
+    lines += ["  template:", "    spec:", "      containers:", "      - name: ledger"]
+    lines += ["        image: registry.internal/ledger:1.12.0", "        env:"]
+    for n in range(30):
+        lines += [f"        - name: CACHE_TTL_{n}", f'          value: "{n * 7}"']
+    lines += ["        resources:", "          requests:", "            cpu: 250m"]
+    lines += ["            memory: 128Mi", "          limits:", '            cpu: "1"']
+    lines += ["            memory: 320Mi"]
+    return "\n".join(lines)
+
+
+RAISE = "So raise the memory limit we saw in the manifest to double."
+
+
+def test_a_line_is_described_by_the_keys_it_is_nested_under() -> None:
+    """`memory: 320Mi` under `limits:` is "the memory limit"; `memory: 128Mi` under
+    `requests:` shares only "memory" with it (structure_words)."""
+    assert evidence_lines(manifest(), [RAISE]) == frozenset({"memory: 320Mi"})
+
+
+def test_the_digest_keeps_the_line_a_later_user_message_describes() -> None:
+    """The user describes a line in words ("the memory limit we saw"), turns after the
+    result: the digest of the chunk keeps that line, not the first `memory:` line."""
+    items = [
+        call("c1", "kubectl", {"args": "get deploy ledger -o yaml"}),
+        chat_item({"role": "tool", "tool_call_id": "c1", "content": manifest()}),
+        chat_item({"role": "assistant", "content": "The deployment runs one container."}),
+        chat_item({"role": "user", "content": "And the events?"}),
+        chat_item({"role": "assistant", "content": "One OOM kill on the ledger container."}),
+        chat_item({"role": "user", "content": RAISE}),
+    ]
+    fact = next(f for f in extract(items).facts if f.startswith("kubectl"))
+    assert "memory: 320Mi" in fact

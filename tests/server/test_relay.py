@@ -13,8 +13,9 @@ import pytest
 from proxy.core.answers import BadAnswer
 from proxy.core.ledger import ToolCall, ToolRule
 from proxy.server.api import CHAT, RESPONSES, ApiShape
+from proxy.server.errors import ApiError
 from proxy.server.holdback import ChatHoldback, Guarded
-from proxy.server.relay import Keep, Passthrough, Transformer, transformed
+from proxy.server.relay import Keep, Passthrough, Transformer, provider_answer, transformed
 from proxy.sse import DONE, SSEDecoder, SSEEvent, encode_event
 
 
@@ -161,3 +162,29 @@ def test_error_events_take_each_apis_shape() -> None:
     assert chat.event is None and json.loads(chat.data)["error"]["code"] == "internal_error"
     responses = decoded([RESPONSES.error_event("boom", "internal_error")])[0]
     assert responses.event == "error" and json.loads(responses.data)["code"] == "internal_error"
+
+
+ANSWER = {"id": "c1", "object": "chat.completion", "model": "m", "created": 1}
+CHOICE = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant"}}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ['"a\\ud800b"', '"\\ud83d\\ude00"', '"\\u00e9\\u0000"', "12345678901234567890123", "1e400"],
+)
+def test_an_answer_is_read_to_the_stdlibs_values(value: str) -> None:
+    """Lone surrogates, integers beyond 64 bits, overflowing floats: what orjson reads
+    differently or refuses reads as `json.loads` reads it (proxy/core/fastjson.py)."""
+    text = json.dumps({**ANSWER, "choices": [CHOICE], "x_provider": "?"})
+    text = text.replace('"?"', value)
+    for body in (text.encode(), text.encode("utf-16"), b"\xef\xbb\xbf" + text.encode()):
+        answer = provider_answer(CHAT, body)
+        assert answer == json.loads(body)
+        assert repr(answer) == repr(json.loads(body))  # an int stays an int, inf stays inf
+
+
+@pytest.mark.parametrize("body", [b"", b"[" * 100_000, b'{"a": NaN', b"\xff{}"])
+def test_an_answer_that_is_not_json_is_a_502(body: bytes) -> None:
+    with pytest.raises(ApiError) as refused:
+        provider_answer(CHAT, body)
+    assert refused.value.status == 502

@@ -66,6 +66,9 @@ from proxy.tracing import NO_TRACING, Tracing
 COMMIT_ATTEMPTS = 64
 MAX_PAUSE = 0.05  # the jitter stops growing: a long loser must not fall ever further behind
 Restate = Callable[["Loaded"], Awaitable[JsonDict]]
+# The (kind, type) pairs of some items: Item.kind is the API-independent one (a Chat
+# message's tool calls are a "tool_calls" kind of type None), Item.type the Responses type.
+Sorts = frozenset[tuple[str, str | None]]
 
 
 def stored_item_view(stored: StoredItem) -> Item:
@@ -93,11 +96,9 @@ class Loaded:
     # What later turns of this window reuse (the projection's settled blocks, turn.py),
     # kept with the window in the WindowCache; each user checks it against `items`.
     memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    # The types of these very `items` (compared by identity: `replace` may change them),
-    # gathered by the WindowCache as its window grows.
-    types_of: tuple[tuple[Item, ...], frozenset[str | None]] | None = field(
-        default=None, compare=False, repr=False
-    )
+    # The kinds and types of these very `items` (compared by identity: `replace` may
+    # change them), gathered by the WindowCache as its window grows.
+    sorts: tuple[tuple[Item, ...], Sorts] | None = field(default=None, compare=False, repr=False)
 
     @property
     def state(self) -> JsonDict:
@@ -118,13 +119,21 @@ class Loaded:
         return self._cut
 
     @cached_property
+    def item_sorts(self) -> Sorts:
+        """The (kind, type) of the window's items, gathered once per Loaded, or once per
+        window and extended as it grows (the rewriters that apply only to some items ask
+        every turn, turn.ForItems)."""
+        if self.sorts is not None and self.sorts[0] is self.items:
+            return self.sorts[1]
+        return sorts_of(self.items)
+
+    @cached_property
     def item_types(self) -> frozenset[str | None]:
-        """The types of the window's items, gathered once per Loaded, or once per window
-        and extended as it grows (the rewriters that apply only to some types ask every
-        turn, turn.ForItems)."""
-        if self.types_of is not None and self.types_of[0] is self.items:
-            return self.types_of[1]
-        return types_of(self.items)
+        return frozenset(type_ for _, type_ in self.item_sorts)
+
+    @cached_property
+    def item_kinds(self) -> frozenset[str]:
+        return frozenset(kind for kind, _ in self.item_sorts)
 
     @cached_property
     def _cut(self) -> CutPoint | None:
@@ -171,8 +180,8 @@ class Loaded:
         return self.first_position + index
 
 
-def types_of(items: Iterable[Item]) -> frozenset[str | None]:
-    return frozenset(item.type for item in items)
+def sorts_of(items: Iterable[Item]) -> Sorts:
+    return frozenset((item.kind, item.type) for item in items)
 
 
 def first_orphan(
@@ -231,7 +240,7 @@ class _Window:
     sizes: tuple[int, ...]  # bytes of each item's JSON text
     # Loaded.memo, passed on as the window is extended
     memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    types: frozenset[str | None] | None = field(default=None, compare=False, repr=False)
+    sorts: Sorts | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -242,9 +251,9 @@ class _Window:
         items: tuple[Item, ...],
         sizes: tuple[int, ...],
         memo: dict[str, Any] | None = None,
-        types: frozenset[str | None] | None = None,
+        sorts: Sorts | None = None,
     ) -> _Window:
-        """`types`: those of `items`, if known (else gathered here)."""
+        """`sorts`: those of `items`, if known (else gathered here)."""
         return cls(
             thread.created_at,
             thread.version,
@@ -255,11 +264,11 @@ class _Window:
             items,
             sizes,
             memo if memo is not None else {},
-            types if types is not None else types_of(items),
+            sorts if sorts is not None else sorts_of(items),
         )
 
     def loaded(self, tenant: str, thread_id: str, thread: Thread) -> Loaded:
-        types = self.types if self.types is not None else types_of(self.items)
+        sorts = self.sorts if self.sorts is not None else sorts_of(self.items)
         return Loaded(
             tenant,
             thread_id,
@@ -268,7 +277,7 @@ class _Window:
             self.stored,
             self.items,
             memo=self.memo,
-            types_of=(self.items, types),
+            sorts=(self.items, sorts),
         )
 
     def grown(
@@ -280,8 +289,8 @@ class _Window:
         kept = 0 if not every or every[0].seq >= start else bisect_left(every, start, key=_seq)
         sizes = (*self.sizes, *(_json_size(s.raw) for s in stored))
         if kept == 0:
-            types = self.types.union(types_of(items)) if self.types is not None else None
-            return _Window.of(thread, start, every, (*self.items, *items), sizes, self.memo, types)
+            sorts = self.sorts.union(sorts_of(items)) if self.sorts is not None else None
+            return _Window.of(thread, start, every, (*self.items, *items), sizes, self.memo, sorts)
         left = (*self.items, *items)[kept:]
         return _Window.of(thread, start, every[kept:], left, sizes[kept:], self.memo)
 

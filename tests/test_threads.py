@@ -296,6 +296,7 @@ async def test_a_cached_windows_item_types_follow_appends_and_the_window_start(
     def types(loaded: Loaded | None) -> frozenset[str | None]:
         assert loaded is not None
         assert loaded.item_types == frozenset(i.type for i in loaded.items)
+        assert loaded.item_kinds == frozenset(i.kind for i in loaded.items)
         return loaded.item_types
 
     try:

@@ -42,6 +42,10 @@ PAIRED_BY_CALL_ID_ONLY = frozenset({"tool_search_call", "tool_search_output"})
 APPROVAL_REQUEST = "mcp_approval_request"
 APPROVAL_ANSWERS = frozenset({"mcp_approval_response", "mcp_call"})
 MCP_KINDS = frozenset({APPROVAL_REQUEST, *APPROVAL_ANSWERS, "mcp_list_tools"})
+# The kinds of the items that make a call or answer one: no item of another kind has
+# `call_ids` or an `output_for`, so a history without them pairs nothing (the ledger's
+# rewriters have no work there, turn.REWRITERS).
+CALL_KINDS = frozenset({"tool_calls", "tool_output", APPROVAL_REQUEST, *APPROVAL_ANSWERS})
 
 # The longest id or key the stores index (items are unique by id, ledger entries by key):
 # PostgreSQL refuses a btree entry above ~2.7 kB, and 512 characters of UTF-8 stay below.

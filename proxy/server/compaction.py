@@ -87,6 +87,7 @@ from proxy.server.turn import (
     Turn,
     Window,
     attach_ready_summaries,
+    for_calls,
     off_the_loop,
 )
 from proxy.server.validate import (
@@ -450,10 +451,10 @@ def rewriters(threshold: int | None) -> tuple[Rewriter, ...]:
     return (
         ForItems(frozenset({TRIGGER}), serve_compaction_trigger),
         ForItems(frozenset({"compaction"}), expand_compactions),
-        restore_ledger_calls,
-        refuse_orphans,
+        for_calls(restore_ledger_calls),
+        for_calls(refuse_orphans),
         *past,
-        answer_dangling_calls,
+        for_calls(answer_dangling_calls),
         attach_ready_summaries,
     )
 

@@ -61,7 +61,7 @@ from proxy.core.invariants import (
     check_sent_after,
     check_sent_as_given,
 )
-from proxy.core.items import Item
+from proxy.core.items import CALL_KINDS, Item
 from proxy.core.projection import (
     BlockReport,
     ContextLengthExceeded,
@@ -169,6 +169,14 @@ class Turn:
         return not self.inputs.truncate
 
     @cached_property
+    def guarded(self) -> bool:
+        """Whether the tenant's policy names a side-effecting tool (LedgerGuard.active,
+        read without building the guard): only then is the client's tool output recorded
+        and the answer held back, so a turn that neither guards a tool nor holds a call
+        never enters the ledger (proxy/server/ledger.py)."""
+        return any(tool.side_effect for tool in self.request[TENANT_POLICY].tools.values())
+
+    @cached_property
     def guard(self) -> LedgerGuard:
         """The side-effect ledger's rules for this request (SPEC 6)."""
         now = self.request.app[CLOCK].iso
@@ -186,10 +194,6 @@ class Window:
     @property
     def items(self) -> Sequence[Item]:
         return self.loaded.items if self.loaded is not None else ()
-
-    @property
-    def item_types(self) -> frozenset[str | None]:
-        return self.loaded.item_types if self.loaded is not None else frozenset()
 
 
 @dataclass(frozen=True)
@@ -211,17 +215,34 @@ Rewriter = Callable[[Turn, Window, New], Awaitable[tuple[Window, New]]]
 @dataclass(frozen=True)
 class ForItems:
     """A rewriter with work only for a turn whose items, stored or new, include an item of
-    one of `types`: any other turn passes it by uncalled, so what does not apply to a
-    turn is seen in its plan (a turn without a compaction item has none to expand)."""
+    one of `types` (Item.type) or of `kinds` (Item.kind, the same for both APIs: a Chat
+    message's tool calls are a "tool_calls" kind): any other turn passes it by uncalled,
+    so what does not apply to a turn is seen in its plan (a turn without a compaction
+    item has none to expand, one without a call or output none to pair)."""
 
     types: frozenset[str]
     rewriter: Rewriter
+    kinds: frozenset[str] = frozenset()
 
     async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
-        types = self.types
-        if not types.isdisjoint(window.item_types) or any(i.type in types for i in new.items):
-            return await self.rewriter(turn, window, new)
-        return window, new
+        types, kinds, stored = self.types, self.kinds, window.loaded
+        held = stored is not None and not (
+            types.isdisjoint(stored.item_types) and kinds.isdisjoint(stored.item_kinds)
+        )
+        if not held:  # the window's are gathered once (Loaded.item_sorts); the new, here
+            for item in new.items:
+                if item.type in types or item.kind in kinds:
+                    break
+            else:
+                return window, new
+        return await self.rewriter(turn, window, new)
+
+
+def for_calls(rewriter: Rewriter) -> ForItems:
+    """`rewriter` for a turn whose items make or answer a call (items.CALL_KINDS): the
+    ledger's rewriters read only call ids and the calls they answer, which no other
+    item has."""
+    return ForItems(frozenset(), rewriter, CALL_KINDS)
 
 
 @dataclass(frozen=True)
@@ -376,9 +397,9 @@ async def attach_ready_summaries(turn: Turn, window: Window, new: New) -> tuple[
 
 # Every turn's rewriters, in order (a Responses turn with local compaction adds its own).
 REWRITERS: tuple[Rewriter, ...] = (
-    restore_ledger_calls,
-    refuse_orphans,
-    answer_dangling_calls,
+    for_calls(restore_ledger_calls),
+    for_calls(refuse_orphans),
+    for_calls(answer_dangling_calls),
     attach_ready_summaries,
 )
 
@@ -479,7 +500,8 @@ def model_call(turn: Turn, sent: JsonDict) -> Iterator[Any]:
 async def before_forward(turn: Turn, observers: Sequence[Observer]) -> None:
     """The client's tool outputs complete their ledger entries, the mode begins (a
     Responses row `in_progress`), the observers hear the provider is called."""
-    await turn.guard.record_outputs(turn.outputs)
+    if turn.guarded:
+        await turn.guard.record_outputs(turn.outputs)
     await turn.mode.begin()
     for observer in observers:
         observer.forwarding(turn)
@@ -542,7 +564,7 @@ def _transformer(turn: Turn, forwarded: Forwarded) -> Transformer:
         return fresh.state_after(again.projection.cut)
 
     keeper = turn.mode.keeper(turn, projected, restate)
-    if turn.guard.active:
+    if turn.guarded:
         guarded = Guarded(
             turn.request, turn.api, turn.guard, forwarded.sent, keeper, turn.mode.response_id
         )

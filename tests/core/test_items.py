@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core.items import (
+    CALL_KINDS,
     CALL_TYPES,
+    MCP_KINDS,
     OUTPUT_TO_CALL_TYPE,
     Item,
     ResponsesInput,
@@ -439,3 +441,86 @@ def test_tool_search_items_pair_only_by_a_call_id_they_carry() -> None:
     assert (call.kind, call.call_ids) == ("tool_calls", ("ts_1",))
     assert (output.kind, output.output_for) == ("tool_output", "ts_1")
     assert (hosted.kind, hosted.output_for) == ("other", None)
+
+
+CALLING = [
+    *(
+        responses_item({"type": call, "call_id": "c", "name": "f", "arguments": "{}"})
+        for call in OUTPUT_TO_CALL_TYPE.values()
+    ),
+    *(responses_item({"type": output, "call_id": "c"}) for output in OUTPUT_TO_CALL_TYPE),
+    responses_item({"type": "mcp_approval_request", "id": "a", "name": "f"}),
+    responses_item({"type": "mcp_approval_response", "approval_request_id": "a"}),
+    responses_item({"type": "mcp_call", "id": "m", "approval_request_id": "a"}),
+    chat_item({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}),
+    chat_item({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}),
+    chat_item({"role": "tool", "tool_call_id": "c", "content": "ok"}),
+    chat_item({"role": "function", "name": "f", "content": "ok"}),
+]
+NOT_CALLING = [
+    responses_item({"role": "user", "content": "hi", "call_id": "c"}),
+    responses_item({"type": "reasoning", "id": "c", "summary": []}),
+    responses_item({"type": "compaction", "id": "c", "encrypted_content": "x"}),
+    responses_item({"type": "item_reference", "id": "c"}),
+    responses_item({"type": "mcp_list_tools", "id": "c", "server_label": "s"}),
+    responses_item({"type": "web_search_call", "id": "c"}),
+    responses_item({"type": "tool_search_call"}),
+    chat_item({"role": "assistant", "content": "hi", "tool_call_id": "c"}),
+    chat_item({"role": "user", "content": "hi", "tool_call_id": "c"}),
+]
+
+
+@pytest.mark.parametrize("item", CALLING, ids=lambda i: i.type or i.role)
+def test_an_item_that_makes_or_answers_a_call_is_of_a_call_kind(item: Item) -> None:
+    assert item.call_ids or item.output_for
+    assert item.kind in CALL_KINDS
+
+
+@pytest.mark.parametrize("item", NOT_CALLING, ids=lambda i: i.type or i.role)
+def test_an_item_of_another_kind_pairs_nothing(item: Item) -> None:
+    """What the ledger's rewriters read (call ids, the call answered) is empty on every
+    item outside CALL_KINDS: turn.REWRITERS skip them for a turn without a call."""
+    assert item.kind not in CALL_KINDS
+    assert not item.call_ids and item.output_for is None
+
+
+ANY_TYPE = st.sampled_from(
+    [
+        None,
+        "message",
+        "reasoning",
+        "compaction",
+        "item_reference",
+        "web_search_call",
+        "x",
+        *sorted(CALL_TYPES | set(OUTPUT_TO_CALL_TYPE) | MCP_KINDS),
+    ]
+)
+MAYBE_ID = st.one_of(st.none(), st.just("c1"))
+ROLE = st.sampled_from([None, "user", "assistant", "tool", "function", "system"])
+
+
+@given(ANY_TYPE, ROLE, MAYBE_ID, MAYBE_ID, MAYBE_ID, MAYBE_ID)
+def test_only_call_kinds_pair(
+    type_: str | None,
+    role: str | None,
+    call_id: str | None,
+    item_id: str | None,
+    approval: str | None,
+    tool_call_id: str | None,
+) -> None:
+    """Whatever a raw item holds, call ids or a call answered come with a call kind."""
+    fields = {
+        "type": type_,
+        "role": role,
+        "call_id": call_id,
+        "id": item_id,
+        "approval_request_id": approval,
+        "tool_call_id": tool_call_id,
+        "name": "f",
+        "tool_calls": [{"id": call_id}] if call_id else None,
+    }
+    raw = {key: value for key, value in fields.items() if value is not None}
+    for item in (responses_item(raw), chat_item(raw)):
+        if item.call_ids or item.output_for is not None:
+            assert item.kind in CALL_KINDS

@@ -370,6 +370,11 @@ class Policy(_Frozen):
         """The file this policy was read from (for error messages)."""
         return self._source or f"{self.tenant}.yaml"
 
+    @property
+    def side_effect_tools(self) -> dict[str, ToolPolicy]:
+        """The tools the side-effect ledger guards (SPEC 6), by function name."""
+        return {name: tool for name, tool in self.tools.items() if tool.side_effect}
+
     def limits_for(self, model: str) -> ModelLimits:
         """Exact name, then the longest key that prefixes it, then "*", then built-in.
 

@@ -546,3 +546,17 @@ def test_a_models_entry_is_the_same_asked_again_and_for_many_names() -> None:
     for number in range(MAX_KEPT_ENTRIES + 10):
         assert policy.limits_for(f"model-{number}").context_window == 1000
     assert policy.limits_for("gpt-4o").context_window == 2000
+
+
+def test_side_effect_tools_are_the_guarded_ones_only() -> None:
+    policy = Policy.model_validate(
+        {
+            "tenant": "acme",
+            "tools": {
+                "refund_order": {"side_effect": True},
+                "lookup_order": {"side_effect": False},
+            },
+        }
+    )
+    assert list(policy.side_effect_tools) == ["refund_order"]
+    assert not Policy.model_validate({"tenant": "acme"}).side_effect_tools

@@ -78,7 +78,7 @@ def refuse_unguarded_choices(body: JsonDict, policy: Policy) -> None:
     n = body.get("n")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 1:
         return
-    if any(tool.side_effect for tool in policy.tools.values()):
+    if policy.side_effect_tools:
         raise invalid(
             "'n' greater than 1 is not supported for this tenant: its policy has "
             "side-effecting tools, and only one choice can pass the side-effect ledger.",

@@ -108,8 +108,7 @@ def tool_rules(policy: Policy) -> dict[str, ToolRule]:
             scope=tool.scope,
             on_duplicate=tool.on_duplicate,
         )
-        for name, tool in policy.tools.items()
-        if tool.side_effect
+        for name, tool in policy.side_effect_tools.items()
     }
 
 

@@ -174,7 +174,7 @@ class Turn:
         read without building the guard): only then is the client's tool output recorded
         and the answer held back, so a turn that neither guards a tool nor holds a call
         never enters the ledger (proxy/server/ledger.py)."""
-        return any(tool.side_effect for tool in self.request[TENANT_POLICY].tools.values())
+        return bool(self.request[TENANT_POLICY].side_effect_tools)
 
     @cached_property
     def guard(self) -> LedgerGuard:

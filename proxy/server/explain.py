@@ -7,10 +7,10 @@ texts that stood in for history: summaries and compressed tool results. Verbatim
 not copied; the record names the thread they live in.
 
 Records are queued and written in batches by one background task (a batch gathers for
-BATCH_WAIT_SECONDS after its first record), so no request waits for this write, nor for
-the record's composition: the request keeps its facts by reference (its log fields and
-its projection) and the writer makes the record's JSON text once (`record_text`), which
-the store keeps as it is. When the queue is full (a store that is down), records are
+BATCH_WAIT_SECONDS after its first record), so no request waits for this write. The
+record's JSON text is made once (`record_text`) when the answer was already sent
+(app.sent), and the store keeps it as it is; the queue holds that text, not the
+request's projection. When the queue is full (a store that is down), records are
 dropped and counted in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a
 record to the tenant that made the request, from the queue while it is not written yet.
 Records older than `explain_retention_seconds` are purged in the background.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import orjson
@@ -43,12 +43,13 @@ from proxy.store.base import ExplainRecord, ExplainRow, ExplainStore, StoreError
 log = structlog.get_logger("threadkeeper.explain")
 
 QUEUE_MAX = 1000  # records waiting for the writer; more are dropped
-BATCH_MAX = 100  # records per store transaction
-# Before each batch the writer waits this long for more records: one client's
-# requests one after the other then share a transaction (one a request cost each a write
-# transaction, three hops to SQLite's thread, beside the next request). A record waiting
-# is served from the queue (`unwritten`) and written at shutdown (`drain`).
-BATCH_WAIT_SECONDS = 0.05
+BATCH_MAX = 250  # records per store transaction
+# Before each batch the writer waits this long for more records: one client's requests
+# one after the other then share a transaction (on SQLite about 18 us of CPU a record in
+# a transaction of 25, 11 in one of 500: bench/RESULTS.md, h-explain). A record
+# waiting is served from the queue (`unwritten`) and written at shutdown (`drain`); a
+# process killed outright loses the last BATCH_WAIT_SECONDS of them.
+BATCH_WAIT_SECONDS = 0.25
 PURGE_INTERVAL_SECONDS = 600.0
 # Log fields the record carries in a fuller form of its own.
 REPLACED_FIELDS = ("budget", "trimmed_blocks")
@@ -64,31 +65,22 @@ ERROR_BODY_MAX = 64 * 1024
 ERROR_MESSAGE_MAX = 4000
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingRecord:
-    """A record's facts as the request left them; `compose` makes its JSON text (the
-    whole projection report and the stand-in texts), off the request's path, once: the
-    writer and a read from the queue share it."""
+    """A record waiting for its write: its JSON text, made when the answer was sent (the
+    request's projection and fields are let go then, not kept for the batch's wait)."""
 
     tenant: str
     request_id: str
     created_at: str
     thread_id: str | None
-    compose: Callable[[], str]
-    _text: str | None = field(default=None, repr=False)
-
-    def text(self) -> str:
-        if self._text is None:
-            self._text = self.compose()
-        return self._text
+    text: str
 
     def row(self) -> ExplainRow:
-        return ExplainRow(
-            self.tenant, self.request_id, self.created_at, self.thread_id, self.text()
-        )
+        return ExplainRow(self.tenant, self.request_id, self.created_at, self.thread_id, self.text)
 
     def record(self) -> ExplainRecord:
-        record = fastjson.loads(self.text())
+        record = fastjson.loads(self.text)
         return ExplainRecord(self.tenant, self.request_id, self.created_at, record)
 
 
@@ -230,10 +222,6 @@ def record_request(
         return
     clock: Clock = request.app[CLOCK]
     request_id = request[REQUEST_ID]
-    fields = dict(fields)  # the line's fields as they are now; trimmed by the writer
-    error = request.get(PROVIDER_ERROR)
-    if error is not None:
-        fields["provider_error"] = error
     created_at = clock.iso()
     head: JsonDict = {
         "object": "threadkeeper.request",
@@ -245,16 +233,16 @@ def record_request(
         "latency_ms": latency_ms,
     }
 
+    facts = {**head, **fields}
+    for name in REPLACED_FIELDS:
+        facts.pop(name, None)
+    error = request.get(PROVIDER_ERROR)
+    if error is not None:
+        facts["provider_error"] = error
     thread_id = fields.get("thread_id")
     thread = thread_id if isinstance(thread_id, str) else None
-
-    def compose() -> str:
-        facts = {**head, **fields}
-        for name in REPLACED_FIELDS:
-            facts.pop(name, None)
-        return record_text(facts, projection)
-
-    recorder.offer(PendingRecord(request[NAMESPACE], request_id, created_at, thread, compose))
+    text = record_text(facts, projection)
+    recorder.offer(PendingRecord(request[NAMESPACE], request_id, created_at, thread, text))
 
 
 def record_text(facts: JsonDict, projection: Projection) -> str:

@@ -7,11 +7,13 @@ texts that stood in for history: summaries and compressed tool results. Verbatim
 not copied; the record names the thread they live in.
 
 Records are queued and written in batches by one background task (a batch gathers for
-BATCH_WAIT_SECONDS after its first record), so no request waits for this write, nor for the record's composition: the request queues the facts (its log
-fields and its projection) and the writer turns them into the record's JSON. When the queue is full (a store that is down), records are dropped and counted
-in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a record to the tenant that
-made the request, from the queue while it is not written yet. Records older than
-`explain_retention_seconds` are purged in the background.
+BATCH_WAIT_SECONDS after its first record), so no request waits for this write. The
+record's JSON text is made once (`record_text`) when the answer was already sent
+(app.sent), and the store keeps it as it is; the queue holds that text, not the
+request's projection. When the queue is full (a store that is down), records are
+dropped and counted in the log. `GET /threadkeeper/v1/requests/{request_id}` serves a
+record to the tenant that made the request, from the queue while it is not written yet.
+Records older than `explain_retention_seconds` are purged in the background.
 """
 
 from __future__ import annotations
@@ -22,28 +24,32 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import orjson
 import structlog
 from aiohttp import web
 
 from proxy.clock import Clock, utc_iso
+from proxy.core import fastjson
 from proxy.core.compress import COMPRESSED_KEY, output_text
+from proxy.core.items import INSTRUCTION_ROLES, Item
 from proxy.core.memory import is_summary
 from proxy.core.projection import Projection
 from proxy.periodic import every, running
 from proxy.server.errors import ApiError
 from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, REQUEST_ID, SETTINGS, STORE
 from proxy.server.validate import JsonDict
-from proxy.store.base import ExplainRecord, ExplainStore, StoreError
+from proxy.store.base import ExplainRecord, ExplainRow, ExplainStore, StoreError
 
 log = structlog.get_logger("threadkeeper.explain")
 
 QUEUE_MAX = 1000  # records waiting for the writer; more are dropped
-BATCH_MAX = 100  # records per store transaction
-# Before each batch the writer waits this long for more records: one client's
-# requests one after the other then share a transaction (one a request cost each a write
-# transaction, three hops to SQLite's thread, beside the next request). A record waiting
-# is served from the queue (`unwritten`) and written at shutdown (`drain`).
-BATCH_WAIT_SECONDS = 0.05
+BATCH_MAX = 250  # records per store transaction
+# Before each batch the writer waits this long for more records: one client's requests
+# one after the other then share a transaction (on SQLite about 18 us of CPU a record in
+# a transaction of 25, 11 in one of 500: bench/RESULTS.md, h-explain). A record
+# waiting is served from the queue (`unwritten`) and written at shutdown (`drain`); a
+# process killed outright loses the last BATCH_WAIT_SECONDS of them.
+BATCH_WAIT_SECONDS = 0.25
 PURGE_INTERVAL_SECONDS = 600.0
 # Log fields the record carries in a fuller form of its own.
 REPLACED_FIELDS = ("budget", "trimmed_blocks")
@@ -61,17 +67,21 @@ ERROR_MESSAGE_MAX = 4000
 
 @dataclass(frozen=True)
 class PendingRecord:
-    """A record's facts as the request left them; `compose` makes its JSON (the whole
-    projection report and the stand-in texts), off the request's path."""
+    """A record waiting for its write: its JSON text, made when the answer was sent (the
+    request's projection and fields are let go then, not kept for the batch's wait)."""
 
     tenant: str
     request_id: str
     created_at: str
     thread_id: str | None
-    compose: Callable[[], JsonDict]
+    text: str
+
+    def row(self) -> ExplainRow:
+        return ExplainRow(self.tenant, self.request_id, self.created_at, self.thread_id, self.text)
 
     def record(self) -> ExplainRecord:
-        return ExplainRecord(self.tenant, self.request_id, self.created_at, self.compose())
+        record = fastjson.loads(self.text)
+        return ExplainRecord(self.tenant, self.request_id, self.created_at, record)
 
 
 class ExplainRecorder:
@@ -137,7 +147,7 @@ class ExplainRecorder:
         batch = [r for r in batch if (r.tenant, r.thread_id) not in gone]
         try:
             if batch:
-                await self.store.explain_put([pending.record() for pending in batch])
+                await self.store.explain_put([pending.row() for pending in batch])
         except StoreError as exc:
             self._dropped(len(batch), str(exc))
         finally:
@@ -212,10 +222,6 @@ def record_request(
         return
     clock: Clock = request.app[CLOCK]
     request_id = request[REQUEST_ID]
-    fields = {k: v for k, v in fields.items() if k not in REPLACED_FIELDS}
-    error = request.get(PROVIDER_ERROR)
-    if error is not None:
-        fields["provider_error"] = error
     created_at = clock.iso()
     head: JsonDict = {
         "object": "threadkeeper.request",
@@ -227,18 +233,39 @@ def record_request(
         "latency_ms": latency_ms,
     }
 
-    def compose() -> JsonDict:
-        return {
-            **head,
-            **fields,
-            "estimated_input_tokens": projection.report.prompt_tokens,
-            "projection": projection.report.as_dict(),
-            "stand_ins": stand_ins(projection),
-        }
-
+    facts = {**head, **fields}
+    for name in REPLACED_FIELDS:
+        facts.pop(name, None)
+    error = request.get(PROVIDER_ERROR)
+    if error is not None:
+        facts["provider_error"] = error
     thread_id = fields.get("thread_id")
     thread = thread_id if isinstance(thread_id, str) else None
-    recorder.offer(PendingRecord(request[NAMESPACE], request_id, created_at, thread, compose))
+    text = record_text(facts, projection)
+    recorder.offer(PendingRecord(request[NAMESPACE], request_id, created_at, thread, text))
+
+
+def record_text(facts: JsonDict, projection: Projection) -> str:
+    """The record's JSON text: `facts` (its head and log fields), the projection report
+    and the stand-ins. The report's blocks go to orjson as the report's own dataclasses
+    (no dict a block, as `ProjectionReport.as_dict` builds, and no second parse of the
+    whole text); the facts, where any value may be a float, go through
+    fastjson.dumps_text, which keeps a NaN or an integer beyond 64 bits as it is. The two
+    objects are joined into one."""
+    report = projection.report
+    shown = {**facts, "estimated_input_tokens": report.prompt_tokens}
+    for name in ("projection", "stand_ins"):  # written by the second part
+        shown.pop(name, None)
+    tail: JsonDict = {
+        "projection": {**report.totals(), "blocks": report.blocks},
+        "stand_ins": stand_ins(projection),
+    }
+    try:
+        rest = orjson.dumps(tail).decode()
+    except TypeError:  # a lone surrogate in a text, an integer beyond 64 bits
+        tail["projection"] = report.as_dict()
+        rest = json.dumps(tail, separators=(",", ":"))
+    return fastjson.dumps_text(shown)[:-1] + "," + rest[1:]
 
 
 def stand_ins(projection: Projection) -> list[JsonDict]:
@@ -246,18 +273,28 @@ def stand_ins(projection: Projection) -> list[JsonDict]:
     compressed tool results, with their text."""
     shown: list[JsonDict] = []
     for position, item in enumerate(projection.items):
-        if is_summary(item):
+        # Cheap tests first, on every item of the window: a summary is an instruction.
+        if item.role in INSTRUCTION_ROLES and is_summary(item):
             shown.append({"position": position, "kind": "summary", "text": item.text()})
-        elif item.output_for is not None and COMPRESSED_KEY in output_text(item):
+        elif item.output_for is not None and (text := compressed_text(item)) is not None:
             shown.append(
                 {
                     "position": position,
                     "kind": "compressed",
                     "call_id": item.output_for,
-                    "text": output_text(item),
+                    "text": text,
                 }
             )
     return shown
+
+
+def compressed_text(output: Item) -> str | None:
+    """The text of a compressed tool result; None for any other output."""
+    value = output.raw.get("content" if output.api == "chat" else "output")
+    if isinstance(value, str):  # output_text's own answer, without building it
+        return value if COMPRESSED_KEY in value else None
+    text = output_text(output)
+    return text if COMPRESSED_KEY in text else None
 
 
 async def find_record(

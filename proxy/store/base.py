@@ -219,6 +219,18 @@ class ExplainRecord:
 
 
 @dataclass(frozen=True)
+class ExplainRow:
+    """A record as its writer hands it to the store: `text` is its JSON, made once by the
+    writer (proxy/server/explain.py) and kept as it is; read back as ExplainRecord."""
+
+    tenant: str
+    request_id: str
+    created_at: str
+    thread_id: str | None
+    text: str
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """A process instance's last sign of life (replica-safe recovery, SPEC 7 and 8)."""
 
@@ -637,7 +649,7 @@ class SummaryStore(Protocol):
 class ExplainStore(Protocol):
     """Explain records: what one model request sent and why."""
 
-    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
+    async def explain_put(self, rows: Sequence[ExplainRow]) -> None:
         """Insert in one transaction; a request id already kept stays as it is."""
 
     async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:

@@ -26,6 +26,7 @@ from proxy.store.base import (
     AlreadyExists,
     Cancelled,
     ExplainRecord,
+    ExplainRow,
     Heartbeat,
     IdempotencyRecord,
     InspectorSession,
@@ -526,12 +527,10 @@ class SqlStore:
         return str(row["api"])
 
     # explain records ------------------------------------------------------------------
-    async def explain_put(self, records: Sequence[ExplainRecord]) -> None:
-        rows = [
-            (r.tenant, r.request_id, r.created_at, dumps(r.record), r.thread_id) for r in records
-        ]
+    async def explain_put(self, rows: Sequence[ExplainRow]) -> None:
+        values = [(r.tenant, r.request_id, r.created_at, r.text, r.thread_id) for r in rows]
         async with self.db.write() as conn:
-            await conn.executemany(sql.INSERT_EXPLAIN, rows)
+            await conn.executemany(sql.INSERT_EXPLAIN, values)
 
     async def explain_get(self, tenant: str | None, request_id: str) -> ExplainRecord | None:
         async with self.db.read() as conn:

@@ -14,7 +14,7 @@ from proxy.core.items import content_digest
 from proxy.store.base import (
     MAX_SUMMARY_DIGESTS,
     AlreadyExists,
-    ExplainRecord,
+    ExplainRow,
     Heartbeat,
     IdempotencyRecord,
     InspectorSession,
@@ -837,7 +837,7 @@ async def test_listings_take_in_a_tenants_passthrough_callers(store: Store) -> N
 
 def explain_record(request_id: str, created: str, thread: str | None, tenant: str = "acme"):  # type: ignore[no-untyped-def]
     record = {"id": request_id, **({"thread_id": thread} if thread else {})}
-    return ExplainRecord(tenant, request_id, created, record)
+    return ExplainRow(tenant, request_id, created, thread, json.dumps(record))
 
 
 async def test_explain_for_thread_lists_the_threads_records_newest_first(store: Store) -> None:
@@ -1193,7 +1193,7 @@ async def thread_everywhere(store: Store, tid: str, word: str, *, tenant: str = 
         tenant, f"key_{tid}", status=200, headers=[], body=body, thread_id=tid
     )
     await store.explain_put(
-        [ExplainRecord(tenant, f"req_{tid}", T1, {"thread_id": tid, "w": word})]
+        [ExplainRow(tenant, f"req_{tid}", T1, tid, json.dumps({"thread_id": tid, "w": word}))]
     )
     await store.summary_put(summary(f"d_{tid}", word, tenant=tenant), thread_id=tid)
 

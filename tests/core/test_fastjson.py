@@ -14,16 +14,25 @@ from proxy.core import fastjson
 
 from .test_persisted_forms import _same as same  # equal, of the same types throughout
 
-json_values = st.recursive(
+
+def json_of(scalars: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Lists and objects nested around `scalars`."""
+    return st.recursive(
+        scalars,
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        ),
+        max_leaves=20,
+    )
+
+
+json_values = json_of(
     st.none()
     | st.booleans()
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=20,
+    | st.text()
 )
 
 
@@ -111,17 +120,13 @@ def test_loads_refuses_bytes_that_are_not_utf8_as_the_stdlib_does() -> None:
         fastjson.loads(b'{"a": "\xff"}')
 
 
-stored_values = st.recursive(
+stored_values = json_of(
     st.none()
     | st.booleans()
     | st.integers()
     | st.integers(min_value=2**63 - 2, max_value=2**70)
     | st.floats()  # NaN and infinities included: orjson would write them as null
-    | st.text(),
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
-    ),
-    max_leaves=20,
+    | st.text()
 )
 
 

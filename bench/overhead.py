@@ -3,7 +3,7 @@ threadkeeper (and LiteLLM), one run.
 
     python bench/overhead.py [--seconds 3] [--write] [--title T] [--profile-only]
                              [--litellm-python PATH] [--postgres DSN] [--chat-only]
-                             [--profile CASE,...]
+                             [--profile CASE,...] [--exact-stub]
 
 Every figure of issue 23's "Measurement" section, from one run on loopback, as ratios to
 the bare relay (bench/bare_relay.py: the floor any Python hop pays). The provider stub
@@ -32,6 +32,10 @@ stateless ones in interleaved rounds so load drift hits every target alike:
   and of self time.
 
 `--chat-only` measures the chat cells alone (the passthrough and the streamed chat).
+The stub is `FakeProvider(light=True)`: no record, no dangling-call check, usage from the
+body's bytes, so the cores go to the proxies, not to the stub's tokenizer (the 200-item
+turn cost the exact stub about as much CPU as the proxy); `--exact-stub` gives the
+tests' stub, which counts every prompt's tokens.
 
 LiteLLM is looked for in this interpreter, then in `.venv-litellm/` at the repo root
 (`python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`),
@@ -92,12 +96,12 @@ budget: {reserve_output_tokens: 1000, safety_margin_tokens: 200}
 memory: {keep_recent_turns: 2, tool_result_max_tokens: 200}
 """
 
-# The stub records every request; clearing the record keeps its memory flat over a run.
+# The exact stub records every request; clearing the record keeps its memory flat.
 STUB = """
 import asyncio, sys
 from proxy.fake_provider import FakeProvider
 async def main():
-    provider = FakeProvider()
+    provider = FakeProvider(light=sys.argv[2] == "light")
     await provider.start(port=int(sys.argv[1]))
     print("ready", flush=True)
     while True:
@@ -418,10 +422,15 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
-def start_stub() -> Server:
+def start_stub(*, exact: bool = False) -> Server:
+    """The provider stub; `exact`: the tests' (it tokenizes each prompt), else the light."""
     port = free_port()
+    mode = "exact" if exact else "light"
     process = subprocess.Popen(
-        [sys.executable, "-c", STUB, str(port)], env=env(), stdout=subprocess.PIPE, cwd=ROOT
+        [sys.executable, "-c", STUB, str(port), mode],
+        env=env(),
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
     )
     assert process.stdout is not None
     process.stdout.readline()
@@ -601,6 +610,7 @@ class Run:
     load: float = 0.0  # of the machine when the run started: other work skews the figures
     started: str = ""
     commit: str = ""
+    exact_stub: bool = False  # the tests' stub, tokenizing each prompt (else the light one)
 
     def cell(self, case: str, target: str) -> Cell:
         return self.cells.get((case, target)) or skipped("not run")
@@ -612,7 +622,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> Run:
     run.load = os.getloadavg()[0]
     run.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     run.commit = commit()
-    stub = start_stub()
+    run.exact_stub = args.exact_stub
+    stub = start_stub(exact=args.exact_stub)
     servers: list[Server] = [stub]
     stack = contextlib.ExitStack()  # PostgreSQL schemas, dropped once the proxies stopped
     try:
@@ -679,7 +690,7 @@ def pg_schema(dsn: str) -> Iterator[str]:
 def profile_only(args: argparse.Namespace, tmp: Path) -> list[list[str]]:
     """The profiles alone (to look at a change quickly): nothing is measured."""
     run = Run(args.seconds, False, "skipped")
-    stub = start_stub()
+    stub = start_stub(exact=args.exact_stub)
     try:
         Path(tmp, "policies").mkdir()
         Path(tmp, "policies", "default.yaml").write_text(POLICY)
@@ -1033,12 +1044,14 @@ def render(run: Run, title: str) -> str:
         if not run.litellm_version.startswith("skipped")
         else "LiteLLM"
     )
+    stub_note = "exact: it tokenizes each prompt" if run.exact_stub else "light: usage from bytes"
     lines = [
         f"## {title}",
         "",
         f"`python bench/overhead.py --write` on {run.started} at commit {run.commit} "
         f"({run.seconds:g} s per cell, Python {sys.version.split()[0]}, {os.cpu_count()} "
-        f"cores, 1-minute load average {run.load:.1f} when it started). The provider stub, "
+        f"cores, 1-minute load average {run.load:.1f} when it started). The provider stub "
+        f"({stub_note}), "
         "the bare relay (bench/bare_relay.py: read the body, forward it with one "
         "`ClientSession`, stream the answer back, on uvloop like `serve`), each proxy and "
         "the aiohttp client are separate processes on one machine shared with other work, "
@@ -1151,6 +1164,9 @@ def main() -> None:
         "--postgres", metavar="DSN", help="also run the Responses cells on this PostgreSQL"
     )
     parser.add_argument("--chat-only", action="store_true", help="the chat cells alone")
+    parser.add_argument(
+        "--exact-stub", action="store_true", help="the tests' stub, which tokenizes prompts"
+    )
     parser.add_argument(
         "--profile",
         type=lambda text: [case for case in text.split(",") if case],

@@ -3,7 +3,8 @@
 Used by the end-to-end tests, `threadkeeper demo` and the benchmarks: it speaks the real
 wire format (JSON bodies, SSE event sequences, error envelopes, `x-request-id`), records
 every request it receives, and answers model requests from a FIFO script of `Reply`s,
-falling back to a short echo when the script is empty.
+falling back to a short echo when the script is empty. `FakeProvider(light=True)` is the
+benchmarks' stub: it spends as little CPU per request as it can (see its docstring).
 
 >>> provider = FakeProvider()
 >>> base_url = await provider.start()          # "http://127.0.0.1:<port>/v1"
@@ -25,8 +26,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -49,10 +51,19 @@ ECHO_CHARS = 40
 EMBEDDING = (0.125, -0.25, 0.5, 0.0625)  # exactly representable in float32
 FINGERPRINT = "fp_threadkeeper_fake"
 MAX_BODY_BYTES = 64 * 1024 * 1024
+BYTES_PER_TOKEN = 4  # the light stub's estimate of a prompt's tokens from its body
 
 
-# (request body, reply) -> the answer; (request body, answer) -> its SSE frames.
-AnswerBuilder = Callable[[JsonDict, "Reply"], JsonDict]
+class AnswerBuilder(Protocol):
+    """(request body, reply) -> the answer; `prompt_tokens`: its usage's prompt count,
+    else the fake counts the body's prompt."""
+
+    def __call__(
+        self, body: JsonDict, reply: Reply, *, prompt_tokens: int | None = None
+    ) -> JsonDict: ...
+
+
+# (request body, answer) -> its SSE frames.
 FrameBuilder = Callable[[JsonDict, JsonDict], list[bytes]]
 
 
@@ -136,10 +147,18 @@ class RecordedRequest:
 
 
 class FakeProvider:
-    """An OpenAI-compatible server on loopback with scripted answers."""
+    """An OpenAI-compatible server on loopback with scripted answers.
 
-    def __init__(self, models: Sequence[str] = MODELS, *, chat_only: bool = False) -> None:
+    `light`: a benchmark's stub, whose CPU per request should be the wire's, not the
+    fake's: model requests are not recorded (`requests` stays empty), not checked for
+    dangling tool calls, and their usage counts the prompt as its body's bytes / 4
+    instead of tokenizing it (ContextWindow, when set, still counts exactly)."""
+
+    def __init__(
+        self, models: Sequence[str] = MODELS, *, chat_only: bool = False, light: bool = False
+    ) -> None:
         self.models = tuple(models)
+        self.light = light
         # Ollama, llama.cpp, TGI...: /v1/responses is a 404, and Chat requests are held
         # to Chat's own rules (chat_rules_error).
         self.chat_only = chat_only
@@ -242,7 +261,13 @@ class FakeProvider:
     async def _model_request(
         self, request: web.Request, build: AnswerBuilder, frames: FrameBuilder
     ) -> web.StreamResponse:
-        body = (await self._record(request)).json
+        prompt_tokens: int | None = None
+        if self.light:
+            raw = await request.read()
+            body = _parse_json_fast(raw)
+            prompt_tokens = len(raw) // BYTES_PER_TOKEN
+        else:
+            body = (await self._record(request)).json
         if not isinstance(body, dict):
             return error_response(400, "We could not parse the JSON body of your request.")
         if self.chat_only and (broken := chat_rules_error(body)) is not None:
@@ -250,7 +275,7 @@ class FakeProvider:
         for param, words in self.refused_params.items():
             if param in body:
                 return web.json_response(refused_param_body(param, body[param], words), status=400)
-        unpaired = unpaired_call_error(request.path, body)
+        unpaired = None if self.light else unpaired_call_error(request.path, body)
         if unpaired is not None:  # refused before any reply is generated, as OpenAI does
             return error_response(
                 400, unpaired, param="messages" if "messages" in body else "input"
@@ -274,7 +299,7 @@ class FakeProvider:
             return await self._raw(request, reply, headers)
         if reply.frames is not None:
             return await self._stream(request, reply, headers, reply.frames)
-        result = self._own_usage(body, build(body, reply))
+        result = self._own_usage(body, build(body, reply, prompt_tokens=prompt_tokens))
         if not body.get("stream"):
             return web.json_response(result, status=reply.status, headers=headers)
         return await self._stream(request, reply, headers, frames(body, result))
@@ -492,6 +517,14 @@ def _parse_json(raw: bytes) -> Any | None:
         return None
 
 
+def _parse_json_fast(raw: bytes) -> Any | None:
+    """orjson's parse, the stdlib's for what orjson refuses (an integer beyond 64 bits)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _parse_json(raw)
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
@@ -701,7 +734,7 @@ def last_responses_user_text(value: Any) -> str:
     return ""
 
 
-def chat_completion(body: JsonDict, reply: Reply) -> JsonDict:
+def chat_completion(body: JsonDict, reply: Reply, *, prompt_tokens: int | None = None) -> JsonDict:
     """The non-streaming `chat.completion`; the stream is derived from it."""
     model = str(body.get("model") or DEFAULT_MODEL)
     text = reply_text(reply, last_chat_user_text(body.get("messages")))
@@ -718,7 +751,7 @@ def chat_completion(body: JsonDict, reply: Reply) -> JsonDict:
             }
             for name, args in calls
         ]
-    prompt = chat_prompt_tokens(body)
+    prompt = chat_prompt_tokens(body) if prompt_tokens is None else prompt_tokens
     completion = reply_tokens(model, text, calls) + reply_tokens(model, reply.reasoning, [])
     return {
         "id": new_id("chatcmpl-"),
@@ -810,7 +843,7 @@ def chat_stream_frames(body: JsonDict, completion: JsonDict) -> list[bytes]:
     return [*frames, encode_event(DONE)]
 
 
-def response_object(body: JsonDict, reply: Reply) -> JsonDict:
+def response_object(body: JsonDict, reply: Reply, *, prompt_tokens: int | None = None) -> JsonDict:
     """The completed Response; the event stream is derived from it."""
     model = str(body.get("model") or DEFAULT_MODEL)
     text = reply_text(reply, last_responses_user_text(body.get("input")))
@@ -819,7 +852,7 @@ def response_object(body: JsonDict, reply: Reply) -> JsonDict:
     if text is not None:
         output.append(output_message(text))
     output.extend(function_call_item(name, args) for name, args in calls)
-    prompt = responses_prompt_tokens(body)
+    prompt = responses_prompt_tokens(body) if prompt_tokens is None else prompt_tokens
     completion = reply_tokens(model, text, calls)
     now = int(time.time())
     return {

@@ -376,3 +376,25 @@ async def test_chat_only_mode_refuses_responses_and_holds_chat_to_its_rules() ->
         answer = await client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS)
         assert answer.choices[0].message.content
         await client.close()
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses"])
+async def test_light_mode_estimates_usage_from_the_body_and_keeps_no_record(path: str) -> None:
+    """The benchmarks' stub: the prompt's usage is the body's bytes / 4, nothing is
+    recorded and a dangling call is not its business; the answer keeps its shape."""
+    call = {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"}
+    if path == "/chat/completions":
+        body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES}
+    else:
+        body = {"model": MODEL, "input": [call, {"role": "user", "content": "hi there"}]}
+    raw = json.dumps(body).encode()
+    async with FakeProvider(light=True) as fake, httpx.AsyncClient() as http:
+        answer = await http.post(f"{fake.base_url}{path}", content=raw)
+        streamed = await http.post(f"{fake.base_url}{path}", json={**body, "stream": True})
+    assert answer.status_code == 200
+    usage = answer.json()["usage"]
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    assert prompt == len(raw) // 4
+    assert "ok:" in answer.text
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert fake.requests == []

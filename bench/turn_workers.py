@@ -1,22 +1,25 @@
 """Where the CPU of a stateful turn at 32 clients goes, by process, for 1 and 2 workers.
 
-    python bench/turn_workers.py [--postgres DSN] [--seconds 8] [--clients 32] [--exact-stub]
-                             [--stores sqlite,postgres] [--workers 1,2]
+    python bench/turn_workers.py [--postgres DSN] [--seconds 8] [--clients 32] [--rounds 3]
+                             [--exact-stub] [--stores sqlite,postgres] [--workers 1,2]
 
-For each target (threadkeeper with 1 and 2 workers on SQLite, and on PostgreSQL when a
-DSN is given) it seeds bench/overhead.py's 200-item conversations, gives each WARM_TURNS
-turns (the proxy's CPU per turn over them is printed as "warm-up": it holds the turns on
-windows a worker reads whole for the first time, once per conversation and worker), then
-runs the 32-client Responses turns cell for `--seconds` and reports the turns a second
-and the CPU time per turn (user + system, from /proc) of: the proxy's process tree, the
-provider stub, this process (the bench's client), the PostgreSQL server's processes (all
-of them: a shared server counts others' work too) and the whole machine (/proc/stat, all
-cores), with the machine's busy share of its cores, and on PostgreSQL the database's
-transactions per turn (pg_stat_database: a statement outside a transaction is one). A
-second worker can only add turns a second while the machine has idle CPU left: when the
-busy share is near 100% with one worker, the turn is bound by the machine, not by the
-worker. The stub is bench/overhead.py's light one; `--exact-stub` gives the tests' stub,
-which tokenizes each prompt (about as much CPU per turn as the proxy spends).
+Every target (threadkeeper with 1 and 2 workers on SQLite, and on PostgreSQL when a DSN
+is given) is started first, seeds 4 * `--clients` of bench/overhead.py's 200-item
+conversations and gives each WARM_TURNS turns (the proxy's CPU per turn over them is
+printed as "warm-up": it holds the turns on windows a worker reads whole for the first
+time, once per conversation and worker). Then `--rounds` rounds, the targets in turn
+(each round starting on the next), each cell ROUND_TURNS turns on every conversation by
+`--clients` clients, so load that drifts hits every target alike. Each cell reports its
+turns a second and the CPU time per turn (user + system, from /proc) of: the proxy's
+process tree, the provider stub, this process (the bench's client), the PostgreSQL
+server's processes (all of them: a shared server counts others' work too) and the whole
+machine (/proc/stat, all cores), with the machine's busy share of its cores, and on
+PostgreSQL the database's transactions per turn (pg_stat_database: a statement outside a
+transaction is one). A second worker can only add turns a second while the machine has
+idle CPU left: when the busy share is near 100% with one worker, the turn is bound by the
+machine, not by the worker. The stub is bench/overhead.py's light one; `--exact-stub`
+gives the tests' stub, which tokenizes each prompt (about as much CPU per turn as the
+proxy spends).
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import os
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import overhead as o
 from chat_ab import cpu_seconds
 
 WARM_TURNS = 2
+ROUND_TURNS = 2  # per conversation and round; 2 items a turn: 200 + 4 * (1 + rounds) at the end
 
 
 def own_cpu() -> float:
@@ -80,11 +85,51 @@ def machine() -> tuple[float, float]:
     return (sum(values) - idle) / tick, sum(values) / tick
 
 
+@dataclass
+class Target:
+    label: str
+    proxy: o.Server
+    dsn: str | None  # PostgreSQL's, for its transaction count
+    seeded: list[str]
+    warm_up: float  # the proxy's CPU seconds per warm-up turn
+
+
+def cell_line(target: Target, stub: o.Server, clients: int, seconds: float) -> str:
+    """One cell on `target`: each client takes ROUND_TURNS turns on each of its
+    conversations (or stops at `seconds`); the line of figures."""
+    pid = target.proxy.process.pid
+    time.sleep(1.5)  # idle backends report their statistics within 1 s
+    xacts = postgres_transactions(target.dsn)
+    before = (cpu_seconds(pid), cpu_seconds(stub.process.pid), own_cpu(), postgres_cpu())
+    before_machine = machine()
+    cell = asyncio.run(
+        o.conversation_turns(target.proxy.base, target.seeded, clients, seconds, ROUND_TURNS)
+    )
+    after = (cpu_seconds(pid), cpu_seconds(stub.process.pid), own_cpu(), postgres_cpu())
+    after_machine = machine()
+    time.sleep(1.5)
+    xacts = postgres_transactions(target.dsn) - xacts
+    turns = len(cell.latencies)
+    proxy, provider, client, database = (
+        (b - a) / turns * 1000 for a, b in zip(before, after, strict=True)
+    )
+    whole = (after_machine[0] - before_machine[0]) / turns * 1000
+    busy = (after_machine[0] - before_machine[0]) / (after_machine[1] - before_machine[1])
+    return (
+        f"{target.label:12} {turns / cell.seconds:6.1f} turns/s  p50 {cell.p50:6.1f} ms  "
+        f"cpu ms/turn: proxy {proxy:5.2f}  stub {provider:5.2f}  client {client:5.2f}  "
+        f"postgres {database:5.2f}  machine {whole:5.2f}  (busy {busy:4.0%} of the cores)  "
+        f"warm-up proxy {target.warm_up * 1000:5.2f}"
+        + (f"  pg xacts/turn {xacts / turns:4.1f}" if target.dsn else "")
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--postgres", help="also run on this PostgreSQL")
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=8.0, help="at most, per cell")
     parser.add_argument("--clients", type=int, default=o.MANY)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--exact-stub", action="store_true", help="the tests' stub")
     parser.add_argument("--stores", default="sqlite,postgres", help="comma-separated")
     parser.add_argument("--workers", default="1,2", help="the worker counts, comma-separated")
@@ -96,68 +141,37 @@ def main() -> None:
         (tmp / "policies").mkdir()
         (tmp / "policies" / "default.yaml").write_text(o.POLICY)
         stub = o.start_stub(exact=args.exact_stub)
-        try:
-            stores = args.stores.split(",")
-            counts = [int(n) for n in args.workers.split(",")]
-            targets: list[tuple[str, int, str | None]] = []
-            if "sqlite" in stores:
-                targets += [("sqlite", workers, None) for workers in counts]
-            if args.postgres and "postgres" in stores:
-                for workers in counts:
-                    targets.append(
-                        ("postgres", workers, stack.enter_context(o.pg_schema(args.postgres)))
-                    )
-            for store_name, workers, url in targets:
-                label = f"{store_name}-{workers}w"
-                proxy = o.start_proxy(label, stub, tmp, workers=workers, store=url)
-                try:
-                    count = args.clients * 4
-                    seeded = asyncio.run(o.seed_conversations(proxy.base, count))
-                    # Two turns on every conversation before the cell: a worker's first turn
-                    # on a window it never held reads it whole (the other worker seeded it),
-                    # a cost once per conversation and worker, reported apart.
-                    first = cpu_seconds(proxy.process.pid)
-                    warm = asyncio.run(
-                        o.conversation_turns(proxy.base, seeded, args.clients, 60, WARM_TURNS)
-                    )
-                    first = (cpu_seconds(proxy.process.pid) - first) / len(warm.latencies)
-                    dsn = args.postgres if url is not None else None
-                    time.sleep(1.5)  # idle backends report their statistics within 1 s
-                    xacts = postgres_transactions(dsn)
-                    before = (
-                        cpu_seconds(proxy.process.pid),
-                        cpu_seconds(stub.process.pid),
-                        own_cpu(),
-                        postgres_cpu(),
-                        *machine(),
-                    )
-                    cell = asyncio.run(
-                        o.conversation_turns(proxy.base, seeded, args.clients, args.seconds, 10)
-                    )
-                    after = (
-                        cpu_seconds(proxy.process.pid),
-                        cpu_seconds(stub.process.pid),
-                        own_cpu(),
-                        postgres_cpu(),
-                        *machine(),
-                    )
-                    time.sleep(1.5)
-                    xacts = postgres_transactions(dsn) - xacts
-                finally:
-                    proxy.stop()
-                turns = len(cell.latencies)
-                spent = [(b - a) / turns * 1000 for a, b in zip(before, after, strict=True)]
-                busy = (after[4] - before[4]) / (after[5] - before[5])
-                print(
-                    f"{label:12} {turns / cell.seconds:6.1f} turns/s  p50 {cell.p50:7.1f} ms  "
-                    f"cpu ms/turn: proxy {spent[0]:5.2f}  stub {spent[1]:5.2f}  "
-                    f"client {spent[2]:5.2f}  postgres {spent[3]:5.2f}  machine {spent[4]:5.2f}  "
-                    f"(busy {busy:4.0%} of the cores)  warm-up proxy {first * 1000:5.2f}"
-                    + (f"  pg xacts/turn {xacts / turns:4.1f}" if dsn else "")
+        stack.callback(stub.stop)
+        stores = args.stores.split(",")
+        counts = [int(n) for n in args.workers.split(",")]
+        wanted: list[tuple[str, int, str | None]] = []
+        if "sqlite" in stores:
+            wanted += [("sqlite", workers, None) for workers in counts]
+        if args.postgres and "postgres" in stores:
+            for workers in counts:
+                wanted.append(
+                    ("postgres", workers, stack.enter_context(o.pg_schema(args.postgres)))
                 )
-                time.sleep(1)
-        finally:
-            stub.stop()
+        targets: list[Target] = []
+        for store_name, workers, url in wanted:
+            label = f"{store_name}-{workers}w"
+            proxy = o.start_proxy(label, stub, tmp, workers=workers, store=url)
+            stack.callback(proxy.stop)
+            seeded = asyncio.run(o.seed_conversations(proxy.base, args.clients * 4))
+            # WARM_TURNS turns on every conversation first: a worker's first turn on a
+            # window it never held reads it whole (the other worker seeded it), a cost
+            # once per conversation and worker, reported apart.
+            spent = cpu_seconds(proxy.process.pid)
+            warm = asyncio.run(
+                o.conversation_turns(proxy.base, seeded, args.clients, 60, WARM_TURNS)
+            )
+            spent = (cpu_seconds(proxy.process.pid) - spent) / len(warm.latencies)
+            dsn = args.postgres if url is not None else None
+            targets.append(Target(label, proxy, dsn, seeded, spent))
+        for round_ in range(args.rounds):
+            shift = round_ % len(targets)  # each round starts on another target
+            for target in targets[shift:] + targets[:shift]:
+                print(f"round {round_ + 1}  " + cell_line(target, stub, args.clients, args.seconds))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ with exit 0 and no process left behind."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -287,6 +288,29 @@ def test_a_worker_is_forked_with_sigterm_held() -> None:
     process.join(60)
     assert process.exitcode == 0
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, ())
+
+
+def _exit_0_when_the_supervisors_objects_are_frozen() -> None:
+    os._exit(0 if gc.get_freeze_count() > 0 else 3)
+
+
+def test_a_worker_starts_with_the_supervisors_objects_frozen() -> None:
+    """The imports a worker inherits are out of its collector's reach (gc.freeze before
+    the fork): its full collections walk its own objects only."""
+    context = multiprocessing.get_context("fork")
+    gc.unfreeze()
+
+    def start() -> multiprocessing.process.BaseProcess:
+        process = context.Process(target=_exit_0_when_the_supervisors_objects_are_frozen)
+        process.start()
+        return process
+
+    try:
+        process = start_with_stop_signals_held(start)
+        process.join(60)
+    finally:
+        gc.unfreeze()
+    assert process.exitcode == 0
 
 
 async def test_workers_do_not_outlive_a_killed_supervisor(

@@ -13,11 +13,10 @@ time, once per conversation and worker). Then `--rounds` rounds, the targets in 
 turns a second and the CPU time per turn (user + system, from /proc) of: the proxy's
 process tree, the provider stub, this process (the bench's client), the PostgreSQL
 server's processes (all of them: a shared server counts others' work too) and the whole
-machine (/proc/stat, all cores), with the machine's busy share of its cores, and on
-PostgreSQL the database's transactions per turn (pg_stat_database: a statement outside a
-transaction is one). A second worker can only add turns a second while the machine has
-idle CPU left: when the busy share is near 100% with one worker, the turn is bound by the
-machine, not by the worker. The stub is bench/overhead.py's light one; `--exact-stub`
+machine (/proc/stat, all cores), with the machine's busy share of its cores; the last
+lines are each target's medians over the rounds. A second worker can only add turns a
+second while the machine has idle CPU left: when the busy share is near 100% with one
+worker, the turn is bound by the machine, not by the worker. The stub is bench/overhead.py's light one; `--exact-stub`
 gives the tests' stub, which tokenizes each prompt (about as much CPU per turn as the
 proxy spends).
 """
@@ -28,9 +27,9 @@ import argparse
 import asyncio
 import contextlib
 import os
+import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,27 +55,6 @@ def postgres_cpu() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def postgres_transactions(dsn: str | None) -> int:
-    """Transactions committed and rolled back in `dsn`'s database so far (0 without one)."""
-    if dsn is None:
-        return 0
-    import asyncpg
-
-    async def read() -> int:
-        connection = await asyncpg.connect(dsn)
-        try:
-            query = (
-                "SELECT xact_commit + xact_rollback FROM pg_stat_database "
-                "WHERE datname = current_database()"
-            )
-            await connection.execute("SELECT pg_stat_clear_snapshot()")
-            return int(await connection.fetchval(query))
-        finally:
-            await connection.close()
-
-    return asyncio.run(read())
-
-
 def machine() -> tuple[float, float]:
     """(busy, total) CPU seconds of all cores since boot."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -89,17 +67,17 @@ def machine() -> tuple[float, float]:
 class Target:
     label: str
     proxy: o.Server
-    dsn: str | None  # PostgreSQL's, for its transaction count
     seeded: list[str]
     warm_up: float  # the proxy's CPU seconds per warm-up turn
 
 
-def cell_line(target: Target, stub: o.Server, clients: int, seconds: float) -> str:
+def cell_line(
+    target: Target, stub: o.Server, clients: int, seconds: float
+) -> tuple[str, float, float]:
     """One cell on `target`: each client takes ROUND_TURNS turns on each of its
-    conversations (or stops at `seconds`); the line of figures."""
+    conversations (or stops at `seconds`); the line of figures, the turns a second and
+    the proxy's CPU milliseconds per turn."""
     pid = target.proxy.process.pid
-    time.sleep(1.5)  # idle backends report their statistics within 1 s
-    xacts = postgres_transactions(target.dsn)
     before = (cpu_seconds(pid), cpu_seconds(stub.process.pid), own_cpu(), postgres_cpu())
     before_machine = machine()
     cell = asyncio.run(
@@ -107,21 +85,19 @@ def cell_line(target: Target, stub: o.Server, clients: int, seconds: float) -> s
     )
     after = (cpu_seconds(pid), cpu_seconds(stub.process.pid), own_cpu(), postgres_cpu())
     after_machine = machine()
-    time.sleep(1.5)
-    xacts = postgres_transactions(target.dsn) - xacts
     turns = len(cell.latencies)
     proxy, provider, client, database = (
         (b - a) / turns * 1000 for a, b in zip(before, after, strict=True)
     )
     whole = (after_machine[0] - before_machine[0]) / turns * 1000
     busy = (after_machine[0] - before_machine[0]) / (after_machine[1] - before_machine[1])
-    return (
+    line = (
         f"{target.label:12} {turns / cell.seconds:6.1f} turns/s  p50 {cell.p50:6.1f} ms  "
         f"cpu ms/turn: proxy {proxy:5.2f}  stub {provider:5.2f}  client {client:5.2f}  "
         f"postgres {database:5.2f}  machine {whole:5.2f}  (busy {busy:4.0%} of the cores)  "
         f"warm-up proxy {target.warm_up * 1000:5.2f}"
-        + (f"  pg xacts/turn {xacts / turns:4.1f}" if target.dsn else "")
     )
+    return line, turns / cell.seconds, proxy
 
 
 def main() -> None:
@@ -166,12 +142,18 @@ def main() -> None:
                 o.conversation_turns(proxy.base, seeded, args.clients, 60, WARM_TURNS)
             )
             spent = (cpu_seconds(proxy.process.pid) - spent) / len(warm.latencies)
-            dsn = args.postgres if url is not None else None
-            targets.append(Target(label, proxy, dsn, seeded, spent))
+            targets.append(Target(label, proxy, seeded, spent))
+        figures: dict[str, list[tuple[float, float]]] = {t.label: [] for t in targets}
         for round_ in range(args.rounds):
             shift = round_ % len(targets)  # each round starts on another target
             for target in targets[shift:] + targets[:shift]:
-                print(f"round {round_ + 1}  " + cell_line(target, stub, args.clients, args.seconds))
+                line, rate, proxy_ms = cell_line(target, stub, args.clients, args.seconds)
+                figures[target.label].append((rate, proxy_ms))
+                print(f"round {round_ + 1}  {line}", flush=True)
+        for label, cells in figures.items():
+            rate = statistics.median(r for r, _ in cells)
+            proxy_ms = statistics.median(p for _, p in cells)
+            print(f"median  {label:12} {rate:6.1f} turns/s  proxy {proxy_ms:5.2f} ms CPU a turn")
 
 
 if __name__ == "__main__":

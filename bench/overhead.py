@@ -32,10 +32,10 @@ stateless ones in interleaved rounds so load drift hits every target alike:
   and of self time.
 
 `--chat-only` measures the chat cells alone (the passthrough and the streamed chat).
-The stub is `FakeProvider(light=True)`: no record, no dangling-call check, usage from the
-body's bytes, so the cores go to the proxies, not to the stub's tokenizer (the 200-item
-turn cost the exact stub about as much CPU as the proxy); `--exact-stub` gives the
-tests' stub, which counts every prompt's tokens.
+The stub is `FakeProvider(light=True)`: no record, no dangling-call check, and the same
+usage counted once per message or item (a conversation's history sent again is a lookup
+an item), so the cores go to the proxies, not to the stub (the exact stub spent about as
+much CPU on a 200-item turn as the proxy); `--exact-stub` gives the tests' stub.
 
 LiteLLM is looked for in this interpreter, then in `.venv-litellm/` at the repo root
 (`python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`),
@@ -1044,7 +1044,7 @@ def render(run: Run, title: str) -> str:
         if not run.litellm_version.startswith("skipped")
         else "LiteLLM"
     )
-    stub_note = "exact: it tokenizes each prompt" if run.exact_stub else "light: usage from bytes"
+    stub_note = "exact: it tokenizes each prompt" if run.exact_stub else "light: item counts kept"
     lines = [
         f"## {title}",
         "",

@@ -1,11 +1,11 @@
 """Where the CPU of a stateful turn at 32 clients goes, by process, for 1 and 2 workers.
 
     python bench/turn_workers.py [--postgres DSN] [--seconds 8] [--clients 32] [--rounds 3]
-                             [--exact-stub] [--stores sqlite,postgres] [--workers 1,2]
+                             [--warm-turns 2] [--exact-stub] [--stores sqlite,postgres] [--workers 1,2]
 
 Every target (threadkeeper with 1 and 2 workers on SQLite, and on PostgreSQL when a DSN
 is given) is started first, seeds 4 * `--clients` of bench/overhead.py's 200-item
-conversations and gives each WARM_TURNS turns (the proxy's CPU per turn over them is
+conversations and gives each `--warm-turns` turns (the proxy's CPU per turn over them is
 printed as "warm-up": it holds the turns on windows a worker reads whole for the first
 time, once per conversation and worker). Then `--rounds` rounds, the targets in turn
 (each round starting on the next), each cell ROUND_TURNS turns on every conversation by
@@ -16,9 +16,9 @@ server's processes (all of them: a shared server counts others' work too) and th
 machine (/proc/stat, all cores), with the machine's busy share of its cores; the last
 lines are each target's medians over the rounds. A second worker can only add turns a
 second while the machine has idle CPU left: when the busy share is near 100% with one
-worker, the turn is bound by the machine, not by the worker. The stub is bench/overhead.py's light one; `--exact-stub`
-gives the tests' stub, which tokenizes each prompt (about as much CPU per turn as the
-proxy spends).
+worker, the turn is bound by the machine, not by the worker. The stub is
+bench/overhead.py's light one; `--exact-stub` gives the tests' stub, which builds and
+counts every item of every prompt (about as much CPU per turn as the proxy spends).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="at most, per cell")
     parser.add_argument("--clients", type=int, default=o.MANY)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warm-turns", type=int, default=WARM_TURNS, help="per conversation")
     parser.add_argument("--exact-stub", action="store_true", help="the tests' stub")
     parser.add_argument("--stores", default="sqlite,postgres", help="comma-separated")
     parser.add_argument("--workers", default="1,2", help="the worker counts, comma-separated")
@@ -139,7 +140,7 @@ def main() -> None:
             # once per conversation and worker, reported apart.
             spent = cpu_seconds(proxy.process.pid)
             warm = asyncio.run(
-                o.conversation_turns(proxy.base, seeded, args.clients, 60, WARM_TURNS)
+                o.conversation_turns(proxy.base, seeded, args.clients, 120, args.warm_turns)
             )
             spent = (cpu_seconds(proxy.process.pid) - spent) / len(warm.latencies)
             targets.append(Target(label, proxy, seeded, spent))

@@ -51,7 +51,7 @@ ECHO_CHARS = 40
 EMBEDDING = (0.125, -0.25, 0.5, 0.0625)  # exactly representable in float32
 FINGERPRINT = "fp_threadkeeper_fake"
 MAX_BODY_BYTES = 64 * 1024 * 1024
-BYTES_PER_TOKEN = 4  # the light stub's estimate of a prompt's tokens from its body
+LIGHT_CACHE_ITEMS = 65536  # the light stub's item counts kept (then it starts afresh)
 
 
 class AnswerBuilder(Protocol):
@@ -151,14 +151,16 @@ class FakeProvider:
 
     `light`: a benchmark's stub, whose CPU per request should be the wire's, not the
     fake's: model requests are not recorded (`requests` stays empty), not checked for
-    dangling tool calls, and their usage counts the prompt as its body's bytes / 4
-    instead of tokenizing it (ContextWindow, when set, still counts exactly)."""
+    dangling tool calls, and their usage counts each message or item once by its JSON
+    text (the same count, so the proxy learns no correction a real provider would not
+    teach; a history sent again costs a lookup an item)."""
 
     def __init__(
         self, models: Sequence[str] = MODELS, *, chat_only: bool = False, light: bool = False
     ) -> None:
         self.models = tuple(models)
         self.light = light
+        self._item_tokens: dict[bytes, int] = {}
         # Ollama, llama.cpp, TGI...: /v1/responses is a 404, and Chat requests are held
         # to Chat's own rules (chat_rules_error).
         self.chat_only = chat_only
@@ -263,9 +265,8 @@ class FakeProvider:
     ) -> web.StreamResponse:
         prompt_tokens: int | None = None
         if self.light:
-            raw = await request.read()
-            body = _parse_json_fast(raw)
-            prompt_tokens = len(raw) // BYTES_PER_TOKEN
+            body = _parse_json_fast(await request.read())
+            prompt_tokens = self._light_prompt(body) if isinstance(body, dict) else None
         else:
             body = (await self._record(request)).json
         if not isinstance(body, dict):
@@ -303,6 +304,34 @@ class FakeProvider:
         if not body.get("stream"):
             return web.json_response(result, status=reply.status, headers=headers)
         return await self._stream(request, reply, headers, frames(body, result))
+
+    def _light_prompt(self, body: JsonDict) -> int | None:
+        """chat_prompt_tokens or responses_prompt_tokens of a list of messages or items,
+        each counted once by its JSON text; None (count it the usual way) for anything
+        else."""
+        chat = "messages" in body
+        given = body.get("messages" if chat else "input")
+        if not isinstance(given, list) or not all(isinstance(one, dict) for one in given):
+            return None
+        counter = _counter(str(body.get("model") or DEFAULT_MODEL))
+        count = counter.chat_message if chat else counter.responses_item
+        known = self._item_tokens
+        if len(known) > LIGHT_CACHE_ITEMS:
+            known.clear()
+        try:
+            total = 0
+            for one in given:
+                key = orjson.dumps(one)
+                tokens = known.get(key)
+                if tokens is None:
+                    tokens = known[key] = count(one)
+                total += tokens
+            total += counter.reply_tokens + counter.tools(body.get("tools") or ())
+            if not chat:
+                total += counter.instructions(body.get("instructions"))
+        except (TypeError, ValueError, AttributeError, AssertionError, KeyError):
+            return None  # malformed: the usual count's fallbacks decide
+        return total
 
     def _over_window(self, body: JsonDict) -> web.Response | None:
         window = self.window

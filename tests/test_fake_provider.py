@@ -379,22 +379,31 @@ async def test_chat_only_mode_refuses_responses_and_holds_chat_to_its_rules() ->
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/responses"])
-async def test_light_mode_estimates_usage_from_the_body_and_keeps_no_record(path: str) -> None:
-    """The benchmarks' stub: the prompt's usage is the body's bytes / 4, nothing is
-    recorded and a dangling call is not its business; the answer keeps its shape."""
+async def test_light_mode_counts_as_the_exact_one_and_keeps_no_record(path: str) -> None:
+    """The benchmarks' stub: the same usage as the tests' stub (twice: the second time from
+    its item counts), nothing recorded, a dangling call not its business."""
     call = {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"}
     if path == "/chat/completions":
-        body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES}
+        body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS}
     else:
-        body = {"model": MODEL, "input": [call, {"role": "user", "content": "hi there"}]}
-    raw = json.dumps(body).encode()
+        item = {"type": "function_call_output", "call_id": "call_9", "output": "x" * 300}
+        given = [call, item, {"role": "user", "content": "hi there"}]
+        body = {"model": MODEL, "input": given, "instructions": "Be terse.", "tools": TOOLS}
+    async with FakeProvider() as exact, httpx.AsyncClient() as http:
+        expected = (await http.post(f"{exact.base_url}{path}", json=body)).json()["usage"]
     async with FakeProvider(light=True) as fake, httpx.AsyncClient() as http:
-        answer = await http.post(f"{fake.base_url}{path}", content=raw)
+        answers = [(await http.post(f"{fake.base_url}{path}", json=body)) for _ in range(2)]
         streamed = await http.post(f"{fake.base_url}{path}", json={**body, "stream": True})
-    assert answer.status_code == 200
-    usage = answer.json()["usage"]
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    assert prompt == len(raw) // 4
-    assert "ok:" in answer.text
+        text = await http.post(f"{fake.base_url}/responses", json={"model": MODEL, "input": "hi"})
+        dangling = await http.post(
+            f"{fake.base_url}/responses", json={"model": MODEL, "input": [call]}
+        )
+    assert dangling.status_code == 200
+    for answer in answers:
+        assert answer.status_code == 200
+        assert answer.json()["usage"] == expected
+    assert text.json()["usage"]["input_tokens"] == TokenCounter.for_model(MODEL).responses_prompt(
+        [], None
+    ) + TokenCounter.for_model(MODEL).responses_item({"role": "user", "content": "hi"})
     assert streamed.headers["content-type"].startswith("text/event-stream")
     assert fake.requests == []

@@ -225,11 +225,14 @@ class ForItems:
     types: frozenset[str]
     rewriter: Rewriter
     kinds: frozenset[str] = frozenset()
+    new_only: bool = False  # only the new items count (the window's are never read)
 
     async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
         types, kinds, stored = self.types, self.kinds, window.loaded
-        held = stored is not None and not (
-            types.isdisjoint(stored.item_types) and kinds.isdisjoint(stored.item_kinds)
+        held = (
+            not self.new_only
+            and stored is not None
+            and not (types.isdisjoint(stored.item_types) and kinds.isdisjoint(stored.item_kinds))
         )
         if not held:  # the window's are gathered once (Loaded.item_sorts); the new, here
             for item in new.items:
@@ -245,6 +248,13 @@ def for_calls(rewriter: Rewriter) -> ForItems:
     ledger's rewriters read only call ids and the calls they answer, which no other
     item has."""
     return ForItems(frozenset(), rewriter, CALL_KINDS)
+
+
+def for_outputs(rewriter: Rewriter) -> ForItems:
+    """`rewriter` for a turn whose new items hold a tool output: the ledger's restore of
+    a call the thread never saw and its orphan check act on those alone (a stored
+    window's outputs were checked when they were new)."""
+    return ForItems(frozenset(), rewriter, frozenset({"tool_output"}), new_only=True)
 
 
 @dataclass(frozen=True)
@@ -399,8 +409,8 @@ async def attach_ready_summaries(turn: Turn, window: Window, new: New) -> tuple[
 
 # Every turn's rewriters, in order (a Responses turn with local compaction adds its own).
 REWRITERS: tuple[Rewriter, ...] = (
-    for_calls(restore_ledger_calls),
-    for_calls(refuse_orphans),
+    for_outputs(restore_ledger_calls),
+    for_outputs(refuse_orphans),
     for_calls(answer_dangling_calls),
     attach_ready_summaries,
 )

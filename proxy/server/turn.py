@@ -503,13 +503,13 @@ def sent_body(turn: Turn, projected: Projected) -> tuple[JsonDict, bytes]:
     return sent, history_spliced(sent, turn.api.history, items, loaded)
 
 
-SENT_PARTS = "sent_parts"  # Loaded.memo: a window's items and their JSON, comma-joined
+SENT_PARTS = "sent_parts"  # Loaded.memo: a window's items and the JSON bytes of each
 RAW = attrgetter("raw")
 
 
 def history_spliced(sent: JsonDict, key: str, items: Sequence[Item], loaded: Loaded) -> bytes:
     """`fastjson.dumps(sent)`, whose `key` holds the raws of `items`, written around the
-    JSON of the window's items: kept in its memo (their orjson bytes, comma-joined) and
+    bytes of each item's JSON: those of the window's items are kept in its memo and
     reused by the next turn while its items start with these very ones (compared by
     identity; items and their raws are never changed in place), so a turn writes only
     its new items' JSON and the body around them. Byte for byte what orjson writes for
@@ -520,28 +520,24 @@ def history_spliced(sent: JsonDict, key: str, items: Sequence[Item], loaded: Loa
     if not all(map(is_, history, map(RAW, items))):
         return fastjson.dumps(sent)
     kept = loaded.memo.get(SENT_PARTS)
-    known: tuple[Item, ...] = ()
-    joined = b""
+    parts: list[bytes] = []
     if kept is not None and len(kept[0]) <= len(items) and all(map(is_, kept[0], items)):
-        known, joined = kept
+        parts.extend(kept[1])
     keys = list(sent)
     at = keys.index(key)
     try:
-        parts = [orjson.dumps(item.raw) for item in items[len(known) :]]
+        parts.extend(orjson.dumps(item.raw) for item in items[len(parts) :])
         head = orjson.dumps({k: sent[k] for k in keys[:at]})
         tail = orjson.dumps({k: sent[k] for k in keys[at + 1 :]})
         name = orjson.dumps(key)
     except TypeError:  # orjson.JSONEncodeError: the stdlib writes the whole body
         return fastjson.dumps(sent)
     window = loaded.items
-    if len(known) <= len(window) <= len(items) and all(map(is_, window, items)):
-        grown = parts[: len(window) - len(known)]
-        whole = b",".join([joined, *grown]) if known and grown else joined or b",".join(grown)
-        loaded.memo[SENT_PARTS] = (window, whole)
-    written = [joined, *parts] if known else parts
+    if len(window) <= len(items) and all(map(is_, window, items)):
+        loaded.memo[SENT_PARTS] = (window, tuple(parts[: len(window)]))
     opened = head[:-1] + (b"," if at else b"") + name + b":["
     closed = b"]" + (b"," + tail[1:] if len(keys) > at + 1 else b"}")
-    return b"".join([opened, b",".join(written), closed])
+    return opened + b",".join(parts) + closed
 
 
 @contextmanager

@@ -78,7 +78,7 @@ def test_a_window_of_other_items_is_written_anew() -> None:
     history_spliced(sent, "input", first, loaded)
     assert memo[SENT_PARTS][0] is first
     other = (responses_item({"role": "user", "content": "x"}), first[1])
-    memo[SENT_PARTS] = (first, b'{"stale":1},{"role":"user","content":"b"}')
+    memo[SENT_PARTS] = (first, (b'{"stale":1}', memo[SENT_PARTS][1][1]))
     again = Loaded("t", "th", "conversation", None, items=other, memo=memo)
     sent = body({"model": "m"}, 1, other)
     assert history_spliced(sent, "input", other, again) == fastjson.dumps(sent)

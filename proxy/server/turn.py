@@ -47,10 +47,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate
-from operator import attrgetter, is_
 from typing import Any, Protocol, TypeVar
 
-import orjson
 import structlog
 from aiohttp import web
 
@@ -494,50 +492,9 @@ def sent_body(turn: Turn, projected: Projected) -> tuple[JsonDict, bytes]:
     same = len(new) == len(turn.given) and all(a is b for a, b in zip(new, turn.given, strict=True))
     if projected.window.loaded is None and not projected.projection.changed and same:
         return turn.body, turn.raw
-    items = projected.projection.items
-    sent = turn.api.with_items(dict(turn.body), items)
+    sent = turn.api.with_items(dict(turn.body), projected.projection.items)
     sent = turn.mode.provider_body(sent)
-    loaded = projected.window.loaded
-    if loaded is None:
-        return sent, fastjson.dumps(sent)
-    return sent, history_spliced(sent, turn.api.history, items, loaded)
-
-
-SENT_PARTS = "sent_parts"  # Loaded.memo: a window's items and the JSON bytes of each
-RAW = attrgetter("raw")
-
-
-def history_spliced(sent: JsonDict, key: str, items: Sequence[Item], loaded: Loaded) -> bytes:
-    """`fastjson.dumps(sent)`, whose `key` holds the raws of `items`, written around the
-    bytes of each item's JSON: those of the window's items are kept in its memo and
-    reused by the next turn while its items start with these very ones (compared by
-    identity; items and their raws are never changed in place), so a turn writes only
-    its new items' JSON and the body around them. Byte for byte what orjson writes for
-    the whole body; anything orjson refuses goes to `fastjson.dumps` whole."""
-    history = sent.get(key)
-    if not isinstance(history, list) or len(history) != len(items):
-        return fastjson.dumps(sent)
-    if not all(map(is_, history, map(RAW, items))):
-        return fastjson.dumps(sent)
-    kept = loaded.memo.get(SENT_PARTS)
-    parts: list[bytes] = []
-    if kept is not None and len(kept[0]) <= len(items) and all(map(is_, kept[0], items)):
-        parts.extend(kept[1])
-    keys = list(sent)
-    at = keys.index(key)
-    try:
-        parts.extend(orjson.dumps(item.raw) for item in items[len(parts) :])
-        head = orjson.dumps({k: sent[k] for k in keys[:at]})
-        tail = orjson.dumps({k: sent[k] for k in keys[at + 1 :]})
-        name = orjson.dumps(key)
-    except TypeError:  # orjson.JSONEncodeError: the stdlib writes the whole body
-        return fastjson.dumps(sent)
-    window = loaded.items
-    if len(window) <= len(items) and all(map(is_, window, items)):
-        loaded.memo[SENT_PARTS] = (window, tuple(parts[: len(window)]))
-    opened = head[:-1] + (b"," if at else b"") + name + b":["
-    closed = b"]" + (b"," + tail[1:] if len(keys) > at + 1 else b"}")
-    return opened + b",".join(parts) + closed
+    return sent, fastjson.dumps(sent)
 
 
 @contextmanager

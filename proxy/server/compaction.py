@@ -88,6 +88,7 @@ from proxy.server.turn import (
     Window,
     attach_ready_summaries,
     for_calls,
+    for_outputs,
     off_the_loop,
 )
 from proxy.server.validate import (
@@ -451,8 +452,8 @@ def rewriters(threshold: int | None) -> tuple[Rewriter, ...]:
     return (
         ForItems(frozenset({TRIGGER}), serve_compaction_trigger),
         ForItems(frozenset({"compaction"}), expand_compactions),
-        for_calls(restore_ledger_calls),
-        for_calls(refuse_orphans),
+        for_outputs(restore_ledger_calls),
+        for_outputs(refuse_orphans),
         *past,
         for_calls(answer_dangling_calls),
         attach_ready_summaries,

@@ -223,11 +223,14 @@ class ForItems:
     types: frozenset[str]
     rewriter: Rewriter
     kinds: frozenset[str] = frozenset()
+    new_only: bool = False  # only the new items count (the window's are never read)
 
     async def __call__(self, turn: Turn, window: Window, new: New) -> tuple[Window, New]:
         types, kinds, stored = self.types, self.kinds, window.loaded
-        held = stored is not None and not (
-            types.isdisjoint(stored.item_types) and kinds.isdisjoint(stored.item_kinds)
+        held = (
+            not self.new_only
+            and stored is not None
+            and not (types.isdisjoint(stored.item_types) and kinds.isdisjoint(stored.item_kinds))
         )
         if not held:  # the window's are gathered once (Loaded.item_sorts); the new, here
             for item in new.items:
@@ -243,6 +246,13 @@ def for_calls(rewriter: Rewriter) -> ForItems:
     ledger's rewriters read only call ids and the calls they answer, which no other
     item has."""
     return ForItems(frozenset(), rewriter, CALL_KINDS)
+
+
+def for_outputs(rewriter: Rewriter) -> ForItems:
+    """`rewriter` for a turn whose new items hold a tool output: the ledger's restore of
+    a call the thread never saw and its orphan check act on those alone (a stored
+    window's outputs were checked when they were new)."""
+    return ForItems(frozenset(), rewriter, frozenset({"tool_output"}), new_only=True)
 
 
 @dataclass(frozen=True)
@@ -397,8 +407,8 @@ async def attach_ready_summaries(turn: Turn, window: Window, new: New) -> tuple[
 
 # Every turn's rewriters, in order (a Responses turn with local compaction adds its own).
 REWRITERS: tuple[Rewriter, ...] = (
-    for_calls(restore_ledger_calls),
-    for_calls(refuse_orphans),
+    for_outputs(restore_ledger_calls),
+    for_outputs(refuse_orphans),
     for_calls(answer_dangling_calls),
     attach_ready_summaries,
 )
@@ -695,6 +705,53 @@ def is_small(value: Any, limit: int = INLINE_CHARS) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class PolicySetup:
+    """What a tenant policy fixes for one model's projections, found once per (policy,
+    model): policies are frozen, and a reload makes new ones. `counter` is counter_for's
+    (its answer for a policy and model never changes once a vocabulary is loaded)."""
+
+    policy: Policy  # held: the id the setup is kept under is not reused meanwhile
+    model: str
+    counter: TokenCounter
+    rules: ProjectionPolicy
+    reserve_output: int
+    max_output: int | None
+    epsilon: int
+
+    def window(self, learned: Learned | None) -> int:
+        """The model's window before any correction (model_budget.model_window)."""
+        return model_window(self.policy, self.model, learned)[0]
+
+
+# (id(policy), model) -> its PolicySetup; cleared when full (model names come from clients)
+_SETUPS: dict[tuple[int, str], PolicySetup] = {}
+MAX_SETUPS = 1024
+
+
+async def policy_setup(policy: Policy, model: str) -> PolicySetup:
+    """The projection's per-policy values for `model`, made on first use."""
+    key = (id(policy), model)
+    setup = _SETUPS.get(key)
+    if setup is not None and setup.policy is policy:
+        return setup
+    counter = await counter_for(policy, model)
+    limits = policy.limits_for(model)
+    setup = PolicySetup(
+        policy,
+        model,
+        counter,
+        projection_policy(policy),
+        policy.budget.reserve_output_tokens,
+        limits.max_output_tokens,
+        policy.budget.safety_margin_tokens,
+    )
+    if len(_SETUPS) >= MAX_SETUPS:
+        _SETUPS.clear()
+    _SETUPS[key] = setup
+    return setup
+
+
 def projection_policy(policy: Policy) -> ProjectionPolicy:
     return ProjectionPolicy(
         keep_recent_turns=policy.memory.keep_recent_turns,
@@ -928,18 +985,16 @@ async def rebuild(
     the budget then counts in its tokens. `memo` and `lasting`: a stored window's memo
     and its item count (whole_fit). The counter returned is the tokenizer's own,
     uncorrected: what is stored with items."""
-    base = await counter_for(policy, model)
+    fixed = await policy_setup(policy, model)
+    base = fixed.counter
     counter: TokenCounter
     if provider is not None:
         counter = ProviderCounter(base, learned, provider.items, provider.prompt)
     else:
         counter = calibrated_counter(base, learned)
-    limits = policy.limits_for(model)
 
-    output = output_reserve(
-        requested_output, policy.budget.reserve_output_tokens, limits.max_output_tokens
-    )
-    window = corrected_window(model_window(policy, model, learned)[0], output, learned)
+    output = output_reserve(requested_output, fixed.reserve_output, fixed.max_output)
+    window = corrected_window(fixed.window(learned), output, learned)
     if window_cap is not None:
         window = min(window, window_cap)
 
@@ -948,7 +1003,7 @@ async def rebuild(
             items=items,
             window=window,
             output=output,
-            epsilon=policy.budget.safety_margin_tokens,
+            epsilon=fixed.epsilon,
             tools_tokens=counter.tools(tools),
             instructions_tokens=counter.instructions(instructions),
             reply_tokens=counter.reply_tokens,
@@ -959,7 +1014,7 @@ async def rebuild(
             verbatim=verbatim,
         )
 
-    rules = projection_policy(policy)
+    rules = fixed.rules
     # What a small client body holds is small: counting it on the loop is bounded.
     bounded = small and len(items) <= FIT_INLINE_ITEMS
     on_loop = (
@@ -986,15 +1041,20 @@ async def rebuild(
     except ContextLengthExceeded as exc:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
     if metrics is not None:
-        observe_projection(metrics, route, projection, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        observe_projection(metrics, route, projection, seconds, kept=projection is fit)
     return projection, base
 
 
 def observe_projection(
-    metrics: Metrics, route: str, projection: Projection, seconds: float
+    metrics: Metrics, route: str, projection: Projection, seconds: float, *, kept: bool = False
 ) -> None:
+    """The projection's metrics; `kept`: every block was kept (whole_fit's), so none
+    trimmed a token."""
     metrics.rebuild_seconds.observe(seconds)
     metrics.child(metrics.context_tokens, route).observe(projection.report.prompt_tokens)
+    if kept:
+        return
     removed: dict[str, int] = {}
     for block in projection.report.blocks:
         if block.action in ("dropped", "compressed", "summarized"):

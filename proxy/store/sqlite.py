@@ -114,6 +114,11 @@ class SqliteConn:
         self._may_stay = on_loop and self._on_loop is not None
 
     @property
+    def on_loop(self) -> bool:
+        """Whether this connection has a twin on the loop's thread."""
+        return self._on_loop is not None
+
+    @property
     def begun(self) -> bool:
         """Whether the BEGIN asked for has run (no statement is waiting to carry it)."""
         return self._begin is None
@@ -228,6 +233,13 @@ class SqliteDatabase:
         return _Transaction(self, self._writer, self._write_lock, timeout, begin, bounded)
 
     def read(self, *, single: bool = False) -> _Transaction:
+        """`single`: one statement, which runs on the loop's writer when nothing holds or
+        waits for it: that connection's page cache holds the pages it last wrote, while
+        the reader's is emptied by every commit of another connection (SQLite's WAL)."""
+        if single and self._writer.on_loop and not _taken(self._write_lock):
+            return _Transaction(
+                self, self._writer, self._write_lock, self._lock_timeout, SINGLE, True
+            )
         begin = SINGLE if single else "BEGIN"
         return _Transaction(self, self._reader, self._read_lock, self._lock_timeout, begin, True)
 
@@ -336,11 +348,17 @@ class _Transaction:
             self._db._committed(conn)
 
 
+def _taken(lock: asyncio.Lock) -> bool:
+    """Whether `lock` is held or waited for (asyncio keeps its waiters in `_waiters`:
+    None or empty when there are none)."""
+    return lock.locked() or bool(getattr(lock, "_waiters", True))
+
+
 async def _turn_on(lock: asyncio.Lock, limit: float | None) -> None:
     """This coroutine's turn on a connection, waited for at most `limit` seconds (a free
     lock nobody waits for is taken at once: no timer is set)."""
     try:
-        if lock.locked() or getattr(lock, "_waiters", True):  # None or empty: no one
+        if _taken(lock):
             async with asyncio.timeout(limit):
                 await lock.acquire()
         else:

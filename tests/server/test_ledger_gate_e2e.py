@@ -95,6 +95,25 @@ async def test_a_stored_call_alone_still_gets_its_dangling_call_answered(
     ]
 
 
+async def test_a_turn_without_a_new_output_restores_and_checks_no_output(
+    proxy: Proxy,
+) -> None:
+    """A window holding a call and its output, and a new turn with none: the restore of
+    calls before outputs and the orphan check (which read the new outputs alone) are not
+    entered; the window's calls still go to answer_dangling_calls."""
+    client = proxy.client()
+    first = await client.responses.create(
+        model="gpt-4o-mini",
+        input=[CALL, OUTPUT, {"role": "user", "content": "Hello."}],  # type: ignore[list-item]
+    )
+    with ledger_calls() as names:
+        await client.responses.create(
+            model="gpt-4o-mini", previous_response_id=first.id, input="And then?"
+        )
+    assert "answer_dangling_calls" in names
+    assert not {"restore_ledger_calls", "refuse_orphans"} & set(names)
+
+
 async def test_a_chat_thread_turn_is_gated_by_kind_not_type(
     make_proxy: Callable[..., Awaitable[Proxy]],
 ) -> None:

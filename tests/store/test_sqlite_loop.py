@@ -118,6 +118,30 @@ async def test_a_warm_turns_one_statement_reads_and_writes_send_no_begin_or_comm
     assert ran == ["SELECT", "BEGIN", "SELECT", "SELECT", "COMMIT"]
 
 
+async def test_a_one_statement_read_runs_on_the_writer_while_no_write_holds_it(
+    store: SqlStore,
+) -> None:
+    """The loop's writer keeps the pages it wrote cached; the reader's cache is emptied
+    by each of its commits. While a write holds the writer, the reader reads."""
+    await thread_with(store, "a")
+    ran: dict[str, list[str]] = {"_reader": [], "_writer": []}
+    for name, seen in ran.items():
+        conn = getattr(store.db, name)  # the loop's reader and writer
+        conn._on_loop.set_trace_callback(lambda text, seen=seen: seen.append(text.split()[0]))
+    window = await store.load_window("acme", "t1", from_seq=1)
+    assert window is not None and window.thread.next_seq == 1
+    assert ran == {"_reader": [], "_writer": ["SELECT"]}
+    ran["_writer"].clear()
+    lock = store.db._write_lock  # type: ignore[attr-defined]
+    await lock.acquire()  # a write under way
+    try:
+        window = await store.load_window("acme", "t1", from_seq=1)
+    finally:
+        lock.release()
+    assert window is not None and window.thread.next_seq == 1
+    assert ran == {"_reader": ["SELECT"], "_writer": []}
+
+
 async def test_a_lock_held_elsewhere_sends_a_one_statement_write_to_the_thread(
     store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

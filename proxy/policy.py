@@ -388,7 +388,7 @@ class Policy(_Frozen):
         """The tokenizer the model's entry names (the entry limits_for picks), loaded with
         the policy; None when the entry names none."""
         key = self._entry_for(model)
-        return self._tokenizers.get(key) if key is not None else None
+        return self._private()["_tokenizers"].get(key) if key is not None else None
 
     def counts_with_provider(self, model: str) -> bool:
         """Whether the model's entry says `tokenizer: provider` (proxy/server/model_budget.py)."""
@@ -401,13 +401,22 @@ class Policy(_Frozen):
         return self._entry_for(model) not in (None, "*")
 
     def _entry_for(self, model: str) -> str | None:
-        entries = self._entries
+        entries: dict[str, str | None] = self._private()["_entries"]
         if model in entries:
             return entries[model]
         if len(entries) >= MAX_KEPT_ENTRIES:
             entries.clear()
         entry = entries[model] = self._find_entry(model)
         return entry
+
+    def _private(self) -> dict[str, Any]:
+        """The private attributes' values, read where pydantic keeps them. `self._entries`
+        finds its value through BaseModel.__getattr__ after a failed lookup, which also
+        asks the PrivateAttr for a `__get__`: two AttributeErrors raised, about 5 us, on
+        a path that asks the policy about the model several times a request."""
+        private = self.__pydantic_private__
+        assert private is not None  # set by pydantic on every model with private attributes
+        return private
 
     def _find_entry(self, model: str) -> str | None:
         for name in _model_names(model):

@@ -546,6 +546,8 @@ def test_a_models_entry_is_the_same_asked_again_and_for_many_names() -> None:
     for number in range(MAX_KEPT_ENTRIES + 10):
         assert policy.limits_for(f"model-{number}").context_window == 1000
     assert policy.limits_for("gpt-4o").context_window == 2000
+    assert policy._entries["gpt-4o"] == "gpt-4o"  # kept where pydantic keeps it
+    assert 0 < len(policy._entries) <= MAX_KEPT_ENTRIES
 
 
 def test_side_effect_tools_are_the_guarded_ones_only() -> None:

@@ -101,12 +101,12 @@ def fit(samples: tuple[Sample, ...]) -> tuple[float, float]:
     points = [s for s in samples if s.estimate > 0 and s.actual > 0]
     if not points:
         return 1.0, 0.0
-    weights = [1.0 / (s.actual * s.actual) for s in points]
-    srr = sum(w * s.estimate * s.estimate for w, s in zip(weights, points, strict=True))
-    snn = sum(w * s.items * s.items for w, s in zip(weights, points, strict=True))
-    srn = sum(w * s.estimate * s.items for w, s in zip(weights, points, strict=True))
-    sry = sum(w * s.estimate * s.actual for w, s in zip(weights, points, strict=True))
-    sny = sum(w * s.items * s.actual for w, s in zip(weights, points, strict=True))
+    terms = []  # each point's five products, summed by column below (sum's own order)
+    for s in points:
+        w = 1.0 / (s.actual * s.actual)
+        r, n, y = s.estimate, s.items, s.actual
+        terms.append((w * r * r, w * n * n, w * r * n, w * r * y, w * n * y))
+    srr, snn, srn, sry, sny = map(sum, zip(*terms, strict=True))
     ratio, overhead = sry / srr, 0.0
     det = srr * snn - srn * srn
     if len(points) >= 3 and snn > 0 and det > MIN_SPREAD * srr * snn:

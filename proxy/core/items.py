@@ -95,6 +95,49 @@ class Item:
         return message_text(self.raw.get("content"))
 
 
+_FIELDS = tuple(Item.__dataclass_fields__)
+_GENERATED_INIT = Item.__init__  # the dataclass's: tests/core/test_items.py compares the two
+(_raw, _api, _kind, _type, _role, _id, _status, _name, _calls, _output_for, _digest, _tokens,
+ _encoding) = (getattr(Item, name).__set__ for name in _FIELDS)  # fmt: skip
+
+
+def _init(
+    self: Item,
+    raw: JsonDict,
+    api: Api,
+    kind: str,
+    type: str | None,
+    role: str | None = None,
+    id: str | None = None,
+    status: str | None = None,
+    name: str | None = None,
+    call_ids: tuple[str, ...] = (),
+    output_for: str | None = None,
+    digest: str = "",
+    tokens: int | None = None,
+    encoding: str = "",
+) -> None:
+    """Item's __init__: the generated one's signature and values, each slot set through
+    its descriptor (a frozen dataclass's own sets each with object.__setattr__, about
+    twice as slow; a request builds an Item for every message it sends)."""
+    _raw(self, raw)
+    _api(self, api)
+    _kind(self, kind)
+    _type(self, type)
+    _role(self, role)
+    _id(self, id)
+    _status(self, status)
+    _name(self, name)
+    _calls(self, call_ids)
+    _output_for(self, output_for)
+    _digest(self, digest)
+    _tokens(self, tokens)
+    _encoding(self, encoding)
+
+
+Item.__init__ = _init  # type: ignore[assignment,method-assign]
+
+
 def message_text(content: Any) -> str:
     """Text of a message's content: the string, or its text parts joined by newlines."""
     if isinstance(content, str):
@@ -143,6 +186,11 @@ def canonical_bytes(value: Any) -> bytes:
         fast = orjson.dumps(value, option=_ORJSON_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError
         return _stdlib_bytes(value)
+    return _canonical(fast, value)
+
+
+def _canonical(fast: bytes, value: Any) -> bytes:
+    """canonical_bytes of `value`, whose orjson form (sorted keys) is `fast`."""
     if _FLOAT.search(fast) is None and b"null" not in fast:  # not even inside strings
         return fast
     outside = b"".join(fast.replace(b"\\\\", b"").replace(b'\\"', b"").split(b'"')[::2])
@@ -155,12 +203,33 @@ def _stdlib_bytes(value: Any) -> bytes:
     return canonical_json(value).encode("utf-8", "surrogatepass")
 
 
+# Digests of values seen recently, keyed by their orjson form: a client without a stored
+# thread sends its whole history again on every turn. Without a null in it, that form
+# names one JSON value (orjson writes NaN and the infinities as null, and raises on what
+# it cannot write), so it names one digest. Cleared when full.
+_DIGESTS: dict[bytes, str] = {}
+DIGESTS_MAX_ENTRIES = 4096
+DIGESTS_MAX_LENGTH = 2048  # bytes of orjson form; longer values are hashed every time
+
+
 def content_digest(raw: Any) -> str:
     """sha256 of `canonical_bytes(raw)`: the digest stored with each item (column
     `items.digest`), so its form is fixed across processes and versions. Key order does
     not change the digest: it names the content, not the bytes. A lone surrogate (JSON may
     escape one: "\\ud800") is hashed as itself, never an error."""
-    return hashlib.sha256(canonical_bytes(raw)).hexdigest()
+    try:
+        fast = orjson.dumps(raw, option=_ORJSON_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError
+        return hashlib.sha256(_stdlib_bytes(raw)).hexdigest()
+    kept = len(fast) <= DIGESTS_MAX_LENGTH and b"null" not in fast
+    if kept and (known := _DIGESTS.get(fast)) is not None:
+        return known
+    digest = hashlib.sha256(_canonical(fast, raw)).hexdigest()
+    if kept:
+        if len(_DIGESTS) >= DIGESTS_MAX_ENTRIES:
+            _DIGESTS.clear()
+        _DIGESTS[fast] = digest
+    return digest
 
 
 def _str_or_none(value: Any) -> str | None:

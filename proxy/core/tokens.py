@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import gzip
 import hashlib
 import io
@@ -129,17 +130,27 @@ _encodings_lock = threading.Lock()
 _warned_models: set[str] = set()
 
 
+@functools.lru_cache(maxsize=1024)  # asked about the request's model several times a request
+def _known_encoding(name: str) -> str | None:
+    """tiktoken's rule: the encoding of the exact name, then of the longest prefix; None
+    for a name it does not know."""
+    if name in MODEL_TO_ENCODING:
+        return MODEL_TO_ENCODING[name]
+    prefixes = [p for p in MODEL_PREFIX_TO_ENCODING if name.startswith(p)]
+    if prefixes:
+        return MODEL_PREFIX_TO_ENCODING[max(prefixes, key=len)]
+    return None
+
+
 def encoding_name_for_model(model: str) -> str:
     """tiktoken's rule: exact name, then prefix. A provider prefix ("openai/gpt-4o") is
     ignored; unknown models count with o200k_base and a warning (once per model)."""
     name = model.rsplit("/", 1)[-1]
     if name == ANY_MODEL:
         return DEFAULT_ENCODING
-    if name in MODEL_TO_ENCODING:
-        return MODEL_TO_ENCODING[name]
-    prefixes = [p for p in MODEL_PREFIX_TO_ENCODING if name.startswith(p)]
-    if prefixes:
-        return MODEL_PREFIX_TO_ENCODING[max(prefixes, key=len)]
+    known = _known_encoding(name)
+    if known is not None:
+        return known
     if model not in _warned_models:
         _warned_models.add(model)
         log.warning("unknown model %r: counting tokens with %s", model, DEFAULT_ENCODING)
@@ -151,9 +162,7 @@ def is_openai_model(model: str) -> bool:
     A request that names no model ("*") counts as one: nothing to ask a provider about."""
     if model == ANY_MODEL:
         return True
-    if "/" in model:
-        return False
-    return model in MODEL_TO_ENCODING or any(model.startswith(p) for p in MODEL_PREFIX_TO_ENCODING)
+    return "/" not in model and _known_encoding(model) is not None
 
 
 def bundled_vocabulary(name: str) -> bytes:

@@ -1,6 +1,16 @@
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from proxy.core.budget import (
+    MAX_OVERHEAD,
+    MIN_SPREAD,
+    QUANTILE,
     Learned,
+    Sample,
     corrected_window,
+    fit,
     history_budget,
     learned_from_refusal,
     output_reserve,
@@ -72,3 +82,51 @@ def test_a_refusal_without_figures_takes_a_window_below_what_was_refused() -> No
         learned, window=None, provider_prompt=None, completion=None, estimate=5000, output=1000
     )
     assert again.window == 4800  # each refusal lowers it, never raises it
+
+
+def _sums_by_generator(points: tuple[Sample, ...]) -> tuple[float, ...]:
+    """fit's five weighted sums as it wrote them before its one pass (h-pass)."""
+    weights = [1.0 / (s.actual * s.actual) for s in points]
+    pairs = list(zip(weights, points, strict=True))
+    return (
+        sum(w * s.estimate * s.estimate for w, s in pairs),
+        sum(w * s.items * s.items for w, s in pairs),
+        sum(w * s.estimate * s.items for w, s in pairs),
+        sum(w * s.estimate * s.actual for w, s in pairs),
+        sum(w * s.items * s.actual for w, s in pairs),
+    )
+
+
+_samples = st.lists(
+    st.builds(
+        Sample,
+        st.integers(min_value=0, max_value=10**6),
+        st.integers(min_value=0, max_value=600),
+        st.integers(min_value=0, max_value=10**6),
+    ),
+    max_size=32,
+)
+
+
+@given(_samples)
+def test_the_fit_is_the_same_float_for_float(samples: list[Sample]) -> None:
+    """The fit's sums in one pass are the generator sums to the last bit, so a stored
+    correction does not move with the code's shape."""
+    points = tuple(s for s in samples if s.estimate > 0 and s.actual > 0)
+    ratio, overhead = fit(tuple(samples))
+    if not points:
+        assert (ratio, overhead) == (1.0, 0.0)
+        return
+    srr, snn, srn, sry, sny = _sums_by_generator(points)
+    expected_ratio, expected_overhead = sry / srr, 0.0
+    det = srr * snn - srn * srn
+    if len(points) >= 3 and snn > 0 and det > MIN_SPREAD * srr * snn:
+        a = (sry * snn - sny * srn) / det
+        b = (srr * sny - srn * sry) / det
+        if a > 0 and b >= 0:
+            expected_ratio, expected_overhead = a, min(b, MAX_OVERHEAD)
+    scales = sorted(
+        s.actual / (expected_ratio * s.estimate + expected_overhead * s.items) for s in points
+    )
+    scale = scales[max(0, math.ceil(QUANTILE * len(scales)) - 1)]
+    assert (ratio, overhead) == (expected_ratio * scale, expected_overhead * scale)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core import items as items_module
 from proxy.core.items import (
     CALL_KINDS,
     CALL_TYPES,
@@ -524,3 +526,53 @@ def test_only_call_kinds_pair(
     for item in (responses_item(raw), chat_item(raw)):
         if item.call_ids or item.output_for is not None:
             assert item.kind in CALL_KINDS
+
+
+# --- construction --------------------------------------------------------------------------
+
+_maybe_text = st.none() | st.text(max_size=5)
+
+
+def test_the_fast_init_takes_the_generated_ones_parameters() -> None:
+    fast = inspect.signature(items_module._init)
+    generated = inspect.signature(items_module._GENERATED_INIT)
+    assert [(p.name, p.kind, p.default) for p in fast.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in generated.parameters.values()
+    ]
+
+
+_item_values = st.tuples(
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.sampled_from(["chat", "responses"]),
+    st.text(max_size=5),
+    _maybe_text,
+    _maybe_text,
+    _maybe_text,
+    _maybe_text,
+    _maybe_text,
+    st.tuples(st.text(max_size=3)) | st.just(()),
+    _maybe_text,
+    st.text(max_size=5),
+    st.none() | st.integers(),
+    st.text(max_size=5),
+)
+
+
+@given(_item_values, st.integers(min_value=4, max_value=13))
+def test_an_item_holds_what_the_generated_init_would_set(
+    values: tuple[Any, ...], given: int
+) -> None:
+    """The first `given` values positional, the rest by name."""
+    names = [field.name for field in dataclasses.fields(Item)]
+    positional, named = values[:given], dict(zip(names[given:], values[given:], strict=True))
+    expected = object.__new__(Item)
+    items_module._GENERATED_INIT(expected, *positional, **named)
+    made = Item(*positional, **named)
+    assert [getattr(made, n) for n in names] == [getattr(expected, n) for n in names]
+    assert made == expected and hash(made) == hash(expected)
+    assert dataclasses.replace(made, kind="other") == dataclasses.replace(expected, kind="other")
+
+
+def test_an_item_made_with_too_few_values_is_a_type_error() -> None:
+    with pytest.raises(TypeError):
+        Item({}, "chat", "message")  # type: ignore[call-arg]

@@ -8,14 +8,16 @@ computed before orjson entered the hot path and must never change. The fast path
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any
 
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core import fastjson
+from proxy.core import fastjson, items
 from proxy.core.idempotency import fingerprint
 from proxy.core.items import canonical_bytes, canonical_json, content_digest
 from proxy.core.ledger import arguments_digest
@@ -119,3 +121,30 @@ def test_fast_loads_equals_the_stdlib(value: Any, as_bytes: bool) -> None:
         return
     source: str | bytes = text.encode("utf-8") if as_bytes else text
     assert _same(fastjson.loads(source), expected)
+
+
+def _stdlib_digest(value: Any) -> str:
+    return hashlib.sha256(canonical_json(value).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@settings(max_examples=500)
+@given(json_values)
+def test_a_digest_seen_before_is_the_same(value: Any) -> None:
+    assert content_digest(value) == content_digest(value) == _stdlib_digest(value)
+
+
+def test_values_orjson_writes_alike_keep_their_own_digests() -> None:
+    """orjson writes None, NaN and the infinities all as null, and 1e16 as the stdlib's
+    1e+16 differently: digests remembered by orjson's form must not mix them."""
+    for value in [None, math.nan, math.inf, -math.inf, None, 1e16, 1e16, 1.0, 1, 1.0]:
+        for wrapped in ({"a": value}, [value, "x"]):
+            assert content_digest(wrapped) == _stdlib_digest(wrapped)
+
+
+def test_remembered_digests_stay_bounded() -> None:
+    for index in range(items.DIGESTS_MAX_ENTRIES + 10):
+        content_digest({"n": index})
+    assert 0 < len(items._DIGESTS) <= items.DIGESTS_MAX_ENTRIES
+    long = {"text": "x" * items.DIGESTS_MAX_LENGTH}
+    assert content_digest(long) == _stdlib_digest(long)
+    assert orjson.dumps(long, option=orjson.OPT_SORT_KEYS) not in items._DIGESTS

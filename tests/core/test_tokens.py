@@ -38,6 +38,7 @@ from proxy.core.tokens import (
     encoding_name_for_model,
     get_encoding,
     image_tokens,
+    is_openai_model,
 )
 from tests import image_headers
 
@@ -188,6 +189,22 @@ def test_o200k_models(model: str) -> None:
 )
 def test_cl100k_models(model: str) -> None:
     assert encoding_name_for_model(model) == "cl100k_base"
+
+
+@pytest.mark.parametrize(
+    ("model", "openai"),
+    [
+        ("gpt-4o-mini", True),  # a prefix
+        ("gpt-4o", True),
+        ("*", True),
+        ("openai/gpt-4o", False),  # a provider's prefix: asked about
+        ("llama3", False),
+        ("ft:gpt-4o-mini:org::id", True),
+    ],
+)
+def test_an_openai_model_is_one_tiktoken_knows_by_its_own_name(model: str, openai: bool) -> None:
+    for _ in range(2):  # asked again, from the cache
+        assert is_openai_model(model) is openai
 
 
 def test_unknown_model_falls_back_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:

@@ -605,6 +605,60 @@ def _fact(
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
 
 
+def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tuple[str, ...]:
+    """The tool facts a summary of `sources` takes in once the items after them (the
+    rest of `sources`, then `later`: the turns sent after it) name a value of theirs
+    that `written` (the summary region as sent) lacks (issue 22, item 3). For each result
+    of `sources`, the values the items after it name and the lines the next
+    DESCRIBED_MESSAGES messages rest on (evidence_lines: "raise the memory limit we
+    saw"), as `extract` reads them for a chunk; its fact as the digest then writes it
+    (`_fact`, so only what the digest calls informative once named), when that fact holds
+    one of them that `written` lacks. A block written before anybody named the value
+    could not know it. In order, each once; spaces compared folded (a fact folds a log's)."""
+    items = [*sources, *later]
+    named = _referenced_after(items)
+    described = _described_after(items)
+    folded = SPACES.sub(" ", written)
+    calls: dict[str, Item] = {}
+    found: list[str] = []
+    for position, item in enumerate(sources):
+        calls.update(dict.fromkeys(item.call_ids, item))
+        if item.kind == "tool_output":
+            call = calls.get(item.output_for or "")
+        elif item.kind == "mcp_call" and item.raw.get("output") is not None:
+            call = item
+        else:
+            continue
+        text = output_text(item)
+        values = {v for v in named.get(position, ()) if v in text}
+        values |= _evidence(item, text, described.get(position, ()))
+        lacking = [v for v in values if SPACES.sub(" ", v) not in folded]
+        if not lacking:
+            continue
+        fact, _ = _fact(item, call, None, frozenset(values))
+        shown = SPACES.sub(" ", fact)
+        if any(SPACES.sub(" ", v) in shown for v in lacking):
+            found.append(fact)
+    return tuple(dict.fromkeys(found))
+
+
+# evidence_lines by result digest and statements: a result's next messages stop changing
+# once DESCRIBED_MESSAGES have followed it. Bounded; cleared when full.
+_evidence_made: dict[tuple[str, tuple[str, ...]], frozenset[str]] = {}
+EVIDENCE_CACHE_MAX = 4096
+
+
+def _evidence(item: Item, text: str, said: tuple[str, ...]) -> frozenset[str]:
+    key = (item.digest, said)
+    found = _evidence_made.get(key)
+    if found is None:
+        found = evidence_lines(text, said)
+        if len(_evidence_made) >= EVIDENCE_CACHE_MAX:
+            _evidence_made.clear()
+        _evidence_made[key] = found
+    return found
+
+
 # A record a compressed result kept whole, labelled by its list and index (`points[36]`).
 RECORD_LABEL = re.compile(r".+\[\d+\]")
 
@@ -1138,5 +1192,6 @@ __all__ = [
     "state_of",
     "summarize_turns",
     "summary_item",
+    "taken_in",
     "to_json",
 ]

@@ -62,10 +62,13 @@ from proxy.core.memory import (
     HEADER,
     SUMMARY_MARKER,
     Summarizer,
+    MemoryState,
+    fit_summary,
     is_summary,
     referenced_values,
     summarize_turns,
     summary_item,
+    taken_in,
 )
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
@@ -307,6 +310,7 @@ class _State:
     consolidated: bool = False  # the new block replaces the old chain
     made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
     cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
+    addendum: Item | None = None  # what the chain takes in of later-named values (`_take_in`)
 
     def tokens(self, position: int) -> int:
         """Tokens the item at `position` costs as sent (compressed when replaced)."""
@@ -322,6 +326,10 @@ class _State:
     @property
     def chain_tokens(self) -> int:
         return self.counter.items(self.chain)
+
+    @property
+    def addendum_tokens(self) -> int:
+        return self.counter.item(self.addendum) if self.addendum is not None else 0
 
     def rest(self, cut: int | None = None) -> int:
         """Tokens of the closed turns kept after cutting the first `cut` (default: now)."""
@@ -549,6 +557,7 @@ def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
     _recompress_named(state, state.policy)  # a later turn named what a form lacks
+    _take_in(state)  # ... or what the summary region lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
@@ -844,18 +853,59 @@ def _expand_deferred(state: _State, budget: int) -> None:
     full form again once it fits, or when a cut comes anyway. Only the last block
     changes: the bytes of the blocks before it stay as they were."""
     full = state.deferred
-    if full is None or not state.chain:
+    made = [item for item in state.chain if not _is_addendum(item)]
+    if full is None or not made:
         state.deferred = None
         return
-    extra = state.counter.item(full) - state.counter.item(state.chain[-1])
+    last = made[-1]  # an addendum sent after it (`_take_in`) is not the block made smaller
+    extra = state.counter.item(full) - state.counter.item(last)
     history = _history(state)
     if history + extra > budget and history <= budget:
         return  # no room yet, and nothing else changes: keep the prefix
-    last = state.chain[-1]
     state.old = tuple(full if item is last else item for item in state.old)
-    state.chain = (*state.chain[:-1], full)
+    state.chain = tuple(full if item is last else item for item in state.chain)
     state.deferred = None
     state.cut_changed = True
+
+
+def _is_addendum(item: Item) -> bool:
+    """A block `_take_in` made: it stands for no items of its own."""
+    match = HEADER.match(item.text())
+    return match is not None and match.group(1) == "0"
+
+
+def _take_in(state: _State) -> None:
+    """What a later turn names of the items the summary chain stands for, when the chain
+    lacks it (memory.taken_in: a block was written before anybody named the value): the
+    facts holding it as one small block sent after the chain and every pinned item, at
+    the end of the summary region, so the prefix before it repeats byte for byte (a
+    block rewritten in place would break it at that block). At most a block's room;
+    counted in the history, so a cut makes room for it like for any block. The chain's
+    items come from the request: a stateless client's history (positions from the
+    opening head's end to the cut, not pinned); a window that starts at its cut gives
+    none, and nothing is taken in."""
+    request, cut = state.request, state.request.cut
+    if not state.chain or cut is None:
+        return
+    offset = request.first_position
+    first = max(0, cut.opening) if offset == 0 else 0
+    pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
+    sources = [
+        request.items[p - offset]
+        for p in range(offset + first, state.start)
+        if p not in pinned
+    ]
+    if not sources:
+        return
+    later = request.items[state.start - offset :]
+    written = "\n".join(item.text() for item in state.chain)
+    facts = taken_in(sources, later, written)
+    if not facts:
+        return
+    block = fit_summary(state.chain[-1].api, MemoryState(facts=facts), state.counter, state.room)
+    if any(fact in block.text() for fact in facts):
+        state.addendum = block
+        state.cut_changed = True
 
 
 # --- pressure relief (SPEC section 5) -------------------------------------------------------
@@ -901,7 +951,7 @@ def _summary_room(budget: int) -> int:
 def _history(state: _State) -> int:
     """Tokens of the summary chain and the closed turns still kept; once turns are cut,
     at least SUMMARY_MIN_TOKENS for their summary (its size is settled last)."""
-    kept = state.chain_tokens + state.rest()
+    kept = state.chain_tokens + state.addendum_tokens + state.rest()
     if state.new_cut:
         kept += SUMMARY_MIN_TOKENS
     return kept
@@ -1033,6 +1083,7 @@ def _cut_to_target(state: _State, highest: int, target: int) -> None:
     chain = state.chain_tokens + state.room
     if state.chain and chain > state.chain_max:
         chain = _consolidated_room(state)
+    chain += state.addendum_tokens
     rest = state.rest()
     cut = state.cut
     while cut < highest:
@@ -1088,7 +1139,7 @@ def _append_block(state: _State, budget: int) -> bool:
     if state.cut == 0:
         return _history(state) - SUMMARY_MIN_TOKENS <= budget
     rest = state.rest()
-    room = min(state.room, budget - rest - state.chain_tokens)
+    room = min(state.room, budget - rest - state.chain_tokens - state.addendum_tokens)
     if room < SUMMARY_MIN_TOKENS:
         return False
     if state.chain and state.chain_tokens + state.room > state.chain_max:
@@ -1111,7 +1162,7 @@ def _consolidate_all(state: _State, budget: int) -> bool:
     with the cut turns), when at least SUMMARY_MIN_TOKENS are left for it."""
     if not state.chain and state.cut == 0:
         return False
-    room = min(_consolidated_room(state), budget - state.rest())
+    room = min(_consolidated_room(state), budget - state.rest() - state.addendum_tokens)
     if room < SUMMARY_MIN_TOKENS:
         return False
     previous = _joined(state.chain) if state.chain else None
@@ -1284,6 +1335,8 @@ def _outcome(state: _State) -> _Outcome:
         pinned = [(position, item) for position, item in pinned if position >= end]
         prefix.append(summary)
     prefix += [item for _, item in pinned]
+    if state.addendum is not None:
+        prefix.append(state.addendum)  # last: the prefix before it repeats
     chain = tuple(item for item in prefix if is_summary(item))
     pinned_positions = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     offset = state.request.first_position

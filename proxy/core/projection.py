@@ -61,8 +61,8 @@ from proxy.core.items import APPROVAL_ANSWERS, APPROVAL_REQUEST, Item, content_d
 from proxy.core.memory import (
     HEADER,
     SUMMARY_MARKER,
-    Summarizer,
     MemoryState,
+    Summarizer,
     fit_summary,
     is_summary,
     referenced_values,
@@ -891,9 +891,7 @@ def _take_in(state: _State) -> None:
     first = max(0, cut.opening) if offset == 0 else 0
     pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     sources = [
-        request.items[p - offset]
-        for p in range(offset + first, state.start)
-        if p not in pinned
+        request.items[p - offset] for p in range(offset + first, state.start) if p not in pinned
     ]
     if not sources:
         return

@@ -479,7 +479,26 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
     for position in range(len(items) - 1, -1, -1):
         if items[position].kind == "tool_output":
             found[position] = frozenset(seen)
-        seen.update(referenced_values([items[position]]))
+        seen.update(_named_by(items[position]))
+    return found
+
+
+# referenced_values of one item, by its digest: a stateless history's items are read
+# again with every request (taken_in). Bounded; cleared when full.
+_named: dict[tuple[str, str], frozenset[str]] = {}
+NAMED_CACHE_MAX = 1 << 14
+
+
+def _named_by(item: Item) -> frozenset[str]:
+    if item.kind not in ("message", "tool_calls"):
+        return frozenset()
+    key = (item.api, item.digest)
+    found = _named.get(key)
+    if found is None:
+        found = referenced_values([item])
+        if len(_named) >= NAMED_CACHE_MAX:
+            _named.clear()
+        _named[key] = found
     return found
 
 
@@ -619,6 +638,8 @@ def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tu
     named = _referenced_after(items)
     described = _described_after(items)
     folded = SPACES.sub(" ", written)
+    first = min(named, default=0)
+    unwritten = {v for v in named.get(first, ()) if SPACES.sub(" ", v) not in folded}
     calls: dict[str, Item] = {}
     found: list[str] = []
     for position, item in enumerate(sources):
@@ -630,9 +651,10 @@ def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tu
         else:
             continue
         text = output_text(item)
-        values = {v for v in named.get(position, ()) if v in text}
-        values |= _evidence(item, text, described.get(position, ()))
-        lacking = [v for v in values if SPACES.sub(" ", v) not in folded]
+        values = {v for v in unwritten & named.get(position, frozenset()) if v in text}
+        evidence = _evidence(item, text, described.get(position, ()))
+        lacking = [*values, *(v for v in evidence if SPACES.sub(" ", v) not in folded)]
+        values |= evidence
         if not lacking:
             continue
         fact, _ = _fact(item, call, None, frozenset(values))
@@ -644,12 +666,12 @@ def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tu
 
 # evidence_lines by result digest and statements: a result's next messages stop changing
 # once DESCRIBED_MESSAGES have followed it. Bounded; cleared when full.
-_evidence_made: dict[tuple[str, tuple[str, ...]], frozenset[str]] = {}
+_evidence_made: dict[tuple[str, str, tuple[str, ...]], frozenset[str]] = {}
 EVIDENCE_CACHE_MAX = 4096
 
 
 def _evidence(item: Item, text: str, said: tuple[str, ...]) -> frozenset[str]:
-    key = (item.digest, said)
+    key = (item.api, item.digest, said)
     found = _evidence_made.get(key)
     if found is None:
         found = evidence_lines(text, said)

@@ -169,6 +169,11 @@ class ProjectionRequest:
     # Responses `truncation: "disabled"`: the items are sent as given, nothing compressed,
     # summarized or dropped, and a history that does not fit is refused (`_verbatim`).
     verbatim: bool = False
+    # For a window that starts at its cut (a stored thread): the items the cut's summary
+    # chain stands for, in log order (the store's items from the opening head's end to
+    # the window start, pinned ones left out), so a later turn naming one of their
+    # values takes it in (`_take_in`). A stateless history holds them itself.
+    chain_sources: Sequence[Item] = ()
 
 
 @dataclass(frozen=True)
@@ -882,8 +887,8 @@ def _take_in(state: _State) -> None:
     block rewritten in place would break it at that block). At most a block's room;
     counted in the history, so a cut makes room for it like for any block. The chain's
     items come from the request: a stateless client's history (positions from the
-    opening head's end to the cut, not pinned); a window that starts at its cut gives
-    none, and nothing is taken in."""
+    opening head's end to the cut, not pinned), else `chain_sources` (a stored thread's,
+    read from the store); without them nothing is taken in."""
     request, cut = state.request, state.request.cut
     if not state.chain or cut is None:
         return
@@ -892,7 +897,7 @@ def _take_in(state: _State) -> None:
     pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     sources = [
         request.items[p - offset] for p in range(offset + first, state.start) if p not in pinned
-    ]
+    ] or list(request.chain_sources)
     if not sources:
         return
     later = request.items[state.start - offset :]

@@ -10,7 +10,13 @@ import pytest
 
 from proxy.core.items import Item, chat_item
 from proxy.core.memory import extract, is_summary, render, taken_in
-from proxy.core.projection import ProjectionPolicy, ProjectionRequest, project_context
+from proxy.core.projection import (
+    CutPoint,
+    Projection,
+    ProjectionPolicy,
+    ProjectionRequest,
+    project_context,
+)
 from proxy.core.tokens import TokenCounter
 from tests.core.test_salience import RAISE, call, manifest
 
@@ -118,3 +124,45 @@ def test_a_turn_that_names_nothing_new_adds_no_block(counter: TokenCounter) -> N
     items = history()
     items[-1] = chat_item({"role": "user", "content": "Step 7: any pod restarts?"})
     assert not any("Stands for 0 earlier items" in i.text() for i in sent(items, counter))
+
+
+def stored(
+    items: list[Item], cut: CutPoint, sources: list[Item], counter: TokenCounter
+) -> Projection:
+    """A stored thread's request: its window from the cut on, the chain's items given
+    as the store holds them (`chain_sources`)."""
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+    request = ProjectionRequest(
+        items[cut.start :],
+        window=2500,
+        output=300,
+        epsilon=50,
+        first_position=cut.start,
+        cut=cut,
+        chain_sources=sources,
+    )
+    return project_context(request, counter, policy)
+
+
+def test_a_stored_thread_takes_in_from_the_chain_items_the_store_gives(
+    counter: TokenCounter,
+) -> None:
+    """The window starts at the cut, so the request holds none of the chain's items: with
+    them given (`chain_sources`) the value is taken in, the block is kept in the cut,
+    and the next turn, naming nothing new, sends it again as it was."""
+    items = history()
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+    first = ProjectionRequest(items[:-1], window=2500, output=300, epsilon=50, stateless=True)
+    cut = project_context(first, counter, policy).cut
+    assert cut is not None and cut.chain and not cut.opening
+    sources = [item for item in items[1 : cut.start] if not item.is_instruction]
+    alone = stored(items, cut, [], counter)
+    assert LIMIT not in "\n".join(i.text() for i in alone.items if is_summary(i))
+    taken = stored(items, cut, sources, counter)
+    [block] = [i for i in taken.items if is_summary(i) and LIMIT in i.text()]
+    assert taken.cut is not None and block in taken.cut.summary
+    items.append(chat_item({"role": "assistant", "content": "Raised to 640Mi."}))
+    items.append(chat_item({"role": "user", "content": "Thanks."}))
+    again = stored(items, taken.cut, sources, counter)
+    blocks = [i for i in again.items if is_summary(i) and "Stands for 0 earlier" in i.text()]
+    assert [b.raw for b in blocks] == [block.raw]

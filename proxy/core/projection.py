@@ -562,10 +562,11 @@ def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
     _recompress_named(state, state.policy)  # a later turn named what a form lacks
-    _take_in(state)  # ... or what the summary region lacks
+    _take_in(state, state.start, state.chain)  # ... or what the summary region lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
+        _take_in_cut(state, budget)
     keep = relieved or state.request.cut is not None or state.cut_changed
     return _finish(state, fixed, budget, keep)
 
@@ -879,36 +880,54 @@ def _is_addendum(item: Item) -> bool:
     return match is not None and match.group(1) == "0"
 
 
-def _take_in(state: _State) -> None:
+def _take_in(state: _State, start: int, chain: Sequence[Item]) -> bool:
     """What a later turn names of the items the summary chain stands for, when the chain
     lacks it (memory.taken_in: a block was written before anybody named the value): the
     facts holding it as one small block sent after the chain and every pinned item, at
     the end of the summary region, so the prefix before it repeats byte for byte (a
     block rewritten in place would break it at that block). At most a block's room;
-    counted in the history, so a cut makes room for it like for any block. The chain's
-    items come from the request: a stateless client's history (positions from the
-    opening head's end to the cut, not pinned), else `chain_sources` (a stored thread's,
-    read from the store); without them nothing is taken in."""
+    counted in the history, so a cut makes room for it like for any block. `start`: the
+    first position sent verbatim, `chain`: the blocks before it. The chain's items come
+    from the request: a stateless client's history (positions from the opening head's
+    end on, not pinned), else `chain_sources` (a stored thread's, read from the store)
+    and the given items before `start`; without them nothing is taken in. True when a
+    block is made (it replaces any made before for this request)."""
     request, cut = state.request, state.request.cut
-    if not state.chain or cut is None:
-        return
+    if not chain or cut is None:
+        return False
     offset = request.first_position
     first = max(0, cut.opening) if offset == 0 else 0
     pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
-    sources = [
-        request.items[p - offset] for p in range(offset + first, state.start) if p not in pinned
-    ] or list(request.chain_sources)
+    given = [request.items[p - offset] for p in range(offset + first, start) if p not in pinned]
+    sources = given if offset == 0 else [*request.chain_sources, *given]
     if not sources:
-        return
-    later = request.items[state.start - offset :]
-    written = "\n".join(item.text() for item in state.chain)
+        return False
+    later = request.items[start - offset :]
+    written = "\n".join(item.text() for item in chain)
     facts = taken_in(sources, later, written)
     if not facts:
+        return False
+    block = fit_summary(chain[-1].api, MemoryState(facts=facts), state.counter, state.room)
+    if not any(fact in block.text() for fact in facts):
+        return False
+    state.addendum = block
+    state.cut_changed = True
+    return True
+
+
+def _take_in_cut(state: _State, budget: int) -> None:
+    """After a cut: the turns it summarizes now are the chain's items too (the block made
+    for them knows nothing of the current turn), so the take-in is made again over them
+    and the new blocks, when what it then sends still fits; else the one made before
+    the cut stands (the next request makes it again)."""
+    kept = state.addendum
+    blocks = [block for _, block in state.new_blocks]
+    chain = [*([] if state.consolidated else state.chain), *blocks]
+    if not _take_in(state, _new_start(state), chain):
         return
-    block = fit_summary(state.chain[-1].api, MemoryState(facts=facts), state.counter, state.room)
-    if any(fact in block.text() for fact in facts):
-        state.addendum = block
-        state.cut_changed = True
+    sent = state.counter.items(chain) + state.rest() + state.addendum_tokens
+    if sent > budget:
+        state.addendum = kept
 
 
 # --- pressure relief (SPEC section 5) -------------------------------------------------------

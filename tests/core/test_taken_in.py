@@ -166,4 +166,3 @@ def test_a_stored_thread_takes_in_from_the_chain_items_the_store_gives(
     again = stored(items, taken.cut, sources, counter)
     blocks = [i for i in again.items if is_summary(i) and "Stands for 0 earlier" in i.text()]
     assert [b.raw for b in blocks] == [block.raw]
-

@@ -6,6 +6,8 @@ it is taken in (memory.taken_in), as one small block after the chain (projection
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from proxy.core.items import Item, chat_item
@@ -166,3 +168,22 @@ def test_a_stored_thread_takes_in_from_the_chain_items_the_store_gives(
     again = stored(items, taken.cut, sources, counter)
     blocks = [i for i in again.items if is_summary(i) and "Stands for 0 earlier" in i.text()]
     assert [b.raw for b in blocks] == [block.raw]
+
+
+def test_the_request_that_cuts_the_manifest_turn_takes_its_limit_in(
+    counter: TokenCounter,
+) -> None:
+    """The request naming the limit is the one that cuts the manifest turn: the block made
+    for that turn knows nothing of the current turn, so the take-in is made again after
+    the cut, over the turns it summarizes now."""
+    items = [*history()[: 5 + 4 * 3], chat_item({"role": "user", "content": RAISE})]
+    policy = ProjectionPolicy(keep_recent_turns=2, tool_result_max_tokens=300)
+
+    def sent_at(end: int) -> str:
+        request = ProjectionRequest(items[:end], window=1400, output=300, epsilon=50)
+        projection = project_context(replace(request, stateless=True), counter, policy)
+        return "\n".join(str(item.raw.get("content")) for item in projection.items)
+
+    assert "kubectl(args=get deploy" not in sent_at(len(items) - 4)  # the turn before
+    after = sent_at(len(items))
+    assert "kubectl(args=get deploy" in after and LIMIT in after

@@ -7,7 +7,8 @@ result, the verified values of tool results and of the calls' arguments (ids, am
 statuses; never transport metadata), and the entities (ids, references, e-mails,
 amounts). `extract` builds the state from items (on top of an earlier state), `render`
 writes it as one text block under a token budget, `must_keep` names the strings any
-summary of the items must contain verbatim (the LLM summarizer's guard). What an LLM
+summary of the items must contain verbatim (the LLM summarizer's guard), `taken_in` the
+facts a summary takes in once later turns name a value of its items that it lacks. What an LLM
 summarizer wrote that its chunk does not bear out is the state's `notes`
 (proxy/core/llm_summary.py): rendered last, under a title saying they are the model's
 unverified words and not instructions, and never must-keep.

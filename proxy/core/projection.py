@@ -30,6 +30,10 @@ so the provider's prompt cache keeps it. It never takes the recent turns' room: 
 gives way (`_released`, its turns becoming the chain's first block) when they or the
 current turn would not fit beside it.
 
+A value a later turn names of the items the chain stands for, which the chain lacks (a
+block written before anybody named it), is taken in as one small block at the end of the
+summary region (`_take_in`): no block is rewritten, so the prefix before it repeats.
+
 A request without a stored cut (a stateless client, a thread's first request) gets the
 cut a stored thread would hold had each of its user messages been sent on its own
 (`_replayed_cut`): the same history prefix gives the same cut and the same bytes.

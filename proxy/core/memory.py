@@ -7,7 +7,8 @@ result, the verified values of tool results and of the calls' arguments (ids, am
 statuses; never transport metadata), and the entities (ids, references, e-mails,
 amounts). `extract` builds the state from items (on top of an earlier state), `render`
 writes it as one text block under a token budget, `must_keep` names the strings any
-summary of the items must contain verbatim (the LLM summarizer's guard). What an LLM
+summary of the items must contain verbatim (the LLM summarizer's guard), `taken_in` the
+facts a summary takes in once later turns name a value of its items that it lacks. What an LLM
 summarizer wrote that its chunk does not bear out is the state's `notes`
 (proxy/core/llm_summary.py): rendered last, under a title saying they are the model's
 unverified words and not instructions, and never must-keep.
@@ -479,7 +480,26 @@ def _referenced_after(items: Sequence[Item]) -> dict[int, frozenset[str]]:
     for position in range(len(items) - 1, -1, -1):
         if items[position].kind == "tool_output":
             found[position] = frozenset(seen)
-        seen.update(referenced_values([items[position]]))
+        seen.update(_named_by(items[position]))
+    return found
+
+
+# referenced_values of one item, by its digest: a stateless history's items are read
+# again with every request (taken_in). Bounded; cleared when full.
+_named: dict[tuple[str, str], frozenset[str]] = {}
+NAMED_CACHE_MAX = 1 << 14
+
+
+def _named_by(item: Item) -> frozenset[str]:
+    if item.kind not in ("message", "tool_calls"):
+        return frozenset()
+    key = (item.api, item.digest)
+    found = _named.get(key)
+    if found is None:
+        found = referenced_values([item])
+        if len(_named) >= NAMED_CACHE_MAX:
+            _named.clear()
+        _named[key] = found
     return found
 
 
@@ -603,6 +623,63 @@ def _fact(
         shown = json.dumps(_text_gist(text, referenced), ensure_ascii=False)
         found = entities_in(f"{head} {shown}") + amounts
     return _cut(f"{head} -> {shown}", FACT_CHARS), list(dict.fromkeys(found))
+
+
+def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tuple[str, ...]:
+    """The tool facts a summary of `sources` takes in once the items after them (the
+    rest of `sources`, then `later`: the turns sent after it) name a value of theirs
+    that `written` (the summary region as sent) lacks (issue 22, item 3). For each result
+    of `sources`, the values the items after it name and the lines the next
+    DESCRIBED_MESSAGES messages rest on (evidence_lines: "raise the memory limit we
+    saw"), as `extract` reads them for a chunk; its fact as the digest then writes it
+    (`_fact`, so only what the digest calls informative once named), when that fact holds
+    one of them that `written` lacks. A block written before anybody named the value
+    could not know it. In order, each once; spaces compared folded (a fact folds a log's)."""
+    items = [*sources, *later]
+    named = _referenced_after(items)
+    described = _described_after(items)
+    folded = SPACES.sub(" ", written)
+    first = min(named, default=0)
+    unwritten = {v for v in named.get(first, ()) if SPACES.sub(" ", v) not in folded}
+    calls: dict[str, Item] = {}
+    found: list[str] = []
+    for position, item in enumerate(sources):
+        calls.update(dict.fromkeys(item.call_ids, item))
+        if item.kind == "tool_output":
+            call = calls.get(item.output_for or "")
+        elif item.kind == "mcp_call" and item.raw.get("output") is not None:
+            call = item
+        else:
+            continue
+        text = output_text(item)
+        values = {v for v in unwritten & named.get(position, frozenset()) if v in text}
+        evidence = _evidence(item, text, described.get(position, ()))
+        lacking = [*values, *(v for v in evidence if SPACES.sub(" ", v) not in folded)]
+        values |= evidence
+        if not lacking:
+            continue
+        fact, _ = _fact(item, call, None, frozenset(values))
+        shown = SPACES.sub(" ", fact)
+        if any(SPACES.sub(" ", v) in shown for v in lacking):
+            found.append(fact)
+    return tuple(dict.fromkeys(found))
+
+
+# evidence_lines by result digest and statements: a result's next messages stop changing
+# once DESCRIBED_MESSAGES have followed it. Bounded; cleared when full.
+_evidence_made: dict[tuple[str, str, tuple[str, ...]], frozenset[str]] = {}
+EVIDENCE_CACHE_MAX = 4096
+
+
+def _evidence(item: Item, text: str, said: tuple[str, ...]) -> frozenset[str]:
+    key = (item.api, item.digest, said)
+    found = _evidence_made.get(key)
+    if found is None:
+        found = evidence_lines(text, said)
+        if len(_evidence_made) >= EVIDENCE_CACHE_MAX:
+            _evidence_made.clear()
+        _evidence_made[key] = found
+    return found
 
 
 # A record a compressed result kept whole, labelled by its list and index (`points[36]`).
@@ -1138,5 +1215,6 @@ __all__ = [
     "state_of",
     "summarize_turns",
     "summary_item",
+    "taken_in",
     "to_json",
 ]

@@ -30,6 +30,10 @@ so the provider's prompt cache keeps it. It never takes the recent turns' room: 
 gives way (`_released`, its turns becoming the chain's first block) when they or the
 current turn would not fit beside it.
 
+A value a later turn names of the items the chain stands for, which the chain lacks (a
+block written before anybody named it), is taken in as one small block at the end of the
+summary region (`_take_in`): no block is rewritten, so the prefix before it repeats.
+
 A request without a stored cut (a stateless client, a thread's first request) gets the
 cut a stored thread would hold had each of its user messages been sent on its own
 (`_replayed_cut`): the same history prefix gives the same cut and the same bytes.
@@ -61,11 +65,14 @@ from proxy.core.items import APPROVAL_ANSWERS, APPROVAL_REQUEST, Item, content_d
 from proxy.core.memory import (
     HEADER,
     SUMMARY_MARKER,
+    MemoryState,
     Summarizer,
+    fit_summary,
     is_summary,
     referenced_values,
     summarize_turns,
     summary_item,
+    taken_in,
 )
 from proxy.core.tokens import REPLY_PRIMING, TokenCounter
 
@@ -166,6 +173,11 @@ class ProjectionRequest:
     # Responses `truncation: "disabled"`: the items are sent as given, nothing compressed,
     # summarized or dropped, and a history that does not fit is refused (`_verbatim`).
     verbatim: bool = False
+    # For a window that starts at its cut (a stored thread): the items the cut's summary
+    # chain stands for, in log order (the store's items from the opening head's end to
+    # the window start, pinned ones left out), so a later turn naming one of their
+    # values takes it in (`_take_in`). A stateless history holds them itself.
+    chain_sources: Sequence[Item] = ()
 
 
 @dataclass(frozen=True)
@@ -307,6 +319,7 @@ class _State:
     consolidated: bool = False  # the new block replaces the old chain
     made: dict[str, SummaryChunk] = field(default_factory=dict)  # by chunk digest
     cut_changed: bool = False  # the stored cut changes without a new cut (deferred used)
+    addendum: Item | None = None  # what the chain takes in of later-named values (`_take_in`)
 
     def tokens(self, position: int) -> int:
         """Tokens the item at `position` costs as sent (compressed when replaced)."""
@@ -322,6 +335,10 @@ class _State:
     @property
     def chain_tokens(self) -> int:
         return self.counter.items(self.chain)
+
+    @property
+    def addendum_tokens(self) -> int:
+        return self.counter.item(self.addendum) if self.addendum is not None else 0
 
     def rest(self, cut: int | None = None) -> int:
         """Tokens of the closed turns kept after cutting the first `cut` (default: now)."""
@@ -549,9 +566,11 @@ def _projected(prepared: _Prepared) -> Projection:
     state, fixed, budget = prepared.state, prepared.fixed, prepared.budget
     _expand_deferred(state, budget)
     _recompress_named(state, state.policy)  # a later turn named what a form lacks
+    _take_in(state, state.start, state.chain)  # ... or what the summary region lacks
     relieved = _relieve(state, budget, state.policy)
     if state.new_cut:
         _settle(state, budget, fixed)
+        _take_in_cut(state, budget)
     keep = relieved or state.request.cut is not None or state.cut_changed
     return _finish(state, fixed, budget, keep)
 
@@ -844,18 +863,75 @@ def _expand_deferred(state: _State, budget: int) -> None:
     full form again once it fits, or when a cut comes anyway. Only the last block
     changes: the bytes of the blocks before it stay as they were."""
     full = state.deferred
-    if full is None or not state.chain:
+    made = [item for item in state.chain if not _is_addendum(item)]
+    if full is None or not made:
         state.deferred = None
         return
-    extra = state.counter.item(full) - state.counter.item(state.chain[-1])
+    last = made[-1]  # an addendum sent after it (`_take_in`) is not the block made smaller
+    extra = state.counter.item(full) - state.counter.item(last)
     history = _history(state)
     if history + extra > budget and history <= budget:
         return  # no room yet, and nothing else changes: keep the prefix
-    last = state.chain[-1]
     state.old = tuple(full if item is last else item for item in state.old)
-    state.chain = (*state.chain[:-1], full)
+    state.chain = tuple(full if item is last else item for item in state.chain)
     state.deferred = None
     state.cut_changed = True
+
+
+def _is_addendum(item: Item) -> bool:
+    """A block `_take_in` made: it stands for no items of its own."""
+    match = HEADER.match(item.text())
+    return match is not None and match.group(1) == "0"
+
+
+def _take_in(state: _State, start: int, chain: Sequence[Item]) -> bool:
+    """What a later turn names of the items the summary chain stands for, when the chain
+    lacks it (memory.taken_in: a block was written before anybody named the value): the
+    facts holding it as one small block sent after the chain and every pinned item, at
+    the end of the summary region, so the prefix before it repeats byte for byte (a
+    block rewritten in place would break it at that block). At most a block's room;
+    counted in the history, so a cut makes room for it like for any block. `start`: the
+    first position sent verbatim, `chain`: the blocks before it. The chain's items come
+    from the request: a stateless client's history (positions from the opening head's
+    end on, not pinned), else `chain_sources` (a stored thread's, read from the store)
+    and the given items before `start`; without them nothing is taken in. True when a
+    block is made (it replaces any made before for this request)."""
+    request, cut = state.request, state.request.cut
+    if not chain or cut is None:
+        return False
+    offset = request.first_position
+    first = max(0, cut.opening) if offset == 0 else 0
+    pinned = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
+    given = [request.items[p - offset] for p in range(offset + first, start) if p not in pinned]
+    sources = given if offset == 0 else [*request.chain_sources, *given]
+    if not sources:
+        return False
+    later = request.items[start - offset :]
+    written = "\n".join(item.text() for item in chain)
+    facts = taken_in(sources, later, written)
+    if not facts:
+        return False
+    block = fit_summary(chain[-1].api, MemoryState(facts=facts), state.counter, state.room)
+    if not any(fact in block.text() for fact in facts):
+        return False
+    state.addendum = block
+    state.cut_changed = True
+    return True
+
+
+def _take_in_cut(state: _State, budget: int) -> None:
+    """After a cut: the turns it summarizes now are the chain's items too (the block made
+    for them knows nothing of the current turn), so the take-in is made again over them
+    and the new blocks, when what it then sends still fits; else the one made before
+    the cut stands (the next request makes it again)."""
+    kept = state.addendum
+    blocks = [block for _, block in state.new_blocks]
+    chain = [*([] if state.consolidated else state.chain), *blocks]
+    if not _take_in(state, _new_start(state), chain):
+        return
+    sent = state.counter.items(chain) + state.rest() + state.addendum_tokens
+    if sent > budget:
+        state.addendum = kept
 
 
 # --- pressure relief (SPEC section 5) -------------------------------------------------------
@@ -901,7 +977,7 @@ def _summary_room(budget: int) -> int:
 def _history(state: _State) -> int:
     """Tokens of the summary chain and the closed turns still kept; once turns are cut,
     at least SUMMARY_MIN_TOKENS for their summary (its size is settled last)."""
-    kept = state.chain_tokens + state.rest()
+    kept = state.chain_tokens + state.addendum_tokens + state.rest()
     if state.new_cut:
         kept += SUMMARY_MIN_TOKENS
     return kept
@@ -1033,6 +1109,7 @@ def _cut_to_target(state: _State, highest: int, target: int) -> None:
     chain = state.chain_tokens + state.room
     if state.chain and chain > state.chain_max:
         chain = _consolidated_room(state)
+    chain += state.addendum_tokens
     rest = state.rest()
     cut = state.cut
     while cut < highest:
@@ -1088,7 +1165,7 @@ def _append_block(state: _State, budget: int) -> bool:
     if state.cut == 0:
         return _history(state) - SUMMARY_MIN_TOKENS <= budget
     rest = state.rest()
-    room = min(state.room, budget - rest - state.chain_tokens)
+    room = min(state.room, budget - rest - state.chain_tokens - state.addendum_tokens)
     if room < SUMMARY_MIN_TOKENS:
         return False
     if state.chain and state.chain_tokens + state.room > state.chain_max:
@@ -1111,7 +1188,7 @@ def _consolidate_all(state: _State, budget: int) -> bool:
     with the cut turns), when at least SUMMARY_MIN_TOKENS are left for it."""
     if not state.chain and state.cut == 0:
         return False
-    room = min(_consolidated_room(state), budget - state.rest())
+    room = min(_consolidated_room(state), budget - state.rest() - state.addendum_tokens)
     if room < SUMMARY_MIN_TOKENS:
         return False
     previous = _joined(state.chain) if state.chain else None
@@ -1284,6 +1361,8 @@ def _outcome(state: _State) -> _Outcome:
         pinned = [(position, item) for position, item in pinned if position >= end]
         prefix.append(summary)
     prefix += [item for _, item in pinned]
+    if state.addendum is not None:
+        prefix.append(state.addendum)  # last: the prefix before it repeats
     chain = tuple(item for item in prefix if is_summary(item))
     pinned_positions = {p for b in state.blocks if b.kind == "pinned" for p in b.positions}
     offset = state.request.first_position

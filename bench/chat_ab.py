@@ -39,9 +39,12 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def start(name: str, spec: str, stub: o.Server, tmp: Path) -> o.Server:
+def serve_command(
+    name: str, spec: str, stub: o.Server, tmp: Path, port: int
+) -> tuple[str, list[str], dict[str, str]]:
+    """The root, command and environment of one `serve` (one worker, SQLite) of a build
+    spec ("ROOT|NAME=value..."), its policies and store under `tmp`."""
     root, *extra = spec.split("|")
-    port = o.free_port()
     command = [
         sys.executable, "-m", "proxy", "serve", "--port", str(port),
         "--upstream", f"{stub.base}/v1", "--policies", str(tmp / "policies"),
@@ -50,6 +53,12 @@ def start(name: str, spec: str, stub: o.Server, tmp: Path) -> o.Server:
     env = {k: v for k, v in o.env().items() if k != "THREADKEEPER_WORKERS"}
     env.update(PYTHONPATH=root, THREADKEEPER_LOG_LEVEL="info")
     env.update(dict(pair.split("=", 1) for pair in extra))
+    return root, command, env
+
+
+def start(name: str, spec: str, stub: o.Server, tmp: Path) -> o.Server:
+    port = o.free_port()
+    root, command, env = serve_command(name, spec, stub, tmp, port)
     log = Path(tmp, f"{name}.log")
     with log.open("wb") as sink:
         process = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, cwd=root)

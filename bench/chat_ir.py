@@ -19,12 +19,12 @@ import argparse
 import asyncio
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import overhead as o
+from chat_ab import serve_command
 
 SETTLE_SECONDS = 1.0  # more than explain.BATCH_WAIT_SECONDS: the batch is written inside
 
@@ -35,7 +35,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--stream", action="store_true")
     args = parser.parse_args()
-    root, *extra = args.root.split("|")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         (tmp / "policies").mkdir()
@@ -43,15 +42,8 @@ def main() -> None:
         out = tmp / "callgrind.out"
         stub = o.start_stub()
         port = o.free_port()
-        command = [
-            "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-            sys.executable, "-m", "proxy", "serve", "--port", str(port),
-            "--upstream", f"{stub.base}/v1", "--policies", str(tmp / "policies"),
-            "--store", f"sqlite:///{tmp}/tk.db",
-        ]  # fmt: skip
-        env = {k: v for k, v in o.env().items() if k != "THREADKEEPER_WORKERS"}
-        env.update(PYTHONPATH=root, THREADKEEPER_LOG_LEVEL="info")
-        env.update(dict(pair.split("=", 1) for pair in extra))
+        root, serve, env = serve_command("tk", args.root, stub, tmp, port)
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *serve]
         log = tmp / "proxy.log"
         with log.open("wb") as sink:
             process = subprocess.Popen(command, env=env, stdout=sink, stderr=sink, cwd=root)

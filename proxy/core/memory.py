@@ -517,9 +517,8 @@ def _described_after(items: Sequence[Item]) -> dict[int, tuple[str, ...]]:
         item = items[position]
         if item.kind == "tool_output":
             found[position] = tuple(reversed(said[-DESCRIBED_MESSAGES:]))
-        elif item.is_user_message or (item.role == "assistant" and item.kind == "message"):
-            if item.text().strip():
-                said.append(item.text())
+        elif _says(item):
+            said.append(item.text())
     return found
 
 
@@ -663,6 +662,30 @@ def taken_in(sources: Sequence[Item], later: Sequence[Item], written: str) -> tu
         if any(SPACES.sub(" ", v) in shown for v in lacking):
             found.append(fact)
     return tuple(dict.fromkeys(found))
+
+
+def may_take_in(earlier: Sequence[Item], fresh: Sequence[Item], written: str) -> bool:
+    """Whether `taken_in` could find more for a summary region `written` than it found
+    before `fresh` (the items since the last request: its answer, the new input) came
+    after `earlier`, whatever items the region stands for: a fresh item names a value
+    `written` lacks, or a fresh user or assistant message is among the first
+    DESCRIBED_MESSAGES after them (it may describe a line of theirs). False lets a caller
+    leave those items unread (a stored thread's, in the store)."""
+    folded = SPACES.sub(" ", written)
+    if any(SPACES.sub(" ", v) not in folded for item in fresh for v in _named_by(item)):
+        return True
+    said = 0
+    for item in earlier:
+        said += _says(item)
+        if said >= DESCRIBED_MESSAGES:
+            return False
+    return any(map(_says, fresh))
+
+
+def _says(item: Item) -> bool:
+    """A user or assistant message with text: a statement `_described_after` reads."""
+    speaks = item.is_user_message or (item.role == "assistant" and item.kind == "message")
+    return speaks and bool(item.text().strip())
 
 
 # evidence_lines by result digest and statements: a result's next messages stop changing
@@ -1206,6 +1229,7 @@ __all__ = [
     "guard",
     "is_rule",
     "is_summary",
+    "may_take_in",
     "merge",
     "must_keep",
     "parse",

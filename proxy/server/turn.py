@@ -53,7 +53,14 @@ import structlog
 from aiohttp import web
 
 from proxy.core import fastjson
-from proxy.core.blocks import Block, SettledBlocks, reusable, segment_after
+from proxy.core.blocks import (
+    Block,
+    SettledBlocks,
+    compile_pins,
+    pinned_flags,
+    reusable,
+    segment_after,
+)
 from proxy.core.budget import Learned, corrected_window, history_budget, output_reserve
 from proxy.core.invariants import (
     NOTHING_SENT,
@@ -62,6 +69,7 @@ from proxy.core.invariants import (
     check_sent_as_given,
 )
 from proxy.core.items import CALL_KINDS, Item
+from proxy.core.memory import may_take_in
 from proxy.core.projection import (
     BlockReport,
     ContextLengthExceeded,
@@ -121,7 +129,8 @@ from proxy.server.state import (
 )
 from proxy.server.summaries import Ready, replayed, sent_chunks
 from proxy.server.validate import JsonDict
-from proxy.threads import Loaded
+from proxy.store.base import StoredItem
+from proxy.threads import Loaded, stored_item_view
 from proxy.tracing import genai_request, genai_response, set_attributes
 from proxy.upstream import UpstreamResponse
 
@@ -970,6 +979,7 @@ async def rebuild(
     provider: Counted | None = None,
     memo: dict[str, Any] | None = None,
     lasting: int = 0,
+    chain_sources: Sequence[Item] = (),
 ) -> tuple[Projection, TokenCounter]:
     """`first_position` and `cut` place a stored thread's window in its log and re-apply
     its sticky cut (SPEC 5); a stateless request starts at 0 with no cut, and its cut is
@@ -983,7 +993,8 @@ async def rebuild(
     report is in those counts); `window_cap`: a W the projection must stay under (the
     retry after a refusal). `provider`: the provider's own counts (`tokenizer: provider`):
     the budget then counts in its tokens. `memo` and `lasting`: a stored window's memo
-    and its item count (whole_fit). The counter returned is the tokenizer's own,
+    and its item count (whole_fit). `chain_sources`: the items a stored cut's summary
+    chain stands for (`chain_sources`, ProjectionRequest's). The counter returned is the tokenizer's own,
     uncorrected: what is stored with items."""
     fixed = await policy_setup(policy, model)
     base = fixed.counter
@@ -1012,6 +1023,7 @@ async def rebuild(
             stateless=stateless,
             summaries=summaries if summaries is not None else {},
             verbatim=verbatim,
+            chain_sources=chain_sources,
         )
 
     rules = fixed.rules
@@ -1091,6 +1103,7 @@ async def rebuild_turn(
     budget breakdown to the request's log line (every flow, stateless or not); a restate
     after a concurrent turn passes False."""
     history = [*loaded.items, *new] if loaded is not None else list(new)
+    sources = await chain_sources(request, loaded, new) if loaded is not None else ()
     learned = await learned_for(request, model)
     provider = await provider_counts(request, model, history)
     with request.app[TRACING].span("projection", {"gen_ai.request.model": model}) as span:
@@ -1115,6 +1128,7 @@ async def rebuild_turn(
             provider=provider,
             memo=loaded.memo if loaded is not None else None,
             lasting=len(loaded.items) if loaded is not None else 0,
+            chain_sources=sources,
         )
         if span is not None:  # tracing on
             set_attributes(span, budget_attributes(projection))
@@ -1122,6 +1136,76 @@ async def rebuild_turn(
         request[LOG_FIELDS].update(budget_log_fields(projection))
         request[PROJECTION] = projection
     return projection, counter
+
+
+# The chain's items read for a take-in: the newest, at most this many rows and stored
+# tokens (a value named later than that is not taken in).
+CHAIN_SOURCE_ROWS = 256
+CHAIN_SOURCE_TOKENS = 128_000
+CHAIN_SOURCES = "chain_sources"  # Loaded.memo's key: the last `_ChainSources` read
+
+
+@dataclass(frozen=True)
+class _ChainSources:
+    """The store's items before a window (`end`, its first seq) after an opening head of
+    `opening` items, pinned ones left out, as projection items."""
+
+    opening: int
+    end: int
+    stored: tuple[StoredItem, ...]
+    items: tuple[Item, ...]
+
+
+async def chain_sources(
+    request: web.Request, loaded: Loaded, new: Sequence[Item]
+) -> tuple[Item, ...]:
+    """What a stored thread's summary chain stands for, from the store (ProjectionRequest
+    .chain_sources), so a turn naming a value the chain lacks takes it in: only when one
+    may (memory.may_take_in, over the items since the last request: the window's answer
+    rows and `new`), the newest CHAIN_SOURCE_ROWS rows and CHAIN_SOURCE_TOKENS at most,
+    kept in the window's memo until the window moves (then only the rows it left are
+    read). The store is the source: another process, or this one restarted, reads it."""
+    cut, thread = loaded.cut(), loaded.thread
+    end = loaded.first_position
+    if thread is None or cut is None or not cut.chain or end <= cut.opening:
+        return ()
+    fresh = len(loaded.items)
+    if len(loaded.stored) == fresh:
+        while fresh and loaded.stored[fresh - 1].role == "output":
+            fresh -= 1
+    written = "\n".join(item.text() for item in cut.chain)
+    if not may_take_in(loaded.items[:fresh], [*loaded.items[fresh:], *new], written):
+        return ()
+    held = loaded.memo.get(CHAIN_SOURCES)
+    if not isinstance(held, _ChainSources) or held.opening != cut.opening or held.end > end:
+        held = _ChainSources(cut.opening, 0, (), ())
+    if held.end < end:
+        first = max(held.end, end - CHAIN_SOURCE_ROWS)
+        earlier = held.stored if first == held.end else ()
+        store = request.app[THREADS].store
+        rows = await store.items_between(loaded.tenant, loaded.thread_id, first, end - 1)
+        if first == 0:
+            rows = rows[cut.opening :]  # the opening head, sent verbatim
+        else:  # the head's rows: seqs below `opening` (unless items were deleted before it)
+            rows = tuple(row for row in rows if row.seq >= cut.opening)
+        held = _newest(cut.opening, end, (*earlier, *rows), request[TENANT_POLICY])
+        loaded.memo[CHAIN_SOURCES] = held
+    return held.items
+
+
+def _newest(opening: int, end: int, rows: Sequence[StoredItem], policy: Policy) -> _ChainSources:
+    """The newest of `rows` within CHAIN_SOURCE_ROWS and CHAIN_SOURCE_TOKENS."""
+    kept, tokens = len(rows), 0
+    while kept > max(0, len(rows) - CHAIN_SOURCE_ROWS):
+        tokens += rows[kept - 1].tokens
+        if tokens > CHAIN_SOURCE_TOKENS:
+            break
+        kept -= 1
+    stored = tuple(rows[kept:])
+    items = [stored_item_view(row) for row in stored]
+    pinned = pinned_flags(items, compile_pins(tuple(policy.memory.pin_patterns)))
+    sources = tuple(item for item, pin in zip(items, pinned, strict=True) if not pin)
+    return _ChainSources(opening, end, stored, sources)
 
 
 def context_headers(projection: Projection) -> dict[str, str]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from proxy.core.items import Item, chat_item
-from proxy.core.memory import extract, is_summary, render, taken_in
+from proxy.core.memory import extract, is_summary, may_take_in, render, taken_in
 from proxy.core.projection import (
     CutPoint,
     Projection,
@@ -187,3 +187,20 @@ def test_the_request_that_cuts_the_manifest_turn_takes_its_limit_in(
     assert "kubectl(args=get deploy" not in sent_at(len(items) - 4)  # the turn before
     after = sent_at(len(items))
     assert "kubectl(args=get deploy" in after and LIMIT in after
+
+
+def test_a_take_in_is_possible_only_after_a_fresh_naming_or_statement() -> None:
+    """may_take_in: a fresh item naming a value the region lacks, or a fresh statement
+    among the first DESCRIBED_MESSAGES after the region's items; else their reading can
+    be spared (a stored thread's, in the store)."""
+    named = [chat_item({"role": "user", "content": "Why is `CACHE_TTL_17` set?"})]
+    assert may_take_in([], named, "nothing of it")
+    assert not may_take_in(
+        [], [chat_item({"role": "tool", "tool_call_id": "c", "content": "x"})], ""
+    )
+    said = [chat_item({"role": "user", "content": "Thanks, and the weather?"})]
+    assert may_take_in([], said, "")
+    long_ago = [chat_item({"role": "user", "content": f"Turn {n}."}) for n in range(24)]
+    assert not may_take_in(long_ago, said, "")
+    assert not may_take_in(long_ago, named, "... `CACHE_TTL_17` ...")
+    assert may_take_in(long_ago, named, "")

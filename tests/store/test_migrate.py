@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.store import open_store
+from proxy.store import open_store, sql
 from proxy.store.migrate import load_migrations, migrate, pending, schema_versions, split_statements
 from proxy.store.postgres import split_schema
 from proxy.store.sqlite import sqlite_path
@@ -100,3 +100,27 @@ def test_postgres_schema_comes_from_the_url_or_the_argument() -> None:
     assert split_schema("postgres://u@h/db") == ("postgres://u@h/db", None)
     with pytest.raises(ValueError, match="identifier"):
         split_schema("postgresql://u@h/db?schema=a;drop")
+
+
+async def test_items_keep_two_keys_and_every_item_lookup_searches_one(tmp_path: object) -> None:
+    """Migration 016: a turn's item writes the table and two keys, not three; the lookups
+    by item id (Store.find_item, get_item, delete_item) still read a key, not the log."""
+    store = await open_store(f"sqlite:///{tmp_path}/keys.db")
+    try:
+        await store.migrate()
+        assert isinstance(store, SqlStore)
+        async with store.db.read() as conn:
+            keys = await conn.fetch(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'items'"
+            )
+            assert len(keys) == 2
+            for statement, args in (
+                (sql.FIND_ITEM, 2),
+                (sql.SELECT_ITEM, 3),
+                (sql.DELETE_ITEM, 3),
+                (sql.SELECT_ITEMS_FROM, 3),
+            ):
+                plan = await conn.fetch("EXPLAIN QUERY PLAN " + statement, *[""] * args)
+                assert [row["detail"].split()[0] for row in plan] == ["SEARCH"], plan
+    finally:
+        await store.close()

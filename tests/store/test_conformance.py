@@ -868,6 +868,41 @@ def explain_record(request_id: str, created: str, thread: str | None, tenant: st
     return ExplainRow(tenant, request_id, created, thread, json.dumps(record))
 
 
+async def test_explain_key_migration_keeps_records_and_their_lookups(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 017
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in [m for m in migrations if m.version < 17]:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+    await store.explain_put(
+        [
+            explain_record("req_a", T0, "t1"),
+            explain_record("req_b", T1, "t1"),
+            explain_record("req_b", T1, None, tenant="other"),
+        ]
+    )
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 17]
+
+    found = await store.explain_get(None, "req_a")
+    assert found is not None and (found.tenant, found.record) == (
+        "acme",
+        {"id": "req_a", "thread_id": "t1"},
+    )
+    assert await store.explain_get(None, "req_b") is None  # two tenants hold it
+    other = await store.explain_get("other", "req_b")
+    assert other is not None and other.record == {"id": "req_b"}
+    listed = await store.explain_for_thread("acme", "t1", limit=10)
+    assert [r.request_id for r in listed] == ["req_b", "req_a"]
+    await store.explain_put([explain_record("req_a", T2, "t2")])  # the first write wins
+    kept = await store.explain_get("acme", "req_a")
+    assert kept is not None and kept.created_at == T0
+    assert await store.explain_purge(T1) == 1
+
+
 async def test_explain_for_thread_lists_the_threads_records_newest_first(store: Store) -> None:
     await store.explain_put(
         [

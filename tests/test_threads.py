@@ -7,6 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from proxy.core.items import chat_item, responses_item
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
@@ -79,6 +81,53 @@ async def test_lost_race_reloads_recomputes_the_state_and_retries() -> None:
     assert store.commits[1]["items"] == [item]
     assert seen[0].items[-1].raw == store.other.raw
     assert result.version == 3
+
+
+class WaitingStore(RacingStore):
+    """A store whose commit waits for `gate` (a lock held elsewhere) unless it is open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def commit_turn(self, tenant: str, thread_id: str, **kwargs: Any) -> Thread:
+        if not self.gate.is_set():
+            await self.gate.wait()
+        self.commits.append(kwargs)
+        return thread(kwargs["expected_version"] + 1, 2, kwargs["state"])
+
+
+async def test_a_commit_that_never_waits_takes_no_trip_through_the_loop() -> None:
+    store = WaitingStore()
+    store.gate.set()
+    service = ThreadService(store, clock)  # type: ignore[arg-type]
+    ran: list[str] = []
+    asyncio.get_running_loop().call_soon(ran.append, "loop")
+    item = NewItem("msg_new", {"role": "user", "content": "next"}, "chat")
+    start = loaded_of([stored(0, {"role": "user", "content": "hi"})])
+    result = await service.commit(start, [item], state={}, restate=same_state)
+    assert (result.version, ran) == (2, [])
+
+
+async def test_a_commit_that_waits_outlives_its_cancelled_caller() -> None:
+    store = WaitingStore()
+    service = ThreadService(store, clock)  # type: ignore[arg-type]
+    item = NewItem("msg_new", {"role": "user", "content": "next"}, "chat")
+    start = loaded_of([stored(0, {"role": "user", "content": "hi"})])
+    caller = asyncio.ensure_future(service.commit(start, [item], state={}, restate=same_state))
+    await asyncio.sleep(0)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert store.commits == []
+    store.gate.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert [c["items"] for c in store.commits] == [[item]]
+
+
+async def same_state(fresh: Loaded) -> dict[str, Any]:
+    return fresh.state
 
 
 async def test_concurrent_commits_on_sqlite_lose_and_duplicate_nothing(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ SELECT_ITEM = (
     f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"
 )
 
-# Served by the items_by_id index (migration 004).
+# This and SELECT_ITEM, DELETE_ITEM: the unique key (tenant, item_id, thread_id), migration 016.
 FIND_ITEM = f"SELECT {ITEM_COLUMNS} FROM items WHERE tenant = $1 AND item_id = $2 LIMIT 1"
 
 DELETE_ITEM = "DELETE FROM items WHERE tenant = $1 AND thread_id = $2 AND item_id = $3"

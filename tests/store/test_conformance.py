@@ -384,6 +384,34 @@ async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend)
     assert (old.digest, old.tokens) == (content_digest(message("old")), 7)
 
 
+async def test_item_id_migration_keeps_items_and_their_keys(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 016
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in [m for m in migrations if m.version < 16]:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+    await thread_with(store, "a", "b")
+    await store.fork_thread("acme", "t1", "t2", through_seq=1, now=T1)  # the same ids
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 16]
+
+    window = await store.load_window("acme", "t2")
+    assert window is not None and ids_of(window.items) == ["a", "b"]
+    assert window.items[1].digest == content_digest(new_item("b").raw)
+    found = await store.find_item("acme", "b")
+    assert found is not None and found.item_id == "b"
+    with pytest.raises(AlreadyExists):  # ids stay unique within a thread
+        await store.append_items("acme", "t1", items("a"), now=T2)
+    await store.append_items("acme", "t1", items("c"), now=T2)
+    assert await store.get_item("acme", "t2", "c") is None
+    assert await store.delete_item("acme", "t1", "a")
+    assert await store.get_item("acme", "t1", "a") is None
+    assert await store.get_item("acme", "t2", "a") is not None
+
+
 async def test_stale_version_conflicts_and_writes_nothing(store: Store) -> None:
     await thread_with(store, "a")
     await store.append_items("acme", "t1", items("b"), expected_version=0, now=T1)
@@ -838,6 +866,41 @@ async def test_listings_take_in_a_tenants_passthrough_callers(store: Store) -> N
 def explain_record(request_id: str, created: str, thread: str | None, tenant: str = "acme"):  # type: ignore[no-untyped-def]
     record = {"id": request_id, **({"thread_id": thread} if thread else {})}
     return ExplainRow(tenant, request_id, created, thread, json.dumps(record))
+
+
+async def test_explain_key_migration_keeps_records_and_their_lookups(backend: Backend) -> None:
+    store = await backend.open()
+    assert isinstance(store, SqlStore)
+    migrations = load_migrations(store.db.dialect)
+    async with store.db.write() as conn:  # a database created before migration 017
+        await conn.execute(CREATE_SCHEMA_VERSION)
+        for migration in [m for m in migrations if m.version < 17]:
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+    await store.explain_put(
+        [
+            explain_record("req_a", T0, "t1"),
+            explain_record("req_b", T1, "t1"),
+            explain_record("req_b", T1, None, tenant="other"),
+        ]
+    )
+    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 17]
+
+    found = await store.explain_get(None, "req_a")
+    assert found is not None and (found.tenant, found.record) == (
+        "acme",
+        {"id": "req_a", "thread_id": "t1"},
+    )
+    assert await store.explain_get(None, "req_b") is None  # two tenants hold it
+    other = await store.explain_get("other", "req_b")
+    assert other is not None and other.record == {"id": "req_b"}
+    listed = await store.explain_for_thread("acme", "t1", limit=10)
+    assert [r.request_id for r in listed] == ["req_b", "req_a"]
+    await store.explain_put([explain_record("req_a", T2, "t2")])  # the first write wins
+    kept = await store.explain_get("acme", "req_a")
+    assert kept is not None and kept.created_at == T0
+    assert await store.explain_purge(T1) == 1
 
 
 async def test_explain_for_thread_lists_the_threads_records_newest_first(store: Store) -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.store import open_store
+from proxy.store import open_store, sql
 from proxy.store.migrate import load_migrations, migrate, pending, schema_versions, split_statements
 from proxy.store.postgres import split_schema
 from proxy.store.sqlite import sqlite_path
@@ -100,3 +100,31 @@ def test_postgres_schema_comes_from_the_url_or_the_argument() -> None:
     assert split_schema("postgres://u@h/db") == ("postgres://u@h/db", None)
     with pytest.raises(ValueError, match="identifier"):
         split_schema("postgresql://u@h/db?schema=a;drop")
+
+
+async def test_a_turns_rows_keep_no_key_nothing_reads(tmp_path: object) -> None:
+    """Migrations 016 and 017: an item writes the table and two keys, not three, an
+    explain record three, not four; the lookups by id (Store.find_item, get_item,
+    delete_item, explain_get) still search a key, not the table."""
+    store = await open_store(f"sqlite:///{tmp_path}/keys.db")
+    try:
+        await store.migrate()
+        assert isinstance(store, SqlStore)
+        async with store.db.read() as conn:
+            for table, count in (("items", 2), ("explain_records", 3)):
+                keys = await conn.fetch(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = $1", table
+                )
+                assert len(keys) == count, (table, keys)
+            for statement, args in (
+                (sql.FIND_ITEM, 2),
+                (sql.SELECT_ITEM, 3),
+                (sql.DELETE_ITEM, 3),
+                (sql.SELECT_ITEMS_FROM, 3),
+                (sql.SELECT_EXPLAIN, 2),
+                (sql.FIND_EXPLAIN, 1),
+            ):
+                plan = await conn.fetch("EXPLAIN QUERY PLAN " + statement, *[""] * args)
+                assert [row["detail"].split()[0] for row in plan] == ["SEARCH"], plan
+    finally:
+        await store.close()

@@ -43,7 +43,6 @@ from proxy.core.items import Item, content_digest, item_of, message_text
 from proxy.core.ledger import is_synthetic_output
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
-from proxy.eager import eager
 from proxy.ids import item_id_for, new_id
 from proxy.store.base import (
     AlreadyExists,
@@ -462,8 +461,9 @@ class ThreadService:
         """Append the turn's items with the new state at the version read, retrying a
         lost race after reloading; NotFound if a conversation vanished meanwhile."""
         with self.tracing.span("thread.commit", {"threadkeeper.thread.items_added": len(items)}):
-            commit = self._commit(loaded, items, state, restate, response_id, response)
-            return await asyncio.shield(eager(commit))
+            return await asyncio.shield(
+                self._commit(loaded, items, state, restate, response_id, response)
+            )
 
     async def _commit(
         self,

@@ -13,7 +13,14 @@ from proxy.core.items import chat_item, responses_item
 from proxy.core.projection import CutPoint
 from proxy.core.tokens import TokenCounter
 from proxy.store import open_store
-from proxy.store.base import NewItem, StoredItem, Thread, VersionConflict, Window
+from proxy.store.base import (
+    NewItem,
+    StoredItem,
+    StoreUnavailable,
+    Thread,
+    VersionConflict,
+    Window,
+)
 from proxy.threads import (
     Loaded,
     ThreadService,
@@ -97,18 +104,6 @@ class WaitingStore(RacingStore):
         return thread(kwargs["expected_version"] + 1, 2, kwargs["state"])
 
 
-async def test_a_commit_that_never_waits_takes_no_trip_through_the_loop() -> None:
-    store = WaitingStore()
-    store.gate.set()
-    service = ThreadService(store, clock)  # type: ignore[arg-type]
-    ran: list[str] = []
-    asyncio.get_running_loop().call_soon(ran.append, "loop")
-    item = NewItem("msg_new", {"role": "user", "content": "next"}, "chat")
-    start = loaded_of([stored(0, {"role": "user", "content": "hi"})])
-    result = await service.commit(start, [item], state={}, restate=same_state)
-    assert (result.version, ran) == (2, [])
-
-
 async def test_a_commit_that_waits_outlives_its_cancelled_caller() -> None:
     store = WaitingStore()
     service = ThreadService(store, clock)  # type: ignore[arg-type]
@@ -124,6 +119,33 @@ async def test_a_commit_that_waits_outlives_its_cancelled_caller() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
     assert [c["items"] for c in store.commits] == [[item]]
+
+
+class TimedStore(WaitingStore):
+    """A store whose commit waits for `gate` under its own timeout, as the SQL stores'
+    lock and pool waits do (asyncio.timeout binds the task current when it is entered)."""
+
+    async def commit_turn(self, tenant: str, thread_id: str, **kwargs: Any) -> Thread:
+        try:
+            async with asyncio.timeout(0.05):
+                await self.gate.wait()
+        except TimeoutError:
+            raise StoreUnavailable("busy: no connection was free") from None
+        return await super().commit_turn(tenant, thread_id, **kwargs)
+
+
+async def test_a_commit_whose_store_wait_times_out_fails_with_the_store_error() -> None:
+    """The store's own timeout ends the store's wait and reaches the caller as its error,
+    not as a cancellation of the caller (a commit run eagerly in the caller's task, then
+    moved to a task of its own, left the timeout cancelling the caller while the store
+    waited on unbounded)."""
+    store = TimedStore()
+    service = ThreadService(store, clock)  # type: ignore[arg-type]
+    item = NewItem("msg_new", {"role": "user", "content": "next"}, "chat")
+    start = loaded_of([stored(0, {"role": "user", "content": "hi"})])
+    with pytest.raises(StoreUnavailable):
+        await asyncio.wait_for(service.commit(start, [item], state={}, restate=same_state), 5)
+    assert store.commits == []
 
 
 async def same_state(fresh: Loaded) -> dict[str, Any]:

@@ -36,7 +36,15 @@ from proxy.core.memory import is_summary
 from proxy.core.projection import Projection
 from proxy.periodic import every, running
 from proxy.server.errors import ApiError
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, REQUEST_ID, SETTINGS, STORE
+from proxy.server.state import (
+    CLOCK,
+    LOG_FIELDS,
+    NAMESPACE,
+    REQUEST_ID,
+    SETTINGS,
+    STORE,
+    request_value,
+)
 from proxy.server.validate import JsonDict
 from proxy.store.base import ExplainRecord, ExplainRow, ExplainStore, StoreError
 
@@ -214,8 +222,8 @@ def record_request(
     or that failed in the proxy (5xx). A 4xx the proxy gave before calling the provider
     leaves none: bad input changes nothing in the store."""
     recorder = request.app.get(EXPLAIN)
-    projection = request.get(PROJECTION)
-    if recorder is None or projection is None or (request.get(DEFERRED) and not final):
+    projection = request_value(request, PROJECTION)
+    if recorder is None or projection is None or (request_value(request, DEFERRED) and not final):
         return
     fields = request[LOG_FIELDS]
     if 400 <= status < 500 and "upstream_status" not in fields:
@@ -233,10 +241,11 @@ def record_request(
         "latency_ms": latency_ms,
     }
 
-    facts = {**head, **fields}
+    facts = head  # the head's own dict: its keys first, the log fields after
+    facts.update(fields)
     for name in REPLACED_FIELDS:
         facts.pop(name, None)
-    error = request.get(PROVIDER_ERROR)
+    error = request_value(request, PROVIDER_ERROR)
     if error is not None:
         facts["provider_error"] = error
     thread_id = fields.get("thread_id")

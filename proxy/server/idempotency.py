@@ -70,7 +70,15 @@ from proxy.periodic import every, running
 from proxy.server.api import for_route
 from proxy.server.errors import ApiError, Handler
 from proxy.server.relay import HOP_BY_HOP, STREAM_TAP, end_tapped_stream
-from proxy.server.state import CLOCK, LOG_FIELDS, NAMESPACE, OWNER, STORE, TENANT_POLICY
+from proxy.server.state import (
+    CLOCK,
+    LOG_FIELDS,
+    NAMESPACE,
+    OWNER,
+    STORE,
+    TENANT_POLICY,
+    request_value,
+)
 from proxy.store.base import IdempotencyRecord, IdempotencyStore
 
 log = structlog.get_logger("threadkeeper.idempotency")
@@ -218,7 +226,7 @@ def replayed_response(record: IdempotencyRecord) -> web.Response:
 
 async def mark_not_replayed(request: web.Request, response: web.StreamResponse) -> None:
     """on_response_prepare: a response that ran under a key says so, streams included."""
-    if STREAM_TAP in request and REPLAYED not in response.headers:
+    if request_value(request, STREAM_TAP) is not None and REPLAYED not in response.headers:
         response.headers[REPLAYED] = "false"
 
 

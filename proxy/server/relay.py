@@ -51,6 +51,7 @@ from proxy.server.state import (
     STORE,
     UPSTREAM,
     UPSTREAM_APIS,
+    request_value,
 )
 from proxy.server.validate import JsonDict
 from proxy.sse import SSEDecoder, SSEEvent, encode_event, event_payload
@@ -118,10 +119,10 @@ def stream_response(
     carries the request id like every other answer (its error event quotes it)."""
     if REQUEST_ID in request:
         headers["x-threadkeeper-request-id"] = request[REQUEST_ID]
-    sink = request.get(EVENT_SINK)
+    sink = request_value(request, EVENT_SINK)
     if sink is not None:
         return _SinkStream(sink, status=status, headers=headers)
-    tap = request.get(STREAM_TAP)
+    tap = request_value(request, STREAM_TAP)
     if tap is None:
         return web.StreamResponse(status=status, headers=headers)
     return _TappedStream(tap, status=status, headers=headers)
@@ -217,9 +218,10 @@ def upstream_headers(request: web.Request, key: str | None) -> dict[str, str]:
 def request_deadline(request: web.Request, policy: Policy) -> Deadline:
     """Set by the request's first exchange with the provider; later ones (ledger
     continuations) share what is left of it."""
-    if DEADLINE not in request:
-        request[DEADLINE] = Deadline.after(policy.upstream.deadline_seconds)
-    return request[DEADLINE]
+    deadline = request_value(request, DEADLINE)
+    if deadline is None:
+        deadline = request[DEADLINE] = Deadline.after(policy.upstream.deadline_seconds)
+    return deadline
 
 
 def relay_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> CIMultiDict[str]:

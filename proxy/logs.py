@@ -114,7 +114,11 @@ class Redactor:
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
         value = self.value
-        return {key: value(key, entry) for key, entry in event_dict.items()}
+        plain = _PLAIN  # tested here too: most fields are numbers, no call a field
+        return {
+            key: entry if type(entry) in plain else value(key, entry)
+            for key, entry in event_dict.items()
+        }
 
     def value(self, key: Any, value: Any) -> Any:
         """`value` with credentials removed; `key` is the name it is logged under.
@@ -132,13 +136,19 @@ class Redactor:
             return self.text(value)
         if kind is dict or isinstance(value, Mapping):
             text = self.text
+            seen = self._seen  # text's cache, read here first: keys repeat on every line
             entry = self.value
+            plain = _PLAIN
             return {
-                text(k if k.__class__ is str else str(k)): entry(k, v) for k, v in value.items()
+                (seen.get(k) or text(k) if k.__class__ is str else text(str(k))): v
+                if type(v) in plain
+                else entry(k, v)
+                for k, v in value.items()
             }
         if kind is list or isinstance(value, tuple | set | frozenset):
             entry = self.value
-            return [entry(None, item) for item in value]
+            plain = _PLAIN
+            return [item if type(item) in plain else entry(None, item) for item in value]
         if isinstance(value, bool | int | float):
             return value
         if isinstance(value, str):

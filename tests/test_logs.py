@@ -20,6 +20,7 @@ from proxy.logs import (
     SECRET_TEXT,
     Redactor,
     configure_logging,
+    is_secret_key,
     register_secret,
 )
 
@@ -222,3 +223,38 @@ def test_a_cached_logger_follows_a_reconfiguration() -> None:
     [two] = lines(second)
     assert two["event"] == "two"
     assert two["value"] == REDACTED
+
+
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=30)
+)
+_KEYS = st.sampled_from(["token", "api_key", "count", "note", "Authorization", "x"]) | st.text(
+    max_size=8
+)
+_VALUES = st.recursive(
+    _LEAVES | st.just(f"Bearer {JWT}") | st.just(PROVIDER_KEY),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _walked(redactor: Redactor, key: Any, value: Any) -> Any:
+    """The module docstring's rules, one call a value: what the redactor must give."""
+    if value is None or type(value) in (bool, int, float):
+        return value
+    if isinstance(key, str) and is_secret_key(key):
+        return REDACTED
+    if isinstance(value, str):
+        return redactor.text(value)
+    if isinstance(value, dict):
+        return {redactor.text(str(k)): _walked(redactor, k, v) for k, v in value.items()}
+    return [_walked(redactor, None, item) for item in value]
+
+
+@given(st.dictionaries(_KEYS, _VALUES, max_size=6))
+def test_the_redactor_walks_every_value_by_the_rules(event: dict[str, Any]) -> None:
+    redactor = Redactor()
+    redactor.register(PROVIDER_KEY)
+    assert redactor(None, "info", dict(event)) == {
+        key: _walked(redactor, key, value) for key, value in event.items()
+    }

@@ -354,16 +354,26 @@ async def test_deleting_an_item_drops_the_threads_cut(store: Store) -> None:
     assert await store.explain_get("acme", "req_b") is not None
 
 
+async def migrate_below(conn: Any, store: SqlStore, version: int) -> list[int]:
+    """The migrations before `version` applied and recorded, as a database made then;
+    the versions left for `migrate` to apply."""
+    await conn.execute(CREATE_SCHEMA_VERSION)
+    later = []
+    for migration in load_migrations(store.db.dialect):
+        if migration.version >= version:
+            later.append(migration.version)
+            continue
+        for statement in migration.statements:
+            await conn.execute(statement)
+        await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+    return later
+
+
 async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)
-    migrations = load_migrations(store.db.dialect)
     async with store.db.write() as conn:  # a database created before migration 005
-        await conn.execute(CREATE_SCHEMA_VERSION)
-        for migration in [m for m in migrations if m.version < 5]:
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        later = await migrate_below(conn, store, 5)
         await conn.execute(
             "INSERT INTO threads (tenant, id, kind, created_at, next_seq) "
             "VALUES ('acme', 't1', 'conversation', $1, 1)",
@@ -377,7 +387,7 @@ async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend)
             T0,
         )
 
-    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 5]
+    assert await migrate(store.db) == later
     window = await store.load_window("acme", "t1")
     assert window is not None
     [old] = window.items
@@ -387,16 +397,11 @@ async def test_item_digest_migration_keeps_older_rows_readable(backend: Backend)
 async def test_item_id_migration_keeps_items_and_their_keys(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)
-    migrations = load_migrations(store.db.dialect)
     async with store.db.write() as conn:  # a database created before migration 016
-        await conn.execute(CREATE_SCHEMA_VERSION)
-        for migration in [m for m in migrations if m.version < 16]:
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        later = await migrate_below(conn, store, 16)
     await thread_with(store, "a", "b")
     await store.fork_thread("acme", "t1", "t2", through_seq=1, now=T1)  # the same ids
-    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 16]
+    assert await migrate(store.db) == later
 
     window = await store.load_window("acme", "t2")
     assert window is not None and ids_of(window.items) == ["a", "b"]
@@ -717,14 +722,8 @@ async def test_retire_frees_its_own_running_keys_and_keeps_done_ones(store: Stor
 async def test_idempotency_owner_migration_keeps_older_records(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)
-    migrations = load_migrations(store.db.dialect)
-    before = [migration for migration in migrations if migration.version < 3]
     async with store.db.write() as conn:  # a database created before migration 003
-        await conn.execute(CREATE_SCHEMA_VERSION)
-        for migration in before:
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        later = await migrate_below(conn, store, 3)
         await conn.execute(
             "INSERT INTO idempotency (tenant, key, fingerprint, status, created_at, expires_at) "
             "VALUES ('acme', 'k_old', 'fp1', 'running', $1, $2)",
@@ -732,7 +731,7 @@ async def test_idempotency_owner_migration_keeps_older_records(backend: Backend)
             T2,
         )
 
-    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 3]
+    assert await migrate(store.db) == later
     assert await store.abandon_dead(T3, except_owner="me") == 0
     assert await holder(store, "k_old") == ""  # unknown owner: kept until it expires
 
@@ -871,13 +870,8 @@ def explain_record(request_id: str, created: str, thread: str | None, tenant: st
 async def test_explain_key_migration_keeps_records_and_their_lookups(backend: Backend) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)
-    migrations = load_migrations(store.db.dialect)
     async with store.db.write() as conn:  # a database created before migration 017
-        await conn.execute(CREATE_SCHEMA_VERSION)
-        for migration in [m for m in migrations if m.version < 17]:
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        later = await migrate_below(conn, store, 17)
     await store.explain_put(
         [
             explain_record("req_a", T0, "t1"),
@@ -885,7 +879,7 @@ async def test_explain_key_migration_keeps_records_and_their_lookups(backend: Ba
             explain_record("req_b", T1, None, tenant="other"),
         ]
     )
-    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 17]
+    assert await migrate(store.db) == later
 
     found = await store.explain_get(None, "req_a")
     assert found is not None and (found.tenant, found.record) == (
@@ -1141,13 +1135,8 @@ async def test_summary_migration_marks_older_summaries_used_when_written(
 ) -> None:
     store = await backend.open()
     assert isinstance(store, SqlStore)
-    migrations = load_migrations(store.db.dialect)
     async with store.db.write() as conn:  # a database created before migration 010
-        await conn.execute(CREATE_SCHEMA_VERSION)
-        for migration in [m for m in migrations if m.version < 10]:
-            for statement in migration.statements:
-                await conn.execute(statement)
-            await conn.execute(RECORD_VERSION, migration.version, migration.name, T0)
+        later = await migrate_below(conn, store, 10)
         for digest, created in (("d1", T0), ("d2", T2)):
             await conn.execute(
                 "INSERT INTO summaries (tenant, model, api, digest, raw, state, created_at) "
@@ -1155,7 +1144,7 @@ async def test_summary_migration_marks_older_summaries_used_when_written(
                 digest,
                 created,
             )
-    assert await migrate(store.db) == [m.version for m in migrations if m.version >= 10]
+    assert await migrate(store.db) == later
     assert await store.summaries_purge(T1) == 1
     assert await digests_stored(store) == ["d2"]
 

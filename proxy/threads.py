@@ -226,6 +226,11 @@ def new_items(
     ]
 
 
+# Loaded.memo's key: the bytes of what its writers keep there beyond the window's items
+# (turn.chain_sources' rows), counted by the WindowCache when the window is next put.
+MEMO_BYTES = "memo_bytes"
+
+
 @dataclass(frozen=True)
 class _Window:
     """A thread's live window as one process last read it, and what it was read at."""
@@ -287,7 +292,7 @@ class _Window:
         before the window's new `start` left behind."""
         every = (*self.stored, *stored)
         kept = 0 if not every or every[0].seq >= start else bisect_left(every, start, key=_seq)
-        sizes = (*self.sizes, *(_json_size(s.raw) for s in stored))
+        sizes = (*self.sizes, *(json_size(s.raw) for s in stored))
         if kept == 0:
             sorts = self.sorts.union(sorts_of(items)) if self.sorts is not None else None
             return _Window.of(thread, start, every, (*self.items, *items), sizes, self.memo, sorts)
@@ -310,7 +315,7 @@ def _seq(stored: StoredItem) -> int:
     return stored.seq
 
 
-def _json_size(raw: JsonDict) -> int:
+def json_size(raw: JsonDict) -> int:
     try:
         return len(orjson.dumps(raw))
     except TypeError:  # a lone surrogate or an integer beyond 64 bits: the stdlib writes it
@@ -319,7 +324,8 @@ def _json_size(raw: JsonDict) -> int:
 
 class WindowCache:
     """Hot threads' windows, per process, bounded by the bytes of their items' JSON text
-    (Python objects take a few times more), least recently used first out.
+    and what their memos say they hold besides (MEMO_BYTES; Python objects take a few
+    times more), least recently used first out.
 
     An entry is checked against the thread row on every load (ThreadService.load): rows
     only ever get appended under a new version, and anything else (a deleted item: the
@@ -331,6 +337,7 @@ class WindowCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[tuple[str, str], _Window] = OrderedDict()
+        self._counted: dict[tuple[str, str], int] = {}  # each entry's bytes when put
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -343,19 +350,19 @@ class WindowCache:
 
     def put(self, tenant: str, thread_id: str, entry: _Window) -> None:
         self.drop(tenant, thread_id)
-        size = sum(entry.sizes)
+        size = sum(entry.sizes) + entry.memo.get(MEMO_BYTES, 0)
         if size > self.max_bytes or self.max_bytes == 0:
             return
         self._entries[(tenant, thread_id)] = entry
+        self._counted[(tenant, thread_id)] = size
         self.bytes += size
         while self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= sum(evicted.sizes)
+            key, _ = self._entries.popitem(last=False)
+            self.bytes -= self._counted.pop(key)
 
     def drop(self, tenant: str, thread_id: str) -> None:
-        entry = self._entries.pop((tenant, thread_id), None)
-        if entry is not None:
-            self.bytes -= sum(entry.sizes)
+        if self._entries.pop((tenant, thread_id), None) is not None:
+            self.bytes -= self._counted.pop((tenant, thread_id))
 
 
 class TurnStore(ThreadStore, ResponseStore, Protocol):
@@ -418,7 +425,7 @@ class ThreadService:
         if held is not None:
             entry = held.grown(thread, start, window.items, items)
         else:
-            sizes = tuple(_json_size(s.raw) for s in window.items)
+            sizes = tuple(json_size(s.raw) for s in window.items)
             entry = _Window.of(thread, start, window.items, items, sizes)
         cache.put(tenant, thread_id, entry)
         return entry.loaded(tenant, thread_id, thread)

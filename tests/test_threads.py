@@ -22,6 +22,7 @@ from proxy.store.base import (
     Window,
 )
 from proxy.threads import (
+    MEMO_BYTES,
     Loaded,
     ThreadService,
     WindowCache,
@@ -305,6 +306,18 @@ def test_window_cache_is_bounded_by_bytes_least_recent_out() -> None:
     assert cache.get("acme", "big") is None and cache.bytes == 80
     cache.drop("acme", "a")
     assert (len(cache), cache.bytes) == (1, 40)
+
+
+def test_window_cache_counts_what_a_memo_holds_as_it_was_when_put() -> None:
+    cache = WindowCache(100)
+    entry = _Window("now", 1, 0, 0, 1, (), (), (40,), memo={MEMO_BYTES: 30})
+    cache.put("acme", "a", entry)
+    assert cache.bytes == 70
+    entry.memo[MEMO_BYTES] = 50  # a writer keeps more: counted when the window is next put
+    cache.put("acme", "b", _Window("now", 1, 0, 0, 1, (), (), (40,)))
+    assert (cache.get("acme", "a"), cache.bytes) == (None, 40)  # 70 out, as counted
+    cache.put("acme", "a", entry)
+    assert (cache.get("acme", "b"), cache.bytes) == (None, 90)
 
 
 async def test_a_window_memo_follows_appends_and_is_new_for_another_window(

@@ -130,7 +130,7 @@ from proxy.server.state import (
 from proxy.server.summaries import Ready, replayed, sent_chunks
 from proxy.server.validate import JsonDict
 from proxy.store.base import StoredItem
-from proxy.threads import Loaded, stored_item_view
+from proxy.threads import MEMO_BYTES, Loaded, json_size, stored_item_view
 from proxy.tracing import genai_request, genai_response, set_attributes
 from proxy.upstream import UpstreamResponse
 
@@ -1164,7 +1164,7 @@ async def chain_sources(
     may (memory.may_take_in, over the items since the last request: the window's answer
     rows and `new`), the newest CHAIN_SOURCE_ROWS rows and CHAIN_SOURCE_TOKENS at most,
     kept in the window's memo until the window moves (then only the rows it left are
-    read). The store is the source: another process, or this one restarted, reads it."""
+    read; their bytes counted in the WindowCache's bound, MEMO_BYTES). The store is the source: another process, or this one restarted, reads it."""
     cut, thread = loaded.cut(), loaded.thread
     end = loaded.first_position
     if thread is None or cut is None or not cut.chain or end <= cut.opening:
@@ -1190,6 +1190,7 @@ async def chain_sources(
             rows = tuple(row for row in rows if row.seq >= cut.opening)
         held = _newest(cut.opening, end, (*earlier, *rows), request[TENANT_POLICY])
         loaded.memo[CHAIN_SOURCES] = held
+        loaded.memo[MEMO_BYTES] = sum(json_size(row.raw) for row in held.stored)
     return held.items
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from proxy.core.memory import SUMMARY_MARKER
 from proxy.fake_provider import Reply
-from proxy.server.state import STORE
+from proxy.server.state import STORE, THREADS
+from proxy.threads import MEMO_BYTES
 from tests.core.test_salience import manifest
 
 from .conftest import Proxy, ProxyFactory
@@ -68,3 +69,8 @@ async def test_a_value_named_after_its_turn_left_the_window_reaches_the_provider
     assert f"name: {NAMED}" in text
     after = await second.app[STORE].get_thread("acme", "infra-1")  # type: ignore[index]
     assert after is not None and after.state["window_start"] == thread.state["window_start"]
+    # The rows read are kept with the window and counted in the cache's bound.
+    cache = second.app[THREADS].cache
+    held = cache.get("acme", "infra-1")
+    assert held is not None and held.memo[MEMO_BYTES] > 0
+    assert cache.bytes == sum(held.sizes) + held.memo[MEMO_BYTES]
